@@ -1,0 +1,266 @@
+//! VM configuration as users write it (API JSON, CLI flags), and its validation.
+//!
+//! Every refusal is one sentence that names the field and the reason; nothing
+//! is created before a config validates.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Most vCPUs a VM may have (x2APIC ids fit a byte in the test guests' CPUID).
+pub const MAX_VCPUS: u8 = 254;
+/// Largest guest RAM accepted, whatever the host has (1 TiB).
+pub const MAX_MEMORY_MIB: u64 = 1 << 20;
+/// Largest raw real-mode image (it must fit between the load address and 0x9f000).
+pub const MAX_RAW_IMAGE: u64 = 0x9_f000 - k7d_guest::LOAD_ADDR;
+
+/// What runs in the VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum GuestSpec {
+    /// One of the test guests assembled into k7d (`hello`, `pit`, ...).
+    Builtin {
+        /// Program name.
+        name: String,
+        /// Up to three u32 arguments written to the guest's parameter block.
+        #[serde(default)]
+        args: Vec<u32>,
+    },
+    /// A flat real-mode binary loaded at 0x8000 and entered with `cs = 0`.
+    Raw {
+        /// Path to the image.
+        path: PathBuf,
+        /// Up to three u32 arguments written to the guest's parameter block.
+        #[serde(default)]
+        args: Vec<u32>,
+    },
+}
+
+impl GuestSpec {
+    /// The arguments of either kind.
+    pub fn args(&self) -> &[u32] {
+        match self {
+            Self::Builtin { args, .. } | Self::Raw { args, .. } => args,
+        }
+    }
+
+    /// A short description for listings.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Builtin { name, .. } => format!("builtin:{name}"),
+            Self::Raw { path, .. } => format!("raw:{}", path.display()),
+        }
+    }
+}
+
+impl Default for GuestSpec {
+    fn default() -> Self {
+        Self::Builtin {
+            name: "hello".into(),
+            args: Vec::new(),
+        }
+    }
+}
+
+/// Serial console settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SerialConfig {
+    /// Also copy guest output to the VMM's stdout (only sensible for `k7d run`).
+    #[serde(default)]
+    pub console: bool,
+}
+
+fn default_vcpus() -> u8 {
+    1
+}
+
+fn default_memory() -> u64 {
+    64
+}
+
+/// A VM as requested.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    /// VM id; generated when absent. `[A-Za-z0-9][A-Za-z0-9_.-]{0,62}`, no `..`.
+    #[serde(default)]
+    pub id: Option<String>,
+    /// Number of vCPUs (1..=254).
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    /// Guest RAM in MiB (1..=host RAM).
+    #[serde(default = "default_memory")]
+    pub memory_mib: u64,
+    /// What to run.
+    #[serde(default)]
+    pub guest: GuestSpec,
+    /// Serial console.
+    #[serde(default)]
+    pub serial: SerialConfig,
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        Self {
+            id: None,
+            vcpus: default_vcpus(),
+            memory_mib: default_memory(),
+            guest: GuestSpec::default(),
+            serial: SerialConfig::default(),
+        }
+    }
+}
+
+/// Why a config was refused.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// Bad id.
+    #[error("vm id `{0}` is invalid: use 1-63 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit, without `..`")]
+    BadId(String),
+    /// vcpus out of range.
+    #[error("vcpus = {0} is out of range: a VM needs 1 to {MAX_VCPUS} vCPUs")]
+    Vcpus(u64),
+    /// memory out of range.
+    #[error("memory_mib = {got} is out of range: use 1 to {max} MiB (this host has {host} MiB)")]
+    Memory {
+        /// Requested.
+        got: u64,
+        /// Accepted maximum.
+        max: u64,
+        /// Host RAM.
+        host: u64,
+    },
+    /// Unknown builtin or bad args.
+    #[error("guest: {0}")]
+    Guest(String),
+    /// Raw image path unusable.
+    #[error("guest image {path} cannot be used: {reason}")]
+    Image {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Checks a VM id against the naming rule (ids become file names).
+pub fn validate_id(id: &str) -> Result<(), ConfigError> {
+    let ok = !id.is_empty()
+        && id.len() <= 63
+        && id.as_bytes()[0].is_ascii_alphanumeric()
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
+        && !id.contains("..");
+    if ok { Ok(()) } else { Err(ConfigError::BadId(id.to_string())) }
+}
+
+impl VmConfig {
+    /// Validates everything that can be checked before any resource exists.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(id) = &self.id {
+            validate_id(id)?;
+        }
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(ConfigError::Vcpus(self.vcpus.into()));
+        }
+        let host = crate::sys::host_ram_bytes() >> 20;
+        let max = host.min(MAX_MEMORY_MIB);
+        if self.memory_mib == 0 || self.memory_mib > max {
+            return Err(ConfigError::Memory {
+                got: self.memory_mib,
+                max,
+                host,
+            });
+        }
+        if self.guest.args().len() > k7d_guest::MAX_ARGS {
+            return Err(ConfigError::Guest(format!(
+                "{} arguments given, a guest takes at most {}",
+                self.guest.args().len(),
+                k7d_guest::MAX_ARGS
+            )));
+        }
+        match &self.guest {
+            GuestSpec::Builtin { name, .. } => {
+                let b = k7d_guest::Builtin::from_name(name).map_err(|e| ConfigError::Guest(e.to_string()))?;
+                if self.vcpus < b.min_vcpus() {
+                    return Err(ConfigError::Guest(format!(
+                        "the `{name}` guest needs at least {} vCPUs, {} given",
+                        b.min_vcpus(),
+                        self.vcpus
+                    )));
+                }
+            }
+            GuestSpec::Raw { path, .. } => {
+                let img = |reason: String| ConfigError::Image {
+                    path: path.clone(),
+                    reason,
+                };
+                let md = std::fs::metadata(path).map_err(|e| img(e.to_string().to_lowercase()))?;
+                if !md.is_file() {
+                    return Err(img("it is not a regular file".into()));
+                }
+                if md.len() == 0 || md.len() > MAX_RAW_IMAGE {
+                    return Err(img(format!(
+                        "its size is {} bytes, a real-mode image must be 1 to {MAX_RAW_IMAGE} bytes",
+                        md.len()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// RAM in bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        self.memory_mib << 20
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids() {
+        for ok in ["a", "vm-1", "A.b_c", "0"] {
+            validate_id(ok).unwrap();
+        }
+        for bad in ["", "../x", "a/b", "a..b", ".hidden", "-x", &"x".repeat(64), "sp ace"] {
+            assert!(validate_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn limits() {
+        let mut c = VmConfig::default();
+        c.validate().unwrap();
+        c.vcpus = 0;
+        assert_eq!(c.validate(), Err(ConfigError::Vcpus(0)));
+        c.vcpus = 1;
+        c.memory_mib = 0;
+        assert!(matches!(c.validate(), Err(ConfigError::Memory { got: 0, .. })));
+        c.memory_mib = u64::MAX >> 20;
+        assert!(matches!(c.validate(), Err(ConfigError::Memory { .. })));
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let e = serde_json::from_str::<VmConfig>(r#"{"vcpus":1,"colour":"red"}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `colour`"), "{e}");
+        let e = serde_json::from_str::<VmConfig>(r#"{"guest":{"kind":"builtin","name":"hello","x":1}}"#).unwrap_err();
+        assert!(e.to_string().contains("unknown field `x`"), "{e}");
+    }
+
+    #[test]
+    fn smp_needs_two_vcpus() {
+        let c = VmConfig {
+            guest: GuestSpec::Builtin {
+                name: "smp".into(),
+                args: vec![],
+            },
+            ..Default::default()
+        };
+        assert!(c.validate().unwrap_err().to_string().contains("at least 2 vCPUs"));
+    }
+}

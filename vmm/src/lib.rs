@@ -1,0 +1,18 @@
+//! The k7d VMM: VMs on KVM (memfd RAM, vCPU threads, device bus), the daemon
+//! that owns them, its JSON API, and the CLI.
+//!
+//! Code map: [`config`] (what users ask for) → [`vstate`] (the machine:
+//! memory, vCPUs, control, [`vstate::vm::Vm`]) → [`daemon`] (records, API
+//! server, many VMs in one process) → `main.rs` (CLI). [`check`] reports host
+//! readiness; [`budgets`] holds every latency budget.
+
+pub mod budgets;
+pub mod check;
+pub mod config;
+pub mod daemon;
+pub mod sys;
+pub mod vstate;
+
+pub use config::VmConfig;
+pub use vstate::control::StopReason;
+pub use vstate::vm::{Vm, VmError, VmOptions, VmState};

@@ -1,0 +1,135 @@
+//! Small safe wrappers around the system calls k7d needs. Every `unsafe` block
+//! of the VMM that is not a KVM ioctl lives here.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+/// Creates an anonymous memory file (`memfd_create`, close-on-exec) of `size` bytes.
+pub fn memfd(name: &str, size: u64) -> io::Result<File> {
+    let cname = CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "memfd name has a NUL byte"))?;
+    // SAFETY: `cname` is a valid NUL-terminated string; the flags are valid.
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(size)?;
+    Ok(file)
+}
+
+/// The real-time signal used to kick vCPU threads out of `KVM_RUN`.
+pub fn kick_signal() -> i32 {
+    vmm_sys_util::signal::SIGRTMIN() + 2
+}
+
+thread_local! {
+    /// Points at this thread's `kvm_run.immediate_exit`, when the thread runs a vCPU.
+    static IMMEDIATE_EXIT: AtomicPtr<u8> = const { AtomicPtr::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // Async-signal-safe: a thread-local read and a volatile byte store.
+    IMMEDIATE_EXIT.with(|p| {
+        let ptr = p.load(Ordering::Relaxed);
+        if !ptr.is_null() {
+            // SAFETY: the pointer was registered by this very thread and points into its
+            // vCPU's `kvm_run` mapping, which outlives the registration (see `VcpuKickGuard`).
+            unsafe { std::ptr::write_volatile(ptr, 1) };
+        }
+    });
+}
+
+/// Installs the kick-signal handler once per process.
+pub fn install_kick_handler() -> io::Result<()> {
+    static DONE: OnceLock<Result<(), i32>> = OnceLock::new();
+    let r = DONE.get_or_init(|| {
+        vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick).map_err(|e| e.errno())
+    });
+    r.map_err(io::Error::from_raw_os_error)
+}
+
+/// While alive, a kick signal to this thread sets `immediate_exit` in its `kvm_run`.
+pub struct VcpuKickGuard(());
+
+impl VcpuKickGuard {
+    /// Registers `immediate_exit` (inside this thread's vCPU `kvm_run` mapping).
+    ///
+    /// # Safety
+    /// `ptr` must stay valid for writes until the guard is dropped.
+    pub unsafe fn register(ptr: *mut u8) -> Self {
+        IMMEDIATE_EXIT.with(|p| p.store(ptr, Ordering::SeqCst));
+        Self(())
+    }
+}
+
+impl Drop for VcpuKickGuard {
+    fn drop(&mut self) {
+        IMMEDIATE_EXIT.with(|p| p.store(std::ptr::null_mut(), Ordering::SeqCst));
+    }
+}
+
+/// Sends the kick signal to a thread that has not been joined yet.
+pub fn kick_thread(thread: libc::pthread_t) {
+    // SAFETY: callers pass the pthread_t of a live, not yet joined thread (the
+    // JoinHandle is held), so the id is valid; the signal has a handler installed.
+    let rc = unsafe { libc::pthread_kill(thread, kick_signal()) };
+    if rc != 0 {
+        tracing::debug!(rc, "pthread_kill for a vCPU kick failed");
+    }
+}
+
+/// An exclusive `flock` held until drop.
+pub struct FileLock {
+    _file: File,
+}
+
+/// Takes an exclusive lock on `file` (blocking or not).
+pub fn flock(file: File, blocking: bool) -> io::Result<FileLock> {
+    let op = libc::LOCK_EX | if blocking { 0 } else { libc::LOCK_NB };
+    loop {
+        // SAFETY: flock on a valid, owned file descriptor.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
+        if rc == 0 {
+            return Ok(FileLock { _file: file });
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
+/// Whether a process with this pid exists.
+pub fn pid_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return false;
+    };
+    // SAFETY: signal 0 only checks for existence and permission.
+    let rc = unsafe { libc::kill(pid, 0) };
+    rc == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Total RAM of this host in bytes (`MemTotal`).
+pub fn host_ram_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(u64::MAX)
+}
+
+/// Host page size.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(v).ok().filter(|&v| v > 0).unwrap_or(4096)
+}

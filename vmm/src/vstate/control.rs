@@ -1,0 +1,299 @@
+//! Run/pause/stop control shared by a VM's owner and its vCPU threads.
+//!
+//! The owner sets a target (run, pause, stop) and kicks every vCPU thread out
+//! of `KVM_RUN` (signal + `immediate_exit`). Each thread checks the target
+//! between runs, parks on a condvar while paused, and leaves on stop. The last
+//! thread to leave records why the VM stopped and calls the stop callback.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+/// Why a VM stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum StopReason {
+    /// The guest reset the machine (i8042 `0xfe`, or `KVM_SYSTEM_EVENT_RESET`).
+    GuestReset,
+    /// The guest powered off (`KVM_SYSTEM_EVENT_SHUTDOWN`).
+    GuestPoweroff,
+    /// Someone asked k7d to stop the VM.
+    Requested,
+    /// A vCPU stopped the VM on an exit k7d cannot continue from.
+    VcpuError {
+        /// The vCPU.
+        vcpu: u32,
+        /// The exit (`KVM_EXIT_SHUTDOWN`, ...).
+        exit: String,
+        /// One sentence naming the VM, the vCPU and the exit.
+        message: String,
+    },
+}
+
+impl std::fmt::Display for StopReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::GuestReset => f.write_str("guest reset"),
+            Self::GuestPoweroff => f.write_str("guest poweroff"),
+            Self::Requested => f.write_str("stop requested"),
+            Self::VcpuError { message, .. } => f.write_str(message),
+        }
+    }
+}
+
+impl StopReason {
+    /// Whether the guest ended on its own terms (exit status 0 for `k7d run`).
+    pub fn is_clean(&self) -> bool {
+        !matches!(self, Self::VcpuError { .. })
+    }
+}
+
+/// What the vCPU threads should be doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    Run,
+    Pause,
+    Stop,
+}
+
+struct Ctl {
+    target: Target,
+    nvcpus: usize,
+    parked: usize,
+    exited: usize,
+    reason: Option<StopReason>,
+    on_stopped: Option<Box<dyn FnOnce(&StopReason) + Send>>,
+}
+
+/// Errors from control operations.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ControlError {
+    /// The VM has stopped.
+    #[error("the VM has stopped")]
+    Stopped,
+    /// Not every vCPU parked in time.
+    #[error("{parked} of {nvcpus} vCPUs parked within {timeout_ms} ms")]
+    Timeout {
+        /// Parked so far.
+        parked: usize,
+        /// Total.
+        nvcpus: usize,
+        /// Waited.
+        timeout_ms: u128,
+    },
+}
+
+/// Shared control block of one VM.
+pub struct VmControl {
+    vm_id: String,
+    ctl: Mutex<Ctl>,
+    cv: Condvar,
+    threads: Mutex<Vec<libc::pthread_t>>,
+    first_exit: OnceLock<Instant>,
+    exits: AtomicU32,
+}
+
+impl VmControl {
+    /// A control block for `vm_id`.
+    pub fn new(vm_id: &str) -> Self {
+        Self {
+            vm_id: vm_id.to_string(),
+            ctl: Mutex::new(Ctl {
+                target: Target::Run,
+                nvcpus: 0,
+                parked: 0,
+                exited: 0,
+                reason: None,
+                on_stopped: None,
+            }),
+            cv: Condvar::new(),
+            threads: Mutex::new(Vec::new()),
+            first_exit: OnceLock::new(),
+            exits: AtomicU32::new(0),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Ctl> {
+        self.ctl.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The VM's id.
+    pub fn vm_id(&self) -> &str {
+        &self.vm_id
+    }
+
+    /// Sets the callback run once, by the last vCPU thread to leave.
+    pub fn set_on_stopped(&self, f: Box<dyn FnOnce(&StopReason) + Send>) {
+        self.lock().on_stopped = Some(f);
+    }
+
+    /// Declares the vCPU threads (called once, before they start).
+    pub(crate) fn set_threads(&self, nvcpus: usize) {
+        self.lock().nvcpus = nvcpus;
+    }
+
+    /// Records a started vCPU thread so it can be kicked.
+    pub(crate) fn add_thread(&self, t: libc::pthread_t) {
+        self.threads.lock().unwrap_or_else(|p| p.into_inner()).push(t);
+    }
+
+    /// Forgets the thread ids (before they are joined).
+    pub(crate) fn clear_threads(&self) {
+        self.threads.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    fn kick_all(&self) {
+        for &t in self.threads.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            crate::sys::kick_thread(t);
+        }
+    }
+
+    /// Asks every vCPU to leave; the first reason given is the one kept.
+    pub fn request_stop(&self, reason: StopReason) {
+        {
+            let mut c = self.lock();
+            if c.reason.is_none() {
+                c.reason = Some(reason);
+            }
+            c.target = Target::Stop;
+            self.cv.notify_all();
+        }
+        self.kick_all();
+    }
+
+    /// Parks every vCPU; returns once all are parked (or gone).
+    pub fn pause(&self, timeout: Duration) -> Result<(), ControlError> {
+        {
+            let mut c = self.lock();
+            if c.target == Target::Stop {
+                return Err(ControlError::Stopped);
+            }
+            c.target = Target::Pause;
+        }
+        let deadline = Instant::now() + timeout;
+        let mut c = self.lock();
+        loop {
+            if c.target == Target::Stop {
+                return Err(ControlError::Stopped);
+            }
+            if c.parked + c.exited >= c.nvcpus {
+                return Ok(());
+            }
+            drop(c);
+            // Kick again on every round: a thread may have been between its
+            // check and KVM_RUN when the first signal came (immediate_exit covers
+            // that, the repeat covers a thread that had not registered yet).
+            self.kick_all();
+            c = self.lock();
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ControlError::Timeout {
+                    parked: c.parked,
+                    nvcpus: c.nvcpus,
+                    timeout_ms: timeout.as_millis(),
+                });
+            }
+            let wait = (deadline - now).min(Duration::from_millis(5));
+            c = self.cv.wait_timeout(c, wait).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Lets parked vCPUs run again.
+    pub fn resume(&self) -> Result<(), ControlError> {
+        let mut c = self.lock();
+        if c.target == Target::Stop {
+            return Err(ControlError::Stopped);
+        }
+        c.target = Target::Run;
+        self.cv.notify_all();
+        Ok(())
+    }
+
+    /// vCPU side: `true` to (re-)enter the guest, `false` to leave. Parks while paused.
+    pub(crate) fn checkpoint(&self) -> bool {
+        let mut c = self.lock();
+        loop {
+            match c.target {
+                Target::Run => return true,
+                Target::Stop => return false,
+                Target::Pause => {
+                    c.parked += 1;
+                    self.cv.notify_all();
+                    while c.target == Target::Pause {
+                        c = self.cv.wait(c).unwrap_or_else(|p| p.into_inner());
+                    }
+                    c.parked -= 1;
+                }
+            }
+        }
+    }
+
+    /// vCPU side: this thread is leaving. The last one runs the stop callback.
+    pub(crate) fn vcpu_exited(&self) {
+        let mut c = self.lock();
+        c.exited += 1;
+        c.target = Target::Stop;
+        if c.exited == c.nvcpus {
+            let reason = c.reason.get_or_insert(StopReason::Requested).clone();
+            let cb = c.on_stopped.take();
+            self.cv.notify_all();
+            drop(c);
+            if let Some(cb) = cb {
+                cb(&reason);
+            }
+        } else {
+            self.cv.notify_all();
+            drop(c);
+            // The others must leave too.
+            self.kick_all();
+        }
+    }
+
+    /// Waits until every vCPU thread has left; the reason, or `None` on timeout.
+    pub fn wait_stopped(&self, timeout: Duration) -> Option<StopReason> {
+        let deadline = Instant::now() + timeout;
+        let mut c = self.lock();
+        loop {
+            if c.nvcpus > 0 && c.exited == c.nvcpus {
+                return c.reason.clone();
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            c = self.cv.wait_timeout(c, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// The stop reason once every vCPU has left.
+    pub fn stopped(&self) -> Option<StopReason> {
+        let c = self.lock();
+        (c.nvcpus > 0 && c.exited == c.nvcpus).then(|| c.reason.clone()).flatten()
+    }
+
+    /// Whether all vCPUs are parked right now.
+    pub fn is_paused(&self) -> bool {
+        let c = self.lock();
+        c.target == Target::Pause && c.parked == c.nvcpus
+    }
+
+    /// vCPU side: counts an exit to userspace, remembering the first one's time.
+    pub(crate) fn note_exit(&self) {
+        if self.exits.fetch_add(1, Ordering::Relaxed) == 0 {
+            let _ = self.first_exit.set(Instant::now());
+        }
+    }
+
+    /// When the first vCPU exit to userspace happened.
+    pub fn first_exit(&self) -> Option<Instant> {
+        self.first_exit.get().copied()
+    }
+
+    /// How many exits to userspace the vCPUs made.
+    pub fn exit_count(&self) -> u32 {
+        self.exits.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,6 @@
+//! The running machine: guest memory, vCPUs, their control block, the VM.
+
+pub mod control;
+pub mod memory;
+pub mod vcpu;
+pub mod vm;

@@ -1,0 +1,485 @@
+//! One VM: a KVM VM fd, its memfd RAM, vCPU threads and the device bus.
+//!
+//! Life: [`Vm::new`] builds everything (KVM VM, in-kernel irqchip + PIT2,
+//! memory, vCPUs, devices, guest image) but runs nothing; [`Vm::start`]
+//! spawns one thread per vCPU; [`Vm::pause`]/[`Vm::resume`] park and unpark
+//! them; [`Vm::stop`] makes them leave and joins them. Dropping a `Vm` stops it
+//! and releases every fd, mapping and thread it created.
+
+use std::fs::{File, OpenOptions};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use k7d_devices::bus::{BusDevice, SharedDevice};
+use k7d_devices::irq::IrqLine;
+use k7d_devices::legacy::{I8042, Serial, SerialOutput};
+use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+use vm_memory::{Bytes, GuestAddress};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::control::{ControlError, StopReason, VmControl};
+use super::memory::{GuestMemoryMmap, GuestRam, MemoryError};
+use super::vcpu::{self, Buses, VcpuSetupError};
+use crate::config::{GuestSpec, VmConfig};
+
+/// COM1.
+const SERIAL_PORT: u64 = 0x3f8;
+const SERIAL_IRQ: u32 = 4;
+const I8042_PORT: u64 = 0x60;
+const TSS_ADDR: usize = 0xfffb_d000;
+const BSP_STACK: u64 = 0x7000;
+
+/// Errors from building or driving a VM.
+#[derive(Debug, Error)]
+pub enum VmError {
+    /// /dev/kvm could not be opened.
+    #[error("cannot open /dev/kvm (run `k7d check`)")]
+    OpenKvm(#[source] kvm_ioctls::Error),
+    /// A VM-level KVM ioctl failed.
+    #[error("{0} failed")]
+    Kvm(&'static str, #[source] kvm_ioctls::Error),
+    /// Guest RAM.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// vCPU setup.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuSetupError),
+    /// The guest image.
+    #[error("cannot load the guest: {0}")]
+    Guest(String),
+    /// A host resource (file, eventfd, thread).
+    #[error("{what}")]
+    Io {
+        /// What failed.
+        what: String,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Wrong state for the operation.
+    #[error("vm {id} is {state}, cannot {op}")]
+    State {
+        /// VM id.
+        id: String,
+        /// Current state.
+        state: String,
+        /// The refused operation.
+        op: &'static str,
+    },
+    /// Pause/resume control.
+    #[error("vm {id}: {source}")]
+    Control {
+        /// VM id.
+        id: String,
+        /// Cause.
+        #[source]
+        source: ControlError,
+    },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
+    let what = what.into();
+    move |source| VmError::Io { what, source }
+}
+
+/// The states a VM moves through.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum VmState {
+    /// Built, not started.
+    Created,
+    /// vCPUs running.
+    Running,
+    /// vCPUs parked.
+    Paused,
+    /// vCPUs gone; why.
+    Stopped {
+        /// Why.
+        reason: StopReason,
+    },
+}
+
+impl std::fmt::Display for VmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Created => f.write_str("created"),
+            Self::Running => f.write_str("running"),
+            Self::Paused => f.write_str("paused"),
+            Self::Stopped { reason } => write!(f, "stopped ({reason})"),
+        }
+    }
+}
+
+/// One device as wired in this VM (reported by `info`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceInfo {
+    /// Kind (`serial`, `i8042`, ...).
+    pub kind: String,
+    /// Where the guest finds it.
+    pub location: String,
+    /// Backend details.
+    pub detail: String,
+}
+
+/// Host-side options that are not part of the guest-visible config.
+#[derive(Debug, Clone, Default)]
+pub struct VmOptions {
+    /// Append the guest's serial output to this file.
+    pub serial_log: Option<PathBuf>,
+}
+
+/// A VM.
+pub struct Vm {
+    // Drop order matters: threads are joined in `Drop::drop`, then the vCPU
+    // fds, the buses, the VM fd, and only then the memory KVM maps.
+    id: String,
+    config: VmConfig,
+    control: Arc<VmControl>,
+    threads: Vec<JoinHandle<()>>,
+    pending: Vec<VcpuFd>,
+    buses: Arc<Buses>,
+    devices: Vec<DeviceInfo>,
+    vm_fd: VmFd,
+    ram: GuestRam,
+    created: Instant,
+    started: Option<Instant>,
+}
+
+impl Vm {
+    /// Builds the VM described by `config` (already validated) under `id`.
+    pub fn new(id: &str, config: &VmConfig, opts: &VmOptions) -> Result<Self, VmError> {
+        let created = Instant::now();
+        let image = load_image(&config.guest)?;
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let vm_fd = kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?;
+        if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
+            tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
+        }
+        vm_fd.create_irq_chip().map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
+        let ram = GuestRam::new(id, config.memory_bytes())?;
+        ram.register(&vm_fd)?;
+
+        let control = Arc::new(VmControl::new(id));
+        let (buses, devices) = build_devices(id, &vm_fd, &control, opts, config.serial.console)?;
+
+        let mut pending = Vec::with_capacity(config.vcpus.into());
+        for i in 0..u32::from(config.vcpus) {
+            let v = vm_fd
+                .create_vcpu(i.into())
+                .map_err(|source| VcpuSetupError { index: i, what: "KVM_CREATE_VCPU", source })?;
+            let cpuid = vcpu::cpuid_for(&kvm, i)?;
+            v.set_cpuid2(&cpuid)
+                .map_err(|source| VcpuSetupError { index: i, what: "KVM_SET_CPUID2", source })?;
+            if i == 0 {
+                vcpu::setup_real_mode(&v, i, k7d_guest::LOAD_ADDR, BSP_STACK)?;
+            } else {
+                // APs wait in KVM for INIT/SIPI from the guest's BSP.
+                vcpu::setup_lint(&v, i)?;
+            }
+            pending.push(v);
+        }
+        let tsc_khz = pending[0].get_tsc_khz().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "KVM_GET_TSC_KHZ failed; assuming 1 GHz for the guest parameter block");
+            1_000_000
+        });
+        write_guest(ram.memory(), &image, tsc_khz, config.guest.args())?;
+        tracing::debug!(vm = id, elapsed_us = created.elapsed().as_micros() as u64, "vm built");
+        Ok(Self {
+            id: id.to_string(),
+            config: config.clone(),
+            control,
+            threads: Vec::new(),
+            pending,
+            buses: Arc::new(buses),
+            devices,
+            vm_fd,
+            ram,
+            created,
+            started: None,
+        })
+    }
+
+    /// The VM's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The config it was built from.
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    /// The devices as wired.
+    pub fn devices(&self) -> &[DeviceInfo] {
+        &self.devices
+    }
+
+    /// The control block (stop callback, first-exit time).
+    pub fn control(&self) -> &Arc<VmControl> {
+        &self.control
+    }
+
+    /// Guest memory (reads and writes through vm-memory).
+    pub fn memory(&self) -> &GuestMemoryMmap {
+        self.ram.memory()
+    }
+
+    /// The memfd holding guest RAM.
+    pub fn memfd(&self) -> &File {
+        self.ram.memfd()
+    }
+
+    /// The KVM VM fd.
+    pub fn vm_fd(&self) -> &VmFd {
+        &self.vm_fd
+    }
+
+    /// When `new` began.
+    pub fn created_at(&self) -> Instant {
+        self.created
+    }
+
+    /// When `start` ran.
+    pub fn started_at(&self) -> Option<Instant> {
+        self.started
+    }
+
+    /// The current state.
+    pub fn state(&self) -> VmState {
+        if let Some(reason) = self.control.stopped() {
+            return VmState::Stopped { reason };
+        }
+        if self.started.is_none() {
+            VmState::Created
+        } else if self.control.is_paused() {
+            VmState::Paused
+        } else {
+            VmState::Running
+        }
+    }
+
+    /// Spawns one thread per vCPU.
+    pub fn start(&mut self) -> Result<(), VmError> {
+        if self.started.is_some() {
+            return Err(self.state_error("start"));
+        }
+        crate::sys::install_kick_handler().map_err(io("cannot install the vCPU kick signal handler"))?;
+        let vcpus = std::mem::take(&mut self.pending);
+        self.control.set_threads(vcpus.len());
+        self.started = Some(Instant::now());
+        let n = vcpus.len();
+        for (i, v) in vcpus.into_iter().enumerate() {
+            let (ctl, buses) = (self.control.clone(), self.buses.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("vcpu{i}"))
+                .spawn(move || vcpu::run_loop(v, i as u32, ctl, buses));
+            match spawned {
+                Ok(h) => {
+                    use std::os::unix::thread::JoinHandleExt;
+                    self.control.add_thread(h.as_pthread_t());
+                    self.threads.push(h);
+                }
+                Err(e) => {
+                    // Roll back: the threads already running leave, and the
+                    // ones never spawned count as gone.
+                    for _ in self.threads.len()..n {
+                        self.control.vcpu_exited();
+                    }
+                    self.control.request_stop(StopReason::Requested);
+                    self.join();
+                    return Err(VmError::Io {
+                        what: format!("cannot spawn the thread of vCPU {i}"),
+                        source: e,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn state_error(&self, op: &'static str) -> VmError {
+        VmError::State {
+            id: self.id.clone(),
+            state: self.state().to_string(),
+            op,
+        }
+    }
+
+    /// Parks every vCPU; returns when none runs guest code.
+    pub fn pause(&self, timeout: Duration) -> Result<(), VmError> {
+        if self.started.is_none() || self.control.stopped().is_some() {
+            return Err(self.state_error("pause"));
+        }
+        self.control.pause(timeout).map_err(|source| VmError::Control {
+            id: self.id.clone(),
+            source,
+        })
+    }
+
+    /// Unparks the vCPUs.
+    pub fn resume(&self) -> Result<(), VmError> {
+        if self.started.is_none() || self.control.stopped().is_some() {
+            return Err(self.state_error("resume"));
+        }
+        self.control.resume().map_err(|source| VmError::Control {
+            id: self.id.clone(),
+            source,
+        })
+    }
+
+    /// Stops the vCPUs (if running) and joins their threads.
+    pub fn stop(&mut self) -> StopReason {
+        if self.started.is_none() {
+            // Never ran: there is nothing to stop, but the VM is done for.
+            self.started = Some(Instant::now());
+            self.control.set_threads(0);
+            return StopReason::Requested;
+        }
+        self.control.request_stop(StopReason::Requested);
+        self.join();
+        self.control.stopped().unwrap_or(StopReason::Requested)
+    }
+
+    /// Waits up to `timeout` for the guest to stop on its own.
+    pub fn wait(&self, timeout: Duration) -> Option<StopReason> {
+        if self.started.is_none() {
+            return None;
+        }
+        self.control.wait_stopped(timeout)
+    }
+
+    fn join(&mut self) {
+        // Keep kicking: a thread may not have registered its kick target yet
+        // when the first signal came.
+        while self.control.wait_stopped(Duration::from_millis(20)).is_none() {
+            if self.threads.iter().all(|t| t.is_finished()) {
+                break;
+            }
+            self.control.request_stop(StopReason::Requested);
+        }
+        self.control.clear_threads();
+        for t in self.threads.drain(..) {
+            if t.join().is_err() {
+                tracing::error!(vm = %self.id, "a vCPU thread panicked");
+            }
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        if !self.threads.is_empty() {
+            self.control.request_stop(StopReason::Requested);
+            self.join();
+        }
+    }
+}
+
+fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {
+    match spec {
+        GuestSpec::Builtin { name, .. } => k7d_guest::Builtin::from_name(name)
+            .and_then(|b| b.image())
+            .map_err(|e| VmError::Guest(e.to_string())),
+        GuestSpec::Raw { path, .. } => {
+            let img = std::fs::read(path).map_err(io(format!("cannot read guest image {}", path.display())))?;
+            if img.is_empty() || img.len() as u64 > crate::config::MAX_RAW_IMAGE {
+                return Err(VmError::Guest(format!(
+                    "{} is {} bytes, a real-mode image must be 1 to {} bytes",
+                    path.display(),
+                    img.len(),
+                    crate::config::MAX_RAW_IMAGE
+                )));
+            }
+            Ok(img)
+        }
+    }
+}
+
+fn write_guest(mem: &GuestMemoryMmap, image: &[u8], tsc_khz: u32, args: &[u32]) -> Result<(), VmError> {
+    let w = |what: &str, r: Result<(), vm_memory::GuestMemoryError>| {
+        r.map_err(|e| VmError::Guest(format!("writing the {what} into guest RAM failed: {e}")))
+    };
+    w("image", mem.write_slice(image, GuestAddress(k7d_guest::LOAD_ADDR)))?;
+    let p = k7d_guest::PARAMS_ADDR;
+    w("parameters", mem.write_obj(tsc_khz, GuestAddress(p + k7d_guest::param::TSC_PER_MS)))?;
+    let slots = [k7d_guest::param::ARG0, k7d_guest::param::ARG1, k7d_guest::param::ARG2];
+    for (slot, a) in slots.iter().zip(args) {
+        w("arguments", mem.write_obj(*a, GuestAddress(p + slot)))?;
+    }
+    Ok(())
+}
+
+fn shared<D: BusDevice + 'static>(d: D) -> SharedDevice {
+    Arc::new(Mutex::new(d))
+}
+
+fn build_devices(
+    id: &str,
+    vm_fd: &VmFd,
+    control: &Arc<VmControl>,
+    opts: &VmOptions,
+    console: bool,
+) -> Result<(Buses, Vec<DeviceInfo>), VmError> {
+    let mut buses = Buses::default();
+    let mut info = Vec::new();
+
+    let log = match &opts.serial_log {
+        Some(p) => Some(open_log(p)?),
+        None => None,
+    };
+    let evt = EventFd::new(EFD_NONBLOCK).map_err(io("cannot create the serial interrupt eventfd"))?;
+    vm_fd
+        .register_irqfd(&evt, SERIAL_IRQ)
+        .map_err(|e| VmError::Kvm("KVM_IRQFD (serial)", e))?;
+    let serial = Serial::new(IrqLine::new(evt), SerialOutput::new(log, console));
+    buses
+        .pio
+        .insert(SERIAL_PORT, 8, shared(serial))
+        .map_err(|e| VmError::Guest(e.to_string()))?;
+    let mut sinks: Vec<String> = opts.serial_log.iter().map(|p| p.display().to_string()).collect();
+    if console {
+        sinks.push("stdout".into());
+    }
+    info.push(DeviceInfo {
+        kind: "serial".into(),
+        location: format!("ttyS0 port {SERIAL_PORT:#x} irq {SERIAL_IRQ}"),
+        detail: if sinks.is_empty() { "discarded".into() } else { sinks.join(", ") },
+    });
+
+    let ctl = Arc::downgrade(control);
+    let vm_id = id.to_string();
+    let i8042 = I8042::new(Arc::new(move || {
+        tracing::info!(vm = %vm_id, "guest requested a reset through the i8042");
+        if let Some(c) = ctl.upgrade() {
+            c.request_stop(StopReason::GuestReset);
+        }
+    }));
+    buses
+        .pio
+        .insert(I8042_PORT, 5, shared(i8042))
+        .map_err(|e| VmError::Guest(e.to_string()))?;
+    info.push(DeviceInfo {
+        kind: "i8042".into(),
+        location: format!("ports {I8042_PORT:#x}-{:#x}", I8042_PORT + 4),
+        detail: "reset stops the VM".into(),
+    });
+    Ok((buses, info))
+}
+
+fn open_log(p: &Path) -> Result<File, VmError> {
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(p)
+        .map_err(io(format!("cannot open the serial log {}", p.display())))
+}

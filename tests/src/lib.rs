@@ -82,3 +82,98 @@ pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+
+/// A daemon served in this process on a socket in a scratch directory.
+pub struct TestDaemon {
+    /// The daemon.
+    pub daemon: std::sync::Arc<k7d_vmm::daemon::Daemon>,
+    /// Its server (None after `shutdown`).
+    pub server: Option<k7d_vmm::daemon::server::Server>,
+    /// Scratch dir: `state/` and `k7d.sock`.
+    pub dir: TempDir,
+}
+
+impl TestDaemon {
+    /// Opens a daemon on a fresh state dir and serves it.
+    pub fn start(tag: &str) -> Self {
+        let dir = TempDir::new(tag);
+        let (d, reconciled) = k7d_vmm::daemon::Daemon::open(&dir.0.join("state")).expect("open daemon");
+        assert!(reconciled.is_empty());
+        let d = std::sync::Arc::new(d);
+        let server = k7d_vmm::daemon::server::Server::start(d.clone(), &dir.0.join("k7d.sock")).expect("serve");
+        Self {
+            daemon: d,
+            server: Some(server),
+            dir,
+        }
+    }
+
+    /// A new API connection.
+    pub fn client(&self) -> k7d_vmm::daemon::client::Client {
+        k7d_vmm::daemon::client::Client::connect(&self.dir.0.join("k7d.sock")).expect("connect")
+    }
+
+    /// Record files (`*.json`) in the state dir.
+    pub fn record_files(&self) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.dir.0.join("state/vms"))
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.ends_with(".json"))
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// Every entry under `state/vms` (records, locks, runtime dirs, temp files).
+    pub fn state_entries(&self) -> Vec<String> {
+        std::fs::read_dir(self.dir.0.join("state/vms"))
+            .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default()
+    }
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
+        self.daemon.shutdown();
+    }
+}
+
+/// Targets of `/proc/self/fd` links.
+pub fn open_fds() -> Vec<String> {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .map(|p| p.to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Number of threads of this process.
+pub fn thread_count() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|rd| rd.count()).unwrap_or(0)
+}
+
+/// Names (`comm`) of this process's threads.
+pub fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| std::fs::read_to_string(e.path().join("comm")).ok())
+                .map(|s| s.trim().to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether any vCPU or API-connection thread is alive.
+pub fn vm_threads_alive() -> bool {
+    thread_names().iter().any(|n| n.starts_with("vcpu") || n == "k7d-conn")
+}

@@ -1,1 +1,40 @@
+//! Every latency budget of k7d, in ONE place. Code, tests and
+//! `LATENCY_BUDGETS.md` agree on these numbers (a test parses the table in
+//! `LATENCY_BUDGETS.md` and compares it with this file).
+//!
+//! Each budget is about 2x the typical figure measured on the project's
+//! machines (2-core nested PVM host, kernel 6.18, release build); the
+//! hardware, command and typical figure are written next to each one in
+//! `LATENCY_BUDGETS.md`.
 
+use std::time::Duration;
+
+/// One budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    /// Stable name, as in the markdown table.
+    pub name: &'static str,
+    /// The limit.
+    pub limit: Duration,
+}
+
+/// `Vm::new` + `Vm::start` → the first vCPU exit of the `hello` guest (64 MiB, 1 vCPU).
+pub const VM_BOOT_TO_FIRST_EXIT: Budget = Budget {
+    name: "vm_boot_to_first_exit",
+    limit: Duration::from_millis(10),
+};
+
+/// `pause` of a running 1-vCPU VM until every vCPU is parked.
+pub const PAUSE: Budget = Budget {
+    name: "pause",
+    limit: Duration::from_millis(4),
+};
+
+/// `resume` of a paused VM (until the call returns).
+pub const RESUME: Budget = Budget {
+    name: "resume",
+    limit: Duration::from_millis(1),
+};
+
+/// Every budget, for the consistency test.
+pub const ALL: &[Budget] = &[VM_BOOT_TO_FIRST_EXIT, PAUSE, RESUME];

@@ -1,1 +1,221 @@
+//! `k7d check`: is this host ready to run k7d VMs? One line per item, with the
+//! fix in the sentence when something is missing.
 
+use std::path::Path;
+
+use kvm_ioctls::{Cap, Kvm};
+use serde::Serialize;
+
+/// Outcome of one item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Level {
+    /// Present.
+    Ok,
+    /// Missing but optional; some features are off.
+    Warn,
+    /// Missing and required.
+    Fail,
+    /// Informational.
+    Info,
+}
+
+/// One report line.
+#[derive(Debug, Clone, Serialize)]
+pub struct Item {
+    /// Short name.
+    pub name: &'static str,
+    /// Outcome.
+    pub level: Level,
+    /// One sentence.
+    pub detail: String,
+}
+
+/// Which hardware virtualization this host's KVM uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Virt {
+    /// Intel VT-x.
+    Vmx,
+    /// AMD-V.
+    Svm,
+    /// KVM served by kvm-pvm (no VMX/SVM).
+    Pvm,
+    /// Neither detected.
+    Unknown,
+}
+
+/// Detects VMX / SVM / PVM.
+pub fn virt() -> Virt {
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        return Virt::Pvm;
+    }
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let flags: Vec<&str> = cpuinfo
+        .lines()
+        .find(|l| l.starts_with("flags"))
+        .map(|l| l.split_whitespace().collect())
+        .unwrap_or_default();
+    if flags.contains(&"vmx") {
+        Virt::Vmx
+    } else if flags.contains(&"svm") {
+        Virt::Svm
+    } else {
+        Virt::Unknown
+    }
+}
+
+fn item(name: &'static str, level: Level, detail: impl Into<String>) -> Item {
+    Item {
+        name,
+        level,
+        detail: detail.into(),
+    }
+}
+
+fn dev_item(name: &'static str, path: &str, missing: Level, why: &str, fix: &str) -> Item {
+    match std::fs::OpenOptions::new().read(true).write(true).open(path) {
+        Ok(_) => item(name, Level::Ok, format!("{path} opens read-write")),
+        Err(e) => item(name, missing, format!("{path} cannot be opened ({e}): {why}; {fix}")),
+    }
+}
+
+fn bpf_works() -> Result<(), std::io::Error> {
+    // BPF_MAP_CREATE of a one-entry array: the real syscall, nothing simulated.
+    #[repr(C)]
+    #[derive(Default)]
+    struct MapAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+        _pad: [u32; 27],
+    }
+    let attr = MapAttr {
+        map_type: 2, // BPF_MAP_TYPE_ARRAY
+        key_size: 4,
+        value_size: 4,
+        max_entries: 1,
+        ..Default::default()
+    };
+    // SAFETY: `attr` is a valid, fully initialised bpf_attr prefix of the size passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            0, /* BPF_MAP_CREATE */
+            &attr as *const MapAttr,
+            std::mem::size_of::<MapAttr>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by the kernel and is owned here.
+    unsafe { libc::close(fd as i32) };
+    Ok(())
+}
+
+/// Runs every check.
+pub fn run() -> Vec<Item> {
+    let mut out = Vec::new();
+    let kvm = match Kvm::new() {
+        Ok(k) => {
+            let v = k.get_api_version();
+            out.push(if v == 12 {
+                item("kvm", Level::Ok, "/dev/kvm opens, KVM API version 12")
+            } else {
+                item("kvm", Level::Fail, format!("KVM API version is {v}, k7d needs 12; use a newer host kernel"))
+            });
+            Some(k)
+        }
+        Err(e) => {
+            out.push(item(
+                "kvm",
+                Level::Fail,
+                format!("/dev/kvm cannot be opened ({e}): load kvm-intel or kvm-amd and run k7d as root or in the kvm group"),
+            ));
+            None
+        }
+    };
+    out.push(match virt() {
+        Virt::Vmx => item("virtualization", Level::Ok, "VMX (Intel VT-x): any x86-64 Linux guest boots"),
+        Virt::Svm => item("virtualization", Level::Ok, "SVM (AMD-V): any x86-64 Linux guest boots"),
+        Virt::Pvm => item(
+            "virtualization",
+            Level::Warn,
+            "PVM (kvm-pvm, no VMX/SVM): stock Linux guests do not boot on this host, only PVM-aware kernels and \
+             real-mode guests (the built-in test guests) do; prove Linux guests in the nested lab (docs/lab.md)",
+        ),
+        Virt::Unknown => item(
+            "virtualization",
+            Level::Warn,
+            "neither VMX, SVM nor PVM detected: enable virtualization in firmware or load kvm-intel/kvm-amd",
+        ),
+    });
+    if let Some(k) = &kvm {
+        let cap = |name: &'static str, c: Cap, required: bool, what: &str| {
+            if k.check_extension(c) {
+                item(name, Level::Ok, format!("{what} supported"))
+            } else if required {
+                item(name, Level::Fail, format!("{what} missing: k7d needs it; use a host kernel with it"))
+            } else {
+                item(name, Level::Warn, format!("{what} missing: the features that use it are off"))
+            }
+        };
+        out.push(cap("irqchip", Cap::Irqchip, true, "in-kernel irqchip (KVM_CAP_IRQCHIP)"));
+        out.push(cap("pit2", Cap::Pit2, true, "in-kernel PIT (KVM_CAP_PIT2)"));
+        let manual = k.check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into()) > 0;
+        let ring = k.check_extension(Cap::DirtyLogRing);
+        out.push(item(
+            "dirty-log",
+            Level::Ok,
+            format!(
+                "KVM_GET_DIRTY_LOG with per-slot dirty logging (manual protect: {}, dirty ring: {})",
+                if manual { "yes" } else { "no" },
+                if ring { "yes" } else { "no" }
+            ),
+        ));
+        out.push(cap("tsc-deadline", Cap::TscDeadlineTimer, false, "TSC-deadline timer (KVM_CAP_TSC_DEADLINE_TIMER)"));
+        out.push(cap("irqfd", Cap::Irqfd, true, "irqfd (KVM_CAP_IRQFD)"));
+    }
+    out.push(match crate::sys::memfd("k7d-check", 1 << 20) {
+        Ok(_) => item("memfd", Level::Ok, "memfd_create works (guest RAM is one memfd)"),
+        Err(e) => item("memfd", Level::Fail, format!("memfd_create failed ({e}): k7d needs Linux >= 3.17 with memfd")),
+    });
+    out.push(dev_item(
+        "tun",
+        "/dev/net/tun",
+        Level::Warn,
+        "virtio-net taps cannot be created",
+        "load the tun module (modprobe tun)",
+    ));
+    out.push(dev_item(
+        "vhost-net",
+        "/dev/vhost-net",
+        Level::Info,
+        "NICs use the userspace data plane (vhost is opt-in)",
+        "load vhost_net to allow kernel vhost-net",
+    ));
+    out.push(dev_item(
+        "vhost-vsock",
+        "/dev/vhost-vsock",
+        Level::Info,
+        "vsock uses the userspace (hybrid, unix-socket) backend",
+        "load vhost_vsock to allow kernel vhost-vsock",
+    ));
+    out.push(match bpf_works() {
+        Ok(()) => item("bpf", Level::Ok, "bpf(2) creates maps: the tc-eBPF direct datapath can load"),
+        Err(e) => item(
+            "bpf",
+            Level::Warn,
+            format!("bpf(2) failed ({e}): the direct datapath is unavailable, NICs in auto mode use the bridge chain; run as root on a kernel with CONFIG_BPF_SYSCALL"),
+        ),
+    });
+    out
+}
+
+/// Whether any required item failed.
+pub fn failed(items: &[Item]) -> bool {
+    items.iter().any(|i| i.level == Level::Fail)
+}

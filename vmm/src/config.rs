@@ -117,7 +117,7 @@ impl Default for VmConfig {
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ConfigError {
     /// Bad id.
-    #[error("vm id `{0}` is invalid: use 1-63 characters from A-Z a-z 0-9 _ . -, starting with a letter or digit, without `..`")]
+    #[error("vm id `{0}` is invalid: use 1-63 letters, digits, `_`, `.` or `-`, starting with a letter or digit and without `..`")]
     BadId(String),
     /// vcpus out of range.
     #[error("vcpus = {0} is out of range: a VM needs 1 to {MAX_VCPUS} vCPUs")]

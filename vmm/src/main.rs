@@ -1,1 +1,397 @@
-fn main(){}
+//! `k7d`: the CLI and the daemon entry point.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow};
+use clap::{Args, Parser, Subcommand};
+use serde_json::{Value, json};
+
+use k7d_vmm::config::{GuestSpec, SerialConfig, VmConfig};
+use k7d_vmm::daemon::api::{ApiError, Request};
+use k7d_vmm::daemon::client::Client;
+use k7d_vmm::daemon::server::Server;
+use k7d_vmm::daemon::Daemon;
+use k7d_vmm::{StopReason, Vm, VmOptions, check};
+
+/// Default API socket.
+const DEFAULT_SOCKET: &str = "/run/k7d/k7d.sock";
+/// Default state directory.
+const DEFAULT_STATE_DIR: &str = "/run/k7d/state";
+
+#[derive(Parser)]
+#[command(name = "k7d", version, about = "k7d: light VMs for secure containers and forkable RL rollouts")]
+struct Cli {
+    /// Print machine-readable JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    /// The daemon's API socket.
+    #[arg(long, global = true, env = "K7D_SOCKET", default_value = DEFAULT_SOCKET)]
+    socket: PathBuf,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Args, Clone)]
+struct GuestArgs {
+    /// A built-in test guest: hello, idle, pit, tscdeadline, memwriter, smp.
+    #[arg(long, conflicts_with = "raw")]
+    builtin: Option<String>,
+    /// A flat real-mode image, loaded at 0x8000 and entered with cs = 0.
+    #[arg(long)]
+    raw: Option<PathBuf>,
+    /// A u32 argument for the guest's parameter block (repeatable, up to 3).
+    #[arg(long = "arg")]
+    args: Vec<u32>,
+    /// vCPUs.
+    #[arg(long, default_value_t = 1)]
+    vcpus: u8,
+    /// Guest RAM in MiB.
+    #[arg(long = "memory", default_value_t = 64)]
+    memory_mib: u64,
+}
+
+impl GuestArgs {
+    fn config(&self, id: Option<String>, console: bool) -> VmConfig {
+        let guest = match (&self.builtin, &self.raw) {
+            (_, Some(path)) => GuestSpec::Raw {
+                path: path.clone(),
+                args: self.args.clone(),
+            },
+            (name, None) => GuestSpec::Builtin {
+                name: name.clone().unwrap_or_else(|| "hello".into()),
+                args: self.args.clone(),
+            },
+        };
+        VmConfig {
+            id,
+            vcpus: self.vcpus,
+            memory_mib: self.memory_mib,
+            guest,
+            serial: SerialConfig { console },
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Boot one VM in the foreground, without a daemon (default: the embedded `hello` guest).
+    Run {
+        #[command(flatten)]
+        guest: GuestArgs,
+        /// Stop the VM after this many seconds.
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// Also append the guest's serial output to this file.
+        #[arg(long)]
+        serial_log: Option<PathBuf>,
+        /// Do not copy the guest's serial output to stdout.
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Run the daemon that owns VMs and serves the API.
+    Daemon {
+        /// Where VM records live.
+        #[arg(long, env = "K7D_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+        state_dir: PathBuf,
+    },
+    /// Create a VM in the daemon.
+    Create {
+        /// VM id (generated when absent).
+        #[arg(long)]
+        id: Option<String>,
+        #[command(flatten)]
+        guest: GuestArgs,
+        /// Read the VM config from this JSON file instead of flags.
+        #[arg(long, conflicts_with_all = ["builtin", "raw"])]
+        config: Option<PathBuf>,
+        /// Start it right away.
+        #[arg(long)]
+        start: bool,
+    },
+    /// Start a created VM.
+    Start { id: String },
+    /// Pause a running VM (every vCPU parked).
+    Pause { id: String },
+    /// Resume a paused VM.
+    Resume { id: String },
+    /// Stop a VM's vCPUs.
+    Stop { id: String },
+    /// Stop and remove a VM.
+    Delete { id: String },
+    /// Show a VM.
+    Info { id: String },
+    /// List VMs.
+    List,
+    /// Report whether this host can run k7d.
+    Check,
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn catch_signals() -> Result<()> {
+    for s in [libc::SIGINT, libc::SIGTERM] {
+        vmm_sys_util::signal::register_signal_handler(s, on_signal).context("cannot install the signal handler")?;
+    }
+    Ok(())
+}
+
+fn init_logs(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("K7D_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    let start = Instant::now();
+    let cli = Cli::parse();
+    let json_out = cli.json;
+    match real_main(cli, start) {
+        Ok(code) => code,
+        Err(e) => {
+            let msg = format!("{e:#}");
+            if json_out {
+                println!("{}", json!({"ok": false, "error": {"message": msg}}));
+            } else {
+                eprintln!("k7d: {msg}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
+    match cli.cmd {
+        Cmd::Run {
+            guest,
+            timeout,
+            serial_log,
+            quiet,
+        } => {
+            init_logs("warn");
+            run_foreground(&guest, timeout, serial_log, quiet, cli.json, process_start)
+        }
+        Cmd::Daemon { state_dir } => {
+            init_logs("info");
+            daemon(&state_dir, &cli.socket)
+        }
+        Cmd::Check => {
+            init_logs("warn");
+            let items = check::run();
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&json!({"items": items, "ready": !check::failed(&items)}))?);
+            } else {
+                for i in &items {
+                    let tag = match i.level {
+                        check::Level::Ok => "ok  ",
+                        check::Level::Warn => "WARN",
+                        check::Level::Fail => "FAIL",
+                        check::Level::Info => "info",
+                    };
+                    println!("{tag} {:<15} {}", i.name, i.detail);
+                }
+            }
+            Ok(if check::failed(&items) { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+        }
+        cmd => {
+            init_logs("warn");
+            let req = match cmd {
+                Cmd::Create {
+                    id,
+                    guest,
+                    config,
+                    start,
+                } => {
+                    let config = match config {
+                        Some(path) => {
+                            let text = std::fs::read_to_string(&path)
+                                .with_context(|| format!("cannot read the config file {}", path.display()))?;
+                            let mut c: VmConfig = serde_json::from_str(&text)
+                                .with_context(|| format!("the config file {} is invalid", path.display()))?;
+                            if id.is_some() {
+                                c.id = id;
+                            }
+                            c
+                        }
+                        None => guest.config(id, false),
+                    };
+                    Request::Create { config, start }
+                }
+                Cmd::Start { id } => Request::Start(id),
+                Cmd::Pause { id } => Request::Pause(id),
+                Cmd::Resume { id } => Request::Resume(id),
+                Cmd::Stop { id } => Request::Stop(id),
+                Cmd::Delete { id } => Request::Delete(id),
+                Cmd::Info { id } => Request::Info(id),
+                Cmd::List => Request::List,
+                _ => unreachable!("handled above"),
+            };
+            let list = matches!(req, Request::List);
+            let result = Client::connect(&cli.socket)
+                .and_then(|mut c| c.call(&req))
+                .map_err(|e: ApiError| anyhow!("{e}"))?;
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&result)?);
+            } else if list {
+                print_list(&result);
+            } else {
+                print_vm(&result);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn print_list(v: &Value) {
+    let vms = v["vms"].as_array().cloned().unwrap_or_default();
+    println!("{:<24} {:<5} {:>8}  {:<18} STATUS", "ID", "VCPUS", "MEM(MiB)", "GUEST");
+    for vm in vms {
+        println!(
+            "{:<24} {:<5} {:>8}  {:<18} {}",
+            vm["id"].as_str().unwrap_or("?"),
+            vm["vcpus"],
+            vm["memory_mib"],
+            vm["guest"].as_str().unwrap_or("?"),
+            vm["status"].as_str().unwrap_or("?")
+        );
+    }
+}
+
+fn print_vm(v: &Value) {
+    if v.get("deleted").is_some() {
+        println!("vm {} deleted", v["id"].as_str().unwrap_or("?"));
+        return;
+    }
+    println!("vm {}: {}", v["id"].as_str().unwrap_or("?"), v["status"].as_str().unwrap_or("?"));
+    if let Some(c) = v.get("config") {
+        println!("  vcpus: {}, memory: {} MiB", c["vcpus"], c["memory_mib"]);
+    }
+    if let Some(devs) = v["devices"].as_array() {
+        for d in devs {
+            println!(
+                "  device {}: {} ({})",
+                d["kind"].as_str().unwrap_or("?"),
+                d["location"].as_str().unwrap_or("?"),
+                d["detail"].as_str().unwrap_or("?")
+            );
+        }
+    }
+    if let Some(p) = v["serial_log"].as_str() {
+        println!("  serial log: {p}");
+    }
+}
+
+fn daemon(state_dir: &std::path::Path, socket: &std::path::Path) -> Result<ExitCode> {
+    catch_signals()?;
+    let (d, reconciled) = Daemon::open(state_dir)?;
+    for r in &reconciled {
+        eprintln!(
+            "k7d: reconciled vm {} ({}, daemon pid {:?} is gone): record removed",
+            r.id, r.state, r.daemon_pid
+        );
+    }
+    let d = std::sync::Arc::new(d);
+    let server = Server::start(d.clone(), socket)?;
+    tracing::info!(state_dir = %state_dir.display(), pid = std::process::id(), "k7d daemon ready");
+    while !INTERRUPTED.load(Ordering::SeqCst) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    tracing::info!("signal received: shutting down");
+    server.shutdown();
+    d.shutdown();
+    Ok(ExitCode::SUCCESS)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn run_foreground(
+    guest: &GuestArgs,
+    timeout: Option<f64>,
+    serial_log: Option<PathBuf>,
+    quiet: bool,
+    json_out: bool,
+    process_start: Instant,
+) -> Result<ExitCode> {
+    catch_signals()?;
+    let id = format!("run-{}", std::process::id());
+    let console = !quiet && !json_out;
+    let config = guest.config(Some(id.clone()), console);
+    config.validate()?;
+    // With --json the serial output goes into the JSON, through a temp log.
+    let tmp_log = (json_out && serial_log.is_none()).then(|| std::env::temp_dir().join(format!("k7d-{id}.serial")));
+    let log = serial_log.clone().or_else(|| tmp_log.clone());
+    let mut vm = Vm::new(&id, &config, &VmOptions { serial_log: log.clone() })?;
+    let built = vm.created_at().elapsed();
+    vm.start()?;
+    let started = vm.started_at().unwrap_or_else(Instant::now);
+    let deadline = timeout.map(|t| started + Duration::from_secs_f64(t.max(0.0)));
+    let mut timed_out = false;
+    let reason = loop {
+        if let Some(r) = vm.wait(Duration::from_millis(50)) {
+            break r;
+        }
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            break vm.stop();
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            timed_out = true;
+            break vm.stop();
+        }
+    };
+    let ran = started.elapsed();
+    let first_exit = vm.control().first_exit().map(|f| f.saturating_duration_since(started));
+    let exits = vm.control().exit_count();
+    drop(vm);
+    let serial = tmp_log.as_ref().and_then(|p| {
+        let s = std::fs::read_to_string(p).ok();
+        let _ = std::fs::remove_file(p);
+        s
+    });
+    if json_out {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "ok": reason.is_clean() && !timed_out,
+                "id": id,
+                "guest": config.guest.describe(),
+                "status": format!("stopped ({reason})"),
+                "reason": reason,
+                "timed_out": timed_out,
+                "build_ms": ms(built),
+                "process_start_to_first_exit_ms": first_exit.map(|f| ms(started.duration_since(process_start) + f)),
+                "first_exit_after_start_ms": first_exit.map(ms),
+                "ran_ms": ms(ran),
+                "exits": exits,
+                "serial": serial,
+            }))?
+        );
+    } else {
+        eprintln!(
+            "k7d: vm {id} ({}, {} vCPU, {} MiB) stopped ({reason}){}: built in {:.2} ms, first guest exit {} after start, {} exits, ran {:.1} ms",
+            config.guest.describe(),
+            config.vcpus,
+            config.memory_mib,
+            if timed_out { " after the timeout" } else { "" },
+            ms(built),
+            first_exit.map(|f| format!("{:.3} ms", ms(f))).unwrap_or_else(|| "never".into()),
+            exits,
+            ms(ran),
+        );
+    }
+    Ok(match (&reason, timed_out) {
+        (_, true) => ExitCode::from(2),
+        (r, false) if r.is_clean() => ExitCode::SUCCESS,
+        (StopReason::VcpuError { .. }, _) | (_, false) => ExitCode::FAILURE,
+    })
+}

@@ -1,0 +1,164 @@
+//! The daemon API: lifecycle, records, refusals of bad input, reconcile.
+
+use std::time::Duration;
+
+use k7d_guest::{RESULTS_ADDR, result};
+use k7d_tests::{TestDaemon, wait_for};
+use k7d_vmm::daemon::api::{ErrorCode, Request};
+use k7d_vmm::daemon::store::VmRecord;
+use serde_json::{Value, json};
+
+fn create_line(config: Value, start: bool) -> String {
+    json!({"v": 1, "op": "create", "args": {"config": config, "start": start}}).to_string()
+}
+
+fn record(d: &TestDaemon, id: &str) -> VmRecord {
+    let p = d.dir.0.join(format!("state/vms/{id}.json"));
+    serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
+}
+
+#[test]
+fn lifecycle_is_recorded_and_pause_parks_the_guest() {
+    let d = TestDaemon::start("lifecycle");
+    let mut c = d.client();
+    let cfg = json!({"id": "mw", "memory_mib": 16, "guest": {"kind": "builtin", "name": "memwriter", "args": [4, 2097152, 0]}});
+    let r = c.call_raw(&create_line(cfg, false)).unwrap().into_result().unwrap();
+    assert_eq!(r["status"], "created");
+    assert_eq!(record(&d, "mw").state.to_string(), "created");
+    let r = c.call(&Request::Start("mw".into())).unwrap();
+    assert_eq!(r["status"], "running");
+    assert_eq!(record(&d, "mw").state.to_string(), "running");
+
+    // The guest's loop counter moves while running...
+    let counter = || {
+        let vm = d.daemon.handle(Request::Info("mw".into())).unwrap();
+        assert_eq!(vm["id"], "mw");
+        read_counter(&d)
+    };
+    assert!(wait_for(Duration::from_secs(10), || counter() > 1000), "memwriter never looped");
+    // ...and not at all while paused.
+    let r = c.call(&Request::Pause("mw".into())).unwrap();
+    assert_eq!(r["status"], "paused");
+    assert_eq!(record(&d, "mw").state.to_string(), "paused");
+    let a = counter();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(counter(), a, "the guest ran while paused");
+    let r = c.call(&Request::Resume("mw".into())).unwrap();
+    assert_eq!(r["status"], "running");
+    assert!(wait_for(Duration::from_secs(5), || counter() > a), "the guest did not run after resume");
+
+    // Wrong-state requests are conflicts.
+    let e = c.call(&Request::Start("mw".into())).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Conflict);
+
+    let r = c.call(&Request::Stop("mw".into())).unwrap();
+    assert_eq!(r["status"], "stopped (stop requested)");
+    assert_eq!(record(&d, "mw").state.to_string(), "stopped (stop requested)");
+    let e = c.call(&Request::Pause("mw".into())).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Conflict);
+    c.call(&Request::Delete("mw".into())).unwrap();
+    assert!(d.record_files().is_empty());
+    let e = c.call(&Request::Info("mw".into())).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NotFound);
+}
+
+fn read_counter(d: &TestDaemon) -> u32 {
+    // The daemon is in this process: read the guest RAM the vCPU writes.
+    peek(d, "mw", RESULTS_ADDR + result::LOOP_COUNTER)
+}
+
+fn peek(d: &TestDaemon, id: &str, addr: u64) -> u32 {
+    d.daemon.with_vm(id, |vm| k7d_tests::read_u32(vm, addr)).unwrap()
+}
+
+#[test]
+fn a_guest_that_stops_itself_is_recorded() {
+    let d = TestDaemon::start("selfstop");
+    let mut c = d.client();
+    let cfg = json!({"id": "h", "memory_mib": 8});
+    c.call_raw(&create_line(cfg, true)).unwrap().into_result().unwrap();
+    assert!(wait_for(Duration::from_secs(10), || record(&d, "h").state.to_string()
+        == "stopped (guest reset)"));
+    let info = c.call(&Request::Info("h".into())).unwrap();
+    assert_eq!(info["status"], "stopped (guest reset)");
+    let log = info["serial_log"].as_str().unwrap();
+    assert_eq!(std::fs::read_to_string(log).unwrap(), k7d_guest::HELLO_TEXT);
+    c.call(&Request::Delete("h".into())).unwrap();
+    assert!(!std::path::Path::new(log).exists(), "delete left the serial log behind");
+}
+
+#[test]
+fn bad_input_is_refused_with_one_sentence_and_creates_nothing() {
+    let d = TestDaemon::start("badinput");
+    let mut c = d.client();
+    c.call_raw(&create_line(json!({"id": "taken", "memory_mib": 8, "guest": {"kind": "builtin", "name": "idle"}}), true))
+        .unwrap()
+        .into_result()
+        .unwrap();
+    let fds_before = k7d_tests::open_fds().len();
+    let cases: Vec<(String, ErrorCode, &str)> = vec![
+        ("{this is not json".into(), ErrorCode::BadRequest, "not a valid API envelope"),
+        (r#"{"v":1,"op":"create","args":{"config":{}},"extra":true}"#.into(), ErrorCode::BadRequest, "unknown field `extra`"),
+        (create_line(json!({"memory_mib": 8, "colour": "red"}), false), ErrorCode::InvalidArgument, "unknown field `colour`"),
+        (create_line(json!({"memory_mib": 0}), false), ErrorCode::InvalidArgument, "memory_mib = 0 is out of range"),
+        (create_line(json!({"memory_mib": 1u64 << 40}), false), ErrorCode::InvalidArgument, "is out of range"),
+        (create_line(json!({"vcpus": 0}), false), ErrorCode::InvalidArgument, "vcpus = 0 is out of range"),
+        (create_line(json!({"guest": {"kind": "raw", "path": "/nonexistent/k7d-guest.bin"}}), false), ErrorCode::InvalidArgument, "/nonexistent/k7d-guest.bin cannot be used"),
+        (create_line(json!({"guest": {"kind": "builtin", "name": "doom"}}), false), ErrorCode::InvalidArgument, "unknown built-in guest `doom`"),
+        (create_line(json!({"id": "taken"}), false), ErrorCode::Conflict, "vm taken already exists"),
+        (create_line(json!({"id": "a/b"}), false), ErrorCode::InvalidArgument, "vm id `a/b` is invalid"),
+        (create_line(json!({"id": "../x"}), false), ErrorCode::InvalidArgument, "vm id `../x` is invalid"),
+        (r#"{"v":7,"op":"list"}"#.into(), ErrorCode::UnsupportedVersion, "API version 7 is not supported"),
+        (r#"{"v":1,"op":"info","args":{"id":"ghost"}}"#.into(), ErrorCode::NotFound, "vm ghost does not exist"),
+    ];
+    for (line, code, needle) in cases {
+        let resp = c.call_raw(&line).unwrap();
+        assert!(!resp.ok, "{line} was accepted");
+        let e = resp.error.unwrap();
+        assert_eq!(e.code, code, "{line}: {}", e.message);
+        assert!(e.message.contains(needle), "{line}: {:?} lacks {needle:?}", e.message);
+        let two_sentences = e.message.as_bytes().windows(3).any(|w| w[0] == b'.' && w[1] == b' ' && w[2].is_ascii_uppercase());
+        assert!(!two_sentences && !e.message.contains('\n'), "more than one sentence: {}", e.message);
+    }
+    // Nothing was created: one VM, one record, no new fds; and the connection still works.
+    let list = c.call(&Request::List).unwrap();
+    assert_eq!(list["vms"].as_array().unwrap().len(), 1);
+    assert_eq!(d.record_files(), vec!["taken.json".to_string()]);
+    assert_eq!(k7d_tests::open_fds().len(), fds_before);
+    assert_eq!(c.call(&Request::Info("taken".into())).unwrap()["status"], "running");
+}
+
+#[test]
+fn stale_records_are_reconciled_and_the_state_dir_is_exclusive() {
+    use k7d_vmm::daemon::store::{RECORD_VERSION, RecordStore};
+    let dir = k7d_tests::TempDir::new("reconcile");
+    let state = dir.0.join("state");
+    // Records as a daemon that died would leave them (the crash itself, with
+    // a real `kill -9` of a daemon process, is covered in vmm/tests/cli.rs).
+    let store = RecordStore::open(&state).unwrap();
+    let dead = VmRecord {
+        version: RECORD_VERSION,
+        id: "orphan".into(),
+        config: k7d_tests::builtin("idle", 1, 8, &[]),
+        state: k7d_vmm::VmState::Running,
+        devices: vec![],
+        serial_log: state.join("vms/orphan/serial.log"),
+        daemon_pid: 999_999_999,
+        created_unix: 0,
+    };
+    store.save(&dead).unwrap();
+    std::fs::write(store.runtime_dir("orphan").unwrap().join("serial.log"), b"old").unwrap();
+    std::fs::write(state.join("vms/.orphan.json.tmp.1.2"), b"{").unwrap();
+    let (d, reconciled) = k7d_vmm::daemon::Daemon::open(&state).unwrap();
+    assert_eq!(reconciled.len(), 1);
+    assert_eq!(reconciled[0].id, "orphan");
+    assert_eq!(reconciled[0].state, "running");
+    assert_eq!(reconciled[0].daemon_pid, Some(999_999_999));
+    let left: Vec<_> = std::fs::read_dir(state.join("vms")).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(left.is_empty(), "reconcile left {left:?}");
+    // A second daemon on the same state dir is refused while the first lives.
+    let e = k7d_vmm::daemon::Daemon::open(&state).err().expect("a second daemon was accepted");
+    assert!(e.to_string().contains("another k7d daemon already uses the state directory"), "{e}");
+    drop(d);
+    k7d_vmm::daemon::Daemon::open(&state).expect("the state dir is free again once the daemon is gone");
+}

@@ -1,0 +1,287 @@
+//! VM records persisted under the state directory.
+//!
+//! Layout: `<state>/vms/<id>.json` (the record), `<state>/vms/<id>.lock` (its
+//! lock), `<state>/vms/<id>/` (runtime files: serial log). A write takes the
+//! record's `flock`, writes a temp file with a name no other writer can pick
+//! (pid + process-wide counter, `O_EXCL`), fsyncs it and renames it over the
+//! record: readers see the old or the new record, never half of one, and two
+//! writers never share a temp file.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use crate::config::VmConfig;
+use crate::vstate::vm::{DeviceInfo, VmState};
+
+/// Version of the record format.
+pub const RECORD_VERSION: u32 = 1;
+
+/// What k7d persists about one VM.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmRecord {
+    /// Record format version.
+    pub version: u32,
+    /// VM id.
+    pub id: String,
+    /// The config as accepted.
+    pub config: VmConfig,
+    /// Current state.
+    #[serde(flatten)]
+    pub state: VmState,
+    /// Devices as wired (effective, not requested).
+    pub devices: Vec<DeviceInfo>,
+    /// Serial log path.
+    pub serial_log: PathBuf,
+    /// pid of the daemon that owns the VM.
+    pub daemon_pid: u32,
+    /// Seconds since the epoch at creation.
+    pub created_unix: u64,
+}
+
+/// Errors from the record store.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    /// A filesystem operation failed.
+    #[error("state store: cannot {what} {path}")]
+    Io {
+        /// The operation.
+        what: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A record did not parse.
+    #[error("state store: record {path} is corrupt")]
+    Corrupt {
+        /// The path.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+fn ioerr(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> StoreError {
+    let path = path.to_path_buf();
+    move |source| StoreError::Io { what, path, source }
+}
+
+/// The records of one daemon.
+#[derive(Debug)]
+pub struct RecordStore {
+    dir: PathBuf,
+    seq: AtomicU64,
+}
+
+impl RecordStore {
+    /// Opens (creating) `<state_dir>/vms`.
+    pub fn open(state_dir: &Path) -> Result<Self, StoreError> {
+        let dir = state_dir.join("vms");
+        fs::create_dir_all(&dir).map_err(ioerr("create", &dir))?;
+        Ok(Self {
+            dir,
+            seq: AtomicU64::new(0),
+        })
+    }
+
+    fn json(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.json"))
+    }
+
+    fn lock_path(&self, id: &str) -> PathBuf {
+        self.dir.join(format!("{id}.lock"))
+    }
+
+    /// The runtime directory of a VM (created on demand).
+    pub fn runtime_dir(&self, id: &str) -> Result<PathBuf, StoreError> {
+        let d = self.dir.join(id);
+        fs::create_dir_all(&d).map_err(ioerr("create", &d))?;
+        Ok(d)
+    }
+
+    fn lock(&self, id: &str) -> Result<crate::sys::FileLock, StoreError> {
+        let p = self.lock_path(id);
+        let f = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&p)
+            .map_err(ioerr("open lock", &p))?;
+        crate::sys::flock(f, true).map_err(ioerr("lock", &p))
+    }
+
+    /// Writes `rec` atomically under its lock.
+    pub fn save(&self, rec: &VmRecord) -> Result<(), StoreError> {
+        let _g = self.lock(&rec.id)?;
+        self.write_locked(rec)
+    }
+
+    fn write_locked(&self, rec: &VmRecord) -> Result<(), StoreError> {
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.dir.join(format!(".{}.json.tmp.{}.{n}", rec.id, std::process::id()));
+        let body = serde_json::to_vec_pretty(rec).map_err(|source| StoreError::Corrupt {
+            path: tmp.clone(),
+            source,
+        })?;
+        let res = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&tmp)
+                .map_err(ioerr("create", &tmp))?;
+            f.write_all(&body).map_err(ioerr("write", &tmp))?;
+            f.sync_all().map_err(ioerr("sync", &tmp))?;
+            let dst = self.json(&rec.id);
+            fs::rename(&tmp, &dst).map_err(ioerr("rename into", &dst))
+        })();
+        if res.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        res
+    }
+
+    /// Reads, changes and writes a record under its lock; `Ok(None)` if it is gone.
+    pub fn update(&self, id: &str, f: impl FnOnce(&mut VmRecord)) -> Result<Option<VmRecord>, StoreError> {
+        let _g = self.lock(id)?;
+        let Some(mut rec) = self.load(id)? else {
+            return Ok(None);
+        };
+        f(&mut rec);
+        self.write_locked(&rec)?;
+        Ok(Some(rec))
+    }
+
+    /// Reads one record.
+    pub fn load(&self, id: &str) -> Result<Option<VmRecord>, StoreError> {
+        let p = self.json(id);
+        let data = match fs::read(&p) {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(ioerr("read", &p)(e)),
+        };
+        serde_json::from_slice(&data)
+            .map(Some)
+            .map_err(|source| StoreError::Corrupt { path: p, source })
+    }
+
+    /// Ids of every record on disk.
+    pub fn ids(&self) -> Result<Vec<String>, StoreError> {
+        let mut ids = Vec::new();
+        for e in fs::read_dir(&self.dir).map_err(ioerr("list", &self.dir))? {
+            let e = e.map_err(ioerr("list", &self.dir))?;
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(id) = name.strip_suffix(".json").filter(|n| !n.starts_with('.')) {
+                ids.push(id.to_string());
+            }
+        }
+        ids.sort();
+        Ok(ids)
+    }
+
+    /// Removes a record, its lock and its runtime directory.
+    pub fn remove(&self, id: &str) -> Result<(), StoreError> {
+        {
+            let _g = self.lock(id)?;
+            let p = self.json(id);
+            match fs::remove_file(&p) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(ioerr("remove", &p)(e)),
+            }
+            let d = self.dir.join(id);
+            if d.exists() {
+                fs::remove_dir_all(&d).map_err(ioerr("remove", &d))?;
+            }
+        }
+        let l = self.lock_path(id);
+        let _ = fs::remove_file(&l);
+        Ok(())
+    }
+
+    /// Removes temp files a crashed writer left behind.
+    pub fn sweep_temp_files(&self) -> usize {
+        let mut n = 0;
+        if let Ok(rd) = fs::read_dir(&self.dir) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with('.') && name.contains(".json.tmp.") && fs::remove_file(e.path()).is_ok() {
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    /// The records directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// Opens a file for the exclusive daemon lock of a state directory.
+pub fn open_daemon_lock(state_dir: &Path) -> Result<File, StoreError> {
+    let p = state_dir.join("daemon.lock");
+    OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(ioerr("open", &p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn rec(id: &str, n: u64) -> VmRecord {
+        VmRecord {
+            version: RECORD_VERSION,
+            id: id.into(),
+            config: VmConfig {
+                memory_mib: n,
+                ..Default::default()
+            },
+            state: VmState::Created,
+            devices: vec![],
+            serial_log: PathBuf::from("/dev/null"),
+            daemon_pid: std::process::id(),
+            created_unix: 0,
+        }
+    }
+
+    #[test]
+    fn concurrent_writers_never_collide() {
+        let dir = std::env::temp_dir().join(format!("k7d-store-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let store = Arc::new(RecordStore::open(&dir).unwrap());
+        store.save(&rec("a", 0)).unwrap();
+        let hs: Vec<_> = (0..16)
+            .map(|t| {
+                let s = store.clone();
+                std::thread::spawn(move || {
+                    for i in 0..50 {
+                        s.save(&rec("a", t * 100 + i)).unwrap();
+                        s.update("a", |r| r.config.vcpus = 2).unwrap();
+                        assert!(s.load("a").unwrap().is_some());
+                    }
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        assert_eq!(store.ids().unwrap(), vec!["a".to_string()]);
+        assert_eq!(store.sweep_temp_files(), 0, "a temp file was left behind");
+        store.remove("a").unwrap();
+        assert_eq!(fs::read_dir(store.dir()).unwrap().count(), 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,4 +1,5 @@
-//! The programs themselves, written with iced-x86's `code_asm`.
+//! The programs themselves, written with iced-x86's `code_asm`. Compiled into
+//! `build.rs` (not the library): the build writes each image to `OUT_DIR`.
 //!
 //! Conventions: `cs = ds = es = ss = 0` (the VMM gives DS/ES/SS 4 GiB limits,
 //! "big real mode", so 32-bit addresses reach memory above 1 MiB); strings are
@@ -8,7 +9,7 @@
 use iced_x86::IcedError;
 use iced_x86::code_asm::*;
 
-use crate::{AP_ENTRY_ADDR, Builtin, GuestError, LOAD_ADDR, PARAMS_ADDR, RESULTS_ADDR, param, result};
+use crate::defs::{AP_ENTRY_ADDR, BIOS_IMAGE_SIZE, Builtin, GuestError, HELLO_TEXT, LOAD_ADDR, PARAMS_ADDR, RESULTS_ADDR, param, result};
 
 const COM1: u32 = 0x3f8;
 const BSP_STACK: u32 = 0x7000;
@@ -24,14 +25,6 @@ const MSR_X2APIC_ICR: u32 = 0x830;
 const MSR_X2APIC_LVT_TIMER: u32 = 0x832;
 const MSR_TSC_DEADLINE: u32 = 0x6e0;
 
-/// Size of the `-bios` image built by [`hello_bios_image`].
-pub const BIOS_IMAGE_SIZE: usize = 64 * 1024;
-
-/// The dword `memwriter` stores across page `page` (index from `ARG1`).
-pub fn memwriter_pattern(page: u32) -> u32 {
-    page ^ 0x9e37_79b9
-}
-
 fn params(off: u64) -> u64 {
     PARAMS_ADDR + off
 }
@@ -40,7 +33,7 @@ fn results(off: u64) -> u64 {
     RESULTS_ADDR + off
 }
 
-pub(crate) fn build(which: Builtin) -> Result<Vec<u8>, GuestError> {
+pub fn build(which: Builtin) -> Result<Vec<u8>, GuestError> {
     let name = which.name();
     let wrap = |e: IcedError| GuestError::Assemble {
         name,
@@ -53,6 +46,7 @@ pub(crate) fn build(which: Builtin) -> Result<Vec<u8>, GuestError> {
         Builtin::TscDeadline => tscdeadline().map_err(wrap),
         Builtin::MemWriter => memwriter().map_err(wrap),
         Builtin::Smp => smp().map_err(wrap),
+        Builtin::Fault => fault().map_err(wrap),
     }
 }
 
@@ -112,7 +106,7 @@ fn idle_with_interrupts(a: &mut CodeAssembler) -> Result<(), IcedError> {
 
 fn hello(origin: u64) -> Result<Vec<u8>, IcedError> {
     let mut a = CodeAssembler::new(16)?;
-    print(&mut a, crate::HELLO_TEXT)?;
+    print(&mut a, HELLO_TEXT)?;
     reset(&mut a)?;
     a.assemble(origin)
 }
@@ -378,30 +372,45 @@ fn smp() -> Result<Vec<u8>, IcedError> {
     Ok(img)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_builtin_assembles() {
-        for name in crate::BUILTIN_NAMES {
-            let b = Builtin::from_name(name).unwrap();
-            let img = b.image().unwrap();
-            assert!(!img.is_empty(), "{name} is empty");
-            assert!((LOAD_ADDR as usize + img.len()) < 0x10000, "{name} too large");
-        }
+fn fault() -> Result<Vec<u8>, IcedError> {
+    const GDT: u64 = LOAD_ADDR + 0x200;
+    const GDT_DESC: u64 = LOAD_ADDR + 0x220;
+    const PM32: u64 = LOAD_ADDR + 0x300;
+    const UD2_AT: u64 = PM32 + 0x80;
+    let mut a = CodeAssembler::new(16)?;
+    prologue(&mut a, BSP_STACK)?;
+    print(&mut a, "fault: entering protected mode\n")?;
+    // lgdt [GDT_DESC]
+    a.db(&[0x0f, 0x01, 0x16])?;
+    a.db(&(GDT_DESC as u16).to_le_bytes())?;
+    a.mov(eax, cr0)?;
+    a.or(eax, 1_u32)?;
+    a.mov(cr0, eax)?;
+    // jmp dword 0x08:PM32
+    a.db(&[0x66, 0xea])?;
+    a.db(&(PM32 as u32).to_le_bytes())?;
+    a.db(&[0x08, 0x00])?;
+    let mut img = a.assemble(LOAD_ADDR)?;
+    img.resize((GDT - LOAD_ADDR) as usize, 0xf4);
+    for d in [0_u64, 0x00cf_9a00_0000_ffff, 0x00cf_9200_0000_ffff] {
+        img.extend_from_slice(&d.to_le_bytes());
     }
-
-    #[test]
-    fn bios_image_has_reset_jump() {
-        let img = hello_bios_image().unwrap();
-        assert_eq!(img.len(), BIOS_IMAGE_SIZE);
-        assert_eq!(img[0xfff0], 0xea);
-    }
-
-    #[test]
-    fn unknown_name_is_refused() {
-        let e = Builtin::from_name("nope").unwrap_err().to_string();
-        assert!(e.contains("unknown built-in guest `nope`"), "{e}");
-    }
+    img.resize((GDT_DESC - LOAD_ADDR) as usize, 0);
+    img.extend_from_slice(&23_u16.to_le_bytes());
+    img.extend_from_slice(&(GDT as u32).to_le_bytes());
+    let mut b = CodeAssembler::new(32)?;
+    b.mov(ax, 0x10_u32)?;
+    b.mov(ds, ax)?;
+    b.mov(ss, ax)?;
+    b.mov(esp, BSP_STACK)?;
+    b.push(0x2_u32)?; // eflags
+    b.push(0x08_u32)?; // cs
+    b.push(UD2_AT as u32)?; // eip
+    b.iretd()?;
+    let pm = b.assemble(PM32)?;
+    img.resize((PM32 - LOAD_ADDR) as usize, 0xf4);
+    img.extend_from_slice(&pm);
+    img.resize((UD2_AT - LOAD_ADDR) as usize, 0xf4);
+    img.extend_from_slice(&[0x0f, 0x0b]);
+    Ok(img)
 }

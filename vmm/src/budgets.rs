@@ -21,19 +21,19 @@ pub struct Budget {
 /// `Vm::new` + `Vm::start` → the first vCPU exit of the `hello` guest (64 MiB, 1 vCPU).
 pub const VM_BOOT_TO_FIRST_EXIT: Budget = Budget {
     name: "vm_boot_to_first_exit",
-    limit: Duration::from_millis(10),
+    limit: Duration::from_millis(3),
 };
 
-/// `pause` of a running 1-vCPU VM until every vCPU is parked.
+/// `pause` of a running 1-vCPU VM (busy guest) until every vCPU is parked.
 pub const PAUSE: Budget = Budget {
     name: "pause",
-    limit: Duration::from_millis(4),
+    limit: Duration::from_micros(100),
 };
 
-/// `resume` of a paused VM (until the call returns).
+/// `resume` of a paused VM until the guest runs again (its counter moves).
 pub const RESUME: Budget = Budget {
     name: "resume",
-    limit: Duration::from_millis(1),
+    limit: Duration::from_micros(100),
 };
 
 /// Every budget, for the consistency test.

@@ -160,14 +160,17 @@ impl Vm {
         if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
             tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
         }
+        // Memslots before the irqchip: once KVM has a memslot of its own (the
+        // irqchip adds one), every new slot waits for an SRCU grace period,
+        // ~7 ms on these hosts (see CHALLENGES.md).
+        let ram = GuestRam::new(id, config.memory_bytes())?;
+        ram.register(&vm_fd)?;
         vm_fd.create_irq_chip().map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
         let pit = kvm_pit_config {
             flags: KVM_PIT_SPEAKER_DUMMY,
             ..Default::default()
         };
         vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
-        let ram = GuestRam::new(id, config.memory_bytes())?;
-        ram.register(&vm_fd)?;
 
         let control = Arc::new(VmControl::new(id));
         let (buses, devices) = build_devices(id, &vm_fd, &control, opts, config.serial.console)?;
@@ -388,7 +391,7 @@ impl Drop for Vm {
 fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {
     match spec {
         GuestSpec::Builtin { name, .. } => k7d_guest::Builtin::from_name(name)
-            .and_then(|b| b.image())
+            .map(|b| b.image().to_vec())
             .map_err(|e| VmError::Guest(e.to_string())),
         GuestSpec::Raw { path, .. } => {
             let img = std::fs::read(path).map_err(io(format!("cannot read guest image {}", path.display())))?;

@@ -1,0 +1,111 @@
+//! The latency budgets of `k7d_vmm::budgets`, asserted on real KVM, and the
+//! check that `LATENCY_BUDGETS.md` states the same numbers as the code.
+//!
+//! Timed assertions only hold for optimised builds: in a debug build the
+//! timed tests are ignored (run `cargo test --release`, as CI does).
+
+use std::time::{Duration, Instant};
+
+use k7d_tests::{TempDir, builtin, read_u32};
+use k7d_vmm::budgets::{self, Budget};
+use k7d_vmm::{Vm, VmOptions};
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn check(b: Budget, samples: Vec<Duration>) {
+    let m = median(samples.clone());
+    let max = samples.iter().max().copied().unwrap_or_default();
+    eprintln!("{}: median {:?}, max {:?}, budget {:?}", b.name, m, max, b.limit);
+    assert!(m <= b.limit, "{}: median {m:?} is over the budget {:?}", b.name, b.limit);
+}
+
+#[test]
+#[cfg_attr(debug_assertions, ignore = "latency budgets are for release builds: cargo test --release")]
+fn vm_boot_to_first_exit_is_within_budget() {
+    let dir = TempDir::new("budget-boot");
+    let cfg = builtin("hello", 1, 64, &[]);
+    let samples = (0..21)
+        .map(|i| {
+            let t0 = Instant::now();
+            let mut vm = Vm::new(
+                &format!("b{i}"),
+                &cfg,
+                &VmOptions {
+                    serial_log: Some(dir.0.join("serial.log")),
+                },
+            )
+            .unwrap();
+            vm.start().unwrap();
+            vm.wait(Duration::from_secs(5)).expect("hello stops");
+            vm.control().first_exit().expect("an exit happened").duration_since(t0)
+        })
+        .collect();
+    check(budgets::VM_BOOT_TO_FIRST_EXIT, samples);
+}
+
+#[test]
+#[cfg_attr(debug_assertions, ignore = "latency budgets are for release builds: cargo test --release")]
+fn pause_and_resume_are_within_budget() {
+    let dir = TempDir::new("budget-pause");
+    let mut vm = k7d_tests::boot("p", &builtin("memwriter", 1, 16, &[4, 0x20_0000, 1]), &dir.0.join("s.log"));
+    let counter = |vm: &Vm| read_u32(vm, k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER);
+    assert!(k7d_tests::wait_for(Duration::from_secs(10), || counter(&vm) > 100));
+    let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
+    for _ in 0..51 {
+        std::thread::sleep(Duration::from_millis(2));
+        let t = Instant::now();
+        vm.pause(Duration::from_secs(2)).unwrap();
+        pauses.push(t.elapsed());
+        let c = counter(&vm);
+        std::thread::sleep(Duration::from_millis(1));
+        assert_eq!(counter(&vm), c, "the guest ran while paused");
+        let t = Instant::now();
+        vm.resume().unwrap();
+        // Resumed means the guest runs again: its counter moves.
+        while counter(&vm) == c {
+            assert!(t.elapsed() < Duration::from_secs(2), "the guest did not run after resume");
+            std::hint::spin_loop();
+        }
+        resumes.push(t.elapsed());
+    }
+    vm.stop();
+    check(budgets::PAUSE, pauses);
+    check(budgets::RESUME, resumes);
+}
+
+/// `LATENCY_BUDGETS.md` and `budgets.rs` agree, row by row.
+#[test]
+fn latency_budgets_md_matches_the_code() {
+    let md = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../LATENCY_BUDGETS.md")).unwrap();
+    let mut seen = Vec::new();
+    for line in md.lines() {
+        let cells: Vec<&str> = line.split('|').map(str::trim).collect();
+        if cells.len() < 4 || !cells[1].starts_with('`') {
+            continue;
+        }
+        let name = cells[1].trim_matches('`');
+        let (num, scale) = match cells[2] {
+            c if c.ends_with("µs") => (c.trim_end_matches("µs"), 1e-3),
+            c if c.ends_with("ms") => (c.trim_end_matches("ms"), 1.0),
+            c => panic!("budget cell {c:?} for {name} has no unit (ms or µs)"),
+        };
+        let ms = num.trim().parse::<f64>().unwrap_or_else(|_| panic!("bad budget cell {:?} for {name}", cells[2])) * scale;
+        let b = budgets::ALL
+            .iter()
+            .find(|b| b.name == name)
+            .unwrap_or_else(|| panic!("LATENCY_BUDGETS.md lists `{name}`, budgets.rs does not"));
+        assert_eq!(
+            Duration::from_nanos((ms * 1e6).round() as u64),
+            b.limit,
+            "`{name}`: the markdown says {ms} ms, the code {:?}",
+            b.limit
+        );
+        seen.push(name.to_string());
+    }
+    for b in budgets::ALL {
+        assert!(seen.iter().any(|n| n == b.name), "budgets.rs has `{}`, LATENCY_BUDGETS.md does not", b.name);
+    }
+}

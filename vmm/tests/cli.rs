@@ -1,0 +1,190 @@
+//! The `k7d` binary as users run it: `run`, `check`, and the daemon with the
+//! CLI verbs, including a real crash (`kill -9`) of the daemon and the
+//! reconcile on the next start.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const K7D: &str = env!("CARGO_BIN_EXE_k7d");
+
+fn k7d(args: &[&str]) -> Output {
+    Command::new(K7D).args(args).env_remove("K7D_SOCKET").output().expect("run k7d")
+}
+
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(tag: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("k7d-cli-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        Self(p)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn run_boots_the_embedded_guest() {
+    let o = k7d(&["run"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout {out:?} stderr {err:?}");
+    assert_eq!(out, "Hello from the k7d test guest!\n");
+    assert!(err.contains("stopped (guest reset)"), "{err}");
+    assert!(err.contains("first guest exit"), "{err}");
+}
+
+#[test]
+fn run_json_reports_serial_and_timings() {
+    let o = k7d(&["run", "--json", "--builtin", "smp", "--vcpus", "2", "--timeout", "0.3"]);
+    let (out, err) = text(&o);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
+    assert_eq!(o.status.code(), Some(2), "a timeout exits 2");
+    assert_eq!(v["timed_out"], true);
+    let serial = v["serial"].as_str().unwrap();
+    assert!(serial.contains("smp: AP up") && serial.contains("smp: 2 vCPUs up"), "{serial}");
+    assert!(v["first_exit_after_start_ms"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn an_unrecoverable_exit_is_a_clear_error_naming_vm_vcpu_and_exit() {
+    // The `fault` guest enters protected mode and irets: PVM's emulator
+    // cannot (KVM_EXIT_INTERNAL_ERROR); VMX/SVM run it into a triple fault
+    // (KVM_EXIT_SHUTDOWN). Either way the VM stops with a vCPU error.
+    let o = k7d(&["run", "--builtin", "fault", "--timeout", "20"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let named = err.contains("vcpu 0: KVM_EXIT_INTERNAL_ERROR") || err.contains("vcpu 0: KVM_EXIT_SHUTDOWN");
+    assert!(named, "{err}");
+    assert!(err.contains("stopped (vm run-"), "{err}");
+}
+
+#[test]
+fn bad_kernel_path_is_one_sentence_naming_the_file() {
+    let o = k7d(&["run", "--raw", "/nonexistent/guest.bin"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("/nonexistent/guest.bin cannot be used"), "{err}");
+}
+
+#[test]
+fn check_names_this_hosts_virtualization() {
+    let o = k7d(&["check"]);
+    let (out, _) = text(&o);
+    let expect = if Path::new("/sys/module/kvm_pvm").exists() {
+        "PVM (kvm-pvm"
+    } else if std::fs::read_to_string("/proc/cpuinfo").unwrap().contains(" vmx") {
+        "VMX"
+    } else {
+        "SVM"
+    };
+    let line = out.lines().find(|l| l.contains("virtualization")).expect("virtualization line");
+    assert!(line.contains(expect), "{line}");
+    if expect.starts_with("PVM") {
+        assert!(line.contains("stock Linux guests do not boot"), "{line}");
+    }
+    for item in ["kvm", "dirty-log", "pit2", "tsc-deadline", "tun", "vhost-net", "vhost-vsock", "bpf", "memfd"] {
+        assert!(out.lines().any(|l| l.split_whitespace().nth(1) == Some(item)), "no {item} line in {out}");
+    }
+    assert!(o.status.success(), "this host has everything required: {out}");
+}
+
+struct DaemonProc {
+    child: Child,
+}
+
+impl DaemonProc {
+    fn start(dir: &Path) -> (Self, String) {
+        let mut child = Command::new(K7D)
+            .args(["daemon", "--state-dir"])
+            .arg(dir.join("state"))
+            .arg("--socket")
+            .arg(dir.join("k7d.sock"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        // A killed daemon leaves its socket file: wait until one accepts.
+        while std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).is_err() {
+            assert!(t.elapsed() < Duration::from_secs(10), "daemon did not start");
+            if let Some(st) = child.try_wait().unwrap() {
+                panic!("daemon exited early: {st}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Reconcile messages are printed before the socket appears.
+        let err = String::new();
+        (Self { child }, err)
+    }
+
+    fn stderr_after_exit(mut self) -> String {
+        use std::io::Read;
+        let _ = self.child.wait();
+        let mut s = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            let _ = e.read_to_string(&mut s);
+        }
+        s
+    }
+}
+
+fn cli(dir: &Path, args: &[&str]) -> Output {
+    Command::new(K7D)
+        .arg("--socket")
+        .arg(dir.join("k7d.sock"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn daemon_verbs_and_crash_reconcile() {
+    let dir = Scratch::new("daemon");
+    let (d, _) = DaemonProc::start(&dir.0);
+    let o = cli(&dir.0, &["--json", "create", "--id", "web", "--builtin", "idle", "--memory", "8", "--start"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["status"], "running");
+    let o = cli(&dir.0, &["list"]);
+    let (out, _) = text(&o);
+    assert!(out.lines().any(|l| l.starts_with("web") && l.ends_with("running")), "{out}");
+    let o = cli(&dir.0, &["pause", "web"]);
+    assert!(text(&o).0.contains("vm web: paused"), "{:?}", text(&o));
+    let o = cli(&dir.0, &["info", "web"]);
+    let (out, _) = text(&o);
+    assert!(out.contains("device serial: ttyS0 port 0x3f8 irq 4"), "{out}");
+    // An unknown VM: exit 1 and one sentence.
+    let o = cli(&dir.0, &["info", "nope"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(text(&o).1.trim(), "k7d: vm nope does not exist");
+
+    // Crash the daemon for real: its VM dies with it, the record stays.
+    let pid = d.child.id();
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let _ = d.stderr_after_exit();
+    assert!(dir.0.join("state/vms/web.json").exists());
+
+    let (d2, _) = DaemonProc::start(&dir.0);
+    assert!(!dir.0.join("state/vms/web.json").exists(), "the stale record was not reconciled");
+    let o = cli(&dir.0, &["--json", "list"]);
+    let v: serde_json::Value = serde_json::from_str(&text(&o).0).unwrap();
+    assert!(v["vms"].as_array().unwrap().is_empty());
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(d2.child.id() as i32, libc::SIGTERM) };
+    let err = d2.stderr_after_exit();
+    assert!(err.contains("reconciled vm web (paused, daemon pid"), "{err}");
+    assert!(!dir.0.join("k7d.sock").exists(), "the socket outlived the daemon");
+}

@@ -1,1 +1,70 @@
-//! placeholder
+//! Shared helpers for k7d's benchmarks: timing child processes, medians,
+//! side-by-side tables.
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// The release `k7d` binary (`K7D_BIN` overrides).
+pub fn k7d_bin() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("K7D_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/release/k7d");
+    if !p.exists() {
+        bail!(
+            "{} is missing: build it first with `cargo build --release --bin k7d`",
+            p.display()
+        );
+    }
+    Ok(p)
+}
+
+/// Spawns `cmd` and returns the time from spawn to the first byte on its stdout
+/// (then waits for it to exit, killing it after `grace`).
+pub fn time_to_first_stdout_byte(cmd: &mut Command, grace: Duration) -> Result<Duration> {
+    let t0 = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("cannot start {cmd:?}"))?;
+    let mut out = child.stdout.take().context("no stdout")?;
+    let mut b = [0u8; 1];
+    let n = out.read(&mut b).context("reading the child's stdout")?;
+    let dt = t0.elapsed();
+    if n == 0 {
+        let _ = child.kill();
+        let _ = child.wait();
+        bail!("{cmd:?} printed nothing");
+    }
+    let deadline = Instant::now() + grace;
+    loop {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(dt)
+}
+
+/// Median, minimum and maximum.
+pub fn stats(v: &[Duration]) -> (Duration, Duration, Duration) {
+    let mut s = v.to_vec();
+    s.sort();
+    (s[s.len() / 2], s[0], s[s.len() - 1])
+}
+
+/// Milliseconds with 2 decimals.
+pub fn ms(d: Duration) -> String {
+    format!("{:.2} ms", d.as_secs_f64() * 1000.0)
+}

@@ -60,12 +60,15 @@ impl Bus {
 
     /// Places `dev` at `[base, base + len)`.
     pub fn insert(&mut self, base: u64, len: u64, dev: SharedDevice) -> Result<(), BusError> {
-        let end = base.checked_add(len).filter(|_| len > 0).ok_or(BusError::BadRange { base, len })?;
+        let end = base
+            .checked_add(len)
+            .filter(|_| len > 0)
+            .ok_or(BusError::BadRange { base, len })?;
         let before = self.ranges.range(..end).next_back();
-        if let Some((b, e)) = before {
-            if b + e.len > base {
-                return Err(BusError::Overlap { base, len });
-            }
+        if let Some((b, e)) = before
+            && b + e.len > base
+        {
+            return Err(BusError::Overlap { base, len });
         }
         self.ranges.insert(base, Entry { len, dev });
         Ok(())
@@ -125,10 +128,19 @@ mod tests {
         let mut bus = Bus::new();
         let d: SharedDevice = Arc::new(Mutex::new(Rec(vec![])));
         bus.insert(0x3f8, 8, d.clone()).unwrap();
-        assert_eq!(bus.insert(0x3fc, 8, d.clone()), Err(BusError::Overlap { base: 0x3fc, len: 8 }));
-        assert_eq!(bus.insert(0x3f0, 9, d.clone()), Err(BusError::Overlap { base: 0x3f0, len: 9 }));
+        assert_eq!(
+            bus.insert(0x3fc, 8, d.clone()),
+            Err(BusError::Overlap { base: 0x3fc, len: 8 })
+        );
+        assert_eq!(
+            bus.insert(0x3f0, 9, d.clone()),
+            Err(BusError::Overlap { base: 0x3f0, len: 9 })
+        );
         bus.insert(0x3f0, 8, d.clone()).unwrap();
-        assert!(matches!(bus.insert(u64::MAX, 2, d.clone()), Err(BusError::BadRange { .. })));
+        assert!(matches!(
+            bus.insert(u64::MAX, 2, d.clone()),
+            Err(BusError::BadRange { .. })
+        ));
         let mut b = [0u8; 1];
         assert!(bus.read(0x3fd, &mut b));
         assert_eq!(b[0], 5);

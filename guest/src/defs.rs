@@ -5,7 +5,6 @@
 
 use thiserror::Error;
 
-
 /// Where a program is loaded and where the BSP starts (`cs = 0`).
 pub const LOAD_ADDR: u64 = 0x8000;
 /// Where the AP starts after INIT/SIPI (vector `AP_ENTRY_ADDR >> 12`).
@@ -125,7 +124,6 @@ impl Builtin {
             _ => 1,
         }
     }
-
 }
 
 /// The dword `memwriter` stores across page `page` (index from `ARG1`).

@@ -9,7 +9,10 @@
 use iced_x86::IcedError;
 use iced_x86::code_asm::*;
 
-use crate::defs::{AP_ENTRY_ADDR, BIOS_IMAGE_SIZE, Builtin, GuestError, HELLO_TEXT, LOAD_ADDR, PARAMS_ADDR, RESULTS_ADDR, param, result};
+use crate::defs::{
+    AP_ENTRY_ADDR, BIOS_IMAGE_SIZE, Builtin, GuestError, HELLO_TEXT, LOAD_ADDR, PARAMS_ADDR, RESULTS_ADDR, param,
+    result,
+};
 
 const COM1: u32 = 0x3f8;
 const BSP_STACK: u32 = 0x7000;

@@ -82,7 +82,6 @@ pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
-
 /// A daemon served in this process on a socket in a scratch directory.
 pub struct TestDaemon {
     /// The daemon.
@@ -130,7 +129,11 @@ impl TestDaemon {
     /// Every entry under `state/vms` (records, locks, runtime dirs, temp files).
     pub fn state_entries(&self) -> Vec<String> {
         std::fs::read_dir(self.dir.0.join("state/vms"))
-            .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
             .unwrap_or_default()
     }
 }

@@ -19,11 +19,19 @@ fn check(b: Budget, samples: Vec<Duration>) {
     let m = median(samples.clone());
     let max = samples.iter().max().copied().unwrap_or_default();
     eprintln!("{}: median {:?}, max {:?}, budget {:?}", b.name, m, max, b.limit);
-    assert!(m <= b.limit, "{}: median {m:?} is over the budget {:?}", b.name, b.limit);
+    assert!(
+        m <= b.limit,
+        "{}: median {m:?} is over the budget {:?}",
+        b.name,
+        b.limit
+    );
 }
 
 #[test]
-#[cfg_attr(debug_assertions, ignore = "latency budgets are for release builds: cargo test --release")]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "latency budgets are for release builds: cargo test --release"
+)]
 fn vm_boot_to_first_exit_is_within_budget() {
     let dir = TempDir::new("budget-boot");
     let cfg = builtin("hello", 1, 64, &[]);
@@ -47,10 +55,17 @@ fn vm_boot_to_first_exit_is_within_budget() {
 }
 
 #[test]
-#[cfg_attr(debug_assertions, ignore = "latency budgets are for release builds: cargo test --release")]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "latency budgets are for release builds: cargo test --release"
+)]
 fn pause_and_resume_are_within_budget() {
     let dir = TempDir::new("budget-pause");
-    let mut vm = k7d_tests::boot("p", &builtin("memwriter", 1, 16, &[4, 0x20_0000, 1]), &dir.0.join("s.log"));
+    let mut vm = k7d_tests::boot(
+        "p",
+        &builtin("memwriter", 1, 16, &[4, 0x20_0000, 1]),
+        &dir.0.join("s.log"),
+    );
     let counter = |vm: &Vm| read_u32(vm, k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER);
     assert!(k7d_tests::wait_for(Duration::from_secs(10), || counter(&vm) > 100));
     let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
@@ -66,7 +81,10 @@ fn pause_and_resume_are_within_budget() {
         vm.resume().unwrap();
         // Resumed means the guest runs again: its counter moves.
         while counter(&vm) == c {
-            assert!(t.elapsed() < Duration::from_secs(2), "the guest did not run after resume");
+            assert!(
+                t.elapsed() < Duration::from_secs(2),
+                "the guest did not run after resume"
+            );
             std::hint::spin_loop();
         }
         resumes.push(t.elapsed());
@@ -92,7 +110,11 @@ fn latency_budgets_md_matches_the_code() {
             c if c.ends_with("ms") => (c.trim_end_matches("ms"), 1.0),
             c => panic!("budget cell {c:?} for {name} has no unit (ms or µs)"),
         };
-        let ms = num.trim().parse::<f64>().unwrap_or_else(|_| panic!("bad budget cell {:?} for {name}", cells[2])) * scale;
+        let ms = num
+            .trim()
+            .parse::<f64>()
+            .unwrap_or_else(|_| panic!("bad budget cell {:?} for {name}", cells[2]))
+            * scale;
         let b = budgets::ALL
             .iter()
             .find(|b| b.name == name)
@@ -106,6 +128,10 @@ fn latency_budgets_md_matches_the_code() {
         seen.push(name.to_string());
     }
     for b in budgets::ALL {
-        assert!(seen.iter().any(|n| n == b.name), "budgets.rs has `{}`, LATENCY_BUDGETS.md does not", b.name);
+        assert!(
+            seen.iter().any(|n| n == b.name),
+            "budgets.rs has `{}`, LATENCY_BUDGETS.md does not",
+            b.name
+        );
     }
 }

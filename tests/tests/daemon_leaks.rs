@@ -23,13 +23,19 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
             start: true,
         })
         .unwrap();
-        let id = c.call(&Request::List).unwrap()["vms"][0]["id"].as_str().unwrap().to_string();
+        let id = c.call(&Request::List).unwrap()["vms"][0]["id"]
+            .as_str()
+            .unwrap()
+            .to_string();
         c.call(&Request::Delete(id)).unwrap();
     }
-    assert!(wait_for(Duration::from_secs(5), || !k7d_tests::vm_threads_alive()));
+    assert!(wait_for(Duration::from_secs(5), || { !k7d_tests::vm_threads_alive() }));
     let fds0 = open_fds();
     let threads0 = thread_count();
-    assert!(fds0.iter().all(|f| !f.contains("memfd:k7d-ram")), "baseline holds a memfd: {fds0:?}");
+    assert!(
+        fds0.iter().all(|f| !f.contains("memfd:k7d-ram")),
+        "baseline holds a memfd: {fds0:?}"
+    );
 
     let sock = d.dir.0.join("k7d.sock");
     let creators: Vec<_> = (0..N)
@@ -39,7 +45,11 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
                 let mut c = k7d_vmm::daemon::client::Client::connect(&sock).unwrap();
                 let mut cfg = k7d_tests::builtin("idle", 1, 8, &[]);
                 cfg.id = Some(format!("vm{i:02}"));
-                c.call(&Request::Create { config: cfg, start: true }).unwrap()
+                c.call(&Request::Create {
+                    config: cfg,
+                    start: true,
+                })
+                .unwrap()
             })
         })
         .collect();
@@ -71,7 +81,9 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
         h.join().unwrap();
     }
     // Connection threads leave when their clients hang up: give them a moment.
-    let settled = wait_for(Duration::from_secs(5), || thread_count() == threads0 && open_fds().len() == fds0.len());
+    let settled = wait_for(Duration::from_secs(5), || {
+        thread_count() == threads0 && open_fds().len() == fds0.len()
+    });
     let fds1 = open_fds();
     assert!(
         settled,
@@ -79,9 +91,25 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
         threads0,
         thread_count()
     );
-    assert!(fds1.iter().all(|f| !f.contains("memfd:k7d-ram")), "a memfd survived: {fds1:?}");
-    assert!(!k7d_tests::vm_threads_alive(), "threads left: {:?}", k7d_tests::thread_names());
-    assert!(fds1.iter().all(|f| !f.contains("anon_inode:kvm-vm") && !f.contains("kvm-vcpu")), "{fds1:?}");
+    assert!(
+        fds1.iter().all(|f| !f.contains("memfd:k7d-ram")),
+        "a memfd survived: {fds1:?}"
+    );
+    assert!(
+        !k7d_tests::vm_threads_alive(),
+        "threads left: {:?}",
+        k7d_tests::thread_names()
+    );
+    assert!(
+        fds1.iter()
+            .all(|f| !f.contains("anon_inode:kvm-vm") && !f.contains("kvm-vcpu")),
+        "{fds1:?}"
+    );
     assert!(d.state_entries().is_empty(), "state dir holds {:?}", d.state_entries());
-    assert!(d.client().call(&Request::List).unwrap()["vms"].as_array().unwrap().is_empty());
+    assert!(
+        d.client().call(&Request::List).unwrap()["vms"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
 }

@@ -13,7 +13,9 @@ fn hello_prints_and_resets() {
     let dir = TempDir::new("hello");
     let log = dir.0.join("serial.log");
     let vm = boot("hello", &builtin("hello", 1, 16, &[]), &log);
-    let reason = vm.wait(Duration::from_secs(10)).expect("hello did not stop within 10 s");
+    let reason = vm
+        .wait(Duration::from_secs(10))
+        .expect("hello did not stop within 10 s");
     assert_eq!(reason, StopReason::GuestReset);
     assert_eq!(std::fs::read_to_string(&log).unwrap(), HELLO_TEXT);
 }
@@ -24,7 +26,9 @@ fn ticks_over(name: &str, vcpus: u8, counters: &[u64], wall: Duration) -> Vec<u3
     let mut vm = boot(name, &builtin(name, vcpus, 16, &[]), &log);
     // Wait for the first tick of every counter, then measure over `wall`.
     assert!(
-        wait_for(Duration::from_secs(10), || counters.iter().all(|c| read_u32(&vm, RESULTS_ADDR + c) > 0)),
+        wait_for(Duration::from_secs(10), || counters
+            .iter()
+            .all(|c| read_u32(&vm, RESULTS_ADDR + c) > 0)),
         "{name}: no tick within 10 s; serial: {:?}",
         std::fs::read_to_string(&log)
     );
@@ -70,7 +74,9 @@ fn smp_both_vcpus_report_and_tick() {
     let log = dir.0.join("serial.log");
     let mut vm = boot("smp", &builtin("smp", 2, 16, &[]), &log);
     let up = wait_for(Duration::from_secs(10), || {
-        std::fs::read_to_string(&log).unwrap_or_default().contains("smp: 2 vCPUs up")
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("smp: 2 vCPUs up")
     });
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(up, "smp did not report both vCPUs; serial: {text:?}");
@@ -78,7 +84,10 @@ fn smp_both_vcpus_report_and_tick() {
     assert!(text.contains("smp: AP up\n"), "{text:?}");
     assert_eq!(read_u32(&vm, RESULTS_ADDR + result::AP_UP), 1);
     assert!(
-        wait_for(Duration::from_secs(5), || read_u32(&vm, RESULTS_ADDR + result::BSP_TICKS) > 10
+        wait_for(Duration::from_secs(5), || read_u32(
+            &vm,
+            RESULTS_ADDR + result::BSP_TICKS
+        ) > 10
             && read_u32(&vm, RESULTS_ADDR + result::AP_TICKS) > 10),
         "timers did not tick on both vCPUs"
     );
@@ -93,21 +102,31 @@ fn memwriter_pattern_reads_back_from_the_memfd() {
     let log = dir.0.join("serial.log");
     let mut vm = boot("memwriter", &builtin("memwriter", 1, 16, &[PAGES, BASE, 0]), &log);
     assert!(
-        wait_for(Duration::from_secs(20), || read_u32(&vm, RESULTS_ADDR + result::PATTERN_DONE) == 1),
+        wait_for(Duration::from_secs(20), || read_u32(
+            &vm,
+            RESULTS_ADDR + result::PATTERN_DONE
+        ) == 1),
         "memwriter did not finish; serial: {:?}",
         std::fs::read_to_string(&log)
     );
     let c0 = read_u32(&vm, RESULTS_ADDR + result::LOOP_COUNTER);
-    assert!(wait_for(Duration::from_secs(5), || read_u32(&vm, RESULTS_ADDR + result::LOOP_COUNTER) > c0));
+    assert!(wait_for(Duration::from_secs(5), || read_u32(
+        &vm,
+        RESULTS_ADDR + result::LOOP_COUNTER
+    ) > c0));
     vm.stop();
     // Read through the memfd itself, not the mapping the guest used.
     let mut page = vec![0u8; 4096];
     for i in 0..PAGES {
-        vm.memfd().read_exact_at(&mut page, u64::from(BASE) + u64::from(i) * 4096).unwrap();
+        vm.memfd()
+            .read_exact_at(&mut page, u64::from(BASE) + u64::from(i) * 4096)
+            .unwrap();
         let want = memwriter_pattern(i).to_le_bytes();
         assert!(page.chunks(4).all(|d| d == want), "page {i} does not hold the pattern");
     }
     // The page after the last is untouched.
-    vm.memfd().read_exact_at(&mut page, u64::from(BASE) + u64::from(PAGES) * 4096).unwrap();
+    vm.memfd()
+        .read_exact_at(&mut page, u64::from(BASE) + u64::from(PAGES) * 4096)
+        .unwrap();
     assert!(page.iter().all(|&b| b == 0));
 }

@@ -125,7 +125,11 @@ pub fn run() -> Vec<Item> {
             out.push(if v == 12 {
                 item("kvm", Level::Ok, "/dev/kvm opens, KVM API version 12")
             } else {
-                item("kvm", Level::Fail, format!("KVM API version is {v}, k7d needs 12; use a newer host kernel"))
+                item(
+                    "kvm",
+                    Level::Fail,
+                    format!("KVM API version is {v}, k7d needs 12; use a newer host kernel"),
+                )
             });
             Some(k)
         }
@@ -133,13 +137,19 @@ pub fn run() -> Vec<Item> {
             out.push(item(
                 "kvm",
                 Level::Fail,
-                format!("/dev/kvm cannot be opened ({e}): load kvm-intel or kvm-amd and run k7d as root or in the kvm group"),
+                format!(
+                    "/dev/kvm cannot be opened ({e}): load kvm-intel or kvm-amd and run k7d as root or in the kvm group"
+                ),
             ));
             None
         }
     };
     out.push(match virt() {
-        Virt::Vmx => item("virtualization", Level::Ok, "VMX (Intel VT-x): any x86-64 Linux guest boots"),
+        Virt::Vmx => item(
+            "virtualization",
+            Level::Ok,
+            "VMX (Intel VT-x): any x86-64 Linux guest boots",
+        ),
         Virt::Svm => item("virtualization", Level::Ok, "SVM (AMD-V): any x86-64 Linux guest boots"),
         Virt::Pvm => item(
             "virtualization",
@@ -158,12 +168,25 @@ pub fn run() -> Vec<Item> {
             if k.check_extension(c) {
                 item(name, Level::Ok, format!("{what} supported"))
             } else if required {
-                item(name, Level::Fail, format!("{what} missing: k7d needs it; use a host kernel with it"))
+                item(
+                    name,
+                    Level::Fail,
+                    format!("{what} missing: k7d needs it; use a host kernel with it"),
+                )
             } else {
-                item(name, Level::Warn, format!("{what} missing: the features that use it are off"))
+                item(
+                    name,
+                    Level::Warn,
+                    format!("{what} missing: the features that use it are off"),
+                )
             }
         };
-        out.push(cap("irqchip", Cap::Irqchip, true, "in-kernel irqchip (KVM_CAP_IRQCHIP)"));
+        out.push(cap(
+            "irqchip",
+            Cap::Irqchip,
+            true,
+            "in-kernel irqchip (KVM_CAP_IRQCHIP)",
+        ));
         out.push(cap("pit2", Cap::Pit2, true, "in-kernel PIT (KVM_CAP_PIT2)"));
         let manual = k.check_extension_raw(kvm_bindings::KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into()) > 0;
         let ring = k.check_extension(Cap::DirtyLogRing);
@@ -176,12 +199,21 @@ pub fn run() -> Vec<Item> {
                 if ring { "yes" } else { "no" }
             ),
         ));
-        out.push(cap("tsc-deadline", Cap::TscDeadlineTimer, false, "TSC-deadline timer (KVM_CAP_TSC_DEADLINE_TIMER)"));
+        out.push(cap(
+            "tsc-deadline",
+            Cap::TscDeadlineTimer,
+            false,
+            "TSC-deadline timer (KVM_CAP_TSC_DEADLINE_TIMER)",
+        ));
         out.push(cap("irqfd", Cap::Irqfd, true, "irqfd (KVM_CAP_IRQFD)"));
     }
     out.push(match crate::sys::memfd("k7d-check", 1 << 20) {
         Ok(_) => item("memfd", Level::Ok, "memfd_create works (guest RAM is one memfd)"),
-        Err(e) => item("memfd", Level::Fail, format!("memfd_create failed ({e}): k7d needs Linux >= 3.17 with memfd")),
+        Err(e) => item(
+            "memfd",
+            Level::Fail,
+            format!("memfd_create failed ({e}): k7d needs Linux >= 3.17 with memfd"),
+        ),
     });
     out.push(dev_item(
         "tun",

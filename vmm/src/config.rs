@@ -117,7 +117,9 @@ impl Default for VmConfig {
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ConfigError {
     /// Bad id.
-    #[error("vm id `{0}` is invalid: use 1-63 letters, digits, `_`, `.` or `-`, starting with a letter or digit and without `..`")]
+    #[error(
+        "vm id `{0}` is invalid: use 1-63 letters, digits, `_`, `.` or `-`, starting with a letter or digit and without `..`"
+    )]
     BadId(String),
     /// vcpus out of range.
     #[error("vcpus = {0} is out of range: a VM needs 1 to {MAX_VCPUS} vCPUs")]
@@ -150,9 +152,15 @@ pub fn validate_id(id: &str) -> Result<(), ConfigError> {
     let ok = !id.is_empty()
         && id.len() <= 63
         && id.as_bytes()[0].is_ascii_alphanumeric()
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
         && !id.contains("..");
-    if ok { Ok(()) } else { Err(ConfigError::BadId(id.to_string())) }
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::BadId(id.to_string()))
+    }
 }
 
 impl VmConfig {

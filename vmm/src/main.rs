@@ -10,10 +10,10 @@ use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 
 use k7d_vmm::config::{GuestSpec, SerialConfig, VmConfig};
+use k7d_vmm::daemon::Daemon;
 use k7d_vmm::daemon::api::{ApiError, Request};
 use k7d_vmm::daemon::client::Client;
 use k7d_vmm::daemon::server::Server;
-use k7d_vmm::daemon::Daemon;
 use k7d_vmm::{StopReason, Vm, VmOptions, check};
 
 /// Default API socket.
@@ -22,7 +22,11 @@ const DEFAULT_SOCKET: &str = "/run/k7d/k7d.sock";
 const DEFAULT_STATE_DIR: &str = "/run/k7d/state";
 
 #[derive(Parser)]
-#[command(name = "k7d", version, about = "k7d: light VMs for secure containers and forkable RL rollouts")]
+#[command(
+    name = "k7d",
+    version,
+    about = "k7d: light VMs for secure containers and forkable RL rollouts"
+)]
 struct Cli {
     /// Print machine-readable JSON instead of text.
     #[arg(long, global = true)]
@@ -188,7 +192,10 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             init_logs("warn");
             let items = check::run();
             if cli.json {
-                println!("{}", serde_json::to_string_pretty(&json!({"items": items, "ready": !check::failed(&items)}))?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({"items": items, "ready": !check::failed(&items)}))?
+                );
             } else {
                 for i in &items {
                     let tag = match i.level {
@@ -200,7 +207,11 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                     println!("{tag} {:<15} {}", i.name, i.detail);
                 }
             }
-            Ok(if check::failed(&items) { ExitCode::FAILURE } else { ExitCode::SUCCESS })
+            Ok(if check::failed(&items) {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            })
         }
         cmd => {
             init_logs("warn");
@@ -271,7 +282,11 @@ fn print_vm(v: &Value) {
         println!("vm {} deleted", v["id"].as_str().unwrap_or("?"));
         return;
     }
-    println!("vm {}: {}", v["id"].as_str().unwrap_or("?"), v["status"].as_str().unwrap_or("?"));
+    println!(
+        "vm {}: {}",
+        v["id"].as_str().unwrap_or("?"),
+        v["status"].as_str().unwrap_or("?")
+    );
     if let Some(c) = v.get("config") {
         println!("  vcpus: {}, memory: {} MiB", c["vcpus"], c["memory_mib"]);
     }
@@ -331,7 +346,13 @@ fn run_foreground(
     // With --json the serial output goes into the JSON, through a temp log.
     let tmp_log = (json_out && serial_log.is_none()).then(|| std::env::temp_dir().join(format!("k7d-{id}.serial")));
     let log = serial_log.clone().or_else(|| tmp_log.clone());
-    let mut vm = Vm::new(&id, &config, &VmOptions { serial_log: log.clone() })?;
+    let mut vm = Vm::new(
+        &id,
+        &config,
+        &VmOptions {
+            serial_log: log.clone(),
+        },
+    )?;
     let built = vm.created_at().elapsed();
     vm.start()?;
     let started = vm.started_at().unwrap_or_else(Instant::now);
@@ -384,7 +405,9 @@ fn run_foreground(
             config.memory_mib,
             if timed_out { " after the timeout" } else { "" },
             ms(built),
-            first_exit.map(|f| format!("{:.3} ms", ms(f))).unwrap_or_else(|| "never".into()),
+            first_exit
+                .map(|f| format!("{:.3} ms", ms(f)))
+                .unwrap_or_else(|| "never".into()),
             exits,
             ms(ran),
         );

@@ -10,7 +10,8 @@ use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// Creates an anonymous memory file (`memfd_create`, close-on-exec) of `size` bytes.
 pub fn memfd(name: &str, size: u64) -> io::Result<File> {
-    let cname = CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "memfd name has a NUL byte"))?;
+    let cname =
+        CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "memfd name has a NUL byte"))?;
     // SAFETY: `cname` is a valid NUL-terminated string; the flags are valid.
     let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
@@ -47,9 +48,8 @@ extern "C" fn on_kick(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_v
 /// Installs the kick-signal handler once per process.
 pub fn install_kick_handler() -> io::Result<()> {
     static DONE: OnceLock<Result<(), i32>> = OnceLock::new();
-    let r = DONE.get_or_init(|| {
-        vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick).map_err(|e| e.errno())
-    });
+    let r = DONE
+        .get_or_init(|| vmm_sys_util::signal::register_signal_handler(kick_signal(), on_kick).map_err(|e| e.errno()));
     r.map_err(io::Error::from_raw_os_error)
 }
 

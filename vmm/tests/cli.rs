@@ -9,11 +9,18 @@ use std::time::{Duration, Instant};
 const K7D: &str = env!("CARGO_BIN_EXE_k7d");
 
 fn k7d(args: &[&str]) -> Output {
-    Command::new(K7D).args(args).env_remove("K7D_SOCKET").output().expect("run k7d")
+    Command::new(K7D)
+        .args(args)
+        .env_remove("K7D_SOCKET")
+        .output()
+        .expect("run k7d")
 }
 
 fn text(o: &Output) -> (String, String) {
-    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
 }
 
 struct Scratch(PathBuf);
@@ -51,7 +58,10 @@ fn run_json_reports_serial_and_timings() {
     assert_eq!(o.status.code(), Some(2), "a timeout exits 2");
     assert_eq!(v["timed_out"], true);
     let serial = v["serial"].as_str().unwrap();
-    assert!(serial.contains("smp: AP up") && serial.contains("smp: 2 vCPUs up"), "{serial}");
+    assert!(
+        serial.contains("smp: AP up") && serial.contains("smp: 2 vCPUs up"),
+        "{serial}"
+    );
     assert!(v["first_exit_after_start_ms"].as_f64().unwrap() > 0.0);
 }
 
@@ -88,13 +98,29 @@ fn check_names_this_hosts_virtualization() {
     } else {
         "SVM"
     };
-    let line = out.lines().find(|l| l.contains("virtualization")).expect("virtualization line");
+    let line = out
+        .lines()
+        .find(|l| l.contains("virtualization"))
+        .expect("virtualization line");
     assert!(line.contains(expect), "{line}");
     if expect.starts_with("PVM") {
         assert!(line.contains("stock Linux guests do not boot"), "{line}");
     }
-    for item in ["kvm", "dirty-log", "pit2", "tsc-deadline", "tun", "vhost-net", "vhost-vsock", "bpf", "memfd"] {
-        assert!(out.lines().any(|l| l.split_whitespace().nth(1) == Some(item)), "no {item} line in {out}");
+    for item in [
+        "kvm",
+        "dirty-log",
+        "pit2",
+        "tsc-deadline",
+        "tun",
+        "vhost-net",
+        "vhost-vsock",
+        "bpf",
+        "memfd",
+    ] {
+        assert!(
+            out.lines().any(|l| l.split_whitespace().nth(1) == Some(item)),
+            "no {item} line in {out}"
+        );
     }
     assert!(o.status.success(), "this host has everything required: {out}");
 }
@@ -152,14 +178,30 @@ fn cli(dir: &Path, args: &[&str]) -> Output {
 fn daemon_verbs_and_crash_reconcile() {
     let dir = Scratch::new("daemon");
     let (d, _) = DaemonProc::start(&dir.0);
-    let o = cli(&dir.0, &["--json", "create", "--id", "web", "--builtin", "idle", "--memory", "8", "--start"]);
+    let o = cli(
+        &dir.0,
+        &[
+            "--json",
+            "create",
+            "--id",
+            "web",
+            "--builtin",
+            "idle",
+            "--memory",
+            "8",
+            "--start",
+        ],
+    );
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out} {err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["status"], "running");
     let o = cli(&dir.0, &["list"]);
     let (out, _) = text(&o);
-    assert!(out.lines().any(|l| l.starts_with("web") && l.ends_with("running")), "{out}");
+    assert!(
+        out.lines().any(|l| l.starts_with("web") && l.ends_with("running")),
+        "{out}"
+    );
     let o = cli(&dir.0, &["pause", "web"]);
     assert!(text(&o).0.contains("vm web: paused"), "{:?}", text(&o));
     let o = cli(&dir.0, &["info", "web"]);
@@ -178,7 +220,10 @@ fn daemon_verbs_and_crash_reconcile() {
     assert!(dir.0.join("state/vms/web.json").exists());
 
     let (d2, _) = DaemonProc::start(&dir.0);
-    assert!(!dir.0.join("state/vms/web.json").exists(), "the stale record was not reconciled");
+    assert!(
+        !dir.0.join("state/vms/web.json").exists(),
+        "the stale record was not reconciled"
+    );
     let o = cli(&dir.0, &["--json", "list"]);
     let v: serde_json::Value = serde_json::from_str(&text(&o).0).unwrap();
     assert!(v["vms"].as_array().unwrap().is_empty());

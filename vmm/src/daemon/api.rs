@@ -130,7 +130,10 @@ impl Response {
         match (self.ok, self.result, self.error) {
             (true, r, _) => Ok(r.unwrap_or(Value::Null)),
             (false, _, Some(e)) => Err(e),
-            (false, _, None) => Err(ApiError::new(ErrorCode::Internal, "the daemon failed without saying why")),
+            (false, _, None) => Err(ApiError::new(
+                ErrorCode::Internal,
+                "the daemon failed without saying why",
+            )),
         }
     }
 }
@@ -169,7 +172,10 @@ pub fn parse_request(line: &str) -> Result<Request, ApiError> {
     if env.v != API_VERSION {
         return Err(ApiError::new(
             ErrorCode::UnsupportedVersion,
-            format!("API version {} is not supported; this daemon speaks version {API_VERSION}", env.v),
+            format!(
+                "API version {} is not supported; this daemon speaks version {API_VERSION}",
+                env.v
+            ),
         ));
     }
     let args = env.args.unwrap_or(Value::Object(Default::default()));
@@ -203,7 +209,10 @@ pub fn parse_request(line: &str) -> Result<Request, ApiError> {
         "info" => Request::Info(id(args)?),
         "list" | "version" => {
             if args.as_object().is_some_and(|o| !o.is_empty()) {
-                return Err(ApiError::new(ErrorCode::InvalidArgument, format!("`{op}` takes no arguments")));
+                return Err(ApiError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("`{op}` takes no arguments"),
+                ));
             }
             if op == "list" { Request::List } else { Request::Version }
         }
@@ -255,8 +264,14 @@ mod tests {
         assert_eq!(code("{nope"), ErrorCode::BadRequest);
         assert_eq!(code(r#"{"v":2,"op":"list"}"#), ErrorCode::UnsupportedVersion);
         assert_eq!(code(r#"{"v":1,"op":"list","extra":1}"#), ErrorCode::BadRequest);
-        assert_eq!(code(r#"{"v":1,"op":"info","args":{"id":"../x"}}"#), ErrorCode::InvalidArgument);
-        assert_eq!(code(r#"{"v":1,"op":"info","args":{"id":"a","b":1}}"#), ErrorCode::InvalidArgument);
+        assert_eq!(
+            code(r#"{"v":1,"op":"info","args":{"id":"../x"}}"#),
+            ErrorCode::InvalidArgument
+        );
+        assert_eq!(
+            code(r#"{"v":1,"op":"info","args":{"id":"a","b":1}}"#),
+            ErrorCode::InvalidArgument
+        );
         assert_eq!(code(r#"{"v":1,"op":"explode"}"#), ErrorCode::BadRequest);
     }
 }

@@ -94,7 +94,10 @@ fn lock_vm(vm: &Arc<Mutex<Vm>>) -> MutexGuard<'_, Vm> {
 }
 
 fn now_unix() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 impl Daemon {
@@ -119,7 +122,10 @@ impl Daemon {
             let rec = store.load(&id).ok().flatten();
             let r = Reconciled {
                 id: id.clone(),
-                state: rec.as_ref().map(|r| r.state.to_string()).unwrap_or_else(|| "unreadable".into()),
+                state: rec
+                    .as_ref()
+                    .map(|r| r.state.to_string())
+                    .unwrap_or_else(|| "unreadable".into()),
                 daemon_pid: rec.as_ref().map(|r| r.daemon_pid),
             };
             tracing::warn!(
@@ -154,7 +160,10 @@ impl Daemon {
     fn get(&self, id: &str) -> Result<Arc<Mutex<Vm>>, ApiError> {
         match self.vms().get(id) {
             Some(Slot::Vm(v)) => Ok(v.clone()),
-            Some(Slot::Reserved) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} is still being created"))),
+            Some(Slot::Reserved) => Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("vm {id} is still being created"),
+            )),
             None => Err(ApiError::new(ErrorCode::NotFound, format!("vm {id} does not exist"))),
         }
     }
@@ -189,7 +198,10 @@ impl Daemon {
                 let vm = self.get(&id)?;
                 let mut g = lock_vm(&vm);
                 if matches!(g.state(), VmState::Stopped { .. }) {
-                    return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} is already {}", g.state())));
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("vm {id} is already {}", g.state()),
+                    ));
                 }
                 g.stop();
                 self.persist(&g)?;
@@ -282,7 +294,10 @@ impl Daemon {
         use std::sync::atomic::{AtomicU32, Ordering};
         static N: AtomicU32 = AtomicU32::new(0);
         let n = N.fetch_add(1, Ordering::Relaxed);
-        let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
         format!("vm-{:08x}", (t ^ n.rotate_left(16) ^ std::process::id().rotate_left(8)))
     }
 

@@ -111,7 +111,9 @@ fn accept_loop(listener: UnixListener, daemon: Arc<Daemon>, stop: Arc<AtomicBool
             }
         };
         handles.retain(|h| !h.is_finished());
-        let Ok(peer) = stream.try_clone() else { continue };
+        let Ok(peer) = stream.try_clone() else {
+            continue;
+        };
         let n = next;
         next += 1;
         conns.lock().unwrap_or_else(|p| p.into_inner()).insert(n, peer);
@@ -138,7 +140,9 @@ fn accept_loop(listener: UnixListener, daemon: Arc<Daemon>, stop: Arc<AtomicBool
 
 fn serve_conn(stream: UnixStream, daemon: &Daemon) {
     use std::io::Read;
-    let Ok(mut out) = stream.try_clone() else { return };
+    let Ok(mut out) = stream.try_clone() else {
+        return;
+    };
     let mut reader = BufReader::new(stream);
     loop {
         let mut line = String::new();

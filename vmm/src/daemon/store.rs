@@ -125,7 +125,9 @@ impl RecordStore {
 
     fn write_locked(&self, rec: &VmRecord) -> Result<(), StoreError> {
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir.join(format!(".{}.json.tmp.{}.{n}", rec.id, std::process::id()));
+        let tmp = self
+            .dir
+            .join(format!(".{}.json.tmp.{}.{n}", rec.id, std::process::id()));
         let body = serde_json::to_vec_pretty(rec).map_err(|source| StoreError::Corrupt {
             path: tmp.clone(),
             source,

@@ -59,13 +59,16 @@ enum Target {
     Stop,
 }
 
+/// Called once, by the last vCPU thread to leave, with the stop reason.
+pub type OnStopped = Box<dyn FnOnce(&StopReason) + Send>;
+
 struct Ctl {
     target: Target,
     nvcpus: usize,
     parked: usize,
     exited: usize,
     reason: Option<StopReason>,
-    on_stopped: Option<Box<dyn FnOnce(&StopReason) + Send>>,
+    on_stopped: Option<OnStopped>,
 }
 
 /// Errors from control operations.
@@ -126,7 +129,7 @@ impl VmControl {
     }
 
     /// Sets the callback run once, by the last vCPU thread to leave.
-    pub fn set_on_stopped(&self, f: Box<dyn FnOnce(&StopReason) + Send>) {
+    pub fn set_on_stopped(&self, f: OnStopped) {
         self.lock().on_stopped = Some(f);
     }
 
@@ -264,14 +267,20 @@ impl VmControl {
             if now >= deadline {
                 return None;
             }
-            c = self.cv.wait_timeout(c, deadline - now).unwrap_or_else(|p| p.into_inner()).0;
+            c = self
+                .cv
+                .wait_timeout(c, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
     }
 
     /// The stop reason once every vCPU has left.
     pub fn stopped(&self) -> Option<StopReason> {
         let c = self.lock();
-        (c.nvcpus > 0 && c.exited == c.nvcpus).then(|| c.reason.clone()).flatten()
+        (c.nvcpus > 0 && c.exited == c.nvcpus)
+            .then(|| c.reason.clone())
+            .flatten()
     }
 
     /// Whether all vCPUs are parked right now.

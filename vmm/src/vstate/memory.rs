@@ -159,7 +159,10 @@ mod tests {
         assert_eq!(layout(64 << 20), vec![(0, 0, 64 << 20)]);
         assert_eq!(
             layout(4 << 30),
-            vec![(0, 0, MMIO_HOLE_START), (HIGH_RAM_START, MMIO_HOLE_START, (4 << 30) - MMIO_HOLE_START)]
+            vec![
+                (0, 0, MMIO_HOLE_START),
+                (HIGH_RAM_START, MMIO_HOLE_START, (4 << 30) - MMIO_HOLE_START)
+            ]
         );
     }
 
@@ -171,7 +174,8 @@ mod tests {
         ram.memfd().read_exact_at(&mut b, 0x3000).unwrap();
         assert_eq!(u32::from_le_bytes(b), 0xdead_beef);
         let region = ram.memory().find_region(GuestAddress(0)).unwrap();
-        let bm = region.bitmap();
+        let mmap = region.get_mmap();
+        let bm = mmap.bitmap();
         assert!(bm.is_addr_set(0x3000));
         assert!(!bm.is_addr_set(0x4000));
     }

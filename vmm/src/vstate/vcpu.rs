@@ -60,7 +60,13 @@ pub fn setup_real_mode(vcpu: &VcpuFd, index: u32, entry: u64, stack: u64) -> Res
     let mut sregs = vcpu.get_sregs().map_err(step(index, "KVM_GET_SREGS"))?;
     sregs.cs.base = 0;
     sregs.cs.selector = 0;
-    for s in [&mut sregs.ds, &mut sregs.es, &mut sregs.ss, &mut sregs.fs, &mut sregs.gs] {
+    for s in [
+        &mut sregs.ds,
+        &mut sregs.es,
+        &mut sregs.ss,
+        &mut sregs.fs,
+        &mut sregs.gs,
+    ] {
         s.base = 0;
         s.selector = 0;
         s.limit = 0xffff_ffff;

@@ -165,7 +165,9 @@ impl Vm {
         // ~7 ms on these hosts (see CHALLENGES.md).
         let ram = GuestRam::new(id, config.memory_bytes())?;
         ram.register(&vm_fd)?;
-        vm_fd.create_irq_chip().map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+        vm_fd
+            .create_irq_chip()
+            .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
         let pit = kvm_pit_config {
             flags: KVM_PIT_SPEAKER_DUMMY,
             ..Default::default()
@@ -177,12 +179,17 @@ impl Vm {
 
         let mut pending = Vec::with_capacity(config.vcpus.into());
         for i in 0..u32::from(config.vcpus) {
-            let v = vm_fd
-                .create_vcpu(i.into())
-                .map_err(|source| VcpuSetupError { index: i, what: "KVM_CREATE_VCPU", source })?;
+            let v = vm_fd.create_vcpu(i.into()).map_err(|source| VcpuSetupError {
+                index: i,
+                what: "KVM_CREATE_VCPU",
+                source,
+            })?;
             let cpuid = vcpu::cpuid_for(&kvm, i)?;
-            v.set_cpuid2(&cpuid)
-                .map_err(|source| VcpuSetupError { index: i, what: "KVM_SET_CPUID2", source })?;
+            v.set_cpuid2(&cpuid).map_err(|source| VcpuSetupError {
+                index: i,
+                what: "KVM_SET_CPUID2",
+                source,
+            })?;
             if i == 0 {
                 vcpu::setup_real_mode(&v, i, k7d_guest::LOAD_ADDR, BSP_STACK)?;
             } else {
@@ -355,9 +362,7 @@ impl Vm {
 
     /// Waits up to `timeout` for the guest to stop on its own.
     pub fn wait(&self, timeout: Duration) -> Option<StopReason> {
-        if self.started.is_none() {
-            return None;
-        }
+        self.started?;
         self.control.wait_stopped(timeout)
     }
 
@@ -414,7 +419,10 @@ fn write_guest(mem: &GuestMemoryMmap, image: &[u8], tsc_khz: u32, args: &[u32]) 
     };
     w("image", mem.write_slice(image, GuestAddress(k7d_guest::LOAD_ADDR)))?;
     let p = k7d_guest::PARAMS_ADDR;
-    w("parameters", mem.write_obj(tsc_khz, GuestAddress(p + k7d_guest::param::TSC_PER_MS)))?;
+    w(
+        "parameters",
+        mem.write_obj(tsc_khz, GuestAddress(p + k7d_guest::param::TSC_PER_MS)),
+    )?;
     let slots = [k7d_guest::param::ARG0, k7d_guest::param::ARG1, k7d_guest::param::ARG2];
     for (slot, a) in slots.iter().zip(args) {
         w("arguments", mem.write_obj(*a, GuestAddress(p + slot)))?;
@@ -456,7 +464,11 @@ fn build_devices(
     info.push(DeviceInfo {
         kind: "serial".into(),
         location: format!("ttyS0 port {SERIAL_PORT:#x} irq {SERIAL_IRQ}"),
-        detail: if sinks.is_empty() { "discarded".into() } else { sinks.join(", ") },
+        detail: if sinks.is_empty() {
+            "discarded".into()
+        } else {
+            sinks.join(", ")
+        },
     });
 
     let ctl = Arc::downgrade(control);

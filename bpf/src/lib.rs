@@ -1,1 +1,27 @@
-//! tc-eBPF programs (C, built with clang) and their aya loader (filled in by the datapath issue).
+//! tc-eBPF programs for the k7d direct datapath (C, built with clang by
+//! `build.rs`) and their aya 0.14 loader.
+//!
+//! One object load per VM NIC: two classifier programs (`k7d_tap_in` at the
+//! tap's ingress, `k7d_pod_in` at the pod veth's ingress) and four maps, all
+//! pinned under the NIC's bpffs directory (`<root>/<vm-tag>/nic<idx>/`).
+//! Policy and counters are read and written through those pins, so no
+//! in-memory state is needed and a restarted daemon finds everything again.
+//!
+//! The loader must be called from a thread whose network namespace holds the
+//! tap and the pod device (interface names and ifindexes are netns-local).
+
+mod error;
+mod identity;
+mod loader;
+mod policy;
+
+pub use error::BpfError;
+pub use identity::{PodUid, pod_identity};
+pub use loader::{
+    AttachMethod, AttachedPrograms, LINK_PINS, MAP_PINS, NicPrograms, ObjectSource, PROG_NAMES,
+    ProgMode, detach_nic, load_object, tcx_program_count,
+};
+pub use policy::{
+    Direction, DropCount, DropReason, Peer, Policy, clear_policy, drops, read_policy_flag,
+    set_policy,
+};

@@ -1,1 +1,25 @@
-//! Host networking for k7d: taps, bridges, veths (filled in by the datapath issue).
+//! Host networking for k7d: taps (TUNSETIFF, multi-queue), bridges, veths,
+//! netns moves, deterministic names, the per-NIC datapath in `direct`,
+//! `bridge` or `auto` mode, pod policy, and a reconcile that removes what a
+//! crashed k7d left behind. See `docs/datapath.md`.
+
+mod datapath;
+mod error;
+mod names;
+pub mod netlink;
+mod netns;
+mod reconcile;
+mod sys;
+mod tap;
+
+pub use datapath::{Attached, Datapath, DatapathConfig, EffectiveMode, Mode, NicRequest};
+pub use error::NetError;
+pub use k7d_bpf::{
+    AttachMethod, BpfError, Direction, DropCount, DropReason, ObjectSource, Peer, PodUid, Policy,
+    pod_identity,
+};
+pub use names::{LINK_PREFIX, NicNames, nic_names, validate_vm_id, vm_tag};
+pub use netns::in_netns;
+pub use reconcile::{Inventory, ReconcileReport};
+pub use sys::{TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6};
+pub use tap::{Tap, create_tap, read_frame, wait_readable, write_frame};

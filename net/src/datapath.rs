@@ -1,0 +1,498 @@
+//! Per-NIC datapath: `direct` (tc-eBPF tap ↔ pod veth), `bridge` (tap +
+//! bridge + pod veth) or `auto` (direct, else bridge with one log line).
+use std::path::{Path, PathBuf};
+
+use k7d_bpf::{AttachMethod, NicPrograms, ObjectSource, PodUid, Policy, ProgMode, pod_identity};
+use tracing::{debug, info, warn};
+
+use crate::{
+    NetError, Tap,
+    names::{NicNames, nic_names, validate_vm_id, vm_tag},
+    netlink::{CLSACT_EGRESS, CLSACT_INGRESS, Netlink},
+    netns::in_netns,
+    sys,
+    tap::create_tap,
+};
+
+/// The requested datapath mode of a NIC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// tc-eBPF only; refuse when it cannot be used.
+    Direct,
+    /// tap + bridge + pod veth.
+    Bridge,
+    /// Direct when possible, else bridge (one log line with the reason).
+    Auto,
+}
+
+impl std::str::FromStr for Mode {
+    type Err = NetError;
+    fn from_str(s: &str) -> Result<Self, NetError> {
+        match s {
+            "direct" => Ok(Mode::Direct),
+            "bridge" => Ok(Mode::Bridge),
+            "auto" => Ok(Mode::Auto),
+            _ => Err(NetError::Invalid {
+                what: format!("datapath mode {s:?}"),
+                reason: "it must be direct, bridge or auto".into(),
+            }),
+        }
+    }
+}
+
+/// The mode a NIC actually got.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EffectiveMode {
+    Direct,
+    Bridge,
+}
+
+impl std::fmt::Display for EffectiveMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EffectiveMode::Direct => "direct",
+            EffectiveMode::Bridge => "bridge",
+        })
+    }
+}
+
+/// Library-wide settings.
+#[derive(Clone, Debug)]
+pub struct DatapathConfig {
+    /// Directory on bpffs under which every VM gets `<vm tag>/nic<idx>/`.
+    pub bpffs_root: PathBuf,
+    /// Where the tc object comes from.
+    pub object: ObjectSource,
+    /// TCX or clsact + netlink.
+    pub attach_method: AttachMethod,
+}
+
+impl Default for DatapathConfig {
+    fn default() -> Self {
+        Self {
+            bpffs_root: PathBuf::from("/sys/fs/bpf/k7d"),
+            object: ObjectSource::Embedded,
+            attach_method: AttachMethod::Auto,
+        }
+    }
+}
+
+/// One NIC to attach.
+#[derive(Clone, Debug)]
+pub struct NicRequest<'a> {
+    pub vm_id: &'a str,
+    pub nic_idx: u16,
+    pub mode: Mode,
+    /// The pod's network namespace (`/run/netns/..`, `/proc/<pid>/ns/net`).
+    pub pod_netns: &'a Path,
+    /// The CNI's interface in the pod netns (usually `eth0`).
+    pub pod_if: &'a str,
+    /// Tap queue pairs (fds).
+    pub queues: usize,
+    pub vnet_hdr: bool,
+    /// The pod UID; its identity keys the policy. Validated before
+    /// anything is created.
+    pub pod_uid: Option<&'a str>,
+    /// A shape the caller knows direct cannot serve (e.g. "1 Multus
+    /// secondary NIC(s) are not supported with the direct datapath yet").
+    pub unsupported: Option<String>,
+}
+
+/// A NIC attached to the pod network.
+#[derive(Debug)]
+pub struct Attached {
+    pub effective_mode: EffectiveMode,
+    /// Why `auto` fell back to the bridge chain (None when direct or asked
+    /// for bridge).
+    pub reason: Option<String>,
+    /// The tap (in the pod netns) and its queue fds for the VMM.
+    pub tap: Tap,
+    /// The MAC the guest should use: the pod veth's in direct mode (what
+    /// anti-spoofing CNIs expect), a derived locally administered one in
+    /// bridge mode (a bridge drops frames to its port's own MAC).
+    pub guest_mac: [u8; 6],
+    /// The bridge (bridge mode).
+    pub bridge: Option<String>,
+    /// The NIC's bpffs directory, when programs are attached (always in
+    /// direct mode; in bridge mode policy-only programs when the object is
+    /// available).
+    pub bpf_dir: Option<PathBuf>,
+    /// Whether `bpf_redirect_peer` is used towards the pod device.
+    pub redirect_peer: bool,
+    /// The VM's pod identity.
+    pub pod_id: Option<u32>,
+    pub names: NicNames,
+}
+
+/// The datapath manager. Stateless: everything lives in the kernel (links,
+/// pins), so a restarted daemon can detach, set policy or reconcile.
+#[derive(Clone, Debug)]
+pub struct Datapath {
+    cfg: DatapathConfig,
+}
+
+impl Datapath {
+    /// Checks that the bpffs root is on bpffs (mounting bpffs at
+    /// `/sys/fs/bpf` when nothing is mounted there) and creates it.
+    pub fn new(cfg: DatapathConfig) -> Result<Self, NetError> {
+        let sysbpf = Path::new("/sys/fs/bpf");
+        if cfg.bpffs_root.starts_with(sysbpf)
+            && sysbpf.is_dir()
+            && !sys::is_bpffs(sysbpf).map_err(|e| NetError::os("statfs /sys/fs/bpf", e))?
+        {
+            sys::mount_bpffs(sysbpf).map_err(|e| NetError::os("mount bpffs at /sys/fs/bpf", e))?;
+            info!("mounted bpffs at /sys/fs/bpf");
+        }
+        std::fs::create_dir_all(&cfg.bpffs_root).map_err(|e| {
+            NetError::os(format!("create bpffs dir {}", cfg.bpffs_root.display()), e)
+        })?;
+        if !sys::is_bpffs(&cfg.bpffs_root)
+            .map_err(|e| NetError::os(format!("statfs {}", cfg.bpffs_root.display()), e))?
+        {
+            return Err(NetError::Invalid {
+                what: format!("bpffs root {}", cfg.bpffs_root.display()),
+                reason: "it is not on a bpf filesystem".into(),
+            });
+        }
+        Ok(Self { cfg })
+    }
+
+    pub fn config(&self) -> &DatapathConfig {
+        &self.cfg
+    }
+
+    fn nic_dir(&self, names: &NicNames) -> PathBuf {
+        self.cfg.bpffs_root.join(&names.bpf_subdir)
+    }
+
+    /// Attaches NIC `req.nic_idx` of `req.vm_id`. On any error nothing is
+    /// left behind (no link, qdisc, filter or pin).
+    pub fn attach(&self, req: &NicRequest<'_>) -> Result<Attached, NetError> {
+        validate_vm_id(req.vm_id)?;
+        let uid = req.pod_uid.map(PodUid::parse).transpose()?;
+        let pod_id = uid.as_ref().map(pod_identity);
+        if req.queues == 0 || req.queues > 256 {
+            return Err(NetError::Invalid {
+                what: format!("queue count {}", req.queues),
+                reason: "it must be between 1 and 256".into(),
+            });
+        }
+        let names = nic_names(req.vm_id, req.nic_idx);
+        let dir = self.nic_dir(&names);
+        // Re-attach after a crash: clear the NIC's stale state first.
+        if dir.exists() {
+            info!(
+                vm = req.vm_id,
+                nic = req.nic_idx,
+                "stale datapath state removed before attach"
+            );
+        }
+        self.detach(req.vm_id, req.nic_idx, Some(req.pod_netns), req.pod_if)?;
+
+        let mut fallback_reason = None;
+        if req.mode != Mode::Bridge {
+            let direct = match &req.unsupported {
+                Some(r) => Err(r.clone()),
+                None => self.try_direct(req, &names, &dir, pod_id),
+            };
+            match direct {
+                Ok(a) => return Ok(a),
+                Err(reason) if req.mode == Mode::Direct => {
+                    return Err(NetError::DirectRefused {
+                        vm: req.vm_id.to_string(),
+                        nic: req.nic_idx,
+                        reason,
+                    });
+                }
+                Err(reason) => {
+                    warn!(
+                        vm = req.vm_id,
+                        nic = req.nic_idx,
+                        "auto: falling back to the bridge chain: {reason}"
+                    );
+                    fallback_reason = Some(reason);
+                }
+            }
+        }
+        let mut a = self.attach_bridge(req, &names, &dir, pod_id)?;
+        a.reason = fallback_reason;
+        Ok(a)
+    }
+
+    /// Direct attach; on failure everything is rolled back and the reason
+    /// (one sentence) is returned.
+    fn try_direct(
+        &self,
+        req: &NicRequest<'_>,
+        names: &NicNames,
+        dir: &Path,
+        pod_id: Option<u32>,
+    ) -> Result<Attached, String> {
+        let object = k7d_bpf::load_object(&self.cfg.object).map_err(|e| e.to_string())?;
+        let method = self.cfg.attach_method;
+        let r = in_netns(Some(req.pod_netns), || {
+            let mut nl = Netlink::open()?;
+            let pod = nl.link(req.pod_if)?.ok_or_else(|| NetError::PodIfMissing {
+                iface: req.pod_if.to_string(),
+                netns: req.pod_netns.to_path_buf(),
+            })?;
+            if pod.master.is_some() {
+                return Err(NetError::Invalid {
+                    what: format!("pod interface {}", req.pod_if),
+                    reason: "it is already a bridge port".into(),
+                });
+            }
+            let use_peer = matches!(pod.kind.as_deref(), Some("veth") | Some("netkit"))
+                && pod.link_netnsid.is_some();
+            let tap = create_tap(&mut nl, &names.tap, req.queues, req.vnet_hdr)?;
+            if !pod.up {
+                nl.set_up(pod.index, true)?;
+            }
+            let progs = NicPrograms {
+                tap_if: &names.tap,
+                tap_ifindex: tap.ifindex,
+                pod_if: req.pod_if,
+                pod_ifindex: pod.index,
+                use_peer,
+                mode: ProgMode::Redirect,
+                pod_id: pod_id.unwrap_or(0),
+            };
+            if let Err(e) = progs.attach(&object, dir, method) {
+                drop(tap);
+                let _ = nl.del_link_by_name(&names.tap);
+                if method != AttachMethod::Tcx {
+                    drop_empty_clsact(&mut nl, pod.index);
+                }
+                return Err(e.into());
+            }
+            Ok((tap, pod.mac.unwrap_or_default(), use_peer))
+        });
+        match r {
+            Ok((tap, mac, use_peer)) => {
+                debug!(vm = req.vm_id, nic = req.nic_idx, tap = %names.tap, use_peer, "direct datapath attached");
+                Ok(Attached {
+                    effective_mode: EffectiveMode::Direct,
+                    reason: None,
+                    tap,
+                    guest_mac: mac,
+                    bridge: None,
+                    bpf_dir: Some(dir.to_path_buf()),
+                    redirect_peer: use_peer,
+                    pod_id,
+                    names: names.clone(),
+                })
+            }
+            Err(e) => {
+                // Belt and braces: the closure rolled back; make sure.
+                let _ = self.detach(req.vm_id, req.nic_idx, Some(req.pod_netns), req.pod_if);
+                Err(match e {
+                    NetError::Bpf(b) => b.to_string(),
+                    other => other.to_string(),
+                })
+            }
+        }
+    }
+
+    fn attach_bridge(
+        &self,
+        req: &NicRequest<'_>,
+        names: &NicNames,
+        dir: &Path,
+        pod_id: Option<u32>,
+    ) -> Result<Attached, NetError> {
+        // Policy-only programs when the object is there; silently none if not.
+        let object = k7d_bpf::load_object(&self.cfg.object).ok();
+        let method = self.cfg.attach_method;
+        let r = in_netns(Some(req.pod_netns), || {
+            let mut nl = Netlink::open()?;
+            let pod = nl.link(req.pod_if)?.ok_or_else(|| NetError::PodIfMissing {
+                iface: req.pod_if.to_string(),
+                netns: req.pod_netns.to_path_buf(),
+            })?;
+            let tap = create_tap(&mut nl, &names.tap, req.queues, req.vnet_hdr)?;
+            let built = (|| {
+                nl.add_bridge(&names.bridge)?;
+                let br = nl.link(&names.bridge)?.ok_or_else(|| NetError::Invalid {
+                    what: format!("bridge {}", names.bridge),
+                    reason: "it vanished right after creation".into(),
+                })?;
+                nl.set_master(tap.ifindex, Some(br.index))?;
+                nl.set_master(pod.index, Some(br.index))?;
+                nl.set_up(br.index, true)?;
+                nl.set_up(pod.index, true)?;
+                let mut bpf = false;
+                if let Some(obj) = &object {
+                    let progs = NicPrograms {
+                        tap_if: &names.tap,
+                        tap_ifindex: tap.ifindex,
+                        pod_if: req.pod_if,
+                        pod_ifindex: pod.index,
+                        use_peer: false,
+                        mode: ProgMode::PolicyOnly,
+                        pod_id: pod_id.unwrap_or(0),
+                    };
+                    match progs.attach(obj, dir, method) {
+                        Ok(_) => bpf = true,
+                        Err(e) => debug!(error = %e, "bridge chain runs without policy programs"),
+                    }
+                }
+                Ok::<_, NetError>(bpf)
+            })();
+            match built {
+                Ok(bpf) => Ok((tap, pod.mac.unwrap_or_default(), bpf)),
+                Err(e) => {
+                    let _ = nl.del_link_by_name(&names.bridge);
+                    drop(tap);
+                    let _ = nl.del_link_by_name(&names.tap);
+                    if method != AttachMethod::Tcx {
+                        drop_empty_clsact(&mut nl, pod.index);
+                    }
+                    Err(e)
+                }
+            }
+        });
+        match r {
+            Ok((tap, pod_mac, bpf)) => Ok(Attached {
+                effective_mode: EffectiveMode::Bridge,
+                reason: None,
+                tap,
+                guest_mac: bridge_guest_mac(names, pod_mac),
+                bridge: Some(names.bridge.clone()),
+                bpf_dir: bpf.then(|| dir.to_path_buf()),
+                redirect_peer: false,
+                pod_id,
+                names: names.clone(),
+            }),
+            Err(e) => {
+                let _ = self.detach(req.vm_id, req.nic_idx, Some(req.pod_netns), req.pod_if);
+                Err(e)
+            }
+        }
+    }
+
+    /// Detaches NIC `nic_idx` of `vm_id`: unpins (detaching TCX links),
+    /// removes k7d netlink filters, deletes the tap and bridge. Idempotent;
+    /// a vanished pod netns only leaves the pins to remove. The caller drops
+    /// its tap fds.
+    pub fn detach(
+        &self,
+        vm_id: &str,
+        nic_idx: u16,
+        pod_netns: Option<&Path>,
+        pod_if: &str,
+    ) -> Result<(), NetError> {
+        validate_vm_id(vm_id)?;
+        let names = nic_names(vm_id, nic_idx);
+        let dir = self.nic_dir(&names);
+        let ns_alive = pod_netns.is_some_and(|p| p.exists());
+        if ns_alive {
+            // Only netlink attachments create a clsact qdisc.
+            let netlink = k7d_bpf::LINK_PINS
+                .iter()
+                .any(|p| dir.join(format!("{p}_prog")).exists());
+            in_netns(pod_netns, || {
+                k7d_bpf::detach_nic(&dir, Some(&names.tap), Some(pod_if))?;
+                let mut nl = Netlink::open()?;
+                nl.del_link_by_name(&names.bridge)?;
+                nl.del_link_by_name(&names.tap)?;
+                if netlink && let Some(pod) = nl.link(pod_if)? {
+                    drop_empty_clsact(&mut nl, pod.index);
+                }
+                Ok(())
+            })
+        } else {
+            k7d_bpf::detach_nic(&dir, None, None).map_err(NetError::from)
+        }
+    }
+
+    fn vm_nic_dirs(&self, vm_id: &str) -> Result<Vec<PathBuf>, NetError> {
+        validate_vm_id(vm_id)?;
+        let vm_dir = self.cfg.bpffs_root.join(vm_tag(vm_id));
+        let mut dirs = Vec::new();
+        if let Ok(rd) = std::fs::read_dir(&vm_dir) {
+            for e in rd.flatten() {
+                if e.file_name().to_string_lossy().starts_with("nic") {
+                    dirs.push(e.path());
+                }
+            }
+        }
+        dirs.sort();
+        if dirs.is_empty() {
+            return Err(NetError::NoPrograms(vm_id.to_string()));
+        }
+        Ok(dirs)
+    }
+
+    /// Replaces the pod policy of every NIC of `vm_id`.
+    pub fn set_policy(&self, vm_id: &str, policy: &Policy) -> Result<(), NetError> {
+        for d in self.vm_nic_dirs(vm_id)? {
+            k7d_bpf::set_policy(&d, policy)?;
+        }
+        info!(
+            vm = vm_id,
+            default_deny = policy.default_deny,
+            allow = policy.allow.len(),
+            deny = policy.deny.len(),
+            "pod policy set"
+        );
+        Ok(())
+    }
+
+    /// Clears the pod policy of every NIC of `vm_id` (all traffic passes).
+    pub fn clear_policy(&self, vm_id: &str) -> Result<(), NetError> {
+        for d in self.vm_nic_dirs(vm_id)? {
+            k7d_bpf::clear_policy(&d)?;
+        }
+        info!(vm = vm_id, "pod policy cleared");
+        Ok(())
+    }
+
+    /// The VM's non-zero drop counters, summed over its NICs.
+    pub fn drops(&self, vm_id: &str) -> Result<Vec<k7d_bpf::DropCount>, NetError> {
+        let mut out: Vec<k7d_bpf::DropCount> = Vec::new();
+        for d in self.vm_nic_dirs(vm_id)? {
+            for c in k7d_bpf::drops(&d)? {
+                match out
+                    .iter_mut()
+                    .find(|o| o.reason == c.reason && o.direction == c.direction)
+                {
+                    Some(o) => o.packets += c.packets,
+                    None => out.push(c),
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Deletes the clsact qdisc of `ifindex` when it holds no filter any more
+/// (a CNI's clsact with filters is left alone).
+pub(crate) fn drop_empty_clsact(nl: &mut Netlink, ifindex: u32) {
+    let has_clsact = nl
+        .qdiscs()
+        .map(|q| q.iter().any(|q| q.ifindex == ifindex && q.kind == "clsact"))
+        .unwrap_or(false);
+    if !has_clsact {
+        return;
+    }
+    let empty = [CLSACT_INGRESS, CLSACT_EGRESS].iter().all(|p| {
+        nl.filters(ifindex, *p)
+            .map(|f| f.is_empty())
+            .unwrap_or(false)
+    });
+    if empty && let Err(e) = nl.del_clsact(ifindex) {
+        warn!(ifindex, error = %e, "empty clsact qdisc not removed");
+    }
+}
+
+fn bridge_guest_mac(names: &NicNames, pod_mac: [u8; 6]) -> [u8; 6] {
+    let hex = &names.tap[4..];
+    let mut mac = [0x02, 0x6b, 0, 0, 0, 0];
+    for i in 0..4 {
+        mac[2 + i] = u8::from_str_radix(&hex[i * 2..i * 2 + 2], 16).unwrap_or(0);
+    }
+    if mac == pod_mac {
+        mac[5] ^= 1;
+    }
+    mac
+}

@@ -10,3 +10,5 @@
 pub mod bus;
 pub mod irq;
 pub mod legacy;
+pub mod pci;
+pub mod virtio;

@@ -6,6 +6,7 @@
 //! server, many VMs in one process) → `main.rs` (CLI). [`check`] reports host
 //! readiness; [`budgets`] holds every latency budget.
 
+pub mod arch;
 pub mod budgets;
 pub mod check;
 pub mod config;

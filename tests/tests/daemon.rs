@@ -198,7 +198,11 @@ fn bad_input_is_refused_with_one_sentence_and_creates_nothing() {
     // (fd leaks are checked in daemon_leaks.rs, alone in its process)
     let mut entries = d.state_entries();
     entries.sort();
-    assert_eq!(entries, vec!["taken", "taken.json", "taken.lock"], "a refused create left files");
+    assert_eq!(
+        entries,
+        vec!["taken", "taken.json", "taken.lock"],
+        "a refused create left files"
+    );
     assert_eq!(c.call(&Request::Info("taken".into())).unwrap()["status"], "running");
 }
 

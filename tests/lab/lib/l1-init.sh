@@ -1,0 +1,36 @@
+#!/bin/busybox sh
+# /init of L1, the emulated AMD host of the nested lab (see docs/lab.md).
+# Mounts the basics, loads kvm-amd (and the scenario's modules) in the order
+# the harness computed, runs /lab/scenario.sh under a timeout, prints
+# "LAB-END rc=N" and powers off. The harness judges L1's console log.
+/bin/busybox mkdir -p /bin /sbin /usr/bin /usr/sbin /proc /sys /dev /tmp /run
+/bin/busybox --install -s /bin
+mount -t devtmpfs dev /dev
+exec </dev/console >/dev/console 2>&1
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t tmpfs tmp /tmp
+mkdir -p /dev/pts /dev/shm && mount -t devpts pts /dev/pts && mount -t tmpfs shm /dev/shm
+# Real tools copied in (QEMU, iproute2, ...) come before busybox applets.
+export PATH=/lab/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp TMPDIR=/tmp
+read -r up _ </proc/uptime
+echo "LAB-L1 up uptime=$up kernel=$(uname -r)"
+
+end() { echo "LAB-END rc=$1"; sync; poweroff -f; sleep 10; }
+
+. /lab/env
+for m in $(cat /lab/modules.order); do
+  insmod "/lab/modules/$m" || { echo "LAB-FAIL L1: insmod $m failed"; end 1; }
+done
+[ -c /dev/kvm ] || { echo "LAB-FAIL L1: no /dev/kvm after loading kvm-amd"; end 1; }
+ip link set lo up 2>/dev/null
+# The L2 serial channel: ttyS1 is a file on the host (l2.log); no CR/LF mangling.
+stty -F /dev/ttyS1 raw -echo 2>/dev/null
+read -r up _ </proc/uptime
+echo "LAB-L1 ready uptime=$up modules=$(tr '\n' ' ' </lab/modules.order)"
+
+cd /lab || end 1
+timeout -s KILL "${LAB_SCENARIO_TIMEOUT:-540}" sh /lab/scenario.sh
+rc=$?
+[ $rc -eq 137 ] && echo "LAB-FAIL L1: scenario killed after ${LAB_SCENARIO_TIMEOUT:-540} s"
+end $rc

@@ -1,0 +1,111 @@
+# Helpers for scenarios, sourced inside L1 as /lab/lib.sh (busybox ash).
+# Environment: LAB_KERNEL, LAB_INITRD, LAB_CMDLINE (the L2 guest), LAB_BIN (the
+# binary under test, if given), LAB_RUNS, plus every LAB_* variable the harness
+# was given on the host.
+
+_CR=$(printf '\r')
+
+# Debian's busybox runs its own applets in preference to PATH, so a tool copied
+# in with "# lab: l1-bins=ip tc" would lose to the "ip" applet: wrap each in a
+# function. Where a function cannot reach (timeout, xargs), use /usr/bin/<tool>.
+for _t in ${LAB_L1_BINS:-}; do eval "$_t() { /usr/bin/$_t \"\$@\"; }"; done
+
+lab_pass() { echo "LAB-PASS $*"; exit 0; }
+lab_fail() { echo "LAB-FAIL $*"; exit 1; }
+lab_note() { echo "LAB-NOTE $*"; }
+# lab_metric NAME VALUE [UNIT]: one figure for result.json.
+lab_metric() { echo "LAB-METRIC $1 $2 ${3:-}"; }
+lab_now() { read -r _now _ </proc/uptime; echo "$_now"; }
+# lab_median V...: the median of numbers.
+lab_median() { printf '%s\n' "$@" | sort -n | awk '{v[NR]=$1} END {if (NR%2) print v[(NR+1)/2]; else printf "%.2f\n", (v[NR/2]+v[NR/2+1])/2}'; }
+lab_sub() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f\n", a-b}'; }
+
+# lab_run_l2 LABEL TIMEOUT CMD...: run CMD (a VMM booting the L2 guest) with its
+# output streamed to the L2 serial channel (l2.log on the host) and kept in
+# /tmp/l2-LABEL.log. Sets L2_RC (exit status, 137 = killed at TIMEOUT), L2_WALL
+# (seconds from spawn to exit) and L2_INIT_WALL (seconds from spawn to the
+# guest's "LAB-GUEST init" line; empty if never seen). Resolution 10 ms.
+lab_run_l2() {
+  _label=$1 _timeout=$2; shift 2
+  _log=/tmp/l2-$_label.log
+  : >"$_log"; rm -f /tmp/.l2-rc /tmp/.l2-init
+  echo "=== lab: $_label: $*" >/dev/ttyS1
+  _t0=$(lab_now)
+  { timeout -s KILL "$_timeout" "$@" </dev/null 2>&1; echo $? >/tmp/.l2-rc; } |
+    while IFS= read -r _line || [ -n "$_line" ]; do
+      _line=${_line%"$_CR"}
+      case $_line in *"LAB-GUEST init"*) lab_now >/tmp/.l2-init ;; esac
+      printf '%s\n' "$_line" >>"$_log"
+      printf '%s\n' "$_line" >/dev/ttyS1
+    done
+  _t1=$(lab_now)
+  L2_RC=$(cat /tmp/.l2-rc 2>/dev/null || echo 255)
+  L2_WALL=$(lab_sub "$_t1" "$_t0")
+  L2_INIT_WALL=
+  [ -s /tmp/.l2-init ] && L2_INIT_WALL=$(lab_sub "$(cat /tmp/.l2-init)" "$_t0")
+  echo "=== lab: $_label: rc=$L2_RC wall=${L2_WALL}s spawn-to-init=${L2_INIT_WALL:-?}s" >/dev/ttyS1
+  echo "lab: $_label: rc=$L2_RC wall=${L2_WALL}s spawn-to-init=${L2_INIT_WALL:-?}s"
+}
+
+# lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.
+lab_guest() { sed -n "s/.*LAB-GUEST $1=\([^[:space:]]*\).*/\1/p" "/tmp/l2-$2.log" | tr -d '\r' | head -n1; }
+lab_guest_init_uptime() { sed -n 's/.*LAB-GUEST init uptime=\([0-9.]*\).*/\1/p' "/tmp/l2-$1.log" | head -n1; }
+
+# lab_vmm NAME 'COMMAND': name a VMM command line that boots the L2 guest.
+# Single-quote it: it is evaluated at each run, so "$LAB_KERNEL" etc. expand
+# then. It may span lines (newlines are read as spaces).
+lab_vmm() { _v=$(printf '%s' "$2" | tr '\n' ' '); eval "_vmm_$1=\$_v"; }
+
+# The reference: Debian's QEMU + SeaBIOS, -kernel/-initrd, 2 vCPUs, 256 MiB,
+# one virtio-rng-pci. Every scenario that compares with QEMU uses this line.
+lab_vmm qemu 'qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 256
+  -nodefaults -no-user-config -display none -serial stdio -no-reboot
+  -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE"
+  -device virtio-rng-pci'
+
+# lab_boot_series RUNS NAME...: boot the guest RUNS times with each named VMM,
+# interleaved (run 1 of each, then run 2 of each, ...: load drift on the host
+# hits all alike). Each run must exit 0 with the guest printing nproc=2 and
+# its script ending rc=0. Prints, per NAME, the medians as metrics
+# NAME.guest_init_uptime (guest clock at init: kernel boot only),
+# NAME.spawn_to_init (VMM spawn to the guest's init: the boot-to-init figure)
+# and NAME.wall (VMM spawn to VMM exit after the guest's poweroff).
+lab_boot_series() {
+  _runs=$1; shift
+  rm -rf /tmp/lab-series && mkdir -p /tmp/lab-series
+  _i=1
+  while [ "$_i" -le "$_runs" ]; do
+    for _n in "$@"; do
+      eval "_cmd=\${_vmm_$_n:-}"
+      [ -n "$_cmd" ] || lab_fail "no VMM named $_n (lab_vmm $_n '...')"
+      eval "lab_run_l2 \"\$_n-\$_i\" \"\${LAB_L2_TIMEOUT:-240}\" $_cmd"
+      [ "$L2_RC" = 0 ] || lab_fail "$_n run $_i: VMM exited $L2_RC (137: killed after ${LAB_L2_TIMEOUT:-240} s)"
+      _up=$(lab_guest_init_uptime "$_n-$_i")
+      [ -n "$_up" ] || lab_fail "$_n run $_i: the guest never reached init"
+      _np=$(lab_guest nproc "$_n-$_i")
+      [ "$_np" = 2 ] || lab_fail "$_n run $_i: guest nproc=${_np:-?}, expected 2"
+      grep -q "LAB-GUEST end rc=0" "/tmp/l2-$_n-$_i.log" || lab_fail "$_n run $_i: guest script failed"
+      echo "lab: $_n run $_i: guest uname=$(lab_guest uname "$_n-$_i") nproc=$_np init-uptime=${_up}s"
+      echo "$_up" >>"/tmp/lab-series/$_n.guest_init_uptime"
+      echo "$L2_INIT_WALL" >>"/tmp/lab-series/$_n.spawn_to_init"
+      echo "$L2_WALL" >>"/tmp/lab-series/$_n.wall"
+    done
+    _i=$((_i + 1))
+  done
+  for _n in "$@"; do
+    _d=/tmp/lab-series/$_n
+    lab_note "$_n over $_runs runs (s): guest uptime at init: $(tr '\n' ' ' <"$_d.guest_init_uptime");" \
+      "spawn to init: $(tr '\n' ' ' <"$_d.spawn_to_init"); spawn to exit: $(tr '\n' ' ' <"$_d.wall")"
+    for _m in guest_init_uptime spawn_to_init wall; do
+      lab_metric "$_n.$_m" "$(lab_median $(cat "/tmp/lab-series/$_n.$_m"))" s
+    done
+  done
+  lab_note "figures of an emulated machine (L1 is QEMU TCG, L2 runs on nested SVM): compare VMMs within one run; they are not absolute performance"
+}
+
+# lab_ratio A B METRIC: metric A_vs_B.METRIC = median(A) / median(B) from the
+# last lab_boot_series.
+lab_ratio() {
+  _a=$(lab_median $(cat "/tmp/lab-series/$1.$3")) _b=$(lab_median $(cat "/tmp/lab-series/$2.$3"))
+  lab_metric "$1_vs_$2.$3" "$(awk -v a="$_a" -v b="$_b" 'BEGIN {printf "%.2f\n", (b > 0 ? a / b : 0)}')" x
+}

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# The nested lab: boots L1 (a Debian kernel on QEMU TCG emulating an AMD CPU
+# with SVM), runs a scenario inside it that drives a VMM to boot a real Linux
+# L2 guest, and judges the result. See docs/lab.md.
+#
+#   tests/lab/run.sh [--bin PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
+#   tests/lab/run.sh --list | --check
+#
+# Exit status: 0 pass, 1 scenario failed, 2 harness error.
+set -euo pipefail
+shopt -s inherit_errexit
+
+LAB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=lib/host.sh
+. "$LAB/lib/host.sh"
+
+usage() { sed -n '6,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+# header FILE KEY [DEFAULT]: the value of "# lab: KEY=value" in a scenario.
+header() { local v; v=$(sed -n "s/^# lab: *$2=//p" "$1" | head -n1); printf '%s\n' "${v:-${3:-}}"; }
+
+BIN='' OUT='' TIMEOUT='' SCEN=''
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --bin) BIN=$(realpath "$2"); shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --runs) export LAB_RUNS=$2; shift 2 ;;
+    --timeout) TIMEOUT=$2; shift 2 ;;
+    --list)
+      for f in "$LAB"/scenarios/*.sh; do
+        [[ $f == *.guest.sh ]] && continue
+        printf '%-16s default=%-3s %s\n' "$(basename "$f" .sh)" "$(header "$f" default no)" "$(header "$f" description)"
+      done
+      exit 0 ;;
+    --check)  # syntax and headers of every scenario; needs no network, no root
+      rc=0
+      for f in "$LAB"/scenarios/*.sh "$LAB"/lib/*.sh; do
+        if head -n3 "$f" | grep -q bash; then bash -n "$f"; else sh -n "$f"; fi || { echo "syntax error: $f"; rc=1; }
+        [[ $f == */scenarios/*.sh && $f != *.guest.sh ]] || continue
+        [[ -n $(header "$f" description) && $(header "$f" default) =~ ^(yes|no)$ ]] ||
+          { echo "$f: needs '# lab: description=' and '# lab: default=yes|no'"; rc=1; }
+      done
+      exit $rc ;;
+    -h | --help) usage ;;
+    -*) die "unknown option $1" ;;
+    *) SCEN=$1; shift ;;
+  esac
+done
+[[ -n $SCEN ]] || usage
+SCRIPT=$LAB/scenarios/$SCEN.sh
+[[ -f $SCRIPT ]] || die "no scenario $SCEN ($SCRIPT)"
+GUEST_SCRIPT=$LAB/scenarios/$SCEN.guest.sh
+[[ -f $GUEST_SCRIPT ]] || GUEST_SCRIPT=$LAB/lib/default.guest.sh
+TIMEOUT=${TIMEOUT:-${K7D_LAB_TIMEOUT:-$(header "$SCRIPT" timeout 600)}}
+[[ $(header "$SCRIPT" bin) != required || -n $BIN ]] || die "scenario $SCEN needs --bin PATH"
+[[ -z $BIN || -x $BIN ]] || die "--bin $BIN is not an executable"
+OUT=${OUT:-${K7D_LAB_OUT:-${TMPDIR:-/tmp}/k7d-lab/$SCEN}}
+rm -rf "$OUT" && mkdir -p "$OUT/work"
+OUT=$(realpath "$OUT")
+t_start=$(date +%s.%N)
+
+# One lab at a time per cache: a second run waits (it would halve the first's CPU).
+mkdir -p "$CACHE"
+exec 9>"$CACHE/lock"
+flock -w "$TIMEOUT" 9 || die "another lab run holds $CACHE/lock"
+
+# --- inputs: Debian packages, by version -----------------------------------
+read -r L1_TREE L1_KREL <<<"$(kernel_tree linux-image-amd64)"
+read -r L2_TREE L2_KREL <<<"$(kernel_tree linux-image-cloud-amd64)"
+BB_VER=$(pkg_version busybox-static)
+BB=$(unpack busybox-static "$BB_VER")/bin/busybox
+[[ -x $BB ]] || die "busybox-static has no bin/busybox"
+command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 missing: run tests/lab/setup.sh"
+read -ra L1_MODS <<<"irqbypass kvm ccp kvm-amd $(header "$SCRIPT" l1-modules)"
+read -ra L2_MODS <<<"$(header "$SCRIPT" guest-modules 'virtio_pci virtio-rng')"
+L2_CMDLINE=${LAB_CMDLINE:-console=ttyS0 panic=-1 quiet}
+
+# --- cached images ------------------------------------------------------------
+build_base() {  # STAGE INIT TREE KREL MOD...: busybox, /init, modules
+  local stage=$1 init=$2 tree=$3 krel=$4; shift 4
+  mkdir -p "$stage"/{bin,dev,proc,sys,tmp,usr/lib,usr/lib64,lab}
+  ln -s usr/lib "$stage/lib" && ln -s usr/lib64 "$stage/lib64"
+  cp "$BB" "$stage/bin/busybox"
+  install -m 0755 "$init" "$stage/init"
+  stage_modules "$tree" "$krel" "$stage" "$@"
+}
+build_l1_base() { build_base "$1" "$LAB/lib/l1-init.sh" "$L1_TREE" "$L1_KREL" "${L1_MODS[@]}"; }
+build_l2_base() {
+  build_base "$1" "$LAB/lib/l2-init.sh" "$L2_TREE" "$L2_KREL" "${L2_MODS[@]}"
+  mv "$1/lab/modules" "$1/modules" && mv "$1/lab/modules.order" "$1/modules.order" && rmdir "$1/lab"
+}
+build_qemu() {  # QEMU as Debian installed it on this host, at the same paths
+  local stage=$1 d
+  stage_elf "$(command -v qemu-system-x86_64)" "$stage" /usr/bin/qemu-system-x86_64
+  for d in /usr/share/seabios /usr/share/qemu /usr/lib/ipxe/qemu; do
+    [[ -d $d ]] && mkdir -p "$stage$d" && cp -rL "$d/." "$stage$d/"
+  done
+}
+qemu_versions=$(dpkg-query -W qemu-system-x86 qemu-system-data seabios ipxe-qemu 2>/dev/null | tr '\t\n' '= ')
+L1_BASE=$(cached_image l1-base "$(key "$L1_KREL" "$L1_TREE" "$BB_VER" "${L1_MODS[@]}" -- "$LAB/lib/l1-init.sh" "$LAB/lib/host.sh" "$LAB/run.sh")" build_l1_base)
+L2_BASE=$(cached_image l2-base "$(key "$L2_KREL" "$L2_TREE" "$BB_VER" "${L2_MODS[@]}" -- "$LAB/lib/l2-init.sh" "$LAB/lib/host.sh" "$LAB/run.sh")" build_l2_base)
+IMAGES=("$L1_BASE")
+if [[ $(header "$SCRIPT" needs) == *qemu* ]]; then
+  IMAGES+=("$(cached_image qemu "$(key "$qemu_versions" -- "$LAB/lib/host.sh" "$LAB/run.sh")" build_qemu)")
+fi
+
+# --- this run: scenario, guest, binary under test, declared files ------------
+RUN=$OUT/work/run
+mkdir -p "$RUN/lab/l2" "$RUN/lab/bin" "$RUN/lab/files"
+install -m 0755 "$SCRIPT" "$RUN/lab/scenario.sh"
+cp "$LAB/lib/l1-lib.sh" "$RUN/lab/lib.sh"
+cp "$L2_TREE/boot/vmlinuz-$L2_KREL" "$RUN/lab/l2/vmlinuz"
+mkdir -p "$OUT/work/guest" && cp "$GUEST_SCRIPT" "$OUT/work/guest/guest.sh"
+mkcpio "$OUT/work/guest" "$OUT/work/guest.cpio"
+cat "$L2_BASE" "$OUT/work/guest.cpio" >"$RUN/lab/l2/initrd.cpio"
+[[ -z $BIN ]] || stage_elf "$BIN" "$RUN" "/lab/bin/$(basename "$BIN")"
+for tool in $(header "$SCRIPT" l1-bins); do
+  p=$(command -v "$tool") || die "scenario $SCEN wants $tool in L1: not on this host"
+  stage_elf "$p" "$RUN" "/usr/bin/$tool"
+done
+for f in $(header "$SCRIPT" files); do
+  [[ $f == /* ]] || f=$LAB/../../$f
+  cp -rL "$f" "$RUN/lab/files/"
+done
+{
+  q() { printf "export %s='%s'\n" "$1" "${2//\'/\'\\\'\'}"; }
+  q LAB_SCENARIO "$SCEN"
+  q LAB_SCENARIO_TIMEOUT "$((TIMEOUT > 90 ? TIMEOUT - 30 : TIMEOUT * 2 / 3))"
+  q LAB_KERNEL /lab/l2/vmlinuz
+  q LAB_INITRD /lab/l2/initrd.cpio
+  q LAB_CMDLINE "$L2_CMDLINE"
+  q LAB_L2_KERNEL_RELEASE "$L2_KREL"
+  q LAB_L1_BINS "$(header "$SCRIPT" l1-bins)"
+  [[ -z $BIN ]] || q LAB_BIN "/lab/bin/$(basename "$BIN")"
+  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
+} >"$RUN/lab/env"
+mkcpio "$RUN" "$OUT/work/run.cpio"
+cat "${IMAGES[@]}" "$OUT/work/run.cpio" >"$OUT/work/l1-initrd.cpio"
+t_prep=$(date +%s.%N)
+log "prepared in $(awk -v a="$t_start" -v b="$t_prep" 'BEGIN{printf "%.1f", b-a}') s: L1 $L1_KREL, L2 $L2_KREL, $(du -m "$OUT/work/l1-initrd.cpio" | cut -f1) MiB initramfs; booting L1 (timeout ${TIMEOUT}s)"
+
+# --- boot L1 --------------------------------------------------------------------
+: >"$OUT/l2.log"
+set +e
+timeout -k 10 "$TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu EPYC,+svm -smp 2 -m 3072 \
+  -nic none -nographic -monitor none -serial stdio -serial "file:$OUT/l2.log" -no-reboot \
+  -kernel "$L1_TREE/boot/vmlinuz-$L1_KREL" -initrd "$OUT/work/l1-initrd.cpio" \
+  -append "console=ttyS0 panic=-1 quiet ${K7D_LAB_L1_APPEND:-}" </dev/null 2>&1 |
+  if [[ -n ${K7D_LAB_QUIET:-} ]]; then cat >"$OUT/l1.log"; else tee "$OUT/l1.log"; fi
+qemu_rc=${PIPESTATUS[0]}
+set -e
+t_end=$(date +%s.%N)
+
+# --- verdict ----------------------------------------------------------------------
+tr -d '\r' <"$OUT/l1.log" >"$OUT/l1.log.tmp" && mv "$OUT/l1.log.tmp" "$OUT/l1.log"
+reason=
+if [[ $qemu_rc -eq 124 || $qemu_rc -eq 137 ]]; then reason="L1 killed after ${TIMEOUT}s (global timeout)"
+elif grep -q '^LAB-FAIL' "$OUT/l1.log"; then reason=$(grep -m1 '^LAB-FAIL' "$OUT/l1.log" | sed 's/^LAB-FAIL *//')
+elif ! grep -q '^LAB-END rc=0' "$OUT/l1.log"; then reason="scenario did not end with rc=0 ($(grep -m1 '^LAB-END' "$OUT/l1.log" || echo 'no LAB-END line'); qemu rc=$qemu_rc)"
+elif ! grep -q '^LAB-PASS' "$OUT/l1.log"; then reason="no LAB-PASS line"
+fi
+status=pass; [[ -z $reason ]] || status=fail
+prep_s=$(awk -v a="$t_start" -v b="$t_prep" 'BEGIN{printf "%.1f", b-a}')
+l1_s=$(awk -v a="$t_prep" -v b="$t_end" 'BEGIN{printf "%.1f", b-a}')
+# result.json: the verdict, the times and every LAB-METRIC / LAB-NOTE line.
+SCEN="$SCEN" STATUS="$status" REASON="$reason" PREP="$prep_s" L1S="$l1_s" L1K="$L1_KREL" L2K="$L2_KREL" OUTD="$OUT" \
+  LC_ALL=C awk '
+  function s(x,   o, i, c) {  # a JSON string; control characters dropped
+    o = ""
+    for (i = 1; i <= length(x); i++) {
+      c = substr(x, i, 1)
+      if (c == "\\" || c == "\"") o = o "\\" c; else if (c >= " ") o = o c
+    }
+    return "\"" o "\""
+  }
+  /^LAB-METRIC / { v = ($3 ~ /^-?[0-9]+(\.[0-9]+)?$/) ? $3 : s($3)
+                   m = m (m ? ",\n" : "") "    " s($2) ": {\"value\": " v ", \"unit\": " s($4) "}" }
+  /^LAB-NOTE /   { sub(/^LAB-NOTE /, ""); n = n (n ? ",\n" : "") "    " s($0) }
+  END {
+    printf "{\n  \"scenario\": %s,\n  \"status\": %s,\n", s(ENVIRON["SCEN"]), s(ENVIRON["STATUS"])
+    printf "  \"reason\": %s,\n", ENVIRON["REASON"] == "" ? "null" : s(ENVIRON["REASON"])
+    printf "  \"prepare_s\": %s,\n  \"l1_s\": %s,\n", ENVIRON["PREP"], ENVIRON["L1S"]
+    printf "  \"l1_kernel\": %s,\n  \"l2_kernel\": %s,\n", s(ENVIRON["L1K"]), s(ENVIRON["L2K"])
+    printf "  \"metrics\": {\n%s\n  },\n  \"notes\": [\n%s\n  ],\n", m, n
+    printf "  \"l1_log\": %s,\n  \"l2_log\": %s\n}\n", s(ENVIRON["OUTD"] "/l1.log"), s(ENVIRON["OUTD"] "/l2.log")
+  }' "$OUT/l1.log" >"$OUT/result.json"
+rm -f "$OUT/work/l1-initrd.cpio"  # a concatenation of cached images and run.cpio
+[[ $status == fail ]] || rm -rf "$OUT/work"
+
+echo
+echo "==== lab: $SCEN: $status${reason:+: $reason}"
+echo "     prepare ${prep_s}s, L1 run ${l1_s}s; logs: $OUT/l1.log (L1 console), $OUT/l2.log (L2 serial)"
+grep -E '^LAB-(METRIC|NOTE)' "$OUT/l1.log" | sed 's/^/     /' || true
+if [[ $status == fail ]]; then
+  echo "---- L1 console ($OUT/l1.log) ----"; cat "$OUT/l1.log"
+  echo "---- L2 serial ($OUT/l2.log) ----"; cat "$OUT/l2.log"
+  exit 1
+fi

@@ -1,0 +1,147 @@
+//! The nested lab (`tests/lab/`, `docs/lab.md`): real Linux guests, booted one
+//! level down inside a QEMU-TCG-emulated AMD host (L1), because the host KVM of
+//! our machines (PVM) cannot boot a stock kernel.
+//!
+//! Each `lab_*` test runs one scenario through `tests/lab/run.sh` and asserts on
+//! its `result.json`. They take a minute or more, need root, apt and the host
+//! packages of `tests/lab/setup.sh`, so they are ignored by default:
+//! `cargo test -p k7d-tests --test lab -- --ignored` (CI does). Logs stay in
+//! `<target>/lab/<scenario>/` (or `$K7D_LAB_OUT/<scenario>/`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+fn lab_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("lab")
+}
+
+/// The cargo target directory this test binary was built into
+/// (`<target>/<profile>/deps/lab-<hash>`).
+fn target_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.ancestors()
+        .nth(3)
+        .expect("test binary under <target>/<profile>/deps")
+        .to_path_buf()
+}
+
+fn out_dir(scenario: &str) -> PathBuf {
+    match std::env::var_os("K7D_LAB_OUT") {
+        Some(dir) => PathBuf::from(dir).join(scenario),
+        None => target_dir().join("lab").join(scenario),
+    }
+}
+
+/// The value of `# lab: KEY=value` in a scenario file.
+fn header(scenario: &str, key: &str) -> Option<String> {
+    let text = std::fs::read_to_string(lab_dir().join("scenarios").join(format!("{scenario}.sh"))).ok()?;
+    let prefix = format!("# lab: {key}=");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .map(|v| v.trim().to_string())
+}
+
+/// Runs a scenario and returns its `result.json` once it passed; the error
+/// carries the harness's output (which prints both logs on failure).
+fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
+    let out = out_dir(scenario);
+    let mut cmd = Command::new(lab_dir().join("run.sh"));
+    cmd.arg("--out").arg(&out).env("K7D_LAB_QUIET", "1");
+    if let Some(bin) = bin {
+        cmd.arg("--bin").arg(bin);
+    }
+    cmd.arg(scenario);
+    let output = cmd.output().context("running tests/lab/run.sh")?;
+    let text = String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr);
+    let result: Option<Value> = std::fs::read(out.join("result.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok());
+    match result {
+        Some(r) if output.status.success() && r["status"] == "pass" => {
+            eprintln!("{text}");
+            Ok(r)
+        }
+        Some(r) => bail!("lab scenario {scenario} failed: {}\n{text}", r["reason"]),
+        None => bail!("lab scenario {scenario}: no result ({})\n{text}", output.status),
+    }
+}
+
+/// A metric the scenario printed (`LAB-METRIC name value unit`), in seconds.
+fn metric(result: &Value, name: &str) -> f64 {
+    result["metrics"][name]["value"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("metric {name} missing: {result:#}"))
+}
+
+/// Every scenario parses and declares its description and default; fast, no lab.
+#[test]
+fn lab_scenarios_are_well_formed() {
+    let out = Command::new(lab_dir().join("run.sh"))
+        .arg("--check")
+        .output()
+        .expect("run.sh --check");
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// QEMU (Debian's, + SeaBIOS, `-kernel`) boots the stock Debian cloud kernel in
+/// L1 with 2 vCPUs: the lab works, and this is the reference k7d is compared to.
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_qemu_reference_boots() {
+    let r = run_scenario("qemu-boot", None).unwrap_or_else(|e| panic!("{e:#}"));
+    for m in ["qemu.guest_init_uptime", "qemu.spawn_to_init", "qemu.wall"] {
+        let v = metric(&r, m);
+        assert!(v > 0.0 && v < 300.0, "{m} = {v} s");
+    }
+    assert!(metric(&r, "qemu.spawn_to_init") < metric(&r, "qemu.wall"));
+}
+
+/// L1 offers what later network scenarios need (vhost-net, vhost-vsock,
+/// multi-queue taps, clsact, tc mirred, iproute2); boots no guest.
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_l1_has_vhost_and_taps() {
+    run_scenario("l1-net", None).unwrap_or_else(|e| panic!("{e:#}"));
+}
+
+/// k7d boots the stock Debian cloud kernel in L1 with 2 vCPUs.
+///
+/// PENDING k7d Linux boot: skipped while `tests/lab/scenarios/k7d-boot.sh` says
+/// `# lab: default=no` (set K7D_LAB_RUN_PENDING=1 to run it anyway). The binary
+/// is `$K7D_LAB_BIN`, else `<target>/release/k7d`, built here.
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_boots_linux() {
+    if header("k7d-boot", "default").as_deref() != Some("yes") && std::env::var_os("K7D_LAB_RUN_PENDING").is_none() {
+        eprintln!("lab_k7d_boots_linux: skipped: scenario k7d-boot is pending (default=no)");
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("k7d-boot", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(metric(&r, "k7d.guest_init_uptime") > 0.0);
+}
+
+/// `$K7D_LAB_BIN`, else `<target>/release/k7d`, (re)built by cargo first.
+fn k7d_binary() -> Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("K7D_LAB_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args(["build", "--release", "-p", "k7d-vmm", "--bin", "k7d", "--target-dir"])
+        .arg(target_dir())
+        .status()
+        .context("cargo build --release -p k7d-vmm")?;
+    if !status.success() {
+        bail!("cargo build --release -p k7d-vmm failed: {status}");
+    }
+    Ok(target_dir().join("release").join("k7d"))
+}

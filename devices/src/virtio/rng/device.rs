@@ -1,0 +1,154 @@
+//! The virtio-rng device: identity, features, worker start/stop.
+
+use std::fs::File;
+use std::thread::JoinHandle;
+
+use tracing::{error, info};
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::event_handler::RngWorker;
+use super::{ENTROPY_SOURCE, QUEUE_SIZE};
+use crate::virtio::{
+    ActivateContext, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice,
+    VirtioError,
+};
+
+struct Running {
+    stop: EventFd,
+    handle: JoinHandle<Queue>,
+}
+
+/// A virtio entropy device.
+pub struct Rng {
+    source: File,
+    queue_sizes: [u16; 1],
+    worker: Option<Running>,
+}
+
+impl std::fmt::Debug for Rng {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rng")
+            .field("active", &self.worker.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Rng {
+    /// A device reading from [`ENTROPY_SOURCE`].
+    pub fn new() -> Result<Self, VirtioError> {
+        let source = File::open(ENTROPY_SOURCE).map_err(|source| VirtioError::Open {
+            path: ENTROPY_SOURCE.into(),
+            source,
+        })?;
+        Ok(Self::with_source(source))
+    }
+
+    /// A device reading from `source` (any readable file; tests use this).
+    pub fn with_source(source: File) -> Self {
+        Self {
+            source,
+            queue_sizes: [QUEUE_SIZE],
+            worker: None,
+        }
+    }
+
+    /// Whether a worker thread is running.
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    fn stop_worker(&mut self) -> Option<Queue> {
+        let w = self.worker.take()?;
+        if let Err(e) = w.stop.write(1) {
+            error!(error = %e, "could not signal the rng worker to stop");
+        }
+        match w.handle.join() {
+            Ok(q) => Some(q),
+            Err(_) => {
+                error!("the rng worker panicked; its queue is lost");
+                None
+            }
+        }
+    }
+}
+
+impl VirtioDevice for Rng {
+    fn name(&self) -> &'static str {
+        "rng"
+    }
+
+    fn device_type(&self) -> u32 {
+        virtio_bindings::virtio_ids::VIRTIO_ID_RNG
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | VIRTIO_RING_F_INDIRECT_DESC
+    }
+
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
+        if self.worker.is_some() {
+            return Err(VirtioError::AlreadyActive(self.name()));
+        }
+        let got = ctx.queues.len();
+        let Ok([q]) = <[_; 1]>::try_from(ctx.queues) else {
+            return Err(VirtioError::QueueCount {
+                device: "rng",
+                expected: 1,
+                got,
+            });
+        };
+        let stop = EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?;
+        let worker = RngWorker {
+            mem: ctx.mem,
+            queue: q.queue,
+            index: q.index,
+            notify: q.notify,
+            stop: stop.try_clone().map_err(VirtioError::EventFd)?,
+            interrupt: ctx.interrupt,
+            source: self.source.try_clone().map_err(|source| VirtioError::Open {
+                path: ENTROPY_SOURCE.into(),
+                source,
+            })?,
+            malformed: 0,
+        };
+        let handle = std::thread::Builder::new()
+            .name("k7d-virtio-rng".into())
+            .spawn(move || worker.run())
+            .map_err(|e| VirtioError::Spawn("rng", e))?;
+        self.worker = Some(Running { stop, handle });
+        info!(features = ctx.acked_features, "virtio-rng activated");
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Vec<Queue> {
+        self.stop_worker().into_iter().collect()
+    }
+}
+
+impl Drop for Rng {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifecycle_hooks_fail_loudly() {
+        let mut r = Rng::new().unwrap();
+        let e = r.pause().unwrap_err();
+        assert_eq!(e.to_string(), "the rng device does not support pause");
+        assert!(r.resume().is_err());
+        assert!(r.snapshot().is_err());
+        assert!(r.restore(&[]).is_err());
+        assert!(r.reset().is_empty());
+        assert_eq!(r.avail_features() & VIRTIO_F_VERSION_1, VIRTIO_F_VERSION_1);
+    }
+}

@@ -10,6 +10,10 @@ use k7d_tests::{TempDir, builtin, read_u32};
 use k7d_vmm::budgets::{self, Budget};
 use k7d_vmm::{Vm, VmOptions};
 
+/// Timed tests must not overlap: the pause test keeps a vCPU busy, which
+/// would slow the boot test on a 2-core host.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
@@ -33,6 +37,7 @@ fn check(b: Budget, samples: Vec<Duration>) {
     ignore = "latency budgets are for release builds: cargo test --release"
 )]
 fn vm_boot_to_first_exit_is_within_budget() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let dir = TempDir::new("budget-boot");
     let cfg = builtin("hello", 1, 64, &[]);
     let samples = (0..21)
@@ -60,6 +65,7 @@ fn vm_boot_to_first_exit_is_within_budget() {
     ignore = "latency budgets are for release builds: cargo test --release"
 )]
 fn pause_and_resume_are_within_budget() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let dir = TempDir::new("budget-pause");
     let mut vm = k7d_tests::boot(
         "p",

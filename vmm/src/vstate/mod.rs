@@ -1,6 +1,7 @@
 //! The running machine: guest memory, vCPUs, their control block, the VM.
 
 pub mod control;
+pub mod irq;
 pub mod memory;
 pub mod vcpu;
 pub mod vm;

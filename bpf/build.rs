@@ -19,10 +19,7 @@ fn main() {
     let mut cmd = Command::new(&clang);
     cmd.args(["-O2", "-g", "-target", "bpf", "-Wall", "-Werror"]);
     // asm/types.h lives under the multiarch include dir on Debian.
-    for dir in [
-        "/usr/include/x86_64-linux-gnu",
-        "/usr/include/aarch64-linux-gnu",
-    ] {
+    for dir in ["/usr/include/x86_64-linux-gnu", "/usr/include/aarch64-linux-gnu"] {
         if std::path::Path::new(dir).is_dir() {
             cmd.arg(format!("-I{dir}"));
         }

@@ -38,6 +38,9 @@ pub enum BpfError {
         op: &'static str,
         reason: String,
     },
+    /// A guest port of an l2 uplink was refused (address or MAC taken).
+    #[error("guest port {port} cannot be added to the uplink: {reason}")]
+    PortRefused { port: String, reason: String },
     /// No pinned state exists where a NIC's programs were expected.
     #[error("no direct datapath state at {0}: the NIC has no bpf programs attached")]
     NotAttached(PathBuf),

@@ -7,6 +7,10 @@
 //! Policy and counters are read and written through those pins, so no
 //! in-memory state is needed and a restarted daemon finds everything again.
 //!
+//! The same object also holds the standalone l2-uplink programs
+//! (`k7d_ul_up_in` at an uplink's ingress, `k7d_ul_tap_in` at each guest
+//! tap's ingress), loaded once per uplink; see [`UplinkPrograms`].
+//!
 //! The loader must be called from a thread whose network namespace holds the
 //! tap and the pod device (interface names and ifindexes are netns-local).
 
@@ -14,14 +18,16 @@ mod error;
 mod identity;
 mod loader;
 mod policy;
+mod uplink;
 
 pub use error::BpfError;
 pub use identity::{PodUid, pod_identity};
 pub use loader::{
-    AttachMethod, AttachedPrograms, LINK_PINS, MAP_PINS, NicPrograms, ObjectSource, PROG_NAMES,
-    ProgMode, detach_nic, load_object, tcx_program_count,
+    AttachMethod, AttachedPrograms, LINK_PINS, MAP_PINS, NicPrograms, ObjectSource, PROG_NAMES, ProgMode, detach_nic,
+    load_object, tcx_program_count,
 };
-pub use policy::{
-    Direction, DropCount, DropReason, Peer, Policy, clear_policy, drops, read_policy_flag,
-    set_policy,
+pub use policy::{Direction, DropCount, DropReason, Peer, Policy, clear_policy, drops, read_policy_flag, set_policy};
+pub use uplink::{
+    UPLINK_MAP_PINS, UPLINK_PROG_NAMES, UplinkPort, UplinkPortInfo, UplinkPrograms, attach_uplink_port, detach_uplink,
+    detach_uplink_port, uplink_ifindex, uplink_ports, uplink_promisc_set,
 };

@@ -50,10 +50,7 @@ pub fn load_object(src: &ObjectSource) -> Result<Cow<'static, [u8]>, BpfError> {
         ObjectSource::File(p) => match std::fs::read(p) {
             Ok(b) if !b.is_empty() => Ok(Cow::Owned(b)),
             Ok(_) => Err(BpfError::ObjectMissing(format!("{} is empty", p.display()))),
-            Err(e) => Err(BpfError::ObjectMissing(format!(
-                "{} cannot be read ({e})",
-                p.display()
-            ))),
+            Err(e) => Err(BpfError::ObjectMissing(format!("{} cannot be read ({e})", p.display()))),
         },
         ObjectSource::Missing => Err(BpfError::ObjectMissing("no object is configured".into())),
     }
@@ -104,7 +101,7 @@ pub struct AttachedPrograms {
     pub dir: PathBuf,
 }
 
-fn attach_err(prog: &'static str, iface: &str, e: impl std::error::Error) -> BpfError {
+pub(crate) fn attach_err(prog: &'static str, iface: &str, e: impl std::error::Error) -> BpfError {
     BpfError::Attach {
         prog,
         iface: iface.to_string(),
@@ -124,7 +121,7 @@ pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-fn pin_err(path: &Path, op: &'static str, e: impl std::error::Error) -> BpfError {
+pub(crate) fn pin_err(path: &Path, op: &'static str, e: impl std::error::Error) -> BpfError {
     BpfError::Pin {
         path: path.to_path_buf(),
         op,
@@ -136,12 +133,7 @@ impl NicPrograms<'_> {
     /// Loads `object`, writes the NIC config, attaches both programs and pins
     /// maps and links under `dir` (created; it must be on bpffs). On error,
     /// everything this call created is removed again.
-    pub fn attach(
-        &self,
-        object: &[u8],
-        dir: &Path,
-        method: AttachMethod,
-    ) -> Result<AttachedPrograms, BpfError> {
+    pub fn attach(&self, object: &[u8], dir: &Path, method: AttachMethod) -> Result<AttachedPrograms, BpfError> {
         if dir.exists() {
             return Err(pin_err(
                 dir,
@@ -164,12 +156,7 @@ impl NicPrograms<'_> {
         }
     }
 
-    fn attach_inner(
-        &self,
-        object: &[u8],
-        dir: &Path,
-        method: AttachMethod,
-    ) -> Result<AttachMethod, BpfError> {
+    fn attach_inner(&self, object: &[u8], dir: &Path, method: AttachMethod) -> Result<AttachMethod, BpfError> {
         let mut bpf: Ebpf = EbpfLoader::new()
             .load(object)
             .map_err(|e| BpfError::Load(e.to_string()))?;
@@ -187,8 +174,7 @@ impl NicPrograms<'_> {
                 self.pod_id,
                 0,
             ];
-            cfg.set(0, v, 0)
-                .map_err(|e| map_err("k7d_cfg", "written", e))?;
+            cfg.set(0, v, 0).map_err(|e| map_err("k7d_cfg", "written", e))?;
         }
         for name in MAP_PINS {
             let map = bpf
@@ -255,8 +241,7 @@ fn attach_one(
         debug!(iface, error = %e, "clsact not added (may exist already)");
     }
     let prog_pin = PathBuf::from(format!("{}_prog", pin.display()));
-    prog.pin(&prog_pin)
-        .map_err(|e| pin_err(&prog_pin, "created", e))?;
+    prog.pin(&prog_pin).map_err(|e| pin_err(&prog_pin, "created", e))?;
     let id = prog
         .attach_with_options(
             iface,
@@ -276,9 +261,7 @@ fn attach_one(
 /// directory or interface is not an error. Must run in the interfaces'
 /// network namespace when netlink filters were used.
 pub fn detach_nic(dir: &Path, tap_if: Option<&str>, pod_if: Option<&str>) -> Result<(), BpfError> {
-    let netlink = LINK_PINS
-        .iter()
-        .any(|p| dir.join(format!("{p}_prog")).exists());
+    let netlink = LINK_PINS.iter().any(|p| dir.join(format!("{p}_prog")).exists());
     if netlink || !dir.exists() {
         for (iface, prog) in [(tap_if, PROG_NAMES[0]), (pod_if, PROG_NAMES[1])] {
             let Some(iface) = iface else { continue };
@@ -328,8 +311,7 @@ pub(crate) fn remove_dir_pins(dir: &Path) -> Result<(), BpfError> {
 pub fn tcx_program_count(iface: &str) -> Result<usize, BpfError> {
     let mut n = 0;
     for t in [TcAttachType::Ingress, TcAttachType::Egress] {
-        let (_, progs) =
-            SchedClassifier::query_tcx(iface, t).map_err(|e| attach_err("query", iface, e))?;
+        let (_, progs) = SchedClassifier::query_tcx(iface, t).map_err(|e| attach_err("query", iface, e))?;
         n += progs.len();
     }
     Ok(n)

@@ -125,9 +125,7 @@ fn compile(policy: &Policy) -> Result<Compiled, BpfError> {
                 if let Some(other) = ipcache.insert(addr_key(*ip), id)
                     && other != id
                 {
-                    return Err(BpfError::InvalidPolicy(format!(
-                        "address {ip} is claimed by two peers"
-                    )));
+                    return Err(BpfError::InvalidPolicy(format!("address {ip} is claimed by two peers")));
                 }
             }
         }
@@ -151,8 +149,7 @@ fn sync_hash<K: aya::Pod + Ord + Eq + std::hash::Hash>(
     let mut map: HashMap<_, K, u32> =
         HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(name, "opened", e))?;
     for (k, v) in want {
-        map.insert(k, v, 0)
-            .map_err(|e| map_error(name, "written", e))?;
+        map.insert(k, v, 0).map_err(|e| map_error(name, "written", e))?;
     }
     let stale: Vec<K> = map
         .keys()
@@ -171,22 +168,16 @@ fn set_default_deny(dir: &Path, on: bool) -> Result<(), BpfError> {
     let data = open_pinned(dir, "k7d_cfg")?;
     let mut cfg: Array<_, [u32; 6]> =
         Array::try_from(Map::Array(data)).map_err(|e| map_error("k7d_cfg", "opened", e))?;
-    let mut v = cfg
-        .get(&0, 0)
-        .map_err(|e| map_error("k7d_cfg", "read", e))?;
+    let mut v = cfg.get(&0, 0).map_err(|e| map_error("k7d_cfg", "read", e))?;
     v[DEFAULT_DENY_SLOT] = u32::from(on);
-    cfg.set(0, v, 0)
-        .map_err(|e| map_error("k7d_cfg", "written", e))
+    cfg.set(0, v, 0).map_err(|e| map_error("k7d_cfg", "written", e))
 }
 
 /// Reads the default-deny flag of a NIC.
 pub fn read_policy_flag(nic_dir: &Path) -> Result<bool, BpfError> {
     let data = open_pinned(nic_dir, "k7d_cfg")?;
-    let cfg: Array<_, [u32; 6]> =
-        Array::try_from(Map::Array(data)).map_err(|e| map_error("k7d_cfg", "opened", e))?;
-    let v = cfg
-        .get(&0, 0)
-        .map_err(|e| map_error("k7d_cfg", "read", e))?;
+    let cfg: Array<_, [u32; 6]> = Array::try_from(Map::Array(data)).map_err(|e| map_error("k7d_cfg", "opened", e))?;
+    let v = cfg.get(&0, 0).map_err(|e| map_error("k7d_cfg", "read", e))?;
     Ok(v[DEFAULT_DENY_SLOT] != 0)
 }
 
@@ -210,15 +201,13 @@ pub fn clear_policy(nic_dir: &Path) -> Result<(), BpfError> {
 /// The NIC's non-zero drop counters, summed over CPUs.
 pub fn drops(nic_dir: &Path) -> Result<Vec<DropCount>, BpfError> {
     let data = open_pinned(nic_dir, "k7d_drops")?;
-    let map: PerCpuArray<_, u64> = PerCpuArray::try_from(Map::PerCpuArray(data))
-        .map_err(|e| map_error("k7d_drops", "opened", e))?;
+    let map: PerCpuArray<_, u64> =
+        PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(|e| map_error("k7d_drops", "opened", e))?;
     let mut out = Vec::new();
     for reason in DropReason::ALL {
         for direction in [Direction::Egress, Direction::Ingress] {
             let idx = reason as u32 * 2 + direction as u32;
-            let values = map
-                .get(&idx, 0)
-                .map_err(|e| map_error("k7d_drops", "read", e))?;
+            let values = map.get(&idx, 0).map_err(|e| map_error("k7d_drops", "read", e))?;
             let packets: u64 = values.iter().sum();
             if packets > 0 {
                 out.push(DropCount {
@@ -256,12 +245,7 @@ mod tests {
             allow: vec![peer("b", "10.0.0.1"), peer("c", "10.0.0.1")],
             deny: vec![],
         };
-        assert!(
-            compile(&p)
-                .unwrap_err()
-                .to_string()
-                .contains("claimed by two peers")
-        );
+        assert!(compile(&p).unwrap_err().to_string().contains("claimed by two peers"));
     }
 
     #[test]
@@ -274,10 +258,7 @@ mod tests {
         .unwrap();
         let key = *ipcache.keys().next().unwrap();
         assert_eq!(&key[10..], &[0xff, 0xff, 10, 1, 2, 3]);
-        assert_eq!(
-            verdicts.values().copied().collect::<Vec<_>>(),
-            vec![VERDICT_ALLOW]
-        );
+        assert_eq!(verdicts.values().copied().collect::<Vec<_>>(), vec![VERDICT_ALLOW]);
     }
 
     #[test]

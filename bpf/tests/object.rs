@@ -10,10 +10,7 @@ use k7d_bpf::{BpfError, MAP_PINS, ObjectSource, PROG_NAMES, load_object};
 fn embedded_object_has_both_programs_and_passes_the_verifier() {
     let obj = match load_object(&ObjectSource::Embedded) {
         Ok(o) => o,
-        Err(e)
-            if std::env::var_os("K7D_BPF_SKIP_BUILD").is_some()
-                || std::env::var_os("K7D_CLANG").is_some() =>
-        {
+        Err(e) if std::env::var_os("K7D_BPF_SKIP_BUILD").is_some() || std::env::var_os("K7D_CLANG").is_some() => {
             assert!(e.to_string().starts_with("bpf object missing"));
             return;
         }

@@ -143,9 +143,8 @@ impl Datapath {
             sys::mount_bpffs(sysbpf).map_err(|e| NetError::os("mount bpffs at /sys/fs/bpf", e))?;
             info!("mounted bpffs at /sys/fs/bpf");
         }
-        std::fs::create_dir_all(&cfg.bpffs_root).map_err(|e| {
-            NetError::os(format!("create bpffs dir {}", cfg.bpffs_root.display()), e)
-        })?;
+        std::fs::create_dir_all(&cfg.bpffs_root)
+            .map_err(|e| NetError::os(format!("create bpffs dir {}", cfg.bpffs_root.display()), e))?;
         if !sys::is_bpffs(&cfg.bpffs_root)
             .map_err(|e| NetError::os(format!("statfs {}", cfg.bpffs_root.display()), e))?
         {
@@ -242,8 +241,7 @@ impl Datapath {
                     reason: "it is already a bridge port".into(),
                 });
             }
-            let use_peer = matches!(pod.kind.as_deref(), Some("veth") | Some("netkit"))
-                && pod.link_netnsid.is_some();
+            let use_peer = matches!(pod.kind.as_deref(), Some("veth") | Some("netkit")) && pod.link_netnsid.is_some();
             let tap = create_tap(&mut nl, &names.tap, req.queues, req.vnet_hdr)?;
             if !pod.up {
                 nl.set_up(pod.index, true)?;
@@ -374,13 +372,7 @@ impl Datapath {
     /// removes k7d netlink filters, deletes the tap and bridge. Idempotent;
     /// a vanished pod netns only leaves the pins to remove. The caller drops
     /// its tap fds.
-    pub fn detach(
-        &self,
-        vm_id: &str,
-        nic_idx: u16,
-        pod_netns: Option<&Path>,
-        pod_if: &str,
-    ) -> Result<(), NetError> {
+    pub fn detach(&self, vm_id: &str, nic_idx: u16, pod_netns: Option<&Path>, pod_if: &str) -> Result<(), NetError> {
         validate_vm_id(vm_id)?;
         let names = nic_names(vm_id, nic_idx);
         let dir = self.nic_dir(&names);
@@ -475,17 +467,15 @@ pub(crate) fn drop_empty_clsact(nl: &mut Netlink, ifindex: u32) {
     if !has_clsact {
         return;
     }
-    let empty = [CLSACT_INGRESS, CLSACT_EGRESS].iter().all(|p| {
-        nl.filters(ifindex, *p)
-            .map(|f| f.is_empty())
-            .unwrap_or(false)
-    });
+    let empty = [CLSACT_INGRESS, CLSACT_EGRESS]
+        .iter()
+        .all(|p| nl.filters(ifindex, *p).map(|f| f.is_empty()).unwrap_or(false));
     if empty && let Err(e) = nl.del_clsact(ifindex) {
         warn!(ifindex, error = %e, "empty clsact qdisc not removed");
     }
 }
 
-fn bridge_guest_mac(names: &NicNames, pod_mac: [u8; 6]) -> [u8; 6] {
+pub(crate) fn bridge_guest_mac(names: &NicNames, pod_mac: [u8; 6]) -> [u8; 6] {
     let hex = &names.tap[4..];
     let mut mac = [0x02, 0x6b, 0, 0, 0, 0];
     for i in 0..4 {

@@ -20,13 +20,15 @@ pub enum NetError {
     /// The pod-side interface does not exist in the pod netns.
     #[error("pod interface {iface} does not exist in netns {netns}")]
     PodIfMissing { iface: String, netns: PathBuf },
+    /// The l2 uplink interface does not exist.
+    #[error("uplink interface {iface} does not exist in netns {netns}")]
+    UplinkMissing { iface: String, netns: PathBuf },
+    /// No l2-uplink state exists for the interface.
+    #[error("uplink {iface} has no l2-uplink programs attached (nothing pinned at {dir})")]
+    UplinkNotAttached { iface: String, dir: PathBuf },
     /// `direct` mode was requested but cannot be used.
     #[error("the direct datapath cannot be used for VM {vm} NIC {nic}: {reason}")]
-    DirectRefused {
-        vm: String,
-        nic: u16,
-        reason: String,
-    },
+    DirectRefused { vm: String, nic: u16, reason: String },
     /// The VM has no NIC with bpf state (policy needs the programs).
     #[error("VM {0} has no NIC with datapath programs attached")]
     NoPrograms(String),
@@ -37,9 +39,6 @@ pub enum NetError {
 
 impl NetError {
     pub(crate) fn os(op: impl Into<String>, source: std::io::Error) -> Self {
-        NetError::Os {
-            op: op.into(),
-            source,
-        }
+        NetError::Os { op: op.into(), source }
     }
 }

@@ -11,15 +11,17 @@ mod netns;
 mod reconcile;
 mod sys;
 mod tap;
+mod uplink;
 
 pub use datapath::{Attached, Datapath, DatapathConfig, EffectiveMode, Mode, NicRequest};
 pub use error::NetError;
+pub use k7d_bpf::UplinkPortInfo;
 pub use k7d_bpf::{
-    AttachMethod, BpfError, Direction, DropCount, DropReason, ObjectSource, Peer, PodUid, Policy,
-    pod_identity,
+    AttachMethod, BpfError, Direction, DropCount, DropReason, ObjectSource, Peer, PodUid, Policy, pod_identity,
 };
 pub use names::{LINK_PREFIX, NicNames, nic_names, validate_vm_id, vm_tag};
 pub use netns::in_netns;
 pub use reconcile::{Inventory, ReconcileReport};
 pub use sys::{TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6};
 pub use tap::{Tap, create_tap, read_frame, wait_readable, write_frame};
+pub use uplink::{UPLINKS_DIR, Uplink, UplinkGuest, UplinkNic, UplinkRequest};

@@ -16,7 +16,7 @@ pub struct NicNames {
     pub bpf_subdir: String,
 }
 
-fn fnv1a64(parts: &[&[u8]]) -> u64 {
+pub(crate) fn fnv1a64(parts: &[&[u8]]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
         for b in *p {

@@ -4,8 +4,7 @@
 use std::os::fd::{AsRawFd, RawFd};
 
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage,
-    NetlinkPayload,
+    NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
 };
 use netlink_packet_route::{
     RouteNetlinkMessage,
@@ -26,6 +25,8 @@ pub struct Link {
     pub master: Option<u32>,
     pub mac: Option<[u8; 6]>,
     pub up: bool,
+    /// `IFF_PROMISC` is set.
+    pub promisc: bool,
     /// Set when the link's peer (veth) lives in another netns.
     pub link_netnsid: Option<i32>,
 }
@@ -113,9 +114,7 @@ impl Netlink {
             let (data, _) = self.sock.recv_from_full().map_err(|e| err(e.to_string()))?;
             let mut off = 0usize;
             while off + 16 <= data.len() {
-                let len =
-                    u32::from_ne_bytes([data[off], data[off + 1], data[off + 2], data[off + 3]])
-                        as usize;
+                let len = u32::from_ne_bytes([data[off], data[off + 1], data[off + 2], data[off + 3]]) as usize;
                 if len < 16 || off + len > data.len() {
                     return Err(err(format!("truncated netlink message of {len} bytes")));
                 }
@@ -179,18 +178,12 @@ impl Netlink {
     pub fn link(&mut self, name: &str) -> Result<Option<Link>, NetError> {
         let mut msg = LinkMessage::default();
         msg.attributes.push(LinkAttribute::IfName(name.to_string()));
-        match self.request(
-            &format!("get link {name}"),
-            RouteNetlinkMessage::GetLink(msg),
-            0,
-        ) {
+        match self.request(&format!("get link {name}"), RouteNetlinkMessage::GetLink(msg), 0) {
             Ok(msgs) => Ok(msgs.into_iter().find_map(|m| match m {
                 RouteNetlinkMessage::NewLink(l) => Some(parse_link(&l)),
                 _ => None,
             })),
-            Err(NetError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENODEV) => {
-                Ok(None)
-            }
+            Err(NetError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENODEV) => Ok(None),
             Err(e) => Err(e),
         }
     }
@@ -200,9 +193,7 @@ impl Netlink {
         let mut msg = LinkMessage::default();
         msg.attributes.push(LinkAttribute::IfName(name.to_string()));
         msg.attributes
-            .push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(
-                InfoKind::Bridge,
-            )]));
+            .push(LinkAttribute::LinkInfo(vec![LinkInfo::Kind(InfoKind::Bridge)]));
         self.request(
             &format!("create bridge {name}"),
             RouteNetlinkMessage::NewLink(msg),
@@ -213,12 +204,7 @@ impl Netlink {
 
     /// Creates veth `name` with peer `peer`; the peer is created directly in
     /// the namespace open at `peer_ns` when given.
-    pub fn add_veth(
-        &mut self,
-        name: &str,
-        peer: &str,
-        peer_ns: Option<RawFd>,
-    ) -> Result<(), NetError> {
+    pub fn add_veth(&mut self, name: &str, peer: &str, peer_ns: Option<RawFd>) -> Result<(), NetError> {
         let mut p = LinkMessage::default();
         p.attributes.push(LinkAttribute::IfName(peer.to_string()));
         if let Some(fd) = peer_ns {
@@ -238,17 +224,11 @@ impl Netlink {
         .map(drop)
     }
 
-    fn set_link(
-        &mut self,
-        op: &str,
-        index: u32,
-        f: impl FnOnce(&mut LinkMessage),
-    ) -> Result<(), NetError> {
+    fn set_link(&mut self, op: &str, index: u32, f: impl FnOnce(&mut LinkMessage)) -> Result<(), NetError> {
         let mut msg = LinkMessage::default();
         msg.header.index = index;
         f(&mut msg);
-        self.request(op, RouteNetlinkMessage::SetLink(msg), NLM_F_ACK)
-            .map(drop)
+        self.request(op, RouteNetlinkMessage::SetLink(msg), NLM_F_ACK).map(drop)
     }
 
     /// Sets a link up or down.
@@ -261,11 +241,20 @@ impl Netlink {
         })
     }
 
+    /// Turns promiscuous mode on or off.
+    pub fn set_promisc(&mut self, index: u32, on: bool) -> Result<(), NetError> {
+        self.set_link(&format!("set link {index} promisc={on}"), index, |m| {
+            if on {
+                m.header.flags = LinkFlags::Promisc;
+            }
+            m.header.change_mask = LinkFlags::Promisc;
+        })
+    }
+
     /// Enslaves a link to `master` (or releases it with `None`).
     pub fn set_master(&mut self, index: u32, master: Option<u32>) -> Result<(), NetError> {
         self.set_link(&format!("set master of link {index}"), index, |m| {
-            m.attributes
-                .push(LinkAttribute::Controller(master.unwrap_or(0)));
+            m.attributes.push(LinkAttribute::Controller(master.unwrap_or(0)));
         })
     }
 
@@ -294,9 +283,7 @@ impl Netlink {
             NLM_F_ACK,
         ) {
             Ok(_) => Ok(()),
-            Err(NetError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENODEV) => {
-                Ok(())
-            }
+            Err(NetError::Os { source, .. }) if source.raw_os_error() == Some(libc::ENODEV) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -365,10 +352,7 @@ impl Netlink {
             Ok(m) => m,
             // No clsact: nothing to list.
             Err(NetError::Os { source, .. })
-                if matches!(
-                    source.raw_os_error(),
-                    Some(libc::EINVAL) | Some(libc::ENOENT)
-                ) =>
+                if matches!(source.raw_os_error(), Some(libc::EINVAL) | Some(libc::ENOENT)) =>
             {
                 return Ok(Vec::new());
             }
@@ -411,10 +395,7 @@ impl Netlink {
         ) {
             Ok(_) => Ok(()),
             Err(NetError::Os { source, .. })
-                if matches!(
-                    source.raw_os_error(),
-                    Some(libc::ENOENT) | Some(libc::ENODEV)
-                ) =>
+                if matches!(source.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENODEV)) =>
             {
                 Ok(())
             }
@@ -441,6 +422,7 @@ fn parse_link(l: &LinkMessage) -> Link {
         master: None,
         mac: None,
         up: l.header.flags.contains(LinkFlags::Up),
+        promisc: l.header.flags.contains(LinkFlags::Promisc),
         link_netnsid: None,
     };
     for a in &l.attributes {

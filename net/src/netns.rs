@@ -12,9 +12,7 @@ where
     F: FnOnce() -> Result<T, NetError> + Send,
 {
     let ns = match netns {
-        Some(p) => Some(
-            File::open(p).map_err(|e| NetError::os(format!("open netns {}", p.display()), e))?,
-        ),
+        Some(p) => Some(File::open(p).map_err(|e| NetError::os(format!("open netns {}", p.display()), e))?),
         None => None,
     };
     std::thread::scope(|s| {

@@ -75,11 +75,8 @@ impl Datapath {
                     for p in [CLSACT_INGRESS, CLSACT_EGRESS] {
                         for f in nl.filters(l.index, p)? {
                             if f.bpf_name.as_deref().is_some_and(|n| n.starts_with("k7d_")) {
-                                inv.filters.push(format!(
-                                    "{tag}:{}:{}",
-                                    l.name,
-                                    f.bpf_name.unwrap_or_default()
-                                ));
+                                inv.filters
+                                    .push(format!("{tag}:{}:{}", l.name, f.bpf_name.unwrap_or_default()));
                             }
                         }
                     }
@@ -114,17 +111,17 @@ impl Datapath {
     /// bpffs root, except those of the NICs in `keep` (VM id, NIC index).
     /// Unpinning a TCX link detaches its program, so pins are removed even
     /// for namespaces that are gone.
-    pub fn reconcile(
-        &self,
-        netns: &[&Path],
-        keep: &[(&str, u16)],
-    ) -> Result<ReconcileReport, NetError> {
+    pub fn reconcile(&self, netns: &[&Path], keep: &[(&str, u16)]) -> Result<ReconcileReport, NetError> {
         let kept: Vec<_> = keep.iter().map(|(vm, nic)| nic_names(vm, *nic)).collect();
         let mut report = ReconcileReport::default();
         let root = self.config().bpffs_root.clone();
         // Pins first: detaches TCX programs everywhere.
         if let Ok(rd) = std::fs::read_dir(&root) {
             for vm in rd.flatten() {
+                // l2 uplinks are not NICs: `Datapath::uplink_detach` owns them.
+                if vm.file_name() == crate::uplink::UPLINKS_DIR {
+                    continue;
+                }
                 let vm_path = vm.path();
                 if let Ok(nics) = std::fs::read_dir(&vm_path) {
                     for nic in nics.flatten() {

@@ -27,10 +27,7 @@ struct IfReqFlags {
 /// `IFF_VNET_HDR` and `IFF_MULTI_QUEUE` when asked.
 pub fn open_tap_queue(name: &str, vnet_hdr: bool, multi_queue: bool) -> io::Result<OwnedFd> {
     if name.is_empty() || name.len() >= IFNAMSIZ || name.as_bytes().contains(&0) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "bad interface name",
-        ));
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "bad interface name"));
     }
     let file: File = OpenOptions::new()
         .read(true)
@@ -54,13 +51,7 @@ pub fn open_tap_queue(name: &str, vnet_hdr: bool, multi_queue: bool) -> io::Resu
     // SAFETY: TUNSETIFF reads and writes a `struct ifreq` (40 bytes: name +
     // union); `req` is a live, correctly sized #[repr(C)] value and the fd is
     // an open /dev/net/tun file owned by `file`.
-    let rc = unsafe {
-        libc::ioctl(
-            file.as_raw_fd(),
-            libc::TUNSETIFF,
-            &mut req as *mut IfReqFlags,
-        )
-    };
+    let rc = unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETIFF, &mut req as *mut IfReqFlags) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -68,13 +59,7 @@ pub fn open_tap_queue(name: &str, vnet_hdr: bool, multi_queue: bool) -> io::Resu
         let size: libc::c_int = 12; // virtio_net_hdr_v1 / mrg_rxbuf
         // SAFETY: TUNSETVNETHDRSZ reads one int through the pointer, which
         // points at a live local.
-        let rc = unsafe {
-            libc::ioctl(
-                file.as_raw_fd(),
-                libc::TUNSETVNETHDRSZ,
-                &size as *const libc::c_int,
-            )
-        };
+        let rc = unsafe { libc::ioctl(file.as_raw_fd(), libc::TUNSETVNETHDRSZ, &size as *const libc::c_int) };
         if rc < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -136,15 +121,7 @@ pub fn mount_bpffs(path: &Path) -> io::Result<()> {
     let fstype = c"bpf";
     // SAFETY: all pointers are valid NUL-terminated strings that outlive the
     // call; data is null, which mount(2) accepts for bpffs.
-    let rc = unsafe {
-        libc::mount(
-            fstype.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
+    let rc = unsafe { libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
     if rc < 0 {
         return Err(io::Error::last_os_error());
     }

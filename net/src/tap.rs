@@ -18,12 +18,7 @@ pub struct Tap {
 /// when `queues > 1`) and sets it up. A stale link of that name is deleted
 /// first, so creating twice leaves one tap. Not persistent: the tap goes
 /// away when the last fd closes.
-pub fn create_tap(
-    nl: &mut Netlink,
-    name: &str,
-    queues: usize,
-    vnet_hdr: bool,
-) -> Result<Tap, NetError> {
+pub fn create_tap(nl: &mut Netlink, name: &str, queues: usize, vnet_hdr: bool) -> Result<Tap, NetError> {
     if queues == 0 || queues > 256 {
         return Err(NetError::Invalid {
             what: format!("queue count {queues} for tap {name}"),

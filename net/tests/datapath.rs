@@ -10,10 +10,7 @@ use std::{
 };
 
 use common::*;
-use k7d_net::{
-    AttachMethod, Direction, DropReason, EffectiveMode, Mode, NetError, ObjectSource, Peer, PodUid,
-    Policy,
-};
+use k7d_net::{AttachMethod, Direction, DropReason, EffectiveMode, Mode, NetError, ObjectSource, Peer, PodUid, Policy};
 
 fn traffic(lab: &Lab, att: &k7d_net::Attached) {
     let _guest = Guest::start(lab, att);
@@ -50,20 +47,11 @@ fn mode_traffic(mode: Mode, method: AttachMethod, want: EffectiveMode) {
     traffic(&lab, &att);
     // The path really is the one claimed: in direct mode there is no k7d
     // bridge, in bridge mode eth0 is a port of the k7d bridge.
-    let links = lab.pod.exec(&[
-        "ip",
-        "-o",
-        "link",
-        "show",
-        "master",
-        att.names.bridge.as_str(),
-    ]);
+    let links = lab
+        .pod
+        .exec(&["ip", "-o", "link", "show", "master", att.names.bridge.as_str()]);
     let listing = String::from_utf8_lossy(&links.stdout);
-    assert_eq!(
-        listing.contains("eth0@"),
-        want == EffectiveMode::Bridge,
-        "{listing}"
-    );
+    assert_eq!(listing.contains("eth0@"), want == EffectiveMode::Bridge, "{listing}");
     dp.detach("vm-traffic", 0, Some(&lab.pod.path()), "eth0")
         .expect("detach");
     drop(att);
@@ -114,9 +102,7 @@ fn policy_matrix(mode: Mode) {
     let lab = Lab::new();
     let dp = lab.datapath(ObjectSource::Embedded, AttachMethod::Auto);
     let vm = "vm-policy";
-    let att = dp
-        .attach(&lab.request(vm, mode, Some("pod-a")))
-        .expect("attach");
+    let att = dp.attach(&lab.request(vm, mode, Some("pod-a"))).expect("attach");
     assert!(att.bpf_dir.is_some());
     let _guest = Guest::start(&lab, &att);
     let pairs = |want: [bool; 4], phase: &str| {
@@ -142,22 +128,13 @@ fn policy_matrix(mode: Mode) {
     )
     .unwrap();
     pairs([false, false, true, true], "default-deny + allow C");
-    assert_eq!(
-        count(&dp, vm, DropReason::DefaultDeny, Direction::Egress),
-        2
-    );
-    assert_eq!(
-        count(&dp, vm, DropReason::DefaultDeny, Direction::Ingress),
-        2
-    );
+    assert_eq!(count(&dp, vm, DropReason::DefaultDeny, Direction::Egress), 2);
+    assert_eq!(count(&dp, vm, DropReason::DefaultDeny, Direction::Ingress), 2);
     assert_eq!(count(&dp, vm, DropReason::PolicyDeny, Direction::Egress), 0);
     // 3. Cleared: all pass, counters do not move.
     dp.clear_policy(vm).unwrap();
     pairs([true; 4], "cleared");
-    assert_eq!(
-        count(&dp, vm, DropReason::DefaultDeny, Direction::Egress),
-        2
-    );
+    assert_eq!(count(&dp, vm, DropReason::DefaultDeny, Direction::Egress), 2);
     // 4. Deny B only.
     dp.set_policy(
         vm,
@@ -170,20 +147,9 @@ fn policy_matrix(mode: Mode) {
     .unwrap();
     pairs([false, false, true, true], "deny B");
     assert_eq!(count(&dp, vm, DropReason::PolicyDeny, Direction::Egress), 2);
-    assert_eq!(
-        count(&dp, vm, DropReason::PolicyDeny, Direction::Ingress),
-        2
-    );
-    let shown: Vec<String> = dp
-        .drops(vm)
-        .unwrap()
-        .iter()
-        .map(|c| c.to_string())
-        .collect();
-    assert!(
-        shown.contains(&"pod-policy-deny egress 2".to_string()),
-        "{shown:?}"
-    );
+    assert_eq!(count(&dp, vm, DropReason::PolicyDeny, Direction::Ingress), 2);
+    let shown: Vec<String> = dp.drops(vm).unwrap().iter().map(|c| c.to_string()).collect();
+    assert!(shown.contains(&"pod-policy-deny egress 2".to_string()), "{shown:?}");
     // A contradictory policy is refused and changes nothing.
     let bad = Policy {
         default_deny: true,
@@ -242,30 +208,19 @@ fn auto_without_object_falls_back_with_one_log_line_and_direct_refuses() {
         .with_ansi(false)
         .with_writer(move || sink.clone())
         .finish();
-    let att = tracing::subscriber::with_default(sub, || {
-        dp.attach(&lab.request("vm-fb", Mode::Auto, Some("pod-a")))
-    })
-    .expect("auto attach");
+    let att = tracing::subscriber::with_default(sub, || dp.attach(&lab.request("vm-fb", Mode::Auto, Some("pod-a"))))
+        .expect("auto attach");
     let log = String::from_utf8(cap.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "{log}");
-    assert!(
-        lines[0].contains("falling back to the bridge chain"),
-        "{log}"
-    );
+    assert!(lines[0].contains("falling back to the bridge chain"), "{log}");
     assert!(lines[0].contains("bpf object missing"), "{log}");
     assert_eq!(att.effective_mode, EffectiveMode::Bridge);
-    assert!(
-        att.reason
-            .as_deref()
-            .unwrap()
-            .contains("bpf object missing")
-    );
+    assert!(att.reason.as_deref().unwrap().contains("bpf object missing"));
     assert!(att.bpf_dir.is_none(), "no object, so no policy programs");
     assert_ne!(Some(att.guest_mac), None);
     traffic(&lab, &att);
-    dp.detach("vm-fb", 0, Some(&lab.pod.path()), "eth0")
-        .unwrap();
+    dp.detach("vm-fb", 0, Some(&lab.pod.path()), "eth0").unwrap();
     drop(att);
     lab.assert_clean(&dp);
 }
@@ -284,8 +239,7 @@ fn unsupported_shape_falls_back_or_is_refused() {
     let att = dp.attach(&req).unwrap();
     assert_eq!(att.effective_mode, EffectiveMode::Bridge);
     assert_eq!(att.reason.as_deref(), Some(why));
-    dp.detach("vm-shape", 0, Some(&lab.pod.path()), "eth0")
-        .unwrap();
+    dp.detach("vm-shape", 0, Some(&lab.pod.path()), "eth0").unwrap();
     drop(att);
     lab.assert_clean(&dp);
 }
@@ -298,9 +252,7 @@ fn a_failed_direct_attempt_rolls_everything_back() {
     let bad = std::env::temp_dir().join(bad.file_name().unwrap());
     std::fs::write(&bad, b"\x7fELF not really").unwrap();
     let dp = lab.datapath(ObjectSource::File(bad.clone()), AttachMethod::Auto);
-    let err = dp
-        .attach(&lab.request("vm-rb", Mode::Direct, None))
-        .unwrap_err();
+    let err = dp.attach(&lab.request("vm-rb", Mode::Direct, None)).unwrap_err();
     assert!(err.to_string().contains("could not be loaded"), "{err}");
     lab.assert_clean(&dp);
     // Attaching to an interface that does not exist fails in both modes.
@@ -317,9 +269,7 @@ fn invalid_pod_uid_is_refused_and_consumes_nothing() {
     let dp = lab.datapath(ObjectSource::Embedded, AttachMethod::Auto);
     for uid in ["../x", "a/b", ""] {
         for mode in [Mode::Direct, Mode::Bridge, Mode::Auto] {
-            let err = dp
-                .attach(&lab.request("vm-uid", mode, Some(uid)))
-                .unwrap_err();
+            let err = dp.attach(&lab.request("vm-uid", mode, Some(uid))).unwrap_err();
             assert!(err.to_string().starts_with("pod UID"), "{err}");
         }
     }
@@ -331,11 +281,7 @@ fn hundred_create_delete_cycles_leave_nothing() {
     let lab = Lab::new();
     let dp = lab.datapath(ObjectSource::Embedded, AttachMethod::Auto);
     for i in 0..100u32 {
-        let mode = if i % 2 == 0 {
-            Mode::Direct
-        } else {
-            Mode::Bridge
-        };
+        let mode = if i % 2 == 0 { Mode::Direct } else { Mode::Bridge };
         let vm = format!("vm-cycle-{}", i % 7);
         let att = dp
             .attach(&lab.request(&vm, mode, Some("pod-a")))
@@ -472,9 +418,7 @@ fn reconcile_removes_what_a_crashed_daemon_left() {
     assert!(inv.links.iter().any(|l| l.contains("k7db")), "{inv:?}");
     assert!(!inv.tcx.is_empty(), "{inv:?}");
     // Keep vm-crash-0: its pins survive, the rest goes.
-    let rep = tcx
-        .reconcile(&[&lab.pod.path()], &[("vm-crash-0", 0)])
-        .unwrap();
+    let rep = tcx.reconcile(&[&lab.pod.path()], &[("vm-crash-0", 0)]).unwrap();
     assert_eq!(rep.nic_dirs, 2);
     assert_eq!(rep.links, 1);
     assert!(rep.filters >= 1);
@@ -519,8 +463,5 @@ fn multi_queue_tap_has_one_fd_per_queue() {
     assert_eq!(rx_packets, 4, "{line}");
     drop(tap);
     let out = ns.exec(&["ip", "link", "show", "k7dtmq"]);
-    assert!(
-        !out.status.success(),
-        "non-persistent tap must vanish with its fds"
-    );
+    assert!(!out.status.success(), "non-persistent tap must vanish with its fds");
 }

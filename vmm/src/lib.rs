@@ -11,6 +11,7 @@ pub mod budgets;
 pub mod check;
 pub mod config;
 pub mod daemon;
+pub mod netcli;
 pub mod sys;
 pub mod vstate;
 

@@ -14,6 +14,7 @@ use k7d_vmm::daemon::Daemon;
 use k7d_vmm::daemon::api::{ApiError, Request};
 use k7d_vmm::daemon::client::Client;
 use k7d_vmm::daemon::server::Server;
+use k7d_vmm::netcli::NetCmd;
 use k7d_vmm::{StopReason, Vm, VmOptions, check};
 
 /// Default API socket.
@@ -44,8 +45,17 @@ struct GuestArgs {
     #[arg(long, conflicts_with = "raw")]
     builtin: Option<String>,
     /// A flat real-mode image, loaded at 0x8000 and entered with cs = 0.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "kernel")]
     raw: Option<PathBuf>,
+    /// A Linux kernel (bzImage or ELF vmlinux).
+    #[arg(long, conflicts_with = "builtin")]
+    kernel: Option<PathBuf>,
+    /// An initramfs for --kernel.
+    #[arg(long, requires = "kernel")]
+    initrd: Option<PathBuf>,
+    /// The kernel command line for --kernel (default: console=ttyS0 ...).
+    #[arg(long, requires = "kernel")]
+    cmdline: Option<String>,
     /// A u32 argument for the guest's parameter block (repeatable, up to 3).
     #[arg(long = "arg")]
     args: Vec<u32>,
@@ -60,6 +70,11 @@ struct GuestArgs {
 impl GuestArgs {
     fn config(&self, id: Option<String>, console: bool) -> VmConfig {
         let guest = match (&self.builtin, &self.raw) {
+            _ if self.kernel.is_some() => GuestSpec::Linux {
+                kernel: self.kernel.clone().unwrap_or_default(),
+                initrd: self.initrd.clone(),
+                cmdline: self.cmdline.clone(),
+            },
             (_, Some(path)) => GuestSpec::Raw {
                 path: path.clone(),
                 args: self.args.clone(),
@@ -109,7 +124,7 @@ enum Cmd {
         #[command(flatten)]
         guest: GuestArgs,
         /// Read the VM config from this JSON file instead of flags.
-        #[arg(long, conflicts_with_all = ["builtin", "raw"])]
+        #[arg(long, conflicts_with_all = ["builtin", "raw", "kernel"])]
         config: Option<PathBuf>,
         /// Start it right away.
         #[arg(long)]
@@ -131,6 +146,11 @@ enum Cmd {
     List,
     /// Report whether this host can run k7d.
     Check,
+    /// Pod policy and drop counters of a VM's datapath NICs.
+    Net {
+        #[command(subcommand)]
+        cmd: NetCmd,
+    },
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -187,6 +207,10 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         Cmd::Daemon { state_dir } => {
             init_logs("info");
             daemon(&state_dir, &cli.socket)
+        }
+        Cmd::Net { cmd } => {
+            init_logs("warn");
+            k7d_vmm::netcli::run(cmd, cli.json)
         }
         Cmd::Check => {
             init_logs("warn");

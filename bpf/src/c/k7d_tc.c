@@ -11,6 +11,17 @@
 //
 // Maps are private to one NIC (one object load per NIC); userspace pins them
 // under the NIC's bpffs directory and updates them through the pins.
+//
+// Standalone l2-uplink mode (one object load per uplink, maps shared by the
+// uplink and all its guests' taps; the k7d_ul_* maps are created but unused,
+// and not preallocated, in per-NIC loads):
+//   k7d_ul_up_in  : at the uplink's ingress. Unicast to a guest MAC -> its
+//                   tap; ARP request for a declared guest IPv4 -> that
+//                   guest's tap only; anything else -> the host (TC_ACT_OK).
+//   k7d_ul_tap_in : at each guest tap's ingress. Destination MAC of another
+//                   local guest, or ARP request for another local guest's
+//                   IPv4 -> its tap (guest<->guest without a bridge); anything
+//                   else -> out of the uplink.
 #include <linux/bpf.h>
 #include <linux/pkt_cls.h>
 #include <linux/if_ether.h>
@@ -171,6 +182,119 @@ int k7d_pod_in(struct __sk_buff *skb)
 	if (cfg->mode == K7D_MODE_POLICY_ONLY)
 		return TC_ACT_OK;
 	return bpf_redirect(cfg->tap_ifindex, 0);
+}
+
+/* ---- Standalone l2-uplink ---- */
+
+struct k7d_ul_cfg {
+	__u32 uplink_ifindex;
+	__u32 promisc_set; /* 1: k7d turned promiscuous mode on (restored on detach) */
+};
+
+struct k7d_mac {
+	__u8 a[6];
+	__u8 pad[2];
+};
+
+struct arp_eth_ipv4 {
+	__be16 htype;
+	__be16 ptype;
+	__u8 hlen;
+	__u8 plen;
+	__be16 op;
+	__u8 sha[6];
+	__u8 spa[4];
+	__u8 tha[6];
+	__u8 tpa[4];
+} __attribute__((packed));
+
+#define K7D_UL_MAX_GUESTS 4096
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct k7d_ul_cfg);
+} k7d_ul_cfg SEC(".maps");
+
+/* guest MAC -> guest tap ifindex */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, K7D_UL_MAX_GUESTS);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, struct k7d_mac);
+	__type(value, __u32);
+} k7d_ul_fdb SEC(".maps");
+
+/* declared guest IPv4 (network order) -> guest tap ifindex */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, K7D_UL_MAX_GUESTS * 4);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__type(key, __u32);
+	__type(value, __u32);
+} k7d_ul_arp SEC(".maps");
+
+/* The tap owning the frame's destination MAC, or 0. */
+static __always_inline __u32 ul_fdb(struct ethhdr *eth)
+{
+	struct k7d_mac key = {};
+	__builtin_memcpy(key.a, eth->h_dest, 6);
+	__u32 *ifx = bpf_map_lookup_elem(&k7d_ul_fdb, &key);
+	return ifx ? *ifx : 0;
+}
+
+/* For an ARP request (Ethernet/IPv4) whose target is a declared guest
+ * address: that guest's tap; else 0. */
+static __always_inline __u32 ul_arp(struct ethhdr *eth, void *end)
+{
+	if (eth->h_proto != bpf_htons(ETH_P_ARP))
+		return 0;
+	struct arp_eth_ipv4 *arp = (void *)(eth + 1);
+	if ((void *)(arp + 1) > end)
+		return 0;
+	if (arp->op != bpf_htons(1) || arp->ptype != bpf_htons(ETH_P_IP) || arp->plen != 4)
+		return 0;
+	__u32 tpa;
+	__builtin_memcpy(&tpa, arp->tpa, 4);
+	__u32 *ifx = bpf_map_lookup_elem(&k7d_ul_arp, &tpa);
+	return ifx ? *ifx : 0;
+}
+
+SEC("classifier")
+int k7d_ul_up_in(struct __sk_buff *skb)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return TC_ACT_OK; /* not ours to judge: the host stack decides */
+	__u32 ifx = ul_fdb(eth);
+	if (!ifx)
+		ifx = ul_arp(eth, end);
+	if (ifx)
+		return bpf_redirect(ifx, 0);
+	return TC_ACT_OK;
+}
+
+SEC("classifier")
+int k7d_ul_tap_in(struct __sk_buff *skb)
+{
+	__u32 zero = 0;
+	struct k7d_ul_cfg *cfg = bpf_map_lookup_elem(&k7d_ul_cfg, &zero);
+	if (!cfg || !cfg->uplink_ifindex)
+		return TC_ACT_SHOT;
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	if ((void *)(eth + 1) > end)
+		return TC_ACT_SHOT;
+	__u32 ifx = ul_fdb(eth);
+	if (!ifx)
+		ifx = ul_arp(eth, end);
+	if (ifx && ifx != skb->ifindex)
+		return bpf_redirect(ifx, 0);
+	return bpf_redirect(cfg->uplink_ifindex, 0);
 }
 
 char _license[] SEC("license") = "GPL";

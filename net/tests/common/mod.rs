@@ -13,15 +13,14 @@ use std::{
     process::Command,
     sync::{
         Arc,
-        atomic::{AtomicBool, AtomicU32, Ordering},
+        atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering},
     },
     thread::JoinHandle,
     time::Duration,
 };
 
 use k7d_net::{
-    AttachMethod, Attached, Datapath, DatapathConfig, Mode, NicRequest, ObjectSource, in_netns,
-    netlink::Netlink,
+    AttachMethod, Attached, Datapath, DatapathConfig, Mode, NicRequest, ObjectSource, in_netns, netlink::Netlink,
 };
 
 static SEQ: AtomicU32 = AtomicU32::new(0);
@@ -167,9 +166,7 @@ impl Lab {
     /// Asserts no k7d link, clsact qdisc, k7d filter, TCX program or pin is
     /// left in the lab's namespaces or bpffs root.
     pub fn assert_clean(&self, dp: &Datapath) {
-        let inv = dp
-            .inventory(&[&self.pod.path(), &self.node.path()])
-            .expect("inventory");
+        let inv = dp.inventory(&[&self.pod.path(), &self.node.path()]).expect("inventory");
         assert!(inv.is_empty(), "leftovers: {inv:?}");
     }
 }
@@ -191,36 +188,49 @@ pub struct Guest {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
     _gtap: k7d_net::Tap,
+    /// Frames relayed from k7d's tap to the guest.
+    pub rx: Arc<AtomicU64>,
 }
 
 impl Guest {
     pub fn start(lab: &Lab, att: &Attached) -> Self {
-        let mac = att.guest_mac;
-        let gtap = in_netns(Some(&lab.guest.path()), || {
+        Self::start_on(&lab.guest, &att.tap, att.guest_mac, &format!("{GUEST_IP}/24"))
+    }
+
+    /// A guest in netns `ns` with `mac` and `cidr` on `gtap`, relayed to and
+    /// from k7d's `tap`.
+    pub fn start_on(ns: &Netns, tap: &k7d_net::Tap, mac: [u8; 6], cidr: &str) -> Self {
+        let gtap = in_netns(Some(&ns.path()), || {
             let mut nl = Netlink::open()?;
             let t = k7d_net::create_tap(&mut nl, "gtap", 1, true)?;
             nl.set_mac(t.ifindex, mac)?;
             Ok(t)
         })
         .expect("guest tap");
-        lab.guest
-            .ip(&["addr", "add", &format!("{GUEST_IP}/24"), "dev", "gtap"]);
+        ns.ip(&["addr", "add", cidr, "dev", "gtap"]);
         let stop = Arc::new(AtomicBool::new(false));
-        let a = att.tap.queues[0].try_clone().unwrap();
+        let rx = Arc::new(AtomicU64::new(0));
+        let a = tap.queues[0].try_clone().unwrap();
         let g = gtap.queues[0].try_clone().unwrap();
         let threads = vec![
-            relay(a.try_clone().unwrap(), g.try_clone().unwrap(), stop.clone()),
-            relay(g, a, stop.clone()),
+            relay(
+                a.try_clone().unwrap(),
+                g.try_clone().unwrap(),
+                stop.clone(),
+                Some(rx.clone()),
+            ),
+            relay(g, a, stop.clone(), None),
         ];
         Guest {
             stop,
             threads,
             _gtap: gtap,
+            rx,
         }
     }
 }
 
-fn relay(from: OwnedFd, to: OwnedFd, stop: Arc<AtomicBool>) -> JoinHandle<()> {
+fn relay(from: OwnedFd, to: OwnedFd, stop: Arc<AtomicBool>, count: Option<Arc<AtomicU64>>) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 65536 + 12];
         while !stop.load(Ordering::Relaxed) {
@@ -232,6 +242,9 @@ fn relay(from: OwnedFd, to: OwnedFd, stop: Arc<AtomicBool>) -> JoinHandle<()> {
             loop {
                 match k7d_net::read_frame(&from, &mut buf) {
                     Ok(Some(n)) => {
+                        if let Some(c) = &count {
+                            c.fetch_add(1, Ordering::Relaxed);
+                        }
                         // Full queues drop, like a NIC would.
                         let _ = k7d_net::write_frame(&to, &buf[..n]);
                     }
@@ -291,9 +304,7 @@ pub fn tcp_roundtrip(server_ns: &Netns, server_ip: &str, client_ns: &Netns, len:
         })
     })
     .expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
     stream.write_all(&data).expect("client write");
     stream.shutdown(std::net::Shutdown::Write).unwrap();
@@ -308,9 +319,7 @@ pub fn tcp_roundtrip(server_ns: &Netns, server_ip: &str, client_ns: &Netns, len:
 
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_test_writer()
         .try_init();
 }

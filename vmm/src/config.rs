@@ -27,6 +27,18 @@ pub enum GuestSpec {
         #[serde(default)]
         args: Vec<u32>,
     },
+    /// A Linux kernel (bzImage or ELF vmlinux), booted through the 64-bit
+    /// boot protocol with ACPI tables.
+    Linux {
+        /// The kernel image.
+        kernel: PathBuf,
+        /// An initramfs.
+        #[serde(default)]
+        initrd: Option<PathBuf>,
+        /// The kernel command line (k7d's default when absent).
+        #[serde(default)]
+        cmdline: Option<String>,
+    },
     /// A flat real-mode binary loaded at 0x8000 and entered with `cs = 0`.
     Raw {
         /// Path to the image.
@@ -42,6 +54,7 @@ impl GuestSpec {
     pub fn args(&self) -> &[u32] {
         match self {
             Self::Builtin { args, .. } | Self::Raw { args, .. } => args,
+            Self::Linux { .. } => &[],
         }
     }
 
@@ -50,6 +63,7 @@ impl GuestSpec {
         match self {
             Self::Builtin { name, .. } => format!("builtin:{name}"),
             Self::Raw { path, .. } => format!("raw:{}", path.display()),
+            Self::Linux { kernel, .. } => format!("linux:{}", kernel.display()),
         }
     }
 }
@@ -197,6 +211,20 @@ impl VmConfig {
                         b.min_vcpus(),
                         self.vcpus
                     )));
+                }
+            }
+            GuestSpec::Linux { kernel, initrd, .. } => {
+                for p in std::iter::once(kernel).chain(initrd) {
+                    let md = std::fs::metadata(p).map_err(|e| ConfigError::Image {
+                        path: p.clone(),
+                        reason: e.to_string().to_lowercase(),
+                    })?;
+                    if !md.is_file() || md.len() == 0 {
+                        return Err(ConfigError::Image {
+                            path: p.clone(),
+                            reason: "it is not a non-empty regular file".into(),
+                        });
+                    }
                 }
             }
             GuestSpec::Raw { path, .. } => {

@@ -410,6 +410,10 @@ fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {
             }
             Ok(img)
         }
+        GuestSpec::Linux { kernel, .. } => Err(VmError::Guest(format!(
+            "cannot boot {}: Linux boot is not wired into this build yet",
+            kernel.display()
+        ))),
     }
 }
 

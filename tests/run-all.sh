@@ -46,6 +46,6 @@ cargo test --workspace --release
 
 if [ -z "${K7D_SKIP_LAB:-}" ]; then
   log "nested lab (real Linux guests)"
-  cargo test --release -p k7d-tests --test lab -- --ignored --test-threads=1
+  cargo test --release -p k7d-tests --test lab -- --ignored --test-threads=1 --nocapture
 fi
 log "all tests passed"

@@ -84,9 +84,9 @@ fn a_guest_that_stops_itself_is_recorded() {
     let cfg = json!({"id": "h", "memory_mib": 8});
     c.call_raw(&create_line(cfg, true)).unwrap().into_result().unwrap();
     assert!(wait_for(Duration::from_secs(10), || record(&d, "h").state.to_string()
-        == "stopped (guest reset)"));
+        == "stopped (guest reboot)"));
     let info = c.call(&Request::Info("h".into())).unwrap();
-    assert_eq!(info["status"], "stopped (guest reset)");
+    assert_eq!(info["status"], "stopped (guest reboot)");
     let log = info["serial_log"].as_str().unwrap();
     assert_eq!(std::fs::read_to_string(log).unwrap(), k7d_guest::HELLO_TEXT);
     c.call(&Request::Delete("h".into())).unwrap();

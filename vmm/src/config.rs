@@ -86,6 +86,15 @@ pub struct SerialConfig {
     pub console: bool,
 }
 
+/// Optional devices.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DevicesConfig {
+    /// A virtio-rng device on the PCI bus (Linux guests).
+    #[serde(default)]
+    pub rng: bool,
+}
+
 fn default_vcpus() -> u8 {
     1
 }
@@ -113,6 +122,9 @@ pub struct VmConfig {
     /// Serial console.
     #[serde(default)]
     pub serial: SerialConfig,
+    /// Optional devices.
+    #[serde(default)]
+    pub devices: DevicesConfig,
 }
 
 impl Default for VmConfig {
@@ -123,6 +135,7 @@ impl Default for VmConfig {
             memory_mib: default_memory(),
             guest: GuestSpec::default(),
             serial: SerialConfig::default(),
+            devices: DevicesConfig::default(),
         }
     }
 }
@@ -194,6 +207,11 @@ impl VmConfig {
                 max,
                 host,
             });
+        }
+        if self.devices.rng && !matches!(self.guest, GuestSpec::Linux { .. }) {
+            return Err(ConfigError::Guest(
+                "devices.rng needs a Linux guest (the real-mode test guests have no PCI bus)".into(),
+            ));
         }
         if self.guest.args().len() > k7d_guest::MAX_ARGS {
             return Err(ConfigError::Guest(format!(

@@ -9,7 +9,7 @@ use anyhow::{Context, Result, anyhow};
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 
-use k7d_vmm::config::{GuestSpec, SerialConfig, VmConfig};
+use k7d_vmm::config::{DevicesConfig, GuestSpec, SerialConfig, VmConfig};
 use k7d_vmm::daemon::Daemon;
 use k7d_vmm::daemon::api::{ApiError, Request};
 use k7d_vmm::daemon::client::Client;
@@ -65,6 +65,9 @@ struct GuestArgs {
     /// Guest RAM in MiB.
     #[arg(long = "memory", default_value_t = 64)]
     memory_mib: u64,
+    /// Add a virtio-rng device (PCI; Linux guests).
+    #[arg(long)]
+    rng: bool,
 }
 
 impl GuestArgs {
@@ -90,6 +93,7 @@ impl GuestArgs {
             memory_mib: self.memory_mib,
             guest,
             serial: SerialConfig { console },
+            devices: DevicesConfig { rng: self.rng },
         }
     }
 }

@@ -46,7 +46,7 @@ fn run_boots_the_embedded_guest() {
     let (out, err) = text(&o);
     assert!(o.status.success(), "stdout {out:?} stderr {err:?}");
     assert_eq!(out, "Hello from the k7d test guest!\n");
-    assert!(err.contains("stopped (guest reset)"), "{err}");
+    assert!(err.contains("stopped (guest reboot)"), "{err}");
     assert!(err.contains("first guest exit"), "{err}");
 }
 
@@ -232,4 +232,17 @@ fn daemon_verbs_and_crash_reconcile() {
     let err = d2.stderr_after_exit();
     assert!(err.contains("reconciled vm web (paused, daemon pid"), "{err}");
     assert!(!dir.0.join("k7d.sock").exists(), "the socket outlived the daemon");
+}
+
+#[test]
+fn a_non_kernel_file_is_refused_before_any_vcpu_runs() {
+    let dir = Scratch::new("badkernel");
+    let junk = dir.0.join("not-a-kernel");
+    std::fs::write(&junk, vec![0x42u8; 8192]).unwrap();
+    let o = k7d(&["run", "--kernel", junk.to_str().unwrap(), "--vcpus", "2", "--memory", "128"]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains(&format!("kernel {} is not a bzImage or ELF kernel", junk.display())), "{err}");
+    assert!(!err.contains("first guest exit"), "a vCPU ran: {err}");
 }

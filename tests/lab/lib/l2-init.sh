@@ -17,5 +17,9 @@ for m in $(cat /modules.order); do
 done
 sh /guest.sh
 echo "LAB-GUEST end rc=$?"
+# lab.end=reboot on the kernel command line: end with a reboot instead.
+case " $(cat /proc/cmdline) " in
+  *" lab.end=reboot "*) echo "LAB-GUEST rebooting"; reboot -f ;;
+esac
 poweroff -f
 sleep 10

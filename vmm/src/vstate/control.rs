@@ -16,7 +16,8 @@ use thiserror::Error;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum StopReason {
-    /// The guest reset the machine (i8042 `0xfe`, or `KVM_SYSTEM_EVENT_RESET`).
+    /// The guest reset the machine, i.e. rebooted (i8042 `0xfe`, the ACPI reset
+    /// register, or `KVM_SYSTEM_EVENT_RESET`). Shown as "guest reboot".
     GuestReset,
     /// The guest powered off (`KVM_SYSTEM_EVENT_SHUTDOWN`).
     GuestPoweroff,
@@ -36,7 +37,7 @@ pub enum StopReason {
 impl std::fmt::Display for StopReason {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Self::GuestReset => f.write_str("guest reset"),
+            Self::GuestReset => f.write_str("guest reboot"),
             Self::GuestPoweroff => f.write_str("guest poweroff"),
             Self::Requested => f.write_str("stop requested"),
             Self::VcpuError { message, .. } => f.write_str(message),

@@ -91,8 +91,12 @@ impl GuestRam {
         Ok(Self { memfd, mem, size })
     }
 
-    /// Registers every region with KVM as a memslot with dirty logging on.
-    pub fn register(&self, vm: &VmFd) -> Result<(), MemoryError> {
+    /// Registers every region with KVM as a memslot, with KVM's dirty log on
+    /// or off. Off by default: with it on, KVM write-protects guest pages and
+    /// every first write to a page faults, which a Linux boot (decompressing
+    /// tens of MiB) pays for at every page. The fork path switches it on when
+    /// it prepares a VM as a fork source ([`GuestRam::set_dirty_log`]).
+    pub fn register(&self, vm: &VmFd, dirty_log: bool) -> Result<(), MemoryError> {
         for (slot, region) in self.mem.iter().enumerate() {
             let slot = slot as u32;
             let host = self
@@ -104,7 +108,7 @@ impl GuestRam {
                 })?;
             let r = kvm_userspace_memory_region {
                 slot,
-                flags: KVM_MEM_LOG_DIRTY_PAGES,
+                flags: if dirty_log { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
                 guest_phys_addr: region.start_addr().0,
                 memory_size: region.len(),
                 userspace_addr: host as u64,
@@ -115,6 +119,12 @@ impl GuestRam {
             unsafe { vm.set_user_memory_region(r) }.map_err(|source| MemoryError::Memslot { slot, source })?;
         }
         Ok(())
+    }
+
+    /// Switches KVM's dirty log on or off for every memslot (re-registers
+    /// the slots with the new flags; the mapping does not move).
+    pub fn set_dirty_log(&self, vm: &VmFd, on: bool) -> Result<(), MemoryError> {
+        self.register(vm, on)
     }
 
     /// The guest memory (vm-memory `Bytes` access marks the dirty bitmap).

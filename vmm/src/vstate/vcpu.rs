@@ -149,24 +149,28 @@ pub(crate) fn run_loop(mut vcpu: VcpuFd, index: u32, ctl: Arc<VmControl>, buses:
                 ctl.note_exit();
                 match exit {
                     VcpuExit::IoOut(port, data) => {
+                        tracing::trace!(vcpu = index, port, len = data.len(), "pio out");
                         if !buses.pio.write(port.into(), data) {
                             tracing::trace!(vm = %vm_id, port, "unhandled port write");
                         }
                         Outcome::Continue
                     }
                     VcpuExit::IoIn(port, data) => {
+                        tracing::trace!(vcpu = index, port, len = data.len(), "pio in");
                         if !buses.pio.read(port.into(), data) {
                             data.fill(0xff);
                         }
                         Outcome::Continue
                     }
                     VcpuExit::MmioWrite(addr, data) => {
+                        tracing::trace!(vcpu = index, addr, len = data.len(), "mmio write");
                         if !buses.mmio.write(addr, data) {
                             tracing::trace!(vm = %vm_id, addr, "unhandled MMIO write");
                         }
                         Outcome::Continue
                     }
                     VcpuExit::MmioRead(addr, data) => {
+                        tracing::trace!(vcpu = index, addr, len = data.len(), "mmio read");
                         if !buses.mmio.read(addr, data) {
                             data.fill(0xff);
                         }

@@ -23,8 +23,10 @@ use vm_memory::{Bytes, GuestAddress};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::control::{ControlError, StopReason, VmControl};
+use super::irq::{DeviceMsiRouter, GsiRouting};
 use super::memory::{GuestMemoryMmap, GuestRam, MemoryError};
 use super::vcpu::{self, Buses, VcpuSetupError};
+use crate::arch::x86_64 as arch;
 use crate::config::{GuestSpec, VmConfig};
 
 /// COM1.
@@ -70,6 +72,17 @@ pub enum VmError {
         state: String,
         /// The refused operation.
         op: &'static str,
+    },
+    /// The Linux kernel, initrd or command line was refused.
+    #[error(transparent)]
+    Boot(#[from] arch::BootError),
+    /// A PCI or virtio device could not be set up.
+    #[error("cannot set up the {what} device: {msg}")]
+    Device {
+        /// The device.
+        what: &'static str,
+        /// Why.
+        msg: String,
     },
     /// Pause/resume control.
     #[error("vm {id}: {source}")]
@@ -144,7 +157,7 @@ pub struct Vm {
     pending: Vec<VcpuFd>,
     buses: Arc<Buses>,
     devices: Vec<DeviceInfo>,
-    vm_fd: VmFd,
+    vm_fd: Arc<VmFd>,
     ram: GuestRam,
     created: Instant,
     started: Option<Instant>,
@@ -154,9 +167,16 @@ impl Vm {
     /// Builds the VM described by `config` (already validated) under `id`.
     pub fn new(id: &str, config: &VmConfig, opts: &VmOptions) -> Result<Self, VmError> {
         let created = Instant::now();
-        let image = load_image(&config.guest)?;
+        // Every guest-file error comes before any KVM object exists.
+        let image = match &config.guest {
+            GuestSpec::Linux { kernel, .. } => {
+                arch::probe_kernel(kernel)?;
+                None
+            }
+            other => Some(load_image(other)?),
+        };
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
-        let vm_fd = kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?;
+        let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
         if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
             tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
         }
@@ -164,7 +184,31 @@ impl Vm {
         // irqchip adds one), every new slot waits for an SRCU grace period,
         // ~7 ms on these hosts (see CHALLENGES.md).
         let ram = GuestRam::new(id, config.memory_bytes())?;
-        ram.register(&vm_fd)?;
+        ram.register(&vm_fd, false)?;
+        let linux = match &config.guest {
+            GuestSpec::Linux {
+                kernel,
+                initrd,
+                cmdline,
+            } => {
+                let cmdline = cmdline.clone().unwrap_or_else(|| arch::default_cmdline(true));
+                Some(arch::configure_linux(
+                    ram.memory(),
+                    &arch::LinuxBootConfig {
+                        kernel,
+                        initrd: initrd.as_deref(),
+                        cmdline: &cmdline,
+                        vcpus: u32::from(config.vcpus),
+                        pci: Some(arch::PciConfig {
+                            ecam: true,
+                            mmio64: None,
+                        }),
+                        irq0_override: false,
+                    },
+                )?)
+            }
+            _ => None,
+        };
         vm_fd
             .create_irq_chip()
             .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
@@ -175,34 +219,45 @@ impl Vm {
         vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
 
         let control = Arc::new(VmControl::new(id));
-        let (buses, devices) = build_devices(id, &vm_fd, &control, opts, config.serial.console)?;
+        let (mut buses, mut devices) = build_devices(id, &vm_fd, &control, opts, config.serial.console)?;
+        if linux.is_some() {
+            add_linux_platform(&vm_fd, &ram, &control, config, &mut buses, &mut devices)?;
+        }
 
+        let n = u32::from(config.vcpus);
         let mut pending = Vec::with_capacity(config.vcpus.into());
-        for i in 0..u32::from(config.vcpus) {
+        for i in 0..n {
             let v = vm_fd.create_vcpu(i.into()).map_err(|source| VcpuSetupError {
                 index: i,
                 what: "KVM_CREATE_VCPU",
                 source,
             })?;
-            let cpuid = vcpu::cpuid_for(&kvm, i)?;
-            v.set_cpuid2(&cpuid).map_err(|source| VcpuSetupError {
-                index: i,
-                what: "KVM_SET_CPUID2",
-                source,
-            })?;
-            if i == 0 {
-                vcpu::setup_real_mode(&v, i, k7d_guest::LOAD_ADDR, BSP_STACK)?;
-            } else {
-                // APs wait in KVM for INIT/SIPI from the guest's BSP.
-                vcpu::setup_lint(&v, i)?;
+            match &linux {
+                Some(entry) => arch::setup_linux_vcpu(&kvm, &v, i, n, entry)?,
+                None => {
+                    let cpuid = vcpu::cpuid_for(&kvm, i)?;
+                    v.set_cpuid2(&cpuid).map_err(|source| VcpuSetupError {
+                        index: i,
+                        what: "KVM_SET_CPUID2",
+                        source,
+                    })?;
+                    if i == 0 {
+                        vcpu::setup_real_mode(&v, i, k7d_guest::LOAD_ADDR, BSP_STACK)?;
+                    } else {
+                        // APs wait in KVM for INIT/SIPI from the guest's BSP.
+                        vcpu::setup_lint(&v, i)?;
+                    }
+                }
             }
             pending.push(v);
         }
-        let tsc_khz = pending[0].get_tsc_khz().unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "KVM_GET_TSC_KHZ failed; assuming 1 GHz for the guest parameter block");
-            1_000_000
-        });
-        write_guest(ram.memory(), &image, tsc_khz, config.guest.args())?;
+        if let Some(image) = image {
+            let tsc_khz = pending[0].get_tsc_khz().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "KVM_GET_TSC_KHZ failed; assuming 1 GHz for the guest parameter block");
+                1_000_000
+            });
+            write_guest(ram.memory(), &image, tsc_khz, config.guest.args())?;
+        }
         tracing::debug!(vm = id, elapsed_us = created.elapsed().as_micros() as u64, "vm built");
         Ok(Self {
             id: id.to_string(),
@@ -411,7 +466,7 @@ fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {
             Ok(img)
         }
         GuestSpec::Linux { kernel, .. } => Err(VmError::Guest(format!(
-            "cannot boot {}: Linux boot is not wired into this build yet",
+            "{} is a Linux kernel, not a real-mode image",
             kernel.display()
         ))),
     }
@@ -440,7 +495,7 @@ fn shared<D: BusDevice + 'static>(d: D) -> SharedDevice {
 
 fn build_devices(
     id: &str,
-    vm_fd: &VmFd,
+    vm_fd: &Arc<VmFd>,
     control: &Arc<VmControl>,
     opts: &VmOptions,
     console: bool,
@@ -493,6 +548,121 @@ fn build_devices(
         detail: "reset stops the VM".into(),
     });
     Ok((buses, info))
+}
+
+/// The platform a Linux guest needs besides the legacy devices: the ACPI PM
+/// block (poweroff), the PCI root (CF8/CFC and ECAM) and the PCI devices.
+fn add_linux_platform(
+    vm_fd: &Arc<VmFd>,
+    ram: &GuestRam,
+    control: &Arc<VmControl>,
+    config: &VmConfig,
+    buses: &mut Buses,
+    devices: &mut Vec<DeviceInfo>,
+) -> Result<(), VmError> {
+    use k7d_devices::pci::{
+        BarAllocator, ECAM_BUS_SIZE, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciConfigIo, PciConfigMmio, PciRoot,
+    };
+    use k7d_devices::virtio::VirtioDevice;
+    use k7d_devices::virtio::transport::VirtioPciDevice;
+    let dev_err = |what: &'static str| {
+        move |e: &dyn std::fmt::Display| VmError::Device {
+            what,
+            msg: e.to_string(),
+        }
+    };
+
+    let ctl = Arc::downgrade(control);
+    let pm = arch::AcpiPmDevice::new(Arc::new(move || {
+        if let Some(c) = ctl.upgrade() {
+            c.request_stop(StopReason::GuestPoweroff);
+        }
+    }));
+    let (base, len) = arch::AcpiPmDevice::RANGE;
+    buses
+        .pio
+        .insert(base, len, shared(pm))
+        .map_err(|e| dev_err("ACPI PM")(&e))?;
+    devices.push(DeviceInfo {
+        kind: "acpi-pm".into(),
+        location: format!("ports {base:#x}-{:#x}", base + len - 1),
+        detail: "S5 (poweroff) stops the VM".into(),
+    });
+
+    let alloc = BarAllocator::new(arch::layout::PCI_MMIO32_START, arch::layout::PCI_MMIO32_SIZE)
+        .map_err(|e| dev_err("PCI root")(&e))?;
+    let mut root = PciRoot::new(alloc, None);
+    let routing = Arc::new(GsiRouting::new(vm_fd.clone()));
+    let mem = Arc::new(ram.memory().clone());
+    if config.devices.rng {
+        let rng = k7d_devices::virtio::rng::Rng::new().map_err(|e| dev_err("virtio-rng")(&e))?;
+        let vectors = rng.queue_max_sizes().len() as u32 + 1;
+        let gsi_base = routing.allocate(vectors);
+        let router = Arc::new(DeviceMsiRouter::new(routing.clone(), gsi_base));
+        let dev = Arc::new(Mutex::new(
+            VirtioPciDevice::new(Box::new(rng), mem.clone(), router).map_err(|e| dev_err("virtio-rng")(&e))?,
+        ));
+        let att = root.add_device(dev.clone()).map_err(|e| dev_err("virtio-rng")(&e))?;
+        for bar in &att.bars {
+            buses
+                .mmio
+                .insert(bar.addr, bar.len, dev.clone())
+                .map_err(|e| dev_err("virtio-rng")(&e))?;
+        }
+        {
+            let d = dev.lock().unwrap_or_else(|p| p.into_inner());
+            for (v, fd) in d.msix().irqfds().iter().enumerate() {
+                vm_fd
+                    .register_irqfd(fd, gsi_base + v as u32)
+                    .map_err(|e| VmError::Kvm("KVM_IRQFD (virtio-rng)", e))?;
+            }
+            for n in d.ioeventfds().map_err(|e| dev_err("virtio-rng")(&e))? {
+                vm_fd
+                    .register_ioevent(
+                        &n.eventfd,
+                        &kvm_ioctls::IoEventAddress::Mmio(n.addr),
+                        kvm_ioctls::NoDatamatch,
+                    )
+                    .map_err(|e| VmError::Kvm("KVM_IOEVENTFD (virtio-rng)", e))?;
+            }
+        }
+        devices.push(DeviceInfo {
+            kind: "virtio-rng".into(),
+            location: format!(
+                "pci {} bar0 {:#x}",
+                att.bdf,
+                att.bars.first().map(|b| b.addr).unwrap_or(0)
+            ),
+            detail: format!("MSI-X vectors at GSI {gsi_base}..{}", gsi_base + vectors - 1),
+        });
+    }
+    let root = Arc::new(Mutex::new(root));
+    buses
+        .pio
+        .insert(
+            PCI_CONFIG_IO_PORT,
+            PCI_CONFIG_IO_LEN,
+            shared(PciConfigIo::new(root.clone())),
+        )
+        .map_err(|e| dev_err("PCI config")(&e))?;
+    buses
+        .mmio
+        .insert(
+            arch::layout::PCIE_ECAM_START,
+            ECAM_BUS_SIZE,
+            shared(PciConfigMmio::new(root)),
+        )
+        .map_err(|e| dev_err("PCI ECAM")(&e))?;
+    devices.push(DeviceInfo {
+        kind: "pci-root".into(),
+        location: format!("00:00.0, config 0xcf8 and ECAM {:#x}", arch::layout::PCIE_ECAM_START),
+        detail: format!(
+            "BAR window {:#x}+{:#x}",
+            arch::layout::PCI_MMIO32_START,
+            arch::layout::PCI_MMIO32_SIZE
+        ),
+    });
+    Ok(())
 }
 
 fn open_log(p: &Path) -> Result<File, VmError> {

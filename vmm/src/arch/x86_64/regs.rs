@@ -260,7 +260,7 @@ mod tests {
         };
         let vm = kvm.create_vm().unwrap();
         let ram = GuestRam::new("arch-kvm", 64 << 20).unwrap();
-        ram.register(&vm).unwrap();
+        ram.register(&vm, false).unwrap();
         vm.create_irq_chip().unwrap();
         let entry = BootEntry::for_test(0x10_0200);
         let bsp = vm.create_vcpu(0).unwrap();

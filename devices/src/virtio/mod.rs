@@ -15,8 +15,11 @@
 //! mappings (own `AtomicBitmap`) gets a per-device dirty bitmap for free, since
 //! devices write guest RAM only through vm-memory's `Bytes`.
 
+pub mod block;
+pub mod net;
 pub mod rng;
 pub mod transport;
+pub mod vsock;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};

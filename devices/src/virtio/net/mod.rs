@@ -1,0 +1,1 @@
+//! virtio-net (in progress).

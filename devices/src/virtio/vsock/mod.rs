@@ -1,0 +1,1 @@
+//! virtio-vsock (in progress).

@@ -239,10 +239,21 @@ fn a_non_kernel_file_is_refused_before_any_vcpu_runs() {
     let dir = Scratch::new("badkernel");
     let junk = dir.0.join("not-a-kernel");
     std::fs::write(&junk, vec![0x42u8; 8192]).unwrap();
-    let o = k7d(&["run", "--kernel", junk.to_str().unwrap(), "--vcpus", "2", "--memory", "128"]);
+    let o = k7d(&[
+        "run",
+        "--kernel",
+        junk.to_str().unwrap(),
+        "--vcpus",
+        "2",
+        "--memory",
+        "128",
+    ]);
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
-    assert!(err.contains(&format!("kernel {} is not a bzImage or ELF kernel", junk.display())), "{err}");
+    assert!(
+        err.contains(&format!("kernel {} is not a bzImage or ELF kernel", junk.display())),
+        "{err}"
+    );
     assert!(!err.contains("first guest exit"), "a vCPU ran: {err}");
 }

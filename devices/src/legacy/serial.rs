@@ -43,6 +43,31 @@ impl Write for SerialOutput {
     }
 }
 
+/// The UART's registers and pending input, as saved in a snapshot.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SerialSnapshot {
+    /// Divisor latch low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch high byte.
+    pub baud_divisor_high: u8,
+    /// Interrupt enable register.
+    pub interrupt_enable: u8,
+    /// Interrupt identification register.
+    pub interrupt_identification: u8,
+    /// Line control register.
+    pub line_control: u8,
+    /// Line status register.
+    pub line_status: u8,
+    /// Modem control register.
+    pub modem_control: u8,
+    /// Modem status register.
+    pub modem_status: u8,
+    /// Scratch register.
+    pub scratch: u8,
+    /// Bytes the guest has not read yet.
+    pub in_buffer: Vec<u8>,
+}
+
 /// The COM1 device: vm-superio's UART on an irqfd.
 pub struct Serial {
     inner: vm_superio::Serial<IrqLine, vm_superio::serial::NoEvents, SerialOutput>,
@@ -54,6 +79,42 @@ impl Serial {
         Self {
             inner: vm_superio::Serial::new(irq, out),
         }
+    }
+
+    /// The device's state (for snapshots).
+    pub fn snapshot(&self) -> SerialSnapshot {
+        let st = self.inner.state();
+        SerialSnapshot {
+            baud_divisor_low: st.baud_divisor_low,
+            baud_divisor_high: st.baud_divisor_high,
+            interrupt_enable: st.interrupt_enable,
+            interrupt_identification: st.interrupt_identification,
+            line_control: st.line_control,
+            line_status: st.line_status,
+            modem_control: st.modem_control,
+            modem_status: st.modem_status,
+            scratch: st.scratch,
+            in_buffer: st.in_buffer,
+        }
+    }
+
+    /// A UART in the state `snap` describes, raising `irq` and writing to `out`.
+    pub fn from_snapshot(snap: &SerialSnapshot, irq: IrqLine, out: SerialOutput) -> Result<Self, String> {
+        let st = vm_superio::serial::SerialState {
+            baud_divisor_low: snap.baud_divisor_low,
+            baud_divisor_high: snap.baud_divisor_high,
+            interrupt_enable: snap.interrupt_enable,
+            interrupt_identification: snap.interrupt_identification,
+            line_control: snap.line_control,
+            line_status: snap.line_status,
+            modem_control: snap.modem_control,
+            modem_status: snap.modem_status,
+            scratch: snap.scratch,
+            in_buffer: snap.in_buffer.clone(),
+        };
+        vm_superio::Serial::from_state(&st, irq, vm_superio::serial::NoEvents, out)
+            .map(|inner| Self { inner })
+            .map_err(|e| format!("the saved serial state is invalid: {e:?}"))
     }
 
     /// Queues host input for the guest to read.

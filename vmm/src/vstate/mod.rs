@@ -3,5 +3,6 @@
 pub mod control;
 pub mod irq;
 pub mod memory;
+pub mod persist;
 pub mod vcpu;
 pub mod vm;

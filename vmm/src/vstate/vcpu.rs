@@ -123,7 +123,17 @@ enum Outcome {
 }
 
 /// The vCPU thread's body: run until the VM is stopped.
-pub(crate) fn run_loop(mut vcpu: VcpuFd, index: u32, ctl: Arc<VmControl>, buses: Arc<Buses>) {
+/// A vCPU fd shared between its thread (which holds the lock only around
+/// `KVM_RUN`) and the VM's owner (which reads and writes the vCPU's state
+/// while the VM is paused, when no thread holds it).
+pub type SharedVcpu = Arc<std::sync::Mutex<VcpuFd>>;
+
+/// Locks a shared vCPU (a poisoned lock still holds a usable fd).
+pub fn lock_vcpu(v: &SharedVcpu) -> std::sync::MutexGuard<'_, VcpuFd> {
+    v.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buses: Arc<Buses>) {
     // Whatever happens below, tell the control block this thread is gone.
     struct Exited<'a>(&'a VmControl);
     impl Drop for Exited<'_> {
@@ -132,10 +142,10 @@ pub(crate) fn run_loop(mut vcpu: VcpuFd, index: u32, ctl: Arc<VmControl>, buses:
         }
     }
     let _exited = Exited(&ctl);
-    let ptr: *mut u8 = &mut vcpu.get_kvm_run().immediate_exit;
-    // SAFETY: `ptr` points into `vcpu`'s kvm_run mapping, which lives until `vcpu`
-    // is dropped at the end of this function, after `_kick` (declared later,
-    // dropped earlier).
+    let ptr: *mut u8 = &mut lock_vcpu(&shared).get_kvm_run().immediate_exit;
+    // SAFETY: `ptr` points into the vCPU's kvm_run mapping, which lives as long
+    // as the VcpuFd; `shared` keeps that alive until the end of this function,
+    // after `_kick` (declared later, dropped earlier).
     let _kick = unsafe { crate::sys::VcpuKickGuard::register(ptr) };
     let vm_id = ctl.vm_id().to_string();
     let error = |exit: &str, detail: String| StopReason::VcpuError {
@@ -144,6 +154,8 @@ pub(crate) fn run_loop(mut vcpu: VcpuFd, index: u32, ctl: Arc<VmControl>, buses:
         message: format!("vm {vm_id} vcpu {index}: {exit}{detail}"),
     };
     while ctl.checkpoint() {
+        // Held only around one KVM_RUN and its exit: a paused vCPU's fd is free.
+        let mut vcpu = lock_vcpu(&shared);
         let outcome = match vcpu.run() {
             Ok(exit) => {
                 ctl.note_exit();
@@ -208,6 +220,7 @@ pub(crate) fn run_loop(mut vcpu: VcpuFd, index: u32, ctl: Arc<VmControl>, buses:
             }
             Err(e) => Outcome::Stop(error("KVM_RUN failed", format!(": {e}"))),
         };
+        drop(vcpu);
         if let Outcome::Stop(reason) = outcome {
             if let StopReason::VcpuError { message, .. } = &reason {
                 tracing::error!("{message}");

@@ -16,7 +16,7 @@ use k7d_devices::bus::{BusDevice, SharedDevice};
 use k7d_devices::irq::IrqLine;
 use k7d_devices::legacy::{I8042, Serial, SerialOutput};
 use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config};
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_ioctls::{Kvm, VmFd};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 use vm_memory::{Bytes, GuestAddress};
@@ -25,6 +25,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use super::control::{ControlError, StopReason, VmControl};
 use super::irq::{DeviceMsiRouter, GsiRouting};
 use super::memory::{GuestMemoryMmap, GuestRam, MemoryError};
+use super::persist::{self, MachineState, PersistError};
 use super::vcpu::{self, Buses, VcpuSetupError};
 use crate::arch::x86_64 as arch;
 use crate::config::{GuestSpec, VmConfig};
@@ -84,6 +85,9 @@ pub enum VmError {
         /// Why.
         msg: String,
     },
+    /// Saving or restoring machine state failed.
+    #[error(transparent)]
+    Persist(#[from] PersistError),
     /// Pause/resume control.
     #[error("vm {id}: {source}")]
     Control {
@@ -154,8 +158,9 @@ pub struct Vm {
     config: VmConfig,
     control: Arc<VmControl>,
     threads: Vec<JoinHandle<()>>,
-    pending: Vec<VcpuFd>,
+    vcpus: Vec<vcpu::SharedVcpu>,
     buses: Arc<Buses>,
+    serial: Arc<Mutex<Serial>>,
     devices: Vec<DeviceInfo>,
     vm_fd: Arc<VmFd>,
     ram: GuestRam,
@@ -166,6 +171,48 @@ pub struct Vm {
 impl Vm {
     /// Builds the VM described by `config` (already validated) under `id`.
     pub fn new(id: &str, config: &VmConfig, opts: &VmOptions) -> Result<Self, VmError> {
+        Self::build(id, config, opts, None)
+    }
+
+    /// Builds a VM that resumes `state`, with guest RAM copied from `memory`
+    /// (a file holding the source's RAM, e.g. its memfd or a snapshot file).
+    /// Real-mode guests only for now: a Linux guest's PCI devices cannot be
+    /// restored yet, and asking is an error rather than a silently fresh device.
+    pub fn restore(
+        id: &str,
+        config: &VmConfig,
+        opts: &VmOptions,
+        state: &MachineState,
+        memory: &File,
+    ) -> Result<Self, VmError> {
+        if matches!(config.guest, GuestSpec::Linux { .. }) {
+            return Err(VmError::Persist(PersistError::Mismatch(
+                "restoring a Linux guest needs its PCI devices' state, which k7d cannot save yet".into(),
+            )));
+        }
+        if state.version != persist::STATE_VERSION {
+            return Err(VmError::Persist(PersistError::Mismatch(format!(
+                "state version {} is not {}",
+                state.version,
+                persist::STATE_VERSION
+            ))));
+        }
+        if state.vcpus.len() != usize::from(config.vcpus) {
+            return Err(VmError::Persist(PersistError::Mismatch(format!(
+                "the state has {} vCPUs, the config {}",
+                state.vcpus.len(),
+                config.vcpus
+            ))));
+        }
+        Self::build(id, config, opts, Some((state, memory)))
+    }
+
+    fn build(
+        id: &str,
+        config: &VmConfig,
+        opts: &VmOptions,
+        restore: Option<(&MachineState, &File)>,
+    ) -> Result<Self, VmError> {
         let created = Instant::now();
         // Every guest-file error comes before any KVM object exists.
         let image = match &config.guest {
@@ -184,6 +231,9 @@ impl Vm {
         // irqchip adds one), every new slot waits for an SRCU grace period,
         // ~7 ms on these hosts (see CHALLENGES.md).
         let ram = GuestRam::new(id, config.memory_bytes())?;
+        if let Some((_, src)) = restore {
+            copy_memory(src, ram.memfd(), ram.size())?;
+        }
         ram.register(&vm_fd, false)?;
         let linux = match &config.guest {
             GuestSpec::Linux {
@@ -217,9 +267,14 @@ impl Vm {
             ..Default::default()
         };
         vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
+        if let Some((st, _)) = restore {
+            persist::restore_vm(&vm_fd, &st.vm)?;
+        }
 
         let control = Arc::new(VmControl::new(id));
-        let (mut buses, mut devices) = build_devices(id, &vm_fd, &control, opts, config.serial.console)?;
+        let serial_state = restore.map(|(st, _)| &st.serial);
+        let (mut buses, mut devices, serial) =
+            build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
         if linux.is_some() {
             add_linux_platform(&vm_fd, &ram, &control, config, &mut buses, &mut devices)?;
         }
@@ -232,9 +287,10 @@ impl Vm {
                 what: "KVM_CREATE_VCPU",
                 source,
             })?;
-            match &linux {
-                Some(entry) => arch::setup_linux_vcpu(&kvm, &v, i, n, entry)?,
-                None => {
+            match (&linux, restore) {
+                (_, Some((st, _))) => persist::restore_vcpu(&v, i, &st.vcpus[i as usize])?,
+                (Some(entry), None) => arch::setup_linux_vcpu(&kvm, &v, i, n, entry)?,
+                (None, None) => {
                     let cpuid = vcpu::cpuid_for(&kvm, i)?;
                     v.set_cpuid2(&cpuid).map_err(|source| VcpuSetupError {
                         index: i,
@@ -249,10 +305,10 @@ impl Vm {
                     }
                 }
             }
-            pending.push(v);
+            pending.push(Arc::new(Mutex::new(v)));
         }
-        if let Some(image) = image {
-            let tsc_khz = pending[0].get_tsc_khz().unwrap_or_else(|e| {
+        if let (Some(image), None) = (image, restore) {
+            let tsc_khz = vcpu::lock_vcpu(&pending[0]).get_tsc_khz().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "KVM_GET_TSC_KHZ failed; assuming 1 GHz for the guest parameter block");
                 1_000_000
             });
@@ -264,8 +320,9 @@ impl Vm {
             config: config.clone(),
             control,
             threads: Vec::new(),
-            pending,
+            vcpus: pending,
             buses: Arc::new(buses),
+            serial,
             devices,
             vm_fd,
             ram,
@@ -339,7 +396,7 @@ impl Vm {
             return Err(self.state_error("start"));
         }
         crate::sys::install_kick_handler().map_err(io("cannot install the vCPU kick signal handler"))?;
-        let vcpus = std::mem::take(&mut self.pending);
+        let vcpus = self.vcpus.clone();
         self.control.set_threads(vcpus.len());
         self.started = Some(Instant::now());
         let n = vcpus.len();
@@ -399,6 +456,24 @@ impl Vm {
         self.control.resume().map_err(|source| VmError::Control {
             id: self.id.clone(),
             source,
+        })
+    }
+
+    /// The complete machine state; the VM must be paused (or never started).
+    pub fn save_state(&self) -> Result<MachineState, VmError> {
+        if !matches!(self.state(), VmState::Paused | VmState::Created) {
+            return Err(self.state_error("save its state"));
+        }
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let mut vcpus = Vec::with_capacity(self.vcpus.len());
+        for (i, v) in self.vcpus.iter().enumerate() {
+            vcpus.push(persist::save_vcpu(&kvm, &vcpu::lock_vcpu(v), i as u32)?);
+        }
+        Ok(MachineState {
+            version: persist::STATE_VERSION,
+            vcpus,
+            vm: persist::save_vm(&self.vm_fd)?,
+            serial: self.serial.lock().unwrap_or_else(|p| p.into_inner()).snapshot(),
         })
     }
 
@@ -493,13 +568,17 @@ fn shared<D: BusDevice + 'static>(d: D) -> SharedDevice {
     Arc::new(Mutex::new(d))
 }
 
+/// The buses, the device list for `info`, and the serial port (for snapshots).
+type BuiltDevices = (Buses, Vec<DeviceInfo>, Arc<Mutex<Serial>>);
+
 fn build_devices(
     id: &str,
     vm_fd: &Arc<VmFd>,
     control: &Arc<VmControl>,
     opts: &VmOptions,
     console: bool,
-) -> Result<(Buses, Vec<DeviceInfo>), VmError> {
+    serial_state: Option<&k7d_devices::legacy::SerialSnapshot>,
+) -> Result<BuiltDevices, VmError> {
     let mut buses = Buses::default();
     let mut info = Vec::new();
 
@@ -511,10 +590,17 @@ fn build_devices(
     vm_fd
         .register_irqfd(&evt, SERIAL_IRQ)
         .map_err(|e| VmError::Kvm("KVM_IRQFD (serial)", e))?;
-    let serial = Serial::new(IrqLine::new(evt), SerialOutput::new(log, console));
+    let out = SerialOutput::new(log, console);
+    let serial = match serial_state {
+        Some(st) => Serial::from_snapshot(st, IrqLine::new(evt), out)
+            .map_err(|msg| VmError::Persist(PersistError::Mismatch(msg)))?,
+        None => Serial::new(IrqLine::new(evt), out),
+    };
+    let serial = Arc::new(Mutex::new(serial));
+    let serial_dev: SharedDevice = serial.clone();
     buses
         .pio
-        .insert(SERIAL_PORT, 8, shared(serial))
+        .insert(SERIAL_PORT, 8, serial_dev)
         .map_err(|e| VmError::Guest(e.to_string()))?;
     let mut sinks: Vec<String> = opts.serial_log.iter().map(|p| p.display().to_string()).collect();
     if console {
@@ -547,7 +633,7 @@ fn build_devices(
         location: format!("ports {I8042_PORT:#x}-{:#x}", I8042_PORT + 4),
         detail: "reset stops the VM".into(),
     });
-    Ok((buses, info))
+    Ok((buses, info, serial))
 }
 
 /// The platform a Linux guest needs besides the legacy devices: the ACPI PM
@@ -662,6 +748,25 @@ fn add_linux_platform(
             arch::layout::PCI_MMIO32_SIZE
         ),
     });
+    Ok(())
+}
+
+/// Copies `len` bytes of guest RAM from `src` into the new VM's memfd,
+/// skipping holes (untouched pages stay unallocated in the destination).
+fn copy_memory(src: &File, dst: &File, len: u64) -> Result<(), VmError> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0;
+    while off < len {
+        let n = (len - off).min(buf.len() as u64) as usize;
+        src.read_exact_at(&mut buf[..n], off)
+            .map_err(io("cannot read the saved guest memory"))?;
+        if buf[..n].iter().any(|&b| b != 0) {
+            dst.write_all_at(&buf[..n], off)
+                .map_err(io("cannot write the restored guest memory"))?;
+        }
+        off += n as u64;
+    }
     Ok(())
 }
 

@@ -146,6 +146,25 @@ enum Cmd {
     Delete { id: String },
     /// Show a VM.
     Info { id: String },
+    /// Write a cold snapshot of a VM (state + memory) into a directory.
+    Snapshot { id: String, dir: PathBuf },
+    /// Start a new VM from a snapshot directory.
+    Restore {
+        dir: PathBuf,
+        /// Id of the new VM (generated when absent).
+        #[arg(long)]
+        id: Option<String>,
+    },
+    /// Read u32 words of a VM's guest RAM (debugging).
+    Peek {
+        id: String,
+        /// Guest physical address (decimal or 0x hex).
+        #[arg(value_parser = parse_u64)]
+        addr: u64,
+        /// Number of words.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
     /// List VMs.
     List,
     /// Report whether this host can run k7d.
@@ -271,6 +290,15 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 Cmd::Stop { id } => Request::Stop(id),
                 Cmd::Delete { id } => Request::Delete(id),
                 Cmd::Info { id } => Request::Info(id),
+                Cmd::Snapshot { id, dir } => Request::Snapshot {
+                    id,
+                    dir: std::path::absolute(&dir).unwrap_or(dir),
+                },
+                Cmd::Restore { dir, id } => Request::Restore {
+                    dir: std::path::absolute(&dir).unwrap_or(dir),
+                    id,
+                },
+                Cmd::Peek { id, addr, count } => Request::Peek { id, addr, count },
                 Cmd::List => Request::List,
                 _ => unreachable!("handled above"),
             };
@@ -282,12 +310,30 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 println!("{}", serde_json::to_string_pretty(&result)?);
             } else if list {
                 print_list(&result);
+            } else if let Some(words) = result.get("words").and_then(|w| w.as_array()) {
+                let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
+                println!("{}", words.join(" "));
+            } else if result.get("snapshot_ms").is_some() {
+                println!(
+                    "vm {}: snapshot written to {} in {:.1} ms",
+                    result["id"].as_str().unwrap_or("?"),
+                    result["dir"].as_str().unwrap_or("?"),
+                    result["snapshot_ms"].as_f64().unwrap_or(0.0)
+                );
             } else {
                 print_vm(&result);
             }
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+fn parse_u64(s: &str) -> Result<u64, String> {
+    let r = match s.strip_prefix("0x") {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("`{s}` is not a number: {e}"))
 }
 
 fn print_list(v: &Value) {

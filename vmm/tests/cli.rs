@@ -257,3 +257,93 @@ fn a_non_kernel_file_is_refused_before_any_vcpu_runs() {
     );
     assert!(!err.contains("first guest exit"), "a vCPU ran: {err}");
 }
+
+fn peek(dir: &Path, id: &str, addr: u64) -> u32 {
+    let o = cli(dir, &["peek", id, &format!("{addr:#x}")]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "peek failed: {err}");
+    out.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("peek printed {out:?}: {e}"))
+}
+
+#[test]
+fn snapshot_then_restore_in_a_new_daemon_resumes_the_guest() {
+    use std::os::unix::fs::FileExt;
+    const TICKS: u64 = 0x600; // k7d_guest::RESULTS_ADDR + result::BSP_TICKS
+    let dir = Scratch::new("snap");
+    let snap = dir.0.join("snap");
+    let (d, _) = DaemonProc::start(&dir.0);
+    let o = cli(
+        &dir.0,
+        &[
+            "create",
+            "--id",
+            "t",
+            "--builtin",
+            "tscdeadline",
+            "--memory",
+            "8",
+            "--start",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let t0 = Instant::now();
+    while peek(&dir.0, "t", TICKS) < 200 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the guest never ticked");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let o = cli(&dir.0, &["snapshot", "t", snap.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    assert!(out.contains("snapshot written to"), "{out}");
+    // The source keeps running after its snapshot.
+    let after = peek(&dir.0, "t", TICKS);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        peek(&dir.0, "t", TICKS) > after,
+        "the source did not resume after the snapshot"
+    );
+    // The tick count the snapshot froze, read from the memory file itself.
+    let mut b = [0u8; 4];
+    std::fs::File::open(snap.join("memory"))
+        .unwrap()
+        .read_exact_at(&mut b, TICKS)
+        .unwrap();
+    let frozen = u32::from_le_bytes(b);
+    assert!(frozen >= 200, "{frozen}");
+
+    // A new daemon process restores it: the guest goes on from `frozen`.
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    let _ = d.stderr_after_exit();
+    let (d2, _) = DaemonProc::start(&dir.0);
+    let o = cli(&dir.0, &["--json", "restore", snap.to_str().unwrap(), "--id", "t2"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["status"], "running");
+    let first = peek(&dir.0, "t2", TICKS);
+    assert!(
+        first >= frozen,
+        "the restored guest started from {first}, below the snapshot's {frozen}"
+    );
+    assert!(
+        first < frozen + 2000,
+        "the restored guest jumped from {frozen} to {first}"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let later = peek(&dir.0, "t2", TICKS);
+    assert!(
+        later > first + 100,
+        "the restored guest is not ticking: {first} -> {later}"
+    );
+    // A directory that is not a snapshot is one clear sentence, and creates nothing.
+    let o = cli(&dir.0, &["restore", dir.0.to_str().unwrap(), "--id", "bad"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("state.json"), "{:?}", text(&o));
+    assert!(!dir.0.join("state/vms/bad.json").exists());
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(d2.child.id() as i32, libc::SIGTERM) };
+    let _ = d2.stderr_after_exit();
+}

@@ -36,6 +36,29 @@ pub enum Request {
     Delete(String),
     /// One VM's record and live state.
     Info(String),
+    /// Pause a VM if needed, write a cold snapshot to a directory, resume it.
+    Snapshot {
+        /// VM.
+        id: String,
+        /// Target directory (created).
+        dir: std::path::PathBuf,
+    },
+    /// Build and start a VM from a snapshot directory.
+    Restore {
+        /// Snapshot directory.
+        dir: std::path::PathBuf,
+        /// Id of the new VM (generated when absent).
+        id: Option<String>,
+    },
+    /// Read `count` little-endian u32 words of guest RAM at `addr` (debugging, tests).
+    Peek {
+        /// VM.
+        id: String,
+        /// Guest physical address.
+        addr: u64,
+        /// Words to read (1..=1024).
+        count: u32,
+    },
     /// Every VM.
     List,
     /// Daemon and API version.
@@ -161,6 +184,34 @@ struct IdArgs {
     id: String,
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotArgs {
+    id: String,
+    dir: std::path::PathBuf,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RestoreArgs {
+    dir: std::path::PathBuf,
+    #[serde(default)]
+    id: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PeekArgs {
+    id: String,
+    addr: u64,
+    #[serde(default = "one")]
+    count: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
 fn bad(msg: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::BadRequest, msg)
 }
@@ -207,6 +258,33 @@ pub fn parse_request(line: &str) -> Result<Request, ApiError> {
         "stop" => Request::Stop(id(args)?),
         "delete" => Request::Delete(id(args)?),
         "info" => Request::Info(id(args)?),
+        "snapshot" => {
+            let a: SnapshotArgs = serde_json::from_value(args).map_err(parse_err)?;
+            crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
+            Request::Snapshot { id: a.id, dir: a.dir }
+        }
+        "restore" => {
+            let a: RestoreArgs = serde_json::from_value(args).map_err(parse_err)?;
+            if let Some(id) = &a.id {
+                crate::config::validate_id(id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
+            }
+            Request::Restore { dir: a.dir, id: a.id }
+        }
+        "peek" => {
+            let a: PeekArgs = serde_json::from_value(args).map_err(parse_err)?;
+            crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
+            if a.count == 0 || a.count > 1024 {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("count = {} is out of range: peek reads 1 to 1024 words", a.count),
+                ));
+            }
+            Request::Peek {
+                id: a.id,
+                addr: a.addr,
+                count: a.count,
+            }
+        }
         "list" | "version" => {
             if args.as_object().is_some_and(|o| !o.is_empty()) {
                 return Err(ApiError::new(
@@ -218,7 +296,7 @@ pub fn parse_request(line: &str) -> Result<Request, ApiError> {
         }
         other => {
             return Err(bad(format!(
-                "unknown operation `{other}` (known: create, start, pause, resume, stop, delete, info, list, version)"
+                "unknown operation `{other}` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, peek, list, version)"
             )));
         }
     })
@@ -234,6 +312,9 @@ pub fn request_line(req: &Request) -> String {
         Request::Stop(id) => ("stop", serde_json::json!({"id": id})),
         Request::Delete(id) => ("delete", serde_json::json!({"id": id})),
         Request::Info(id) => ("info", serde_json::json!({"id": id})),
+        Request::Snapshot { id, dir } => ("snapshot", serde_json::json!({"id": id, "dir": dir})),
+        Request::Restore { dir, id } => ("restore", serde_json::json!({"dir": dir, "id": id})),
+        Request::Peek { id, addr, count } => ("peek", serde_json::json!({"id": id, "addr": addr, "count": count})),
         Request::List => ("list", serde_json::json!({})),
         Request::Version => ("version", serde_json::json!({})),
     };

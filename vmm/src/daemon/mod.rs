@@ -213,6 +213,30 @@ impl Daemon {
                 let g = lock_vm(&vm);
                 Ok(self.info_of(&g))
             }
+            Request::Snapshot { id, dir } => self.snapshot(&id, &dir),
+            Request::Restore { dir, id } => self.restore(&dir, id),
+            Request::Peek { id, addr, count } => {
+                use vm_memory::{Bytes, GuestAddress};
+                let vm = self.get(&id)?;
+                let g = lock_vm(&vm);
+                let mut words = Vec::with_capacity(count as usize);
+                for i in 0..u64::from(count) {
+                    let a = addr.checked_add(i * 4).ok_or_else(|| {
+                        ApiError::new(
+                            ErrorCode::InvalidArgument,
+                            format!("address {addr:#x} + {count} words overflows"),
+                        )
+                    })?;
+                    let w: u32 = g.memory().read_obj(GuestAddress(a)).map_err(|_| {
+                        ApiError::new(
+                            ErrorCode::InvalidArgument,
+                            format!("address {a:#x} is not guest RAM of vm {id}"),
+                        )
+                    })?;
+                    words.push(w);
+                }
+                Ok(json!({ "id": id, "addr": addr, "words": words }))
+            }
             Request::List => {
                 let vms: Vec<_> = self
                     .vms()
@@ -376,6 +400,85 @@ impl Daemon {
         }
         let info = self.info_of(&vm);
         Ok((Arc::new(Mutex::new(vm)), info))
+    }
+
+    fn snapshot(&self, id: &str, dir: &Path) -> Result<Value, ApiError> {
+        let vm = self.get(id)?;
+        let g = lock_vm(&vm);
+        let was_running = matches!(g.state(), VmState::Running);
+        if was_running {
+            g.pause(PAUSE_TIMEOUT).map_err(vm_error)?;
+        }
+        let t = std::time::Instant::now();
+        let res = g.snapshot_to(dir);
+        let took = t.elapsed();
+        if was_running {
+            g.resume().map_err(vm_error)?;
+        }
+        res.map_err(vm_error)?;
+        Ok(json!({ "id": id, "dir": dir, "snapshot_ms": took.as_secs_f64() * 1000.0 }))
+    }
+
+    fn restore(&self, dir: &Path, id: Option<String>) -> Result<Value, ApiError> {
+        let id = {
+            let mut vms = self.vms();
+            let id = id.unwrap_or_else(|| self.new_id());
+            if vms.contains_key(&id) {
+                return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} already exists")));
+            }
+            vms.insert(id.clone(), Slot::Reserved);
+            id
+        };
+        let res = (|| {
+            let serial_log = self.store.runtime_dir(&id).map_err(internal)?.join("serial.log");
+            let mut vm = Vm::restore_from(
+                &id,
+                dir,
+                &VmOptions {
+                    serial_log: Some(serial_log.clone()),
+                },
+            )
+            .map_err(|e| match e {
+                VmError::Persist(_) | VmError::Io { .. } => ApiError::new(ErrorCode::InvalidArgument, e.to_string()),
+                other => vm_error(other),
+            })?;
+            let rec = VmRecord {
+                version: store::RECORD_VERSION,
+                id: id.clone(),
+                config: vm.config().clone(),
+                state: VmState::Created,
+                devices: vm.devices().to_vec(),
+                serial_log,
+                daemon_pid: std::process::id(),
+                created_unix: now_unix(),
+            };
+            self.store.save(&rec).map_err(internal)?;
+            let store = self.store.clone();
+            let vm_id = id.clone();
+            vm.control().set_on_stopped(Box::new(move |reason| {
+                let reason = reason.clone();
+                if let Err(e) = store.update(&vm_id, |r| r.state = VmState::Stopped { reason }) {
+                    tracing::error!(vm = %vm_id, error = %e, "cannot record the VM's stop");
+                }
+            }));
+            vm.start().map_err(vm_error)?;
+            self.persist(&vm)?;
+            let info = self.info_of(&vm);
+            Ok((Arc::new(Mutex::new(vm)), info))
+        })();
+        match res {
+            Ok((vm, info)) => {
+                self.vms().insert(id, Slot::Vm(vm));
+                Ok(info)
+            }
+            Err(e) => {
+                self.vms().remove(&id);
+                if let Err(re) = self.store.remove(&id) {
+                    tracing::error!(vm = %id, error = %re, "rolling back a failed restore left files behind");
+                }
+                Err(e)
+            }
+        }
     }
 
     fn delete(&self, id: &str) -> Result<Value, ApiError> {

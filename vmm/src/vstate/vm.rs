@@ -143,6 +143,22 @@ pub struct DeviceInfo {
     pub detail: String,
 }
 
+/// `state.json` in a snapshot directory.
+pub const SNAPSHOT_STATE: &str = "state.json";
+/// `memory` in a snapshot directory: guest RAM, byte for byte (sparse).
+pub const SNAPSHOT_MEMORY: &str = "memory";
+/// The `format` field of a snapshot's state file.
+pub const SNAPSHOT_FORMAT: &str = "k7d-snapshot";
+
+/// The state file of a cold snapshot.
+#[derive(Debug, Serialize, Deserialize)]
+struct SnapshotFile {
+    format: String,
+    version: u32,
+    config: VmConfig,
+    state: MachineState,
+}
+
 /// Host-side options that are not part of the guest-visible config.
 #[derive(Debug, Clone, Default)]
 pub struct VmOptions {
@@ -475,6 +491,73 @@ impl Vm {
             vm: persist::save_vm(&self.vm_fd)?,
             serial: self.serial.lock().unwrap_or_else(|p| p.into_inner()).snapshot(),
         })
+    }
+
+    /// Writes a cold snapshot into `dir` (created): `state.json` (machine
+    /// state, config, format version) and `memory` (guest RAM, sparse). The
+    /// VM must be paused.
+    pub fn snapshot_to(&self, dir: &Path) -> Result<(), VmError> {
+        let state = self.save_state()?;
+        std::fs::create_dir_all(dir).map_err(io(format!("cannot create the snapshot directory {}", dir.display())))?;
+        let mem_path = dir.join(SNAPSHOT_MEMORY);
+        let mem = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&mem_path)
+            .map_err(io(format!("cannot create {}", mem_path.display())))?;
+        mem.set_len(self.ram.size())
+            .map_err(io(format!("cannot size {}", mem_path.display())))?;
+        copy_memory(self.ram.memfd(), &mem, self.ram.size())?;
+        mem.sync_all()
+            .map_err(io(format!("cannot sync {}", mem_path.display())))?;
+        let file = SnapshotFile {
+            format: SNAPSHOT_FORMAT.into(),
+            version: persist::STATE_VERSION,
+            config: self.config.clone(),
+            state,
+        };
+        let body = serde_json::to_vec(&file).map_err(|e| VmError::Persist(PersistError::Mismatch(e.to_string())))?;
+        let tmp = dir.join(".state.json.tmp");
+        std::fs::write(&tmp, body).map_err(io(format!("cannot write {}", tmp.display())))?;
+        std::fs::rename(&tmp, dir.join(SNAPSHOT_STATE)).map_err(io("cannot commit the snapshot state file"))?;
+        Ok(())
+    }
+
+    /// Builds a VM from a snapshot directory written by [`Vm::snapshot_to`];
+    /// returns it with the config it was saved with (its id replaced by `id`).
+    pub fn restore_from(id: &str, dir: &Path, opts: &VmOptions) -> Result<Self, VmError> {
+        let state_path = dir.join(SNAPSHOT_STATE);
+        let text = std::fs::read(&state_path).map_err(io(format!("cannot read {}", state_path.display())))?;
+        let file: SnapshotFile = serde_json::from_slice(&text).map_err(|e| {
+            VmError::Persist(PersistError::Mismatch(format!(
+                "{} is not a k7d snapshot: {e}",
+                state_path.display()
+            )))
+        })?;
+        if file.format != SNAPSHOT_FORMAT {
+            return Err(VmError::Persist(PersistError::Mismatch(format!(
+                "{} has format `{}`, expected `{SNAPSHOT_FORMAT}`",
+                state_path.display(),
+                file.format
+            ))));
+        }
+        let mem_path = dir.join(SNAPSHOT_MEMORY);
+        let mem = File::open(&mem_path).map_err(io(format!("cannot open {}", mem_path.display())))?;
+        let len = mem
+            .metadata()
+            .map_err(io(format!("cannot stat {}", mem_path.display())))?
+            .len();
+        let mut config = file.config;
+        if len != config.memory_bytes() {
+            return Err(VmError::Persist(PersistError::Mismatch(format!(
+                "{} holds {len} bytes, the VM has {} MiB of RAM",
+                mem_path.display(),
+                config.memory_mib
+            ))));
+        }
+        config.id = Some(id.to_string());
+        Self::restore(id, &config, opts, &file.state, &mem)
     }
 
     /// Stops the vCPUs (if running) and joins their threads.

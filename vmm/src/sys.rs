@@ -133,3 +133,32 @@ pub fn page_size() -> usize {
     let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(v).ok().filter(|&v| v > 0).unwrap_or(4096)
 }
+
+/// Replaces the mapping at `[addr, addr + len)` by a private (copy-on-write)
+/// mapping of `fd` at `offset`, at the same address (`MAP_FIXED`). Reads see
+/// the file's contents; writes go to anonymous pages of this process and
+/// never reach the file.
+///
+/// # Safety
+/// `[addr, addr + len)` must be a mapping this process owns and no Rust
+/// reference may assume its old contents stay put (the bytes are the same
+/// only if the file holds what the old mapping showed, as for a shared
+/// mapping of the same file).
+pub unsafe fn remap_private(addr: *mut u8, len: usize, fd: &File, offset: u64) -> io::Result<()> {
+    let off = libc::off_t::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: the caller guarantees the range is ours; MAP_FIXED replaces it atomically.
+    let p = unsafe {
+        libc::mmap(
+            addr.cast(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+            fd.as_raw_fd(),
+            off,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

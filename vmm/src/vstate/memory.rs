@@ -15,7 +15,7 @@ use kvm_ioctls::VmFd;
 use thiserror::Error;
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
+use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
 
 /// Guest memory with per-page dirty bitmaps (vm-memory's bitmap backend).
 pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<AtomicBitmap>;
@@ -43,6 +43,15 @@ pub enum MemoryError {
     /// vm-memory refused the region layout.
     #[error("invalid guest memory layout")]
     Layout(#[source] vm_memory::GuestRegionCollectionError),
+    /// A child was asked of a VM whose RAM is not a frozen base.
+    #[error("the source's RAM is not frozen as a fork base")]
+    NotFrozen,
+    /// Remapping RAM privately over its memfd failed.
+    #[error("cannot remap guest RAM privately over its memfd")]
+    Freeze(#[source] std::io::Error),
+    /// Copying a page into a child failed.
+    #[error("cannot copy page {0} into the child")]
+    Copy(u64),
     /// KVM refused a memslot.
     #[error("KVM refused memslot {slot}")]
     Memslot {
@@ -55,10 +64,24 @@ pub enum MemoryError {
 }
 
 /// A guest's RAM: the memfd and the mapping KVM and devices use.
+///
+/// Fork model: while a VM has never been forked, its RAM is the memfd mapped
+/// shared. [`GuestRam::freeze`] turns the memfd into a frozen *base*: the
+/// VM's own mapping becomes private (copy-on-write over the base) at the same
+/// address, so from then on nobody writes the base. A child maps the base
+/// privately ([`GuestRam::new_child`]) and gets the source's pages that
+/// differ from the base copied in. Because no mapping of a base is ever
+/// shared after the freeze, a child can never see its parent's later writes
+/// through a page it has not touched yet (the MAP_PRIVATE-over-a-live-file
+/// hazard); `tests/tests/fork.rs` guards it.
 pub struct GuestRam {
     memfd: Arc<File>,
     mem: GuestMemoryMmap,
     size: u64,
+    frozen: std::sync::atomic::AtomicBool,
+    /// Pages (by index over the whole RAM) that differ from the base since
+    /// the freeze: every harvest of KVM's dirty log and device bitmaps is ORed in.
+    diverged: std::sync::Mutex<Vec<u64>>,
 }
 
 impl GuestRam {
@@ -67,7 +90,20 @@ impl GuestRam {
         let size_mib = size >> 20;
         let memfd = crate::sys::memfd(&format!("k7d-ram-{vm_id}"), size)
             .map_err(|source| MemoryError::Memfd { size_mib, source })?;
-        let memfd = Arc::new(memfd);
+        Self::map(Arc::new(memfd), size, libc::MAP_SHARED, false)
+    }
+
+    /// RAM for a fork child: the frozen base of `parent` mapped privately
+    /// (nothing is copied here; see [`GuestRam::copy_diverged_from`]).
+    pub fn new_child(parent: &GuestRam) -> Result<Self, MemoryError> {
+        if !parent.is_frozen() {
+            return Err(MemoryError::NotFrozen);
+        }
+        Self::map(parent.memfd.clone(), parent.size, libc::MAP_PRIVATE, true)
+    }
+
+    fn map(memfd: Arc<File>, size: u64, share: i32, frozen: bool) -> Result<Self, MemoryError> {
+        let size_mib = size >> 20;
         let page = NonZeroUsize::new(crate::sys::page_size()).unwrap_or(NonZeroUsize::MIN);
         let mut regions = Vec::new();
         for (gpa, off, len) in layout(size) {
@@ -78,7 +114,7 @@ impl GuestRam {
             let region = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
                 .with_file_offset(FileOffset::from_arc(memfd.clone(), off))
                 .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
+                .with_mmap_flags(share | libc::MAP_NORESERVE)
                 .build()
                 .map_err(MemoryError::Mmap)?;
             let region = GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or_else(|| MemoryError::Memfd {
@@ -88,7 +124,132 @@ impl GuestRam {
             regions.push(region);
         }
         let mem = GuestMemoryMmap::from_regions(regions).map_err(MemoryError::Layout)?;
-        Ok(Self { memfd, mem, size })
+        let pages = size.div_ceil(PAGE) as usize;
+        Ok(Self {
+            memfd,
+            mem,
+            size,
+            frozen: std::sync::atomic::AtomicBool::new(frozen),
+            diverged: std::sync::Mutex::new(vec![0; pages.div_ceil(64)]),
+        })
+    }
+
+    /// Whether the memfd is a frozen base (this VM maps it privately).
+    pub fn is_frozen(&self) -> bool {
+        self.frozen.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Makes the memfd a frozen base: remaps this VM's RAM privately over it
+    /// at the same addresses (KVM's memslots keep their host addresses; its
+    /// MMU notifier drops the old translations). Idempotent. Call with every
+    /// writer of guest RAM paused.
+    pub fn freeze(&self) -> Result<(), MemoryError> {
+        if self.is_frozen() {
+            return Ok(());
+        }
+        for (_, off, len) in layout(self.size) {
+            let host = self
+                .mem
+                .get_host_address(GuestAddress(gpa_of(off)))
+                .map_err(|_| MemoryError::Freeze(std::io::Error::from_raw_os_error(libc::EFAULT)))?;
+            let len =
+                usize::try_from(len).map_err(|_| MemoryError::Freeze(std::io::Error::other("region too large")))?;
+            // SAFETY: `host..host+len` is one of our own regions' mappings of
+            // this very memfd at `off`, mapped shared until now: the private
+            // mapping shows exactly the same bytes, and vm-memory only holds
+            // the address (it unmaps the range on drop, whatever maps it).
+            unsafe { crate::sys::remap_private(host, len, &self.memfd, off) }.map_err(MemoryError::Freeze)?;
+        }
+        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Writes the VMM made before the freeze are in the base already.
+        for region in self.mem.iter() {
+            region.get_mmap().bitmap().reset();
+        }
+        Ok(())
+    }
+
+    /// Folds every write since the last harvest into the diverged set: KVM's
+    /// dirty log (vCPU writes) and vm-memory's bitmaps (writes the VMM made
+    /// through this mapping). Call with every writer paused.
+    pub fn harvest(&self, vm: &VmFd) -> Result<(), MemoryError> {
+        for (slot, region) in self.mem.iter().enumerate() {
+            let slot = slot as u32;
+            let first = memfd_offset_of(region.start_addr().0) / PAGE;
+            let len = usize::try_from(region.len()).unwrap_or(usize::MAX);
+            let kvm_bits = vm
+                .get_dirty_log(slot, len)
+                .map_err(|source| MemoryError::Memslot { slot, source })?;
+            self.add_diverged(&kvm_bits, first);
+            let vmm_bits = region.get_mmap().bitmap().get_and_reset();
+            self.add_diverged(&vmm_bits, first);
+        }
+        Ok(())
+    }
+
+    /// Writes the whole RAM, as this VM sees it, into `dst` (sparse: zero
+    /// pages are skipped).
+    pub fn write_to(&self, dst: &File) -> Result<(), std::io::Error> {
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; 1 << 20];
+        for (gpa, off, len) in layout(self.size) {
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(buf.len() as u64) as usize;
+                self.mem
+                    .read_slice(&mut buf[..n], GuestAddress(gpa + done))
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+                if buf[..n].iter().any(|&b| b != 0) {
+                    dst.write_all_at(&buf[..n], off + done)?;
+                }
+                done += n as u64;
+            }
+        }
+        Ok(())
+    }
+
+    /// ORs page indexes (bitmap words over the whole RAM) into the set of
+    /// pages that differ from the base.
+    pub fn add_diverged(&self, words: &[u64], first_page: u64) {
+        let mut d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
+        for (wi, &w) in words.iter().enumerate() {
+            let mut bits = w;
+            while bits != 0 {
+                let b = bits.trailing_zeros() as u64;
+                bits &= bits - 1;
+                let page = first_page + wi as u64 * 64 + b;
+                if let Some(slot) = d.get_mut((page / 64) as usize) {
+                    *slot |= 1 << (page % 64);
+                }
+            }
+        }
+    }
+
+    /// Page indexes that differ from the base.
+    pub fn diverged_pages(&self) -> Vec<u64> {
+        let d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
+        let mut v = Vec::new();
+        for (wi, &w) in d.iter().enumerate() {
+            let mut bits = w;
+            while bits != 0 {
+                let b = bits.trailing_zeros() as u64;
+                bits &= bits - 1;
+                v.push(wi as u64 * 64 + b);
+            }
+        }
+        v
+    }
+
+    /// Copies `pages` (indexes over the whole RAM) from `src`'s view into this
+    /// RAM: the child gets the parent's pages that differ from their base.
+    pub fn copy_diverged_from(&self, src: &GuestRam, pages: &[u64]) -> Result<(), MemoryError> {
+        let mut buf = vec![0u8; PAGE as usize];
+        for &p in pages {
+            let gpa = GuestAddress(gpa_of(p * PAGE));
+            src.mem.read_slice(&mut buf, gpa).map_err(|_| MemoryError::Copy(p))?;
+            self.mem.write_slice(&buf, gpa).map_err(|_| MemoryError::Copy(p))?;
+            self.add_diverged(&[1], p);
+        }
+        Ok(())
     }
 
     /// Registers every region with KVM as a memslot, with KVM's dirty log on
@@ -145,6 +306,27 @@ impl GuestRam {
     /// The memfd's fd number (for diagnostics).
     pub fn memfd_raw(&self) -> i32 {
         self.memfd.as_raw_fd()
+    }
+}
+
+/// Guest page size used for divergence tracking.
+pub const PAGE: u64 = 4096;
+
+/// The guest physical address of memfd offset `off`.
+pub fn gpa_of(off: u64) -> u64 {
+    if off < MMIO_HOLE_START {
+        off
+    } else {
+        off - MMIO_HOLE_START + HIGH_RAM_START
+    }
+}
+
+/// The memfd offset of guest address `gpa` (inside RAM).
+pub fn memfd_offset_of(gpa: u64) -> u64 {
+    if gpa < HIGH_RAM_START {
+        gpa
+    } else {
+        gpa - HIGH_RAM_START + MMIO_HOLE_START
     }
 }
 

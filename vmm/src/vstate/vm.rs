@@ -143,6 +143,14 @@ pub struct DeviceInfo {
     pub detail: String,
 }
 
+/// Where a restored VM's RAM comes from.
+enum RamSource<'a> {
+    /// Copied from a file holding guest RAM byte for byte.
+    File(&'a File),
+    /// A fork child of this frozen RAM (plus the pages that diverged from it).
+    ChildOf(&'a GuestRam),
+}
+
 /// `state.json` in a snapshot directory.
 pub const SNAPSHOT_STATE: &str = "state.json";
 /// `memory` in a snapshot directory: guest RAM, byte for byte (sparse).
@@ -220,14 +228,48 @@ impl Vm {
                 config.vcpus
             ))));
         }
-        Self::build(id, config, opts, Some((state, memory)))
+        Self::build(id, config, opts, Some((state, RamSource::File(memory))))
+    }
+
+    /// Forks this paused VM: a new VM `child_id` whose RAM is copy-on-write
+    /// over this VM's frozen base plus the pages that diverged since the
+    /// freeze, and whose machine state is this VM's at this instant. The first
+    /// fork freezes the base and switches KVM's dirty log on; neither VM sees
+    /// the other's later writes. The child is built, not started.
+    pub fn fork(&self, child_id: &str, opts: &VmOptions) -> Result<Self, VmError> {
+        if !matches!(self.state(), VmState::Paused | VmState::Created) {
+            return Err(self.state_error("fork"));
+        }
+        if matches!(self.config.guest, GuestSpec::Linux { .. }) {
+            return Err(VmError::Persist(PersistError::Mismatch(
+                "forking a Linux guest needs its PCI devices' state, which k7d cannot save yet".into(),
+            )));
+        }
+        if self.ram.is_frozen() {
+            self.ram.harvest(&self.vm_fd)?;
+        } else {
+            // Dirty log on before the freeze, both while nothing runs: no
+            // write can fall between them.
+            self.ram.set_dirty_log(&self.vm_fd, true)?;
+            self.ram.freeze()?;
+            self.ram.harvest(&self.vm_fd)?;
+        }
+        let state = self.save_state()?;
+        let mut config = self.config.clone();
+        config.id = Some(child_id.to_string());
+        Self::build(child_id, &config, opts, Some((&state, RamSource::ChildOf(&self.ram))))
+    }
+
+    /// This VM's RAM (fork tests compare children with their source).
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
     }
 
     fn build(
         id: &str,
         config: &VmConfig,
         opts: &VmOptions,
-        restore: Option<(&MachineState, &File)>,
+        restore: Option<(&MachineState, RamSource<'_>)>,
     ) -> Result<Self, VmError> {
         let created = Instant::now();
         // Every guest-file error comes before any KVM object exists.
@@ -246,11 +288,21 @@ impl Vm {
         // Memslots before the irqchip: once KVM has a memslot of its own (the
         // irqchip adds one), every new slot waits for an SRCU grace period,
         // ~7 ms on these hosts (see CHALLENGES.md).
-        let ram = GuestRam::new(id, config.memory_bytes())?;
-        if let Some((_, src)) = restore {
-            copy_memory(src, ram.memfd(), ram.size())?;
-        }
-        ram.register(&vm_fd, false)?;
+        let (ram, dirty_log) = match &restore {
+            None => (GuestRam::new(id, config.memory_bytes())?, false),
+            Some((_, RamSource::File(src))) => {
+                let ram = GuestRam::new(id, config.memory_bytes())?;
+                copy_memory(src, ram.memfd(), ram.size())?;
+                (ram, false)
+            }
+            Some((_, RamSource::ChildOf(parent))) => {
+                let ram = GuestRam::new_child(parent)?;
+                ram.copy_diverged_from(parent, &parent.diverged_pages())?;
+                // A child can be forked in turn: it tracks its own writes.
+                (ram, true)
+            }
+        };
+        ram.register(&vm_fd, dirty_log)?;
         let linux = match &config.guest {
             GuestSpec::Linux {
                 kernel,
@@ -283,12 +335,12 @@ impl Vm {
             ..Default::default()
         };
         vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
-        if let Some((st, _)) = restore {
+        if let Some((st, _)) = &restore {
             persist::restore_vm(&vm_fd, &st.vm)?;
         }
 
         let control = Arc::new(VmControl::new(id));
-        let serial_state = restore.map(|(st, _)| &st.serial);
+        let serial_state = restore.as_ref().map(|(st, _)| &st.serial);
         let (mut buses, mut devices, serial) =
             build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
         if linux.is_some() {
@@ -303,7 +355,7 @@ impl Vm {
                 what: "KVM_CREATE_VCPU",
                 source,
             })?;
-            match (&linux, restore) {
+            match (&linux, &restore) {
                 (_, Some((st, _))) => persist::restore_vcpu(&v, i, &st.vcpus[i as usize])?,
                 (Some(entry), None) => arch::setup_linux_vcpu(&kvm, &v, i, n, entry)?,
                 (None, None) => {
@@ -323,7 +375,7 @@ impl Vm {
             }
             pending.push(Arc::new(Mutex::new(v)));
         }
-        if let (Some(image), None) = (image, restore) {
+        if let (Some(image), None) = (image, &restore) {
             let tsc_khz = vcpu::lock_vcpu(&pending[0]).get_tsc_khz().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "KVM_GET_TSC_KHZ failed; assuming 1 GHz for the guest parameter block");
                 1_000_000
@@ -508,7 +560,11 @@ impl Vm {
             .map_err(io(format!("cannot create {}", mem_path.display())))?;
         mem.set_len(self.ram.size())
             .map_err(io(format!("cannot size {}", mem_path.display())))?;
-        copy_memory(self.ram.memfd(), &mem, self.ram.size())?;
+        // Through the mapping: after a fork, RAM is the frozen base plus this
+        // VM's private pages, and only the mapping shows both.
+        self.ram
+            .write_to(&mem)
+            .map_err(io(format!("cannot write guest memory to {}", mem_path.display())))?;
         mem.sync_all()
             .map_err(io(format!("cannot sync {}", mem_path.display())))?;
         let file = SnapshotFile {

@@ -155,6 +155,13 @@ enum Cmd {
         #[arg(long)]
         id: Option<String>,
     },
+    /// Fork a running VM copy-on-write; the children start at once.
+    Fork {
+        id: String,
+        /// Number of children.
+        #[arg(long, default_value_t = 1)]
+        count: u32,
+    },
     /// Read u32 words of a VM's guest RAM (debugging).
     Peek {
         id: String,
@@ -299,6 +306,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                     id,
                 },
                 Cmd::Peek { id, addr, count } => Request::Peek { id, addr, count },
+                Cmd::Fork { id, count } => Request::Fork { id, count },
                 Cmd::List => Request::List,
                 _ => unreachable!("handled above"),
             };
@@ -313,6 +321,20 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             } else if let Some(words) = result.get("words").and_then(|w| w.as_array()) {
                 let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
                 println!("{}", words.join(" "));
+            } else if let Some(children) = result.get("children").and_then(|c| c.as_array()) {
+                for c in children {
+                    println!(
+                        "vm {}: {} (forked in {:.2} ms)",
+                        c["id"].as_str().unwrap_or("?"),
+                        c["status"].as_str().unwrap_or("?"),
+                        c["fork_ms"].as_f64().unwrap_or(0.0)
+                    );
+                }
+                println!(
+                    "source {} paused for {:.2} ms",
+                    result["id"].as_str().unwrap_or("?"),
+                    result["source_paused_ms"].as_f64().unwrap_or(0.0)
+                );
             } else if result.get("snapshot_ms").is_some() {
                 println!(
                     "vm {}: snapshot written to {} in {:.1} ms",

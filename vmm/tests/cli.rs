@@ -347,3 +347,61 @@ fn snapshot_then_restore_in_a_new_daemon_resumes_the_guest() {
     unsafe { libc::kill(d2.child.id() as i32, libc::SIGTERM) };
     let _ = d2.stderr_after_exit();
 }
+
+#[test]
+fn fork_makes_running_children_that_continue_from_the_source() {
+    const TICKS: u64 = 0x600; // k7d_guest::RESULTS_ADDR + result::BSP_TICKS
+    let dir = Scratch::new("fork");
+    let (d, _) = DaemonProc::start(&dir.0);
+    let o = cli(
+        &dir.0,
+        &[
+            "create",
+            "--id",
+            "s",
+            "--builtin",
+            "tscdeadline",
+            "--memory",
+            "8",
+            "--start",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let t0 = Instant::now();
+    while peek(&dir.0, "s", TICKS) < 200 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the guest never ticked");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let o = cli(&dir.0, &["--json", "fork", "s", "--count", "3"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let children: Vec<String> = v["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(children, vec!["s-f1", "s-f2", "s-f3"]);
+    for c in &children {
+        assert!(dir.0.join(format!("state/vms/{c}.json")).exists(), "no record for {c}");
+        let a = peek(&dir.0, c, TICKS);
+        assert!(a >= 200, "{c} started from {a}, not from the source's count");
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(peek(&dir.0, c, TICKS) > a, "{c} is not ticking");
+    }
+    let a = peek(&dir.0, "s", TICKS);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(peek(&dir.0, "s", TICKS) > a, "the source did not resume");
+    // Bad counts are one sentence and create nothing.
+    let o = cli(&dir.0, &["fork", "s", "--count", "0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("count = 0 is out of range"), "{:?}", text(&o));
+    for c in &children {
+        assert!(cli(&dir.0, &["delete", c]).status.success());
+    }
+    assert!(!dir.0.join("state/vms/s-f1.json").exists());
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    let _ = d.stderr_after_exit();
+}

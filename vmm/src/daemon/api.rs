@@ -11,6 +11,9 @@ use serde_json::Value;
 
 use crate::config::VmConfig;
 
+/// Most children one `fork` request makes.
+pub const MAX_FORKS: u32 = 64;
+
 /// The API version this daemon speaks.
 pub const API_VERSION: u32 = 1;
 
@@ -49,6 +52,13 @@ pub enum Request {
         dir: std::path::PathBuf,
         /// Id of the new VM (generated when absent).
         id: Option<String>,
+    },
+    /// Fork a VM `count` times copy-on-write; the children start running.
+    Fork {
+        /// Source VM.
+        id: String,
+        /// Number of children (1..=64).
+        count: u32,
     },
     /// Read `count` little-endian u32 words of guest RAM at `addr` (debugging, tests).
     Peek {
@@ -201,6 +211,14 @@ struct RestoreArgs {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct ForkArgs {
+    id: String,
+    #[serde(default = "one")]
+    count: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct PeekArgs {
     id: String,
     addr: u64,
@@ -270,6 +288,23 @@ pub fn parse_request(line: &str) -> Result<Request, ApiError> {
             }
             Request::Restore { dir: a.dir, id: a.id }
         }
+        "fork" => {
+            let a: ForkArgs = serde_json::from_value(args).map_err(parse_err)?;
+            crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
+            if a.count == 0 || a.count > MAX_FORKS {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "count = {} is out of range: fork makes 1 to {MAX_FORKS} children at a time",
+                        a.count
+                    ),
+                ));
+            }
+            Request::Fork {
+                id: a.id,
+                count: a.count,
+            }
+        }
         "peek" => {
             let a: PeekArgs = serde_json::from_value(args).map_err(parse_err)?;
             crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
@@ -296,7 +331,7 @@ pub fn parse_request(line: &str) -> Result<Request, ApiError> {
         }
         other => {
             return Err(bad(format!(
-                "unknown operation `{other}` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, peek, list, version)"
+                "unknown operation `{other}` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)"
             )));
         }
     })
@@ -314,6 +349,7 @@ pub fn request_line(req: &Request) -> String {
         Request::Info(id) => ("info", serde_json::json!({"id": id})),
         Request::Snapshot { id, dir } => ("snapshot", serde_json::json!({"id": id, "dir": dir})),
         Request::Restore { dir, id } => ("restore", serde_json::json!({"dir": dir, "id": id})),
+        Request::Fork { id, count } => ("fork", serde_json::json!({"id": id, "count": count})),
         Request::Peek { id, addr, count } => ("peek", serde_json::json!({"id": id, "addr": addr, "count": count})),
         Request::List => ("list", serde_json::json!({})),
         Request::Version => ("version", serde_json::json!({})),

@@ -214,6 +214,7 @@ impl Daemon {
                 Ok(self.info_of(&g))
             }
             Request::Snapshot { id, dir } => self.snapshot(&id, &dir),
+            Request::Fork { id, count } => self.fork(&id, count),
             Request::Restore { dir, id } => self.restore(&dir, id),
             Request::Peek { id, addr, count } => {
                 use vm_memory::{Bytes, GuestAddress};
@@ -417,6 +418,130 @@ impl Daemon {
         }
         res.map_err(vm_error)?;
         Ok(json!({ "id": id, "dir": dir, "snapshot_ms": took.as_secs_f64() * 1000.0 }))
+    }
+
+    /// Registers a built VM (record, stop callback), starts it and adds it.
+    fn adopt(&self, id: &str, mut vm: Vm, serial_log: PathBuf) -> Result<Value, ApiError> {
+        let rec = VmRecord {
+            version: store::RECORD_VERSION,
+            id: id.to_string(),
+            config: vm.config().clone(),
+            state: VmState::Created,
+            devices: vm.devices().to_vec(),
+            serial_log,
+            daemon_pid: std::process::id(),
+            created_unix: now_unix(),
+        };
+        self.store.save(&rec).map_err(internal)?;
+        let store = self.store.clone();
+        let vm_id = id.to_string();
+        vm.control().set_on_stopped(Box::new(move |reason| {
+            let reason = reason.clone();
+            if let Err(e) = store.update(&vm_id, |r| r.state = VmState::Stopped { reason }) {
+                tracing::error!(vm = %vm_id, error = %e, "cannot record the VM's stop");
+            }
+        }));
+        vm.start().map_err(vm_error)?;
+        self.persist(&vm)?;
+        let info = self.info_of(&vm);
+        self.vms().insert(id.to_string(), Slot::Vm(Arc::new(Mutex::new(vm))));
+        Ok(info)
+    }
+
+    fn fork(&self, id: &str, count: u32) -> Result<Value, ApiError> {
+        let vm = self.get(id)?;
+        // Reserve the children's ids first.
+        let ids: Vec<String> = {
+            let mut vms = self.vms();
+            let mut ids = Vec::new();
+            let mut n = 0u32;
+            while ids.len() < count as usize {
+                n += 1;
+                let cid = format!("{id}-f{n}");
+                if cid.len() > 63 {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        format!("vm id {id} is too long to name its children"),
+                    ));
+                }
+                if !vms.contains_key(&cid) && self.store.load(&cid).ok().flatten().is_none() {
+                    vms.insert(cid.clone(), Slot::Reserved);
+                    ids.push(cid);
+                }
+            }
+            ids
+        };
+        let release = |from: usize| {
+            let mut vms = self.vms();
+            for cid in &ids[from..] {
+                vms.remove(cid);
+            }
+        };
+        let g = lock_vm(&vm);
+        let was_running = matches!(g.state(), VmState::Running);
+        let t0 = std::time::Instant::now();
+        if was_running {
+            if let Err(e) = g.pause(PAUSE_TIMEOUT) {
+                release(0);
+                return Err(vm_error(e));
+            }
+        }
+        let paused = t0.elapsed();
+        let mut built = Vec::new();
+        let mut failure = None;
+        for cid in &ids {
+            let log = match self.store.runtime_dir(cid) {
+                Ok(d) => d.join("serial.log"),
+                Err(e) => {
+                    failure = Some(internal(e));
+                    break;
+                }
+            };
+            let t = std::time::Instant::now();
+            match g.fork(
+                cid,
+                &VmOptions {
+                    serial_log: Some(log.clone()),
+                },
+            ) {
+                Ok(child) => built.push((cid.clone(), child, log, t.elapsed())),
+                Err(e) => {
+                    failure = Some(vm_error(e));
+                    break;
+                }
+            }
+        }
+        let fork_total = t0.elapsed();
+        if was_running {
+            if let Err(e) = g.resume() {
+                tracing::error!(vm = %id, error = %e, "cannot resume the fork source");
+            }
+        }
+        drop(g);
+        if let Some(e) = failure {
+            // Roll back: no child of a failed fork survives.
+            for (cid, child, _, _) in built {
+                drop(child);
+                let _ = self.store.remove(&cid);
+            }
+            for cid in &ids {
+                let _ = self.store.remove(cid);
+            }
+            release(0);
+            return Err(e);
+        }
+        let mut children = Vec::new();
+        for (cid, child, log, took) in built {
+            let mut info = self.adopt(&cid, child, log)?;
+            info["fork_ms"] = json!(took.as_secs_f64() * 1000.0);
+            children.push(info);
+        }
+        Ok(json!({
+            "id": id,
+            "children": children,
+            "pause_ms": paused.as_secs_f64() * 1000.0,
+            "source_paused_ms": fork_total.as_secs_f64() * 1000.0,
+        }))
     }
 
     fn restore(&self, dir: &Path, id: Option<String>) -> Result<Value, ApiError> {

@@ -480,11 +480,9 @@ impl Daemon {
         let g = lock_vm(&vm);
         let was_running = matches!(g.state(), VmState::Running);
         let t0 = std::time::Instant::now();
-        if was_running {
-            if let Err(e) = g.pause(PAUSE_TIMEOUT) {
-                release(0);
-                return Err(vm_error(e));
-            }
+        if was_running && let Err(e) = g.pause(PAUSE_TIMEOUT) {
+            release(0);
+            return Err(vm_error(e));
         }
         let paused = t0.elapsed();
         let mut built = Vec::new();
@@ -512,10 +510,8 @@ impl Daemon {
             }
         }
         let fork_total = t0.elapsed();
-        if was_running {
-            if let Err(e) = g.resume() {
-                tracing::error!(vm = %id, error = %e, "cannot resume the fork source");
-            }
+        if was_running && let Err(e) = g.resume() {
+            tracing::error!(vm = %id, error = %e, "cannot resume the fork source");
         }
         drop(g);
         if let Some(e) = failure {

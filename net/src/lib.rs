@@ -8,6 +8,7 @@ mod error;
 mod names;
 pub mod netlink;
 mod netns;
+pub mod policy;
 mod reconcile;
 mod sys;
 mod tap;

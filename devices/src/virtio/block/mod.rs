@@ -1,1 +1,137 @@
-//! virtio-block (in progress).
+//! virtio-blk: a raw image file, read-write or read-only (e.g. erofs).
+//!
+//! - [`DiskImage`] (`disk.rs`): the backing file, opened `O_RDWR` or
+//!   `O_RDONLY`; capacity is its length in 512-byte sectors.
+//! - [`Block`] (`device.rs`): the [`crate::virtio::VirtioDevice`]: features,
+//!   config space, one I/O worker thread, pause/resume.
+//! - `request.rs`: request parsing with the spec's validation (virtio 1.2
+//!   §5.2.6). No crate on crates.io does this.
+//! - [`RequestHandler`] (`event_handler.rs`): drains the queue, executes
+//!   requests, writes status bytes, returns chains, decides on one interrupt
+//!   per batch; the worker loop around it.
+//! - [`DeviceMemory`] (`memory.rs`): the device's own view of guest memory,
+//!   whose dirty bitmap only this device marks.
+//! - `persist.rs`: snapshot/restore (not done: fails loudly), and seeding
+//!   queue indexes from the guest's used ring on restore.
+//!
+//! # Dirty tracking
+//!
+//! Every byte the device writes into guest RAM goes through vm-memory:
+//! data for IN (`read_exact_volatile_from` a positioned-file adapter, which
+//! marks the slice's bitmap like vm-memory's own fd readers), GET_ID
+//! (`write_slice`), status bytes (`write_obj`) and used-ring entries
+//! (virtio-queue's `add_used`). Nothing is written through raw host addresses
+//! without marking. So a device that is handed its own view of guest memory
+//! records exactly the pages it wrote, and the fork path ORs that bitmap
+//! into KVM's dirty log (which sees only vCPU writes).
+//!
+//! # Wiring a blk device (VMM)
+//!
+//! ```ignore
+//! use k7d_devices::virtio::block::{Block, DeviceMemory, DiskImage};
+//! use k7d_devices::virtio::transport::VirtioPciDevice;
+//!
+//! let disk = DiskImage::open("/var/lib/k7d/vm1/root.img", false)?;   // true: read-only (erofs)
+//! let blk = Block::new(disk, "k7d-vm1-disk0")?;                       // serial <= 20 bytes
+//! // SAFETY: `vm_mem` (the VMM's GuestMemoryMmap<AtomicBitmap>) keeps its
+//! // mappings until the device, its transport and `dev_mem` are dropped.
+//! let dev_mem = unsafe { DeviceMemory::new(&vm_mem)? };
+//! let pci = VirtioPciDevice::new(Box::new(blk), dev_mem.handle(), router)?;
+//! // ... root.add_device / bus insert / irqfds / ioeventfds as in docs/virtio-pci.md ...
+//! // Fork path, after pausing every writer:
+//! let dirty = dev_mem.take_dirty();            // per region: base, page size, bit words
+//! ```
+//!
+//! The view must not outlive the VMM's mappings: it borrows them through
+//! raw pointers (vm-memory's non-owning regions never unmap).
+
+mod device;
+mod disk;
+mod event_handler;
+mod memory;
+mod persist;
+mod request;
+
+pub use device::{Block, QueueIndexes};
+pub use disk::{DiskImage, FileAt};
+pub use event_handler::{Batch, BlockStats, MAX_BATCH, RequestHandler};
+pub use memory::{DeviceMemory, RegionDirty, device_view};
+pub use persist::seed_indexes_from_used_ring;
+pub use request::{DiscardRange, Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
+
+use thiserror::Error;
+
+/// Size of the request queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// Sector size of the virtio-blk protocol (fixed by the spec).
+pub const SECTOR_SIZE: u64 = 512;
+/// `log2(SECTOR_SIZE)`.
+pub const SECTOR_SHIFT: u32 = 9;
+/// Length of the GET_ID answer (`VIRTIO_BLK_ID_BYTES`).
+pub const ID_BYTES: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES as usize;
+/// Length of the device config space we expose (through `write_zeroes_may_unmap`).
+pub const CONFIG_LEN: usize = 60;
+/// Most sectors one DISCARD / WRITE_ZEROES segment may cover (32 MiB).
+pub const MAX_DISCARD_SECTORS: u32 = 1 << 16;
+/// Most descriptors one request may have; longer chains are returned unused.
+pub const MAX_DESCRIPTORS: usize = 1024;
+
+/// Request status codes (`VIRTIO_BLK_S_*`).
+pub mod status {
+    /// Success.
+    pub const OK: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK as u8;
+    /// Device or driver error.
+    pub const IOERR: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR as u8;
+    /// Request not supported.
+    pub const UNSUPP: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_UNSUPP as u8;
+}
+
+/// Feature bits (`1 << VIRTIO_BLK_F_*`).
+pub mod features {
+    use virtio_bindings::virtio_blk as b;
+    /// `seg_max` is valid.
+    pub const SEG_MAX: u64 = 1 << b::VIRTIO_BLK_F_SEG_MAX;
+    /// The device is read-only.
+    pub const RO: u64 = 1 << b::VIRTIO_BLK_F_RO;
+    /// `blk_size` is valid.
+    pub const BLK_SIZE: u64 = 1 << b::VIRTIO_BLK_F_BLK_SIZE;
+    /// FLUSH is supported.
+    pub const FLUSH: u64 = 1 << b::VIRTIO_BLK_F_FLUSH;
+    /// DISCARD is supported.
+    pub const DISCARD: u64 = 1 << b::VIRTIO_BLK_F_DISCARD;
+    /// WRITE_ZEROES is supported.
+    pub const WRITE_ZEROES: u64 = 1 << b::VIRTIO_BLK_F_WRITE_ZEROES;
+}
+
+/// Errors of the virtio-blk device (setup and lifecycle; per-request errors
+/// are [`RequestError`] and become status bytes).
+#[derive(Debug, Error)]
+pub enum BlockError {
+    /// Opening the image failed.
+    #[error("opening the disk image {path} failed")]
+    Open {
+        /// The image path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Reading the image's metadata failed.
+    #[error("reading the size of the disk image failed")]
+    Metadata(#[source] std::io::Error),
+    /// The image is smaller than one sector.
+    #[error("the disk image holds no complete 512-byte sector")]
+    Empty,
+    /// The serial does not fit GET_ID's 20 bytes.
+    #[error("the disk serial is {0} bytes long, at most 20 fit")]
+    SerialTooLong(usize),
+    /// Building the device's view of guest memory failed.
+    #[error("building the device's view of guest memory failed: {0}")]
+    MemoryView(String),
+    /// The guest's ring could not be read while seeding queue indexes.
+    #[error("reading the guest's used ring failed: {0}")]
+    UsedRing(String),
+    /// Snapshot/restore of blk state is not implemented.
+    #[error("virtio-blk {0} is not implemented yet")]
+    NotImplemented(&'static str),
+}

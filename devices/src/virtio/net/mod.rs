@@ -1,1 +1,86 @@
-//! virtio-net (in progress).
+//! virtio-net, userspace backend over a multiqueue tap.
+//!
+//! - N queue pairs (`VIRTIO_NET_F_MQ`, `max_virtqueue_pairs` = N in config)
+//!   plus a control queue (`VIRTIO_NET_F_CTRL_VQ`, only
+//!   `VIRTIO_NET_CTRL_MQ_VQ_PAIRS_SET`); queue 2k is RX of pair k, 2k+1 its
+//!   TX, 2N the control queue.
+//! - **One worker thread per queue pair**, owning tap queue k
+//!   (`IFF_MULTI_QUEUE`): TX pops chains and `writev`s them straight from
+//!   guest memory into the tap; RX reads frames (when the tap is readable and
+//!   RX buffers are posted) into a bounce buffer and copies them into the
+//!   guest's buffers with vm-memory's `write_slice`, so the device's dirty
+//!   bitmap records every byte. One interrupt per batch. Worker 0 also
+//!   serves the control queue.
+//! - Offloads: `CSUM`/`HOST_TSO4`/`HOST_TSO6` (the guest may send partial
+//!   checksums and GSO frames, which the tap accepts as is) and
+//!   `GUEST_CSUM`/`GUEST_TSO4`/`GUEST_TSO6` (mapped to `TUNSETOFFLOAD` at
+//!   activation, so the tap hands us only what the guest accepted). Frames
+//!   carry the 12-byte `virtio_net_hdr_v1`; `MRG_RXBUF` is not offered.
+//! - Tap queues beyond the pairs the guest enabled are detached
+//!   (`TUNSETQUEUE`), so the kernel never steers frames to a queue nobody
+//!   reads.
+//! - Malformed chains are returned with length 0 (RX) or dropped (TX), never
+//!   a panic; the device keeps serving.
+//! - The tap is created by the VMM (`k7d_net::create_tap` with the name from
+//!   `k7d_net::nic_names`, `vnet_hdr = true`, one queue per pair); the device
+//!   takes the [`k7d_net::Tap`].
+//! - Snapshot/restore fail loudly ([`persist`]); the kernel vhost-net backend
+//!   is a documented stub ([`vhost`]).
+//!
+//! See `docs/virtio-net.md`.
+
+mod ctrl;
+mod device;
+mod event_handler;
+pub mod persist;
+mod tap_queue;
+pub mod vhost;
+
+use thiserror::Error;
+
+pub use device::{Net, NetConfig, NetStats, QueuePairStats};
+
+/// Size of every queue.
+pub const QUEUE_SIZE: u16 = 256;
+/// `virtio_net_hdr_v1` (with `num_buffers`): what VERSION_1 uses and the tap is set to.
+pub const VNET_HDR_LEN: usize = 12;
+/// Largest frame the tap can hand us (64 KiB GSO plus an Ethernet header and slack).
+pub const MAX_FRAME_LEN: usize = 65_550;
+/// Most queue pairs a device may have (the policy's hard ceiling).
+pub const MAX_QUEUE_PAIRS: u16 = 64;
+/// Frames handled per queue before signalling the guest (interrupt batching
+/// bound, so a busy queue still interrupts regularly).
+pub const BATCH: usize = 64;
+
+/// Errors building a virtio-net device.
+#[derive(Debug, Error)]
+pub enum NetError {
+    /// The queue-pair count is unusable.
+    #[error("{0} queue pairs requested, a virtio-net device has between 1 and 64")]
+    QueuePairs(u16),
+    /// The tap's queue count does not match the device's.
+    #[error("the tap has {tap} queue fd(s) but the device has {pairs} queue pair(s)")]
+    TapQueues {
+        /// Fds in the tap.
+        tap: usize,
+        /// Queue pairs asked for.
+        pairs: u16,
+    },
+    /// The tap was opened without `IFF_VNET_HDR`.
+    #[error("tap {0} was opened without IFF_VNET_HDR, which the virtio-net device needs")]
+    NoVnetHdr(String),
+    /// A tap ioctl failed.
+    #[error("configuring tap {tap} failed: {what}")]
+    Tap {
+        /// The tap's name.
+        tap: String,
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel vhost-net backend is not built.
+    #[error("the kernel vhost-net backend is not implemented yet; use the userspace backend")]
+    VhostNotImplemented,
+}

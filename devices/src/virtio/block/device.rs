@@ -1,0 +1,329 @@
+//! The virtio-blk device: identity, features, config space, worker
+//! start/stop, pause/resume.
+
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tracing::{error, info, warn};
+use virtio_queue::{Queue, QueueT};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::disk::DiskImage;
+use super::event_handler::{BlockStats, BlockWorker, RequestHandler};
+use super::persist;
+use super::request::Limits;
+use super::{BlockError, CONFIG_LEN, ID_BYTES, MAX_DISCARD_SECTORS, QUEUE_SIZE, SECTOR_SIZE, features};
+use crate::virtio::{
+    ActivateContext, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice,
+    VirtioError,
+};
+
+/// The queue indexes of a paused device (what a snapshot must carry).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueIndexes {
+    /// Next available-ring entry the device will read.
+    pub next_avail: u16,
+    /// Next used-ring entry the device will write.
+    pub next_used: u16,
+}
+
+struct Running {
+    stop: EventFd,
+    handle: JoinHandle<BlockWorker>,
+}
+
+enum State {
+    Idle,
+    Running(Running),
+    Paused(Box<BlockWorker>),
+}
+
+/// A virtio-blk device over a raw image.
+pub struct Block {
+    disk: Arc<DiskImage>,
+    serial: [u8; ID_BYTES],
+    queue_sizes: [u16; 1],
+    config: [u8; CONFIG_LEN],
+    state: State,
+    seed_from_guest: bool,
+    last_stats: BlockStats,
+}
+
+impl std::fmt::Debug for Block {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Block")
+            .field("path", &self.disk.path())
+            .field("read_only", &self.disk.read_only())
+            .field("active", &self.is_active())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Block {
+    /// A device serving `disk`; GET_ID answers `serial` (at most 20 bytes,
+    /// NUL-padded).
+    pub fn new(disk: DiskImage, serial: &str) -> Result<Self, BlockError> {
+        let s = serial.as_bytes();
+        if s.len() > ID_BYTES {
+            return Err(BlockError::SerialTooLong(s.len()));
+        }
+        let mut id = [0u8; ID_BYTES];
+        id[..s.len()].copy_from_slice(s);
+        let mut dev = Self {
+            disk: Arc::new(disk),
+            serial: id,
+            queue_sizes: [QUEUE_SIZE],
+            config: [0; CONFIG_LEN],
+            state: State::Idle,
+            seed_from_guest: false,
+            last_stats: BlockStats::default(),
+        };
+        dev.config = dev.build_config();
+        Ok(dev)
+    }
+
+    fn limits(&self) -> Limits {
+        let rw = !self.disk.read_only();
+        Limits {
+            capacity: self.disk.sectors(),
+            discard: rw,
+            write_zeroes: rw,
+            max_discard_sectors: MAX_DISCARD_SECTORS,
+            max_discard_seg: 1,
+        }
+    }
+
+    /// `struct virtio_blk_config` up to `write_zeroes_may_unmap`.
+    fn build_config(&self) -> [u8; CONFIG_LEN] {
+        let mut c = [0u8; CONFIG_LEN];
+        let l = self.limits();
+        c[0..8].copy_from_slice(&self.disk.sectors().to_le_bytes()); // capacity
+        // size_max (8) unused: no VIRTIO_BLK_F_SIZE_MAX.
+        c[12..16].copy_from_slice(&u32::from(QUEUE_SIZE - 2).to_le_bytes()); // seg_max
+        c[20..24].copy_from_slice(&(SECTOR_SIZE as u32).to_le_bytes()); // blk_size
+        if l.discard {
+            c[36..40].copy_from_slice(&l.max_discard_sectors.to_le_bytes()); // max_discard_sectors
+            c[40..44].copy_from_slice(&l.max_discard_seg.to_le_bytes()); // max_discard_seg
+            c[44..48].copy_from_slice(&1u32.to_le_bytes()); // discard_sector_alignment
+        }
+        if l.write_zeroes {
+            c[48..52].copy_from_slice(&l.max_discard_sectors.to_le_bytes()); // max_write_zeroes_sectors
+            c[52..56].copy_from_slice(&l.max_discard_seg.to_le_bytes()); // max_write_zeroes_seg
+            c[56] = 1; // write_zeroes_may_unmap
+        }
+        c
+    }
+
+    /// Whether a worker thread is running (paused counts as not running).
+    pub fn is_active(&self) -> bool {
+        matches!(self.state, State::Running(_))
+    }
+
+    /// Whether the device is paused (worker parked, queue held).
+    pub fn is_paused(&self) -> bool {
+        matches!(self.state, State::Paused(_))
+    }
+
+    /// Capacity in sectors.
+    pub fn sectors(&self) -> u64 {
+        self.disk.sectors()
+    }
+
+    /// The queue indexes while paused (`None` otherwise).
+    pub fn paused_queue_indexes(&self) -> Option<QueueIndexes> {
+        match &self.state {
+            State::Paused(w) => Some(QueueIndexes {
+                next_avail: w.queue.next_avail(),
+                next_used: w.queue.next_used(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Counters of the last worker that stopped (pause or reset).
+    pub fn stats(&self) -> BlockStats {
+        match &self.state {
+            State::Paused(w) => w.handler.stats(),
+            _ => self.last_stats,
+        }
+    }
+
+    /// At the next `activate`, start the queue at the guest's `used.idx`
+    /// instead of 0 (restore into a guest whose rings are mid-conversation;
+    /// see [`persist::seed_indexes_from_used_ring`]).
+    pub fn seed_indexes_from_guest_on_activate(&mut self, on: bool) {
+        self.seed_from_guest = on;
+    }
+
+    fn spawn(&mut self, worker: BlockWorker) -> Result<(), VirtioError> {
+        let stop = worker.stop.try_clone().map_err(VirtioError::EventFd)?;
+        let handle = std::thread::Builder::new()
+            .name("k7d-virtio-blk".into())
+            .spawn(move || worker.run())
+            .map_err(|e| VirtioError::Spawn("blk", e))?;
+        self.state = State::Running(Running { stop, handle });
+        Ok(())
+    }
+
+    /// Stops the worker after its current batch and joins it.
+    fn stop_worker(&mut self) -> Option<BlockWorker> {
+        match std::mem::replace(&mut self.state, State::Idle) {
+            State::Idle => None,
+            State::Paused(w) => Some(*w),
+            State::Running(r) => {
+                if let Err(e) = r.stop.write(1) {
+                    error!(error = %e, "could not signal the blk worker to stop");
+                }
+                match r.handle.join() {
+                    Ok(w) => Some(w),
+                    Err(_) => {
+                        error!("the blk worker panicked; its queue is lost");
+                        None
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl VirtioDevice for Block {
+    fn name(&self) -> &'static str {
+        "blk"
+    }
+
+    fn device_type(&self) -> u32 {
+        virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK
+    }
+
+    fn pci_class(&self) -> (u8, u8) {
+        // Mass storage, "other".
+        (0x01, 0x80)
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        let mut f = VIRTIO_F_VERSION_1
+            | VIRTIO_RING_F_EVENT_IDX
+            | VIRTIO_RING_F_INDIRECT_DESC
+            | features::FLUSH
+            | features::SEG_MAX
+            | features::BLK_SIZE;
+        if self.disk.read_only() {
+            f |= features::RO;
+        } else {
+            f |= features::DISCARD | features::WRITE_ZEROES;
+        }
+        f
+    }
+
+    fn config_len(&self) -> u64 {
+        CONFIG_LEN as u64
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        data.fill(0);
+        let Ok(start) = usize::try_from(offset) else {
+            return;
+        };
+        if start >= CONFIG_LEN {
+            return;
+        }
+        let n = data.len().min(CONFIG_LEN - start);
+        data[..n].copy_from_slice(&self.config[start..start + n]);
+    }
+
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
+        if !matches!(self.state, State::Idle) {
+            return Err(VirtioError::AlreadyActive(self.name()));
+        }
+        let got = ctx.queues.len();
+        let Ok([mut q]) = <[_; 1]>::try_from(ctx.queues) else {
+            return Err(VirtioError::QueueCount {
+                device: "blk",
+                expected: 1,
+                got,
+            });
+        };
+        if self.seed_from_guest {
+            match persist::seed_indexes_from_used_ring(&mut q.queue, &ctx.mem) {
+                Ok(idx) => info!(idx, "blk queue seeded from the guest's used ring"),
+                Err(e) => {
+                    warn!(error = %e, "blk could not seed its queue from the guest");
+                    return Err(VirtioError::BadQueue(q.index));
+                }
+            }
+            self.seed_from_guest = false;
+        }
+        let mut limits = self.limits();
+        limits.discard &= ctx.acked_features & features::DISCARD != 0;
+        limits.write_zeroes &= ctx.acked_features & features::WRITE_ZEROES != 0;
+        let worker = BlockWorker {
+            mem: ctx.mem,
+            queue: q.queue,
+            index: q.index,
+            notify: q.notify,
+            stop: EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?,
+            interrupt: ctx.interrupt,
+            handler: RequestHandler::new(self.disk.clone(), self.serial, limits),
+            broken: false,
+        };
+        self.spawn(worker)?;
+        info!(
+            features = ctx.acked_features,
+            path = self.disk.path(),
+            "virtio-blk activated"
+        );
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Vec<Queue> {
+        let w = self.stop_worker();
+        if let Some(w) = &w {
+            self.last_stats = w.handler.stats();
+        }
+        w.map(|w| w.queue).into_iter().collect()
+    }
+
+    /// Stops the worker once its current batch is done (I/O is synchronous,
+    /// so every popped chain has been completed and returned) and parks the
+    /// queue. When this returns, the device writes no guest memory.
+    fn pause(&mut self) -> Result<(), VirtioError> {
+        match self.state {
+            State::Running(_) => {
+                if let Some(w) = self.stop_worker() {
+                    self.state = State::Paused(Box::new(w));
+                }
+                Ok(())
+            }
+            // Idle or already paused: nothing writes guest memory.
+            _ => Ok(()),
+        }
+    }
+
+    fn resume(&mut self) -> Result<(), VirtioError> {
+        match std::mem::replace(&mut self.state, State::Idle) {
+            State::Paused(w) => self.spawn(*w),
+            other => {
+                self.state = other;
+                Ok(())
+            }
+        }
+    }
+
+    fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
+        persist::snapshot(self)
+    }
+
+    fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
+        persist::restore(self, state)
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        self.stop_worker();
+    }
+}

@@ -1,0 +1,333 @@
+//! The virtio-blk request path ([`RequestHandler`]) and the I/O worker loop.
+
+use std::io::ErrorKind;
+use std::sync::Arc;
+
+use tracing::{debug, error, warn};
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{DescriptorChain, Queue, QueueT};
+use vm_memory::Bytes;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::disk::{DiskImage, FileAt};
+use super::request::{Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
+use super::{ID_BYTES, MAX_DESCRIPTORS, SECTOR_SHIFT, status};
+use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
+
+const TOKEN_QUEUE: u64 = 0;
+const TOKEN_STOP: u64 = 1;
+
+/// Counters of one device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockStats {
+    /// Chains returned to the guest.
+    pub completed: u64,
+    /// Requests answered `VIRTIO_BLK_S_OK`.
+    pub ok: u64,
+    /// Requests answered IOERR / UNSUPP.
+    pub errors: u64,
+    /// Chains returned with length 0 (no usable status byte).
+    pub dropped: u64,
+}
+
+/// Most chains served before the worker looks at its stop eventfd again.
+pub const MAX_BATCH: usize = 256;
+
+/// What one [`RequestHandler::process_queue`] call did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Chains returned to the guest.
+    pub served: usize,
+    /// The guest wants an interrupt for them (honours EVENT_IDX).
+    pub notify: bool,
+    /// The batch was cut at [`MAX_BATCH`]; more chains may be available.
+    pub more: bool,
+}
+
+/// Serves a blk queue: pops every available chain, executes it, writes its
+/// status, returns it. Used by the worker thread and by the fuzz targets.
+#[derive(Debug)]
+pub struct RequestHandler {
+    disk: Arc<DiskImage>,
+    serial: [u8; ID_BYTES],
+    limits: Limits,
+    stats: BlockStats,
+}
+
+impl RequestHandler {
+    /// A handler for `disk` answering GET_ID with `serial` (NUL-padded).
+    pub fn new(disk: Arc<DiskImage>, serial: [u8; ID_BYTES], limits: Limits) -> Self {
+        Self {
+            disk,
+            serial,
+            limits,
+            stats: BlockStats::default(),
+        }
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> BlockStats {
+        self.stats
+    }
+
+    /// Drains the available ring (re-checking after re-enabling notifications,
+    /// so a buffer posted in between is not missed), serving at most
+    /// [`MAX_BATCH`] chains so a guest that keeps posting (or whose buffers
+    /// overwrite its own avail ring) cannot keep the worker from seeing a
+    /// stop. An error means the ring itself is unusable (outside memory);
+    /// the device then waits for a reset.
+    pub fn process_queue(&mut self, queue: &mut Queue, mem: &GuestMemoryTracked) -> Result<Batch, virtio_queue::Error> {
+        let mut served = 0usize;
+        let mut more = false;
+        'outer: loop {
+            queue.disable_notification(mem)?;
+            while let Some(chain) = queue.pop_descriptor_chain(mem) {
+                let head = chain.head_index();
+                let len = self.handle_chain(chain);
+                queue.add_used(mem, head, len)?;
+                self.stats.completed += 1;
+                served += 1;
+                if served == MAX_BATCH {
+                    more = true;
+                    break 'outer;
+                }
+            }
+            if !queue.enable_notification(mem)? {
+                break;
+            }
+        }
+        let notify = served > 0 && queue.needs_notification(mem)?;
+        Ok(Batch { served, notify, more })
+    }
+
+    /// Serves one chain; returns the used length (bytes written into the
+    /// chain's device-writable buffers).
+    fn handle_chain(&mut self, chain: DescriptorChain<&GuestMemoryTracked>) -> u32 {
+        let mem = chain.memory();
+        let mut descs: Vec<Descriptor> = Vec::new();
+        for d in chain.clone() {
+            if descs.len() == MAX_DESCRIPTORS {
+                return self.reject(
+                    mem,
+                    Rejected {
+                        status: None,
+                        code: status::IOERR,
+                        error: RequestError::TooLong(MAX_DESCRIPTORS),
+                    },
+                );
+            }
+            descs.push(d);
+        }
+        match parse(&descs, mem, &self.limits) {
+            Ok(req) => self.execute(mem, &req),
+            Err(rej) => self.reject(mem, rej),
+        }
+    }
+
+    fn reject(&mut self, mem: &GuestMemoryTracked, rej: Rejected) -> u32 {
+        let bad = self.stats.errors + self.stats.dropped;
+        if bad == 0 {
+            warn!(error = %rej.error, "malformed virtio-blk request (further ones logged at debug)");
+        } else {
+            debug!(error = %rej.error, "malformed virtio-blk request");
+        }
+        match rej.status {
+            Some(addr) => {
+                self.stats.errors += 1;
+                match mem.write_obj(rej.code, addr) {
+                    Ok(()) => 1,
+                    Err(_) => 0,
+                }
+            }
+            None => {
+                self.stats.dropped += 1;
+                0
+            }
+        }
+    }
+
+    fn execute(&mut self, mem: &GuestMemoryTracked, req: &Request) -> u32 {
+        let (result, written) = match req.kind {
+            RequestType::In => {
+                let r = self.read_sectors(mem, req);
+                (r, req.data_len)
+            }
+            RequestType::Out => (self.write_sectors(mem, req), 0),
+            RequestType::Flush => (self.disk.flush().map_err(|e| RequestError::Io(e.to_string())), 0),
+            RequestType::GetId => (write_gather(mem, &req.data, &self.serial), ID_BYTES as u64),
+            RequestType::Discard | RequestType::WriteZeroes => (self.discard(req), 0),
+        };
+        let (code, written) = match result {
+            Ok(()) => {
+                self.stats.ok += 1;
+                (status::OK, written)
+            }
+            Err(e) => {
+                self.stats.errors += 1;
+                warn!(kind = ?req.kind, sector = req.sector, error = %e, "virtio-blk request failed");
+                (status::IOERR, 0)
+            }
+        };
+        if mem.write_obj(code, req.status).is_err() {
+            // Checked in parse; cannot happen with an immutable region map.
+            error!("virtio-blk could not write a status byte that was inside guest memory");
+            return 0;
+        }
+        u32::try_from(written.saturating_add(1)).unwrap_or(u32::MAX)
+    }
+
+    fn read_sectors(&self, mem: &GuestMemoryTracked, req: &Request) -> Result<(), RequestError> {
+        let mut src = FileAt {
+            file: self.disk.file(),
+            offset: req.sector << SECTOR_SHIFT,
+        };
+        for s in &req.data {
+            // Image bytes straight into guest RAM; FileAt marks the bitmap.
+            mem.read_exact_volatile_from(s.addr, &mut src, s.len as usize)
+                .map_err(|e| RequestError::Io(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn write_sectors(&self, mem: &GuestMemoryTracked, req: &Request) -> Result<(), RequestError> {
+        if self.disk.read_only() {
+            return Err(RequestError::ReadOnly);
+        }
+        let mut dst = FileAt {
+            file: self.disk.file(),
+            offset: req.sector << SECTOR_SHIFT,
+        };
+        for s in &req.data {
+            mem.write_all_volatile_to(s.addr, &mut dst, s.len as usize)
+                .map_err(|e| RequestError::Io(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    fn discard(&self, req: &Request) -> Result<(), RequestError> {
+        if self.disk.read_only() {
+            return Err(RequestError::ReadOnly);
+        }
+        for r in &req.ranges {
+            let (off, len) = (r.sector << SECTOR_SHIFT, u64::from(r.sectors) << SECTOR_SHIFT);
+            let res = if req.kind == RequestType::Discard {
+                self.disk.discard(off, len)
+            } else {
+                self.disk.write_zeroes(off, len, r.unmap)
+            };
+            res.map_err(|e| RequestError::Io(e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Scatters `bytes` over `segs` (checked ranges), through `Bytes`.
+fn write_gather(mem: &GuestMemoryTracked, segs: &[Segment], bytes: &[u8]) -> Result<(), RequestError> {
+    let mut done = 0usize;
+    for s in segs {
+        if done == bytes.len() {
+            break;
+        }
+        let n = (bytes.len() - done).min(s.len as usize);
+        mem.write_slice(&bytes[done..done + n], s.addr)
+            .map_err(|e| RequestError::Io(e.to_string()))?;
+        done += n;
+    }
+    Ok(())
+}
+
+/// One device's I/O worker: the queue, its notify eventfd, the stop eventfd.
+pub(super) struct BlockWorker {
+    pub(super) mem: GuestMemoryHandle,
+    pub(super) queue: Queue,
+    pub(super) index: u16,
+    pub(super) notify: EventFd,
+    pub(super) stop: EventFd,
+    pub(super) interrupt: Interrupt,
+    pub(super) handler: RequestHandler,
+    /// Set once the ring proved unusable; the worker idles until reset.
+    pub(super) broken: bool,
+}
+
+impl BlockWorker {
+    /// Runs until the stop eventfd fires, finishing the batch in hand first
+    /// (I/O is synchronous, so nothing is in flight when this returns).
+    /// Returns itself so the device can resume it or take its queue back.
+    pub(super) fn run(mut self) -> Self {
+        let epoll = match self.epoll() {
+            Ok(e) => e,
+            Err(e) => {
+                error!(error = %e, "blk worker cannot set up epoll; device is dead until reset");
+                return self;
+            }
+        };
+        // Buffers posted before activation / while paused.
+        self.process();
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    error!(error = %e, "blk worker epoll failed; device is dead until reset");
+                    return self;
+                }
+            };
+            if events[..n].iter().any(|ev| ev.data() == TOKEN_STOP) {
+                // Consume the stop so a resumed worker does not exit at once.
+                let _ = self.stop.read();
+                return self;
+            }
+            for ev in &events[..n] {
+                if ev.data() == TOKEN_QUEUE {
+                    // Non-blocking; EAGAIN only means another wakeup consumed it.
+                    let _ = self.notify.read();
+                    self.process();
+                }
+            }
+        }
+    }
+
+    fn epoll(&self) -> std::io::Result<Epoll> {
+        use std::os::fd::AsRawFd;
+        let epoll = Epoll::new()?;
+        epoll.ctl(
+            ControlOperation::Add,
+            self.notify.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_QUEUE),
+        )?;
+        epoll.ctl(
+            ControlOperation::Add,
+            self.stop.as_raw_fd(),
+            EpollEvent::new(EventSet::IN, TOKEN_STOP),
+        )?;
+        Ok(epoll)
+    }
+
+    fn process(&mut self) {
+        if self.broken {
+            return;
+        }
+        let mem: &GuestMemoryTracked = &self.mem;
+        match self.handler.process_queue(&mut self.queue, mem) {
+            Ok(batch) => {
+                if batch.notify
+                    && let Err(e) = self.interrupt.signal_queue(self.index)
+                {
+                    warn!(error = %e, "blk could not signal the guest");
+                }
+                if batch.more
+                    && let Err(e) = self.notify.write(1)
+                {
+                    // Cannot requeue ourselves: the rest waits for the next kick.
+                    warn!(error = %e, "blk could not reschedule the rest of a long batch");
+                }
+            }
+            Err(e) => {
+                error!(error = ?e, "blk queue is broken; waiting for a reset");
+                self.broken = true;
+            }
+        }
+    }
+}

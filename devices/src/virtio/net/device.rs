@@ -1,0 +1,368 @@
+//! The virtio-net device: identity, features, config space, and the start and
+//! stop of one worker per queue pair.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::thread::JoinHandle;
+
+use k7d_net::Tap;
+use tracing::{error, info};
+use virtio_bindings::virtio_net::{
+    VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
+    VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ, VIRTIO_NET_F_STATUS,
+    VIRTIO_NET_S_LINK_UP,
+};
+use virtio_queue::Queue;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::event_handler::{CtrlQueue, PairWorker};
+use super::{MAX_QUEUE_PAIRS, NetError, QUEUE_SIZE, persist, tap_queue};
+use crate::virtio::{
+    ActivateContext, ActiveQueue, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+    VirtioDevice, VirtioError,
+};
+
+/// Length of the config space: `mac[6]`, `status`, `max_virtqueue_pairs`, `mtu`.
+const CONFIG_LEN: usize = 12;
+/// MTU reported in config (informational: `VIRTIO_NET_F_MTU` is not offered).
+const CONFIG_MTU: u16 = 1500;
+
+const fn bit(b: u32) -> u64 {
+    1u64 << b
+}
+
+/// What the VMM decides for one NIC.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NetConfig {
+    /// The guest's MAC (from config, or derived from the VM id).
+    pub mac: [u8; 6],
+    /// Queue pairs (the policy's `EffectiveDataPlane::queue_pairs`); the
+    /// tap must have this many queue fds.
+    pub queue_pairs: u16,
+}
+
+/// Counters of one queue pair, written only by that pair's worker.
+#[derive(Debug, Default)]
+pub struct QueuePairStats {
+    /// Frames sent from the guest into the tap.
+    pub tx_frames: AtomicU64,
+    /// Bytes of those frames (virtio-net header included).
+    pub tx_bytes: AtomicU64,
+    /// TX chains dropped (malformed, or the tap refused them).
+    pub tx_dropped: AtomicU64,
+    /// Frames delivered from the tap into guest buffers.
+    pub rx_frames: AtomicU64,
+    /// Bytes of those frames (virtio-net header included).
+    pub rx_bytes: AtomicU64,
+    /// Frames dropped on RX (too big for the guest's buffer, or runt).
+    pub rx_dropped: AtomicU64,
+    /// Malformed chains seen on this pair (RX or TX).
+    pub malformed: AtomicU64,
+    /// Interrupts raised for this pair's queues.
+    pub interrupts: AtomicU64,
+    /// The OS thread id of the worker that last served this pair.
+    pub worker_tid: AtomicU64,
+}
+
+/// Device counters, shared with the workers.
+#[derive(Debug)]
+pub struct NetStats {
+    /// One entry per queue pair.
+    pub pairs: Vec<QueuePairStats>,
+    /// Queue pairs the guest uses (1 until `VQ_PAIRS_SET`).
+    pub active_pairs: AtomicU16,
+    /// Worker threads running now.
+    pub workers_running: AtomicUsize,
+    /// Control commands answered OK / refused.
+    pub ctrl_ok: AtomicU64,
+    /// Control commands refused.
+    pub ctrl_err: AtomicU64,
+}
+
+impl NetStats {
+    fn new(pairs: u16) -> Self {
+        Self {
+            pairs: (0..pairs).map(|_| QueuePairStats::default()).collect(),
+            active_pairs: AtomicU16::new(0),
+            workers_running: AtomicUsize::new(0),
+            ctrl_ok: AtomicU64::new(0),
+            ctrl_err: AtomicU64::new(0),
+        }
+    }
+}
+
+struct Running {
+    stop: EventFd,
+    workers: Vec<JoinHandle<Vec<ActiveQueue>>>,
+    /// Queues the driver enabled that no worker uses (returned on reset).
+    spare: Vec<ActiveQueue>,
+}
+
+/// A virtio-net device on a (multiqueue) tap.
+pub struct Net {
+    tap: Arc<Tap>,
+    mac: [u8; 6],
+    pairs: u16,
+    queue_sizes: Vec<u16>,
+    stats: Arc<NetStats>,
+    running: Option<Running>,
+}
+
+impl std::fmt::Debug for Net {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Net")
+            .field("tap", &self.tap.name)
+            .field("pairs", &self.pairs)
+            .field("active", &self.running.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Net {
+    /// A device serving `tap` (created with `vnet_hdr = true` and
+    /// `config.queue_pairs` queues).
+    pub fn new(tap: Tap, config: NetConfig) -> Result<Self, NetError> {
+        let pairs = config.queue_pairs;
+        if pairs == 0 || pairs > MAX_QUEUE_PAIRS {
+            return Err(NetError::QueuePairs(pairs));
+        }
+        if tap.queues.len() != usize::from(pairs) {
+            return Err(NetError::TapQueues {
+                tap: tap.queues.len(),
+                pairs,
+            });
+        }
+        if !tap.vnet_hdr {
+            return Err(NetError::NoVnetHdr(tap.name.clone()));
+        }
+        // Until the guest negotiates offloads, the tap hands us plain frames.
+        tap.set_offload(0).map_err(|e| NetError::Tap {
+            tap: tap.name.clone(),
+            what: "clearing offloads".into(),
+            source: std::io::Error::other(e),
+        })?;
+        Ok(Self {
+            tap: Arc::new(tap),
+            mac: config.mac,
+            pairs,
+            queue_sizes: vec![QUEUE_SIZE; 2 * usize::from(pairs) + 1],
+            stats: Arc::new(NetStats::new(pairs)),
+            running: None,
+        })
+    }
+
+    /// Counters (per queue pair, control queue, running workers).
+    pub fn stats(&self) -> Arc<NetStats> {
+        self.stats.clone()
+    }
+
+    /// The tap's name.
+    pub fn tap_name(&self) -> &str {
+        &self.tap.name
+    }
+
+    /// Whether the workers are running.
+    pub fn is_active(&self) -> bool {
+        self.running.is_some()
+    }
+
+    fn stop_workers(&mut self) -> Vec<Queue> {
+        let Some(r) = self.running.take() else {
+            return Vec::new();
+        };
+        if let Err(e) = r.stop.write(1) {
+            error!(error = %e, "could not signal the net workers to stop");
+        }
+        let mut queues: Vec<ActiveQueue> = r.spare;
+        for w in r.workers {
+            match w.join() {
+                Ok(qs) => queues.extend(qs),
+                Err(_) => error!("a net worker panicked; its queues are lost"),
+            }
+        }
+        queues.sort_by_key(|q| q.index);
+        self.stats.active_pairs.store(0, Ordering::Release);
+        queues.into_iter().map(|q| q.queue).collect()
+    }
+
+    fn bad_tap(&self, what: &str, e: std::io::Error) -> VirtioError {
+        VirtioError::Open {
+            path: format!("tap {} ({what})", self.tap.name),
+            source: e,
+        }
+    }
+}
+
+impl VirtioDevice for Net {
+    fn name(&self) -> &'static str {
+        "net"
+    }
+
+    fn device_type(&self) -> u32 {
+        virtio_bindings::virtio_ids::VIRTIO_ID_NET
+    }
+
+    fn pci_class(&self) -> (u8, u8) {
+        (0x02, 0x00) // network controller, Ethernet
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        let mut f = VIRTIO_F_VERSION_1
+            | VIRTIO_RING_F_EVENT_IDX
+            | VIRTIO_RING_F_INDIRECT_DESC
+            | bit(VIRTIO_NET_F_CSUM)
+            | bit(VIRTIO_NET_F_GUEST_CSUM)
+            | bit(VIRTIO_NET_F_GUEST_TSO4)
+            | bit(VIRTIO_NET_F_GUEST_TSO6)
+            | bit(VIRTIO_NET_F_HOST_TSO4)
+            | bit(VIRTIO_NET_F_HOST_TSO6)
+            | bit(VIRTIO_NET_F_MAC)
+            | bit(VIRTIO_NET_F_STATUS)
+            | bit(VIRTIO_NET_F_CTRL_VQ);
+        if self.pairs > 1 {
+            f |= bit(VIRTIO_NET_F_MQ);
+        }
+        f
+    }
+
+    fn config_len(&self) -> u64 {
+        CONFIG_LEN as u64
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let mut cfg = [0u8; CONFIG_LEN];
+        cfg[..6].copy_from_slice(&self.mac);
+        cfg[6..8].copy_from_slice(&(VIRTIO_NET_S_LINK_UP as u16).to_le_bytes());
+        cfg[8..10].copy_from_slice(&self.pairs.to_le_bytes());
+        cfg[10..12].copy_from_slice(&CONFIG_MTU.to_le_bytes());
+        data.fill(0);
+        let Ok(start) = usize::try_from(offset) else {
+            return;
+        };
+        if start < CONFIG_LEN {
+            let n = data.len().min(CONFIG_LEN - start);
+            data[..n].copy_from_slice(&cfg[start..start + n]);
+        }
+    }
+
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
+        if self.running.is_some() {
+            return Err(VirtioError::AlreadyActive(self.name()));
+        }
+        let acked = ctx.acked_features;
+        let mq = self.pairs > 1 && acked & bit(VIRTIO_NET_F_MQ) != 0;
+        let pairs = if mq { self.pairs } else { 1 };
+        let ctrl_index = (acked & bit(VIRTIO_NET_F_CTRL_VQ) != 0).then_some(if mq { 2 * pairs } else { 2 });
+        let got = ctx.queues.len();
+        let mut by_index: BTreeMap<u16, ActiveQueue> = ctx.queues.into_iter().map(|q| (q.index, q)).collect();
+        let needed = 2 * usize::from(pairs) + usize::from(ctrl_index.is_some());
+        let has_all = (0..2 * pairs).chain(ctrl_index).all(|i| by_index.contains_key(&i));
+        if !has_all {
+            return Err(VirtioError::QueueCount {
+                device: "net",
+                expected: needed,
+                got,
+            });
+        }
+
+        let offloads = tap_queue::offload_flags(acked);
+        self.tap
+            .set_offload(offloads)
+            .map_err(|e| self.bad_tap("TUNSETOFFLOAD", std::io::Error::other(e)))?;
+        // Until VQ_PAIRS_SET the guest uses pair 0 only (virtio 1.x §5.1.6.5.5):
+        // the kernel must not steer frames to queues nobody reads.
+        if self.tap.queues.len() > 1 {
+            for (k, fd) in self.tap.queues.iter().enumerate() {
+                tap_queue::set_attached(fd, k == 0).map_err(|e| self.bad_tap("TUNSETQUEUE", e))?;
+            }
+        }
+        self.stats.active_pairs.store(1, Ordering::Release);
+
+        let stop = EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?;
+        let mut ctrl = ctrl_index.and_then(|i| by_index.remove(&i)).map(|q| CtrlQueue {
+            queue: q,
+            max_pairs: pairs,
+        });
+        let mut workers = Vec::with_capacity(usize::from(pairs));
+        for k in 0..pairs {
+            let (Some(rx), Some(tx)) = (by_index.remove(&(2 * k)), by_index.remove(&(2 * k + 1))) else {
+                // Checked above; unreachable, but no panic on guest-driven state.
+                return Err(VirtioError::QueueCount {
+                    device: "net",
+                    expected: needed,
+                    got,
+                });
+            };
+            let worker = PairWorker::new(
+                k,
+                ctx.mem.clone(),
+                rx,
+                tx,
+                if k == 0 { ctrl.take() } else { None },
+                self.tap.clone(),
+                stop.try_clone().map_err(VirtioError::EventFd)?,
+                ctx.interrupt.clone(),
+                self.stats.clone(),
+            );
+            let spawned = std::thread::Builder::new()
+                .name(format!("k7d-vnet-q{k}"))
+                .spawn(move || worker.run());
+            match spawned {
+                Ok(h) => workers.push(h),
+                Err(e) => {
+                    // Stop the ones already started before failing.
+                    let _ = stop.write(1);
+                    for w in workers {
+                        let _ = w.join();
+                    }
+                    return Err(VirtioError::Spawn("net", e));
+                }
+            }
+        }
+        self.running = Some(Running {
+            stop,
+            workers,
+            spare: by_index.into_values().collect(),
+        });
+        info!(
+            tap = %self.tap.name,
+            features = acked,
+            pairs,
+            offloads,
+            "virtio-net activated"
+        );
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Vec<Queue> {
+        self.stop_workers()
+    }
+
+    fn pause(&mut self) -> Result<(), VirtioError> {
+        persist::unsupported("pause")
+    }
+
+    fn resume(&mut self) -> Result<(), VirtioError> {
+        persist::unsupported("resume")
+    }
+
+    fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
+        persist::unsupported("snapshot")
+    }
+
+    fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
+        let _ = state;
+        persist::unsupported("restore")
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        self.stop_workers();
+    }
+}

@@ -1,0 +1,566 @@
+//! One virtio-net worker per queue pair: waits on the pair's RX and TX notify
+//! eventfds, its tap queue fd (edge-triggered) and the stop eventfd; worker 0
+//! also serves the control queue.
+//!
+//! TX: pop chains, check them, `writev` the device-readable descriptors
+//! straight from guest memory into the tap (no copy; reads of guest memory
+//! need no dirty tracking). RX: read one frame into a bounce buffer, pop an
+//! RX chain, copy the frame in with vm-memory's `write_slice` (the device's
+//! bitmap records every byte written). A frame read while no RX buffer is
+//! posted waits in the bounce buffer until the guest posts one. Used
+//! entries are added as they complete; the guest is signalled once per batch
+//! (at most [`BATCH`] frames) and only when the event index asks for it.
+
+use std::io::ErrorKind;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use k7d_net::Tap;
+use tracing::{debug, error, warn};
+use virtio_queue::{DescriptorChain, QueueT};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::ctrl::{self, CtrlCommand};
+use super::device::NetStats;
+use super::{BATCH, MAX_FRAME_LEN, VNET_HDR_LEN, tap_queue};
+use crate::virtio::{ActiveQueue, GuestMemoryHandle, GuestMemoryTracked, Interrupt};
+
+const TOKEN_RX: u64 = 0;
+const TOKEN_TX: u64 = 1;
+const TOKEN_TAP: u64 = 2;
+const TOKEN_CTRL: u64 = 3;
+const TOKEN_STOP: u64 = 4;
+
+/// Most iovecs in one TX frame (`UIO_MAXIOV`).
+const MAX_IOV: usize = 1024;
+/// Offset of `num_buffers` in `virtio_net_hdr_v1`.
+const NUM_BUFFERS_OFF: usize = 10;
+
+/// The control queue and the pair count it may set.
+pub(super) struct CtrlQueue {
+    pub(super) queue: ActiveQueue,
+    pub(super) max_pairs: u16,
+}
+
+pub(super) struct PairWorker {
+    pair: u16,
+    mem: GuestMemoryHandle,
+    rx: ActiveQueue,
+    tx: ActiveQueue,
+    ctrl: Option<CtrlQueue>,
+    tap: Arc<Tap>,
+    stop: EventFd,
+    interrupt: Interrupt,
+    stats: Arc<NetStats>,
+    /// One frame from the tap, header first.
+    bounce: Vec<u8>,
+    /// Length of a frame in `bounce` still waiting for an RX buffer.
+    pending: Option<usize>,
+    iov: Vec<libc::iovec>,
+    /// Queues that broke (the guest put garbage in the rings): served no more
+    /// until reset.
+    broken: [bool; 3],
+}
+
+// SAFETY: `iov` only ever holds pointers while `process_tx` builds and sends
+// one frame; between calls it is empty (cleared after use), so moving the
+// worker to its thread moves no live raw pointer.
+unsafe impl Send for PairWorker {}
+
+/// What happened to one TX chain.
+enum TxOutcome {
+    Sent(usize),
+    Malformed(&'static str),
+    Refused(std::io::Error),
+}
+
+impl PairWorker {
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn new(
+        pair: u16,
+        mem: GuestMemoryHandle,
+        rx: ActiveQueue,
+        tx: ActiveQueue,
+        ctrl: Option<CtrlQueue>,
+        tap: Arc<Tap>,
+        stop: EventFd,
+        interrupt: Interrupt,
+        stats: Arc<NetStats>,
+    ) -> Self {
+        Self {
+            pair,
+            mem,
+            rx,
+            tx,
+            ctrl,
+            tap,
+            stop,
+            interrupt,
+            stats,
+            bounce: vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN],
+            pending: None,
+            iov: Vec::with_capacity(64),
+            broken: [false; 3],
+        }
+    }
+
+    fn fd(&self) -> &OwnedFd {
+        &self.tap.queues[usize::from(self.pair)]
+    }
+
+    /// Runs until the stop eventfd fires; returns the queues.
+    pub(super) fn run(mut self) -> Vec<ActiveQueue> {
+        self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: gettid has no preconditions.
+        let tid = unsafe { libc::gettid() };
+        if let Some(s) = self.stats.pairs.get(usize::from(self.pair)) {
+            s.worker_tid.store(tid as u64, Ordering::Release);
+        }
+        match self.epoll() {
+            Ok(epoll) => self.event_loop(&epoll),
+            Err(e) => error!(pair = self.pair, error = %e, "net worker cannot set up epoll; pair is dead until reset"),
+        }
+        self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
+        let mut out = vec![self.rx, self.tx];
+        out.extend(self.ctrl.map(|c| c.queue));
+        out
+    }
+
+    fn epoll(&self) -> std::io::Result<Epoll> {
+        let epoll = Epoll::new()?;
+        let add = |fd: i32, events: EventSet, token: u64| {
+            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(events, token))
+        };
+        add(self.rx.notify.as_raw_fd(), EventSet::IN, TOKEN_RX)?;
+        add(self.tx.notify.as_raw_fd(), EventSet::IN, TOKEN_TX)?;
+        add(
+            self.fd().as_raw_fd(),
+            EventSet::IN | EventSet::EDGE_TRIGGERED,
+            TOKEN_TAP,
+        )?;
+        add(self.stop.as_raw_fd(), EventSet::IN, TOKEN_STOP)?;
+        if let Some(c) = &self.ctrl {
+            add(c.queue.notify.as_raw_fd(), EventSet::IN, TOKEN_CTRL)?;
+        }
+        Ok(epoll)
+    }
+
+    fn event_loop(&mut self, epoll: &Epoll) {
+        // Work posted before activation.
+        self.process_tx();
+        self.process_rx();
+        self.process_ctrl();
+        let mut events = [EpollEvent::default(); 8];
+        loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    error!(pair = self.pair, error = %e, "net worker epoll failed; pair is dead until reset");
+                    return;
+                }
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_STOP => return,
+                    TOKEN_TX => {
+                        // Non-blocking; EAGAIN only means another wakeup consumed it.
+                        let _ = self.tx.notify.read();
+                        self.process_tx();
+                    }
+                    TOKEN_RX => {
+                        let _ = self.rx.notify.read();
+                        self.process_rx();
+                    }
+                    TOKEN_TAP => self.process_rx(),
+                    TOKEN_CTRL => {
+                        if let Some(c) = &self.ctrl {
+                            let _ = c.queue.notify.read();
+                        }
+                        self.process_ctrl();
+                    }
+                    other => warn!(token = other, "net worker got an unknown epoll token"),
+                }
+            }
+        }
+    }
+
+    fn signal(&mut self, which: usize) {
+        let mem: &GuestMemoryTracked = &self.mem;
+        let q = match which {
+            0 => &mut self.rx,
+            1 => &mut self.tx,
+            _ => match &mut self.ctrl {
+                Some(c) => &mut c.queue,
+                None => return,
+            },
+        };
+        match q.queue.needs_notification(mem) {
+            Ok(true) => {
+                if let Some(s) = self.stats.pairs.get(usize::from(self.pair)) {
+                    s.interrupts.fetch_add(1, Ordering::Relaxed);
+                }
+                if let Err(e) = self.interrupt.signal_queue(q.index) {
+                    warn!(queue = q.index, error = %e, "net could not signal the guest");
+                }
+            }
+            Ok(false) => {}
+            Err(e) => error!(queue = q.index, error = ?e, "net could not read the event index"),
+        }
+    }
+
+    fn mark_broken(&mut self, which: usize, e: &dyn std::fmt::Debug) {
+        if !self.broken[which] {
+            error!(pair = self.pair, queue = which, error = ?e, "net queue is broken; waiting for a reset");
+        }
+        self.broken[which] = true;
+    }
+
+    fn pair_stats(&self) -> Option<&super::QueuePairStats> {
+        self.stats.pairs.get(usize::from(self.pair))
+    }
+
+    fn count_malformed(&self, what: &str, why: &str) {
+        if let Some(s) = self.pair_stats() {
+            let n = s.malformed.fetch_add(1, Ordering::Relaxed);
+            if n == 0 {
+                warn!(
+                    pair = self.pair,
+                    what, why, "malformed virtio-net chain dropped (further ones logged at debug)"
+                );
+            } else {
+                debug!(pair = self.pair, what, why, "malformed virtio-net chain dropped");
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------- TX
+
+    fn process_tx(&mut self) {
+        if self.broken[1] {
+            return;
+        }
+        let mem_handle = self.mem.clone();
+        let mem: &GuestMemoryTracked = &mem_handle;
+        let mut done = 0usize;
+        loop {
+            if let Err(e) = self.tx.queue.disable_notification(mem) {
+                return self.mark_broken(1, &e);
+            }
+            while let Some(chain) = self.tx.queue.pop_descriptor_chain(mem) {
+                let head = chain.head_index();
+                match self.send_chain(chain) {
+                    TxOutcome::Sent(n) => {
+                        if let Some(s) = self.pair_stats() {
+                            s.tx_frames.fetch_add(1, Ordering::Relaxed);
+                            s.tx_bytes.fetch_add(n as u64, Ordering::Relaxed);
+                        }
+                    }
+                    TxOutcome::Malformed(why) => {
+                        self.count_malformed("tx", why);
+                        if let Some(s) = self.pair_stats() {
+                            s.tx_dropped.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    TxOutcome::Refused(e) => {
+                        if let Some(s) = self.pair_stats() {
+                            let n = s.tx_dropped.fetch_add(1, Ordering::Relaxed);
+                            if n == 0 {
+                                warn!(pair = self.pair, error = %e, "the tap refused a frame; dropped (further ones logged at debug)");
+                            } else {
+                                debug!(pair = self.pair, error = %e, "the tap refused a frame; dropped");
+                            }
+                        }
+                    }
+                }
+                // TX buffers are returned with length 0 (nothing written).
+                if let Err(e) = self.tx.queue.add_used(mem, head, 0) {
+                    return self.mark_broken(1, &e);
+                }
+                done += 1;
+                if done.is_multiple_of(BATCH) {
+                    self.signal(1);
+                }
+            }
+            match self.tx.queue.enable_notification(mem) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(e) => return self.mark_broken(1, &e),
+            }
+        }
+        if done > 0 {
+            self.signal(1);
+        }
+    }
+
+    /// Gathers one TX chain and writes it to the tap with one `writev`.
+    fn send_chain(&mut self, chain: DescriptorChain<&GuestMemoryTracked>) -> TxOutcome {
+        let mem = chain.memory();
+        self.iov.clear();
+        let mut total = 0usize;
+        for d in chain.clone() {
+            if d.is_write_only() {
+                self.iov.clear();
+                return TxOutcome::Malformed("device-writable descriptor in a TX chain");
+            }
+            total += d.len() as usize;
+            if total > VNET_HDR_LEN + MAX_FRAME_LEN {
+                self.iov.clear();
+                return TxOutcome::Malformed("TX frame larger than 64 KiB");
+            }
+            for s in GuestMemoryBackend::get_slices(mem, d.addr(), d.len() as usize) {
+                let Ok(s) = s else {
+                    self.iov.clear();
+                    return TxOutcome::Malformed("TX buffer outside guest memory");
+                };
+                if self.iov.len() == MAX_IOV {
+                    self.iov.clear();
+                    return TxOutcome::Malformed("TX chain has too many pieces");
+                }
+                self.iov.push(libc::iovec {
+                    iov_base: s.ptr_guard().as_ptr().cast_mut().cast(),
+                    iov_len: s.len(),
+                });
+            }
+        }
+        if total < VNET_HDR_LEN {
+            self.iov.clear();
+            return TxOutcome::Malformed("TX chain shorter than the virtio-net header");
+        }
+        // The pointers are into mmap'd guest RAM, which `self.mem` keeps
+        // mapped (the region map never changes); writev only reads them.
+        let r = tap_queue::writev(&self.tap.queues[usize::from(self.pair)], &self.iov);
+        self.iov.clear();
+        match r {
+            Ok(n) => TxOutcome::Sent(n),
+            Err(e) => TxOutcome::Refused(e),
+        }
+    }
+
+    // ---------------------------------------------------------------- RX
+
+    /// Moves frames from the tap into RX buffers until the tap is empty or
+    /// the guest has no buffer left (then asks to be notified when it posts
+    /// one). The frame in hand when buffers ran out stays in `bounce`.
+    fn process_rx(&mut self) {
+        if self.broken[0] {
+            return;
+        }
+        let mem_handle = self.mem.clone();
+        let mem: &GuestMemoryTracked = &mem_handle;
+        let mut done = 0usize;
+        loop {
+            let len = match self.pending {
+                Some(n) => n,
+                None => match self.read_frame() {
+                    Some(n) => n,
+                    None => break,
+                },
+            };
+            self.pending = Some(len);
+            let Some(chain) = self.rx.queue.pop_descriptor_chain(mem) else {
+                match self.rx.queue.enable_notification(mem) {
+                    // A buffer arrived meanwhile: take it.
+                    Ok(true) => {
+                        if let Err(e) = self.rx.queue.disable_notification(mem) {
+                            self.mark_broken(0, &e);
+                            break;
+                        }
+                        continue;
+                    }
+                    Ok(false) => break,
+                    Err(e) => {
+                        self.mark_broken(0, &e);
+                        break;
+                    }
+                }
+            };
+            let head = chain.head_index();
+            let written = match self.fill_chain(chain, len) {
+                Ok(n) => {
+                    self.pending = None;
+                    if let Some(s) = self.pair_stats() {
+                        s.rx_frames.fetch_add(1, Ordering::Relaxed);
+                        s.rx_bytes.fetch_add(n as u64, Ordering::Relaxed);
+                    }
+                    n as u32
+                }
+                Err(RxReject::TooSmall) => {
+                    // The frame cannot fit this guest's buffers; drop it
+                    // rather than stall the queue.
+                    self.pending = None;
+                    if let Some(s) = self.pair_stats() {
+                        s.rx_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    debug!(
+                        pair = self.pair,
+                        len, "RX frame larger than the guest's buffer; dropped"
+                    );
+                    0
+                }
+                Err(RxReject::Malformed(why)) => {
+                    // The frame stays pending for the next buffer.
+                    self.count_malformed("rx", why);
+                    0
+                }
+            };
+            if let Err(e) = self.rx.queue.add_used(mem, head, written) {
+                self.mark_broken(0, &e);
+                break;
+            }
+            done += 1;
+            if done.is_multiple_of(BATCH) {
+                self.signal(0);
+            }
+        }
+        if done > 0 {
+            self.signal(0);
+        }
+    }
+
+    /// One frame from the tap into `bounce`; `None` when none is waiting (or
+    /// the queue is detached).
+    fn read_frame(&mut self) -> Option<usize> {
+        loop {
+            let r = tap_queue::read(&self.tap.queues[usize::from(self.pair)], &mut self.bounce);
+            match r {
+                Ok(n) if n < VNET_HDR_LEN + 14 => {
+                    if let Some(s) = self.pair_stats() {
+                        s.rx_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    debug!(pair = self.pair, n, "runt frame from the tap dropped");
+                    continue;
+                }
+                Ok(n) => return Some(n),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return None,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                // EBADFD: the queue is detached (the guest uses fewer pairs).
+                Err(e) if e.raw_os_error() == Some(libc::EBADFD) => return None,
+                Err(e) => {
+                    warn!(pair = self.pair, error = %e, "reading the tap failed");
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Copies the frame in `bounce[..len]` into an RX chain; returns the bytes
+    /// written. The whole chain is checked before anything is written.
+    fn fill_chain(&mut self, chain: DescriptorChain<&GuestMemoryTracked>, len: usize) -> Result<usize, RxReject> {
+        let mem = chain.memory();
+        let mut bufs: Vec<(GuestAddress, usize)> = Vec::new();
+        let mut cap = 0usize;
+        for d in chain.clone() {
+            if !d.is_write_only() {
+                return Err(RxReject::Malformed("device-readable descriptor in an RX chain"));
+            }
+            if !GuestMemoryBackend::check_range(mem, d.addr(), d.len() as usize) {
+                return Err(RxReject::Malformed("RX buffer outside guest memory"));
+            }
+            if cap < len {
+                bufs.push((d.addr(), d.len() as usize));
+            }
+            cap = cap.saturating_add(d.len() as usize);
+        }
+        if cap < VNET_HDR_LEN {
+            return Err(RxReject::Malformed("RX chain shorter than the virtio-net header"));
+        }
+        if cap < len {
+            return Err(RxReject::TooSmall);
+        }
+        // No MRG_RXBUF: one buffer per frame (the tap leaves this field alone).
+        self.bounce[NUM_BUFFERS_OFF..NUM_BUFFERS_OFF + 2].copy_from_slice(&1u16.to_le_bytes());
+        let mut off = 0usize;
+        for (addr, blen) in bufs {
+            let take = blen.min(len - off);
+            // Through vm-memory: the device's dirty bitmap records these pages.
+            mem.write_slice(&self.bounce[off..off + take], addr)
+                .map_err(|_| RxReject::Malformed("RX buffer write failed"))?;
+            off += take;
+            if off == len {
+                break;
+            }
+        }
+        Ok(off)
+    }
+
+    // ---------------------------------------------------------------- control
+
+    fn process_ctrl(&mut self) {
+        if self.broken[2] || self.ctrl.is_none() {
+            return;
+        }
+        let mem_handle = self.mem.clone();
+        let mem: &GuestMemoryTracked = &mem_handle;
+        let mut done = 0usize;
+        loop {
+            let Some(c) = self.ctrl.as_mut() else { return };
+            if let Err(e) = c.queue.queue.disable_notification(mem) {
+                return self.mark_broken(2, &e);
+            }
+            while let Some(chain) = self.ctrl.as_mut().and_then(|c| c.queue.queue.pop_descriptor_chain(mem)) {
+                let head = chain.head_index();
+                let max_pairs = self.ctrl.as_ref().map_or(1, |c| c.max_pairs);
+                let (cmd, ack) = ctrl::parse(chain, max_pairs);
+                let ok = match cmd {
+                    CtrlCommand::SetPairs(n) => self.set_pairs(n),
+                    CtrlCommand::Refused => false,
+                };
+                let counter = if ok { &self.stats.ctrl_ok } else { &self.stats.ctrl_err };
+                counter.fetch_add(1, Ordering::Relaxed);
+                let mut len = 0;
+                if let Some(at) = ack {
+                    // Through vm-memory, so the bitmap records the ack byte.
+                    if mem.write_obj(ctrl::ack_byte(ok), at).is_ok() {
+                        len = 1;
+                    }
+                }
+                let Some(c) = self.ctrl.as_mut() else { return };
+                if let Err(e) = c.queue.queue.add_used(mem, head, len) {
+                    return self.mark_broken(2, &e);
+                }
+                done += 1;
+            }
+            let Some(c) = self.ctrl.as_mut() else { return };
+            match c.queue.queue.enable_notification(mem) {
+                Ok(true) => continue,
+                Ok(false) => break,
+                Err(e) => return self.mark_broken(2, &e),
+            }
+        }
+        if done > 0 {
+            self.signal(2);
+        }
+    }
+
+    /// Attaches tap queues `0..n` and detaches the rest.
+    fn set_pairs(&self, n: u16) -> bool {
+        let queues = &self.tap.queues;
+        if queues.len() > 1 {
+            // Attach first so at least one queue is attached throughout.
+            for fd in queues.iter().take(usize::from(n)) {
+                if let Err(e) = tap_queue::set_attached(fd, true) {
+                    warn!(tap = %self.tap.name, error = %e, "attaching a tap queue failed");
+                    return false;
+                }
+            }
+            for fd in queues.iter().skip(usize::from(n)) {
+                if let Err(e) = tap_queue::set_attached(fd, false) {
+                    warn!(tap = %self.tap.name, error = %e, "detaching a tap queue failed");
+                    return false;
+                }
+            }
+        }
+        self.stats.active_pairs.store(n, Ordering::Release);
+        debug!(tap = %self.tap.name, pairs = n, "guest set the queue-pair count");
+        true
+    }
+}
+
+enum RxReject {
+    TooSmall,
+    Malformed(&'static str),
+}

@@ -1,0 +1,271 @@
+//! The virtio-vsock device: identity, config space (the guest CID), the
+//! listening unix socket, and the worker's start/stop.
+
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+
+use tracing::{error, info, warn};
+use virtio_queue::Queue;
+use vmm_sys_util::epoll::Epoll;
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+
+use super::event_handler::VsockWorker;
+use super::muxer::Muxer;
+use super::{MAX_PKT_BUF_SIZE, NUM_QUEUES, QUEUE_SIZE, VsockError, persist};
+use crate::virtio::{ActivateContext, VIRTIO_F_VERSION_1, VirtioDevice, VirtioError};
+
+struct Running {
+    stop: EventFd,
+    handle: JoinHandle<Vec<Queue>>,
+}
+
+/// A virtio-vsock device with the hybrid (unix socket) host side.
+///
+/// The socket at `uds_path` is bound by [`Vsock::new`] (so host processes can
+/// connect before the guest driver is up; they wait in the backlog) and
+/// removed when the device is dropped.
+pub struct Vsock {
+    cid: u64,
+    uds_path: PathBuf,
+    listener: UnixListener,
+    queue_sizes: [u16; NUM_QUEUES],
+    worker: Option<Running>,
+}
+
+impl std::fmt::Debug for Vsock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vsock")
+            .field("cid", &self.cid)
+            .field("uds_path", &self.uds_path)
+            .field("active", &self.worker.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Vsock {
+    /// A device for guest `cid` whose host side listens at `uds_path`. Fails
+    /// if the CID is reserved or the path cannot be bound (an existing file
+    /// there is an error: it may be another VM's socket).
+    pub fn new(cid: u64, uds_path: impl Into<PathBuf>) -> Result<Self, VsockError> {
+        if !(3..u64::from(u32::MAX)).contains(&cid) {
+            return Err(VsockError::BadCid(cid));
+        }
+        let uds_path = uds_path.into();
+        let bind_err = |source| VsockError::Bind {
+            path: uds_path.clone(),
+            source,
+        };
+        let listener = UnixListener::bind(&uds_path).map_err(bind_err)?;
+        if let Err(e) = listener.set_nonblocking(true) {
+            let _ = std::fs::remove_file(&uds_path);
+            return Err(bind_err(e));
+        }
+        info!(cid, path = %uds_path.display(), "vsock unix socket bound");
+        Ok(Self {
+            cid,
+            uds_path,
+            listener,
+            queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
+            worker: None,
+        })
+    }
+
+    /// The guest CID.
+    pub fn cid(&self) -> u64 {
+        self.cid
+    }
+
+    /// Where host processes connect.
+    pub fn uds_path(&self) -> &Path {
+        &self.uds_path
+    }
+
+    /// Whether a worker thread is running.
+    pub fn is_active(&self) -> bool {
+        self.worker.is_some()
+    }
+
+    fn stop_worker(&mut self) -> Vec<Queue> {
+        let Some(w) = self.worker.take() else {
+            return Vec::new();
+        };
+        if let Err(e) = w.stop.write(1) {
+            error!(error = %e, "could not signal the vsock worker to stop");
+        }
+        match w.handle.join() {
+            Ok(q) => q,
+            Err(_) => {
+                error!("the vsock worker panicked; its queues are lost");
+                Vec::new()
+            }
+        }
+    }
+}
+
+impl VirtioDevice for Vsock {
+    fn name(&self) -> &'static str {
+        "vsock"
+    }
+
+    fn device_type(&self) -> u32 {
+        virtio_bindings::virtio_ids::VIRTIO_ID_VSOCK
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &self.queue_sizes
+    }
+
+    fn avail_features(&self) -> u64 {
+        VIRTIO_F_VERSION_1
+    }
+
+    fn config_len(&self) -> u64 {
+        8
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        let cfg = self.cid.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = usize::try_from(offset)
+                .ok()
+                .and_then(|o| o.checked_add(i))
+                .and_then(|o| cfg.get(o).copied())
+                .unwrap_or(0);
+        }
+    }
+
+    fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
+        if self.worker.is_some() {
+            return Err(VirtioError::AlreadyActive(self.name()));
+        }
+        let mut queues = ctx.queues;
+        queues.sort_by_key(|q| q.index);
+        let indices: Vec<u16> = queues.iter().map(|q| q.index).collect();
+        if indices != [0, 1, 2] {
+            return Err(VirtioError::QueueCount {
+                device: "vsock",
+                expected: NUM_QUEUES,
+                got: queues.len(),
+            });
+        }
+        let setup_err = |source| VirtioError::Open {
+            path: self.uds_path.display().to_string(),
+            source,
+        };
+        let listener = self.listener.try_clone().map_err(setup_err)?;
+        let epoll = Epoll::new().map_err(setup_err)?;
+        let muxer = Muxer::new(self.cid, &self.uds_path, listener, epoll).map_err(setup_err)?;
+        let stop = EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?;
+        let (qs, notify) = queues.into_iter().map(|q| (q.queue, q.notify)).unzip();
+        let worker = VsockWorker {
+            mem: ctx.mem,
+            queues: qs,
+            notify,
+            stop: stop.try_clone().map_err(VirtioError::EventFd)?,
+            interrupt: ctx.interrupt,
+            muxer,
+            malformed: 0,
+            tx_stalled: false,
+            buf: vec![0; MAX_PKT_BUF_SIZE as usize],
+        };
+        let handle = std::thread::Builder::new()
+            .name("k7d-vsock".into())
+            .spawn(move || worker.run())
+            .map_err(|e| VirtioError::Spawn("vsock", e))?;
+        self.worker = Some(Running { stop, handle });
+        info!(cid = self.cid, features = ctx.acked_features, "virtio-vsock activated");
+        Ok(())
+    }
+
+    fn reset(&mut self) -> Vec<Queue> {
+        self.stop_worker()
+    }
+
+    fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
+        persist::save().map_err(|e| {
+            error!(error = %e, "vsock snapshot refused");
+            VirtioError::Unsupported {
+                device: "vsock",
+                op: "snapshot",
+            }
+        })
+    }
+
+    fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
+        persist::restore(state).map_err(|e| {
+            error!(error = %e, "vsock restore refused");
+            VirtioError::Unsupported {
+                device: "vsock",
+                op: "restore",
+            }
+        })
+    }
+}
+
+impl Drop for Vsock {
+    fn drop(&mut self) {
+        self.stop_worker();
+        if let Err(e) = std::fs::remove_file(&self.uds_path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            warn!(path = %self.uds_path.display(), error = %e, "could not remove the vsock unix socket");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp_path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("k7d-vsock-unit-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn identity_config_and_lifecycle() {
+        let p = tmp_path("id");
+        let _ = std::fs::remove_file(&p);
+        let mut v = Vsock::new(42, &p).unwrap();
+        assert_eq!(v.device_type(), 19);
+        assert_eq!(v.queue_max_sizes().len(), 3);
+        assert_eq!(v.avail_features(), VIRTIO_F_VERSION_1);
+        let mut cfg = [0u8; 8];
+        v.read_config(0, &mut cfg);
+        assert_eq!(u64::from_le_bytes(cfg), 42);
+        let mut hi = [0xffu8; 4];
+        v.read_config(4, &mut hi);
+        assert_eq!(hi, [0; 4]);
+        v.read_config(u64::MAX, &mut hi);
+        assert_eq!(hi, [0; 4]);
+        assert_eq!(
+            v.snapshot().unwrap_err().to_string(),
+            "the vsock device does not support snapshot"
+        );
+        assert!(v.restore(&[]).is_err());
+        assert!(v.pause().is_err());
+        assert!(v.reset().is_empty());
+        assert!(p.exists());
+        let e = Vsock::new(43, &p).unwrap_err();
+        assert!(matches!(e, VsockError::Bind { .. }), "{e}");
+        drop(v);
+        assert!(!p.exists(), "socket removed on drop");
+    }
+
+    #[test]
+    fn reserved_cids_are_refused() {
+        for cid in [0, 1, 2, u64::from(u32::MAX), 1 << 40] {
+            let e = Vsock::new(cid, tmp_path("cid")).unwrap_err();
+            assert!(matches!(e, VsockError::BadCid(c) if c == cid));
+        }
+    }
+
+    #[test]
+    fn vhost_backend_is_an_explicit_error() {
+        let e = crate::virtio::vsock::vhost::VhostVsock::open(3).unwrap_err();
+        assert!(
+            e.to_string().starts_with("the vhost-vsock backend is unavailable"),
+            "{e}"
+        );
+    }
+}

@@ -349,10 +349,7 @@ impl Daemon {
         };
         config.id = Some(id.clone());
         match self.build(&id, &config, start) {
-            Ok((vm, info)) => {
-                self.vms().insert(id, Slot::Vm(vm));
-                Ok(info)
-            }
+            Ok(info) => Ok(info),
             Err(e) => {
                 // Roll back: nothing of this VM may remain.
                 self.vms().remove(&id);
@@ -364,9 +361,9 @@ impl Daemon {
         }
     }
 
-    fn build(&self, id: &str, config: &VmConfig, start: bool) -> Result<(Arc<Mutex<Vm>>, Value), ApiError> {
+    fn build(&self, id: &str, config: &VmConfig, start: bool) -> Result<Value, ApiError> {
         let serial_log = self.store.runtime_dir(id).map_err(internal)?.join("serial.log");
-        let mut vm = Vm::new(
+        let vm = Vm::new(
             id,
             config,
             &VmOptions {
@@ -374,10 +371,33 @@ impl Daemon {
             },
         )
         .map_err(vm_error)?;
+        self.adopt(id, vm, serial_log, start)
+    }
+
+    fn snapshot(&self, id: &str, dir: &Path) -> Result<Value, ApiError> {
+        let vm = self.get(id)?;
+        let g = lock_vm(&vm);
+        let was_running = matches!(g.state(), VmState::Running);
+        if was_running {
+            g.pause(PAUSE_TIMEOUT).map_err(vm_error)?;
+        }
+        let t = std::time::Instant::now();
+        let res = g.snapshot_to(dir);
+        let took = t.elapsed();
+        if was_running {
+            g.resume().map_err(vm_error)?;
+        }
+        res.map_err(vm_error)?;
+        Ok(json!({ "id": id, "dir": dir, "snapshot_ms": took.as_secs_f64() * 1000.0 }))
+    }
+
+    /// Registers a built VM (record, stop callback), starts it if asked, and
+    /// puts it in the map under its (already reserved) id.
+    fn adopt(&self, id: &str, mut vm: Vm, serial_log: PathBuf, start: bool) -> Result<Value, ApiError> {
         let rec = VmRecord {
             version: store::RECORD_VERSION,
             id: id.to_string(),
-            config: config.clone(),
+            config: vm.config().clone(),
             state: VmState::Created,
             devices: vm.devices().to_vec(),
             serial_log,
@@ -399,50 +419,6 @@ impl Daemon {
             vm.start().map_err(vm_error)?;
             self.persist(&vm)?;
         }
-        let info = self.info_of(&vm);
-        Ok((Arc::new(Mutex::new(vm)), info))
-    }
-
-    fn snapshot(&self, id: &str, dir: &Path) -> Result<Value, ApiError> {
-        let vm = self.get(id)?;
-        let g = lock_vm(&vm);
-        let was_running = matches!(g.state(), VmState::Running);
-        if was_running {
-            g.pause(PAUSE_TIMEOUT).map_err(vm_error)?;
-        }
-        let t = std::time::Instant::now();
-        let res = g.snapshot_to(dir);
-        let took = t.elapsed();
-        if was_running {
-            g.resume().map_err(vm_error)?;
-        }
-        res.map_err(vm_error)?;
-        Ok(json!({ "id": id, "dir": dir, "snapshot_ms": took.as_secs_f64() * 1000.0 }))
-    }
-
-    /// Registers a built VM (record, stop callback), starts it and adds it.
-    fn adopt(&self, id: &str, mut vm: Vm, serial_log: PathBuf) -> Result<Value, ApiError> {
-        let rec = VmRecord {
-            version: store::RECORD_VERSION,
-            id: id.to_string(),
-            config: vm.config().clone(),
-            state: VmState::Created,
-            devices: vm.devices().to_vec(),
-            serial_log,
-            daemon_pid: std::process::id(),
-            created_unix: now_unix(),
-        };
-        self.store.save(&rec).map_err(internal)?;
-        let store = self.store.clone();
-        let vm_id = id.to_string();
-        vm.control().set_on_stopped(Box::new(move |reason| {
-            let reason = reason.clone();
-            if let Err(e) = store.update(&vm_id, |r| r.state = VmState::Stopped { reason }) {
-                tracing::error!(vm = %vm_id, error = %e, "cannot record the VM's stop");
-            }
-        }));
-        vm.start().map_err(vm_error)?;
-        self.persist(&vm)?;
         let info = self.info_of(&vm);
         self.vms().insert(id.to_string(), Slot::Vm(Arc::new(Mutex::new(vm))));
         Ok(info)
@@ -528,7 +504,7 @@ impl Daemon {
         }
         let mut children = Vec::new();
         for (cid, child, log, took) in built {
-            let mut info = self.adopt(&cid, child, log)?;
+            let mut info = self.adopt(&cid, child, log, true)?;
             info["fork_ms"] = json!(took.as_secs_f64() * 1000.0);
             children.push(info);
         }
@@ -552,7 +528,7 @@ impl Daemon {
         };
         let res = (|| {
             let serial_log = self.store.runtime_dir(&id).map_err(internal)?.join("serial.log");
-            let mut vm = Vm::restore_from(
+            let vm = Vm::restore_from(
                 &id,
                 dir,
                 &VmOptions {
@@ -563,35 +539,10 @@ impl Daemon {
                 VmError::Persist(_) | VmError::Io { .. } => ApiError::new(ErrorCode::InvalidArgument, e.to_string()),
                 other => vm_error(other),
             })?;
-            let rec = VmRecord {
-                version: store::RECORD_VERSION,
-                id: id.clone(),
-                config: vm.config().clone(),
-                state: VmState::Created,
-                devices: vm.devices().to_vec(),
-                serial_log,
-                daemon_pid: std::process::id(),
-                created_unix: now_unix(),
-            };
-            self.store.save(&rec).map_err(internal)?;
-            let store = self.store.clone();
-            let vm_id = id.clone();
-            vm.control().set_on_stopped(Box::new(move |reason| {
-                let reason = reason.clone();
-                if let Err(e) = store.update(&vm_id, |r| r.state = VmState::Stopped { reason }) {
-                    tracing::error!(vm = %vm_id, error = %e, "cannot record the VM's stop");
-                }
-            }));
-            vm.start().map_err(vm_error)?;
-            self.persist(&vm)?;
-            let info = self.info_of(&vm);
-            Ok((Arc::new(Mutex::new(vm)), info))
+            self.adopt(&id, vm, serial_log, true)
         })();
         match res {
-            Ok((vm, info)) => {
-                self.vms().insert(id, Slot::Vm(vm));
-                Ok(info)
-            }
+            Ok(info) => Ok(info),
             Err(e) => {
                 self.vms().remove(&id);
                 if let Err(re) = self.store.remove(&id) {

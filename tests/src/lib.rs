@@ -51,6 +51,7 @@ pub fn boot(id: &str, cfg: &VmConfig, log: &std::path::Path) -> Vm {
         cfg,
         &VmOptions {
             serial_log: Some(log.to_path_buf()),
+            ..Default::default()
         },
     )
     .expect("build vm");

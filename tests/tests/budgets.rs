@@ -48,6 +48,7 @@ fn vm_boot_to_first_exit_is_within_budget() {
                 &cfg,
                 &VmOptions {
                     serial_log: Some(dir.0.join("serial.log")),
+                    ..Default::default()
                 },
             )
             .unwrap();

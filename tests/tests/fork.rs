@@ -45,6 +45,7 @@ fn churning(dir: &TempDir, mib: u64) -> Vm {
 fn opts(dir: &TempDir, name: &str) -> VmOptions {
     VmOptions {
         serial_log: Some(dir.0.join(format!("{name}.log"))),
+        ..Default::default()
     }
 }
 

@@ -42,6 +42,7 @@ fn timers_survive(name: &str, vcpus: u8, counters: &[u64]) {
         &cfg,
         &VmOptions {
             serial_log: Some(dir.0.join("clone.log")),
+            ..Default::default()
         },
         &state,
         src.memfd(),

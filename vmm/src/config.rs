@@ -86,13 +86,84 @@ pub struct SerialConfig {
     pub console: bool,
 }
 
-/// Optional devices.
+/// A virtio-blk disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskConfig {
+    /// Raw image (or erofs image when read-only).
+    pub path: PathBuf,
+    /// Open the image read-only; guest writes fail in the guest.
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// A virtio-net NIC backed by a tap.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicConfig {
+    /// Tap name (default: derived from the VM id and NIC index).
+    #[serde(default)]
+    pub tap: Option<String>,
+    /// Queue pairs (default: the node policy's).
+    #[serde(default)]
+    pub queues: Option<u16>,
+    /// Kernel vhost-net (default: the node's `vhost_default`).
+    #[serde(default)]
+    pub vhost: Option<bool>,
+    /// Guest MAC `aa:bb:cc:dd:ee:ff` (default: derived from the VM id).
+    #[serde(default)]
+    pub mac: Option<String>,
+}
+
+/// A virtio-vsock device with the hybrid (unix socket) host side.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VsockConfig {
+    /// Guest context id (3..2^32-1).
+    pub cid: u64,
+    /// Host unix socket; host-initiated connections send `CONNECT <port>\n`.
+    pub uds: PathBuf,
+}
+
+/// Optional devices (PCI: Linux guests only).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DevicesConfig {
-    /// A virtio-rng device on the PCI bus (Linux guests).
+    /// A virtio-rng device.
     #[serde(default)]
     pub rng: bool,
+    /// virtio-blk disks, in order (/dev/vda, /dev/vdb, ...).
+    #[serde(default)]
+    pub disks: Vec<DiskConfig>,
+    /// virtio-net NICs.
+    #[serde(default)]
+    pub nics: Vec<NicConfig>,
+    /// A virtio-vsock device.
+    #[serde(default)]
+    pub vsock: Option<VsockConfig>,
+}
+
+impl DevicesConfig {
+    /// Whether any PCI device is asked for.
+    pub fn any(&self) -> bool {
+        self.rng || !self.disks.is_empty() || !self.nics.is_empty() || self.vsock.is_some()
+    }
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if parts.len() != 6 {
+        return None;
+    }
+    let mut mac = [0u8; 6];
+    for (m, p) in mac.iter_mut().zip(parts) {
+        if p.len() != 2 {
+            return None;
+        }
+        *m = u8::from_str_radix(p, 16).ok()?;
+    }
+    Some(mac)
 }
 
 fn default_vcpus() -> u8 {
@@ -140,6 +211,61 @@ impl Default for VmConfig {
     }
 }
 
+/// `FileType::is_block_device` without importing the unix extension everywhere.
+trait BlockDeviceLike {
+    fn is_block_device_like(&self) -> bool;
+}
+
+impl BlockDeviceLike for std::fs::FileType {
+    fn is_block_device_like(&self) -> bool {
+        use std::os::unix::fs::FileTypeExt;
+        self.is_block_device()
+    }
+}
+
+/// Node-wide settings (`--node-config FILE`, JSON).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Most queue pairs a NIC may have (1..=64).
+    #[serde(default = "default_max_net_queues")]
+    pub max_net_queues: u16,
+    /// NICs that do not say get kernel vhost-net (opt-in: default false).
+    #[serde(default)]
+    pub vhost_default: bool,
+}
+
+fn default_max_net_queues() -> u16 {
+    k7d_net::policy::DEFAULT_MAX_NET_QUEUES
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        Self {
+            max_net_queues: default_max_net_queues(),
+            vhost_default: false,
+        }
+    }
+}
+
+impl NodeConfig {
+    /// Loads and validates a node config file.
+    pub fn load(path: &std::path::Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the node config {}: {e}", path.display()))?;
+        let c: NodeConfig =
+            serde_json::from_str(&text).map_err(|e| format!("the node config {} is invalid: {e}", path.display()))?;
+        c.net()
+            .map_err(|e| format!("the node config {} is invalid: {e}", path.display()))?;
+        Ok(c)
+    }
+
+    /// The networking part, validated.
+    pub fn net(&self) -> Result<k7d_net::policy::NodeNetConfig, k7d_net::policy::PolicyError> {
+        k7d_net::policy::NodeNetConfig::new(self.vhost_default, self.max_net_queues)
+    }
+}
+
 /// Why a config was refused.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ConfigError {
@@ -164,6 +290,14 @@ pub enum ConfigError {
     /// Unknown builtin or bad args.
     #[error("guest: {0}")]
     Guest(String),
+    /// A disk image is unusable.
+    #[error("disk {path} cannot be used: {reason}")]
+    Disk {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
     /// Raw image path unusable.
     #[error("guest image {path} cannot be used: {reason}")]
     Image {
@@ -208,10 +342,46 @@ impl VmConfig {
                 host,
             });
         }
-        if self.devices.rng && !matches!(self.guest, GuestSpec::Linux { .. }) {
+        if self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {
             return Err(ConfigError::Guest(
-                "devices.rng needs a Linux guest (the real-mode test guests have no PCI bus)".into(),
+                "virtio devices need a Linux guest (the real-mode test guests have no PCI bus)".into(),
             ));
+        }
+        for d in &self.devices.disks {
+            let md = std::fs::metadata(&d.path).map_err(|e| ConfigError::Disk {
+                path: d.path.clone(),
+                reason: e.to_string().to_lowercase(),
+            })?;
+            if !md.is_file() && !md.file_type().is_block_device_like() {
+                return Err(ConfigError::Disk {
+                    path: d.path.clone(),
+                    reason: "a disk must be a regular file".into(),
+                });
+            }
+        }
+        for (i, n) in self.devices.nics.iter().enumerate() {
+            if let Some(m) = &n.mac
+                && parse_mac(m).is_none()
+            {
+                return Err(ConfigError::Guest(format!(
+                    "nic {i}: mac `{m}` is not of the form aa:bb:cc:dd:ee:ff"
+                )));
+            }
+            if let Some(t) = &n.tap
+                && (t.is_empty() || t.len() > 15 || t.contains('/') || t.contains(char::is_whitespace))
+            {
+                return Err(ConfigError::Guest(format!(
+                    "nic {i}: tap name `{t}` is invalid: use 1 to 15 characters without `/` or spaces"
+                )));
+            }
+        }
+        if let Some(v) = &self.devices.vsock
+            && !(3..u64::from(u32::MAX)).contains(&v.cid)
+        {
+            return Err(ConfigError::Guest(format!(
+                "vsock cid {} is out of range: use 3 to 4294967294",
+                v.cid
+            )));
         }
         if self.guest.args().len() > k7d_guest::MAX_ARGS {
             return Err(ConfigError::Guest(format!(

@@ -9,7 +9,9 @@ use anyhow::{Context, Result, anyhow};
 use clap::{Args, Parser, Subcommand};
 use serde_json::{Value, json};
 
-use k7d_vmm::config::{DevicesConfig, GuestSpec, SerialConfig, VmConfig};
+use k7d_vmm::config::{
+    DevicesConfig, DiskConfig, GuestSpec, NicConfig, NodeConfig, SerialConfig, VmConfig, VsockConfig,
+};
 use k7d_vmm::daemon::Daemon;
 use k7d_vmm::daemon::api::{ApiError, Request};
 use k7d_vmm::daemon::client::Client;
@@ -68,10 +70,95 @@ struct GuestArgs {
     /// Add a virtio-rng device (PCI; Linux guests).
     #[arg(long)]
     rng: bool,
+    /// A virtio-blk disk: `PATH` (read-write) or `PATH,ro` (repeatable; /dev/vda, /dev/vdb, ...).
+    #[arg(long = "disk")]
+    disks: Vec<String>,
+    /// A virtio-net NIC: `tap=NAME[,queues=N][,vhost=on|off][,mac=aa:bb:cc:dd:ee:ff]` (repeatable).
+    #[arg(long = "nic")]
+    nics: Vec<String>,
+    /// A virtio-vsock device: `cid=N,uds=PATH`.
+    #[arg(long)]
+    vsock: Option<String>,
+}
+
+fn parse_disk(s: &str) -> Result<DiskConfig> {
+    let (path, ro) = match s.rsplit_once(',') {
+        Some((p, "ro")) => (p, true),
+        Some((p, "rw")) => (p, false),
+        Some((_, other)) => anyhow::bail!("--disk {s}: unknown option `{other}` (use PATH, PATH,ro or PATH,rw)"),
+        None => (s, false),
+    };
+    Ok(DiskConfig {
+        path: PathBuf::from(path),
+        read_only: ro,
+    })
+}
+
+fn parse_kv(flag: &str, s: &str) -> Result<Vec<(String, String)>> {
+    s.split(',')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| anyhow!("--{flag} {s}: `{p}` is not key=value"))
+        })
+        .collect()
+}
+
+fn parse_nic(s: &str) -> Result<NicConfig> {
+    let mut n = NicConfig::default();
+    for (k, v) in parse_kv("nic", s)? {
+        match k.as_str() {
+            "tap" => n.tap = Some(v),
+            "queues" => {
+                n.queues = Some(
+                    v.parse()
+                        .map_err(|_| anyhow!("--nic {s}: queues=`{v}` is not a number"))?,
+                )
+            }
+            "vhost" => {
+                n.vhost = Some(match v.as_str() {
+                    "on" | "true" => true,
+                    "off" | "false" => false,
+                    _ => anyhow::bail!("--nic {s}: vhost=`{v}` must be on or off"),
+                })
+            }
+            "mac" => n.mac = Some(v),
+            _ => anyhow::bail!("--nic {s}: unknown key `{k}` (known: tap, queues, vhost, mac)"),
+        }
+    }
+    Ok(n)
+}
+
+fn parse_vsock(s: &str) -> Result<VsockConfig> {
+    let (mut cid, mut uds) = (None, None);
+    for (k, v) in parse_kv("vsock", s)? {
+        match k.as_str() {
+            "cid" => {
+                cid = Some(
+                    v.parse()
+                        .map_err(|_| anyhow!("--vsock {s}: cid=`{v}` is not a number"))?,
+                )
+            }
+            "uds" => uds = Some(PathBuf::from(v)),
+            _ => anyhow::bail!("--vsock {s}: unknown key `{k}` (known: cid, uds)"),
+        }
+    }
+    Ok(VsockConfig {
+        cid: cid.ok_or_else(|| anyhow!("--vsock {s}: cid=N is missing"))?,
+        uds: uds.ok_or_else(|| anyhow!("--vsock {s}: uds=PATH is missing"))?,
+    })
+}
+
+fn load_node(path: &Option<PathBuf>) -> Result<NodeConfig> {
+    match path {
+        Some(p) => NodeConfig::load(p).map_err(|e| anyhow!("{e}")),
+        None => Ok(NodeConfig::default()),
+    }
 }
 
 impl GuestArgs {
-    fn config(&self, id: Option<String>, console: bool) -> VmConfig {
+    fn config(&self, id: Option<String>, console: bool) -> Result<VmConfig> {
         let guest = match (&self.builtin, &self.raw) {
             _ if self.kernel.is_some() => GuestSpec::Linux {
                 kernel: self.kernel.clone().unwrap_or_default(),
@@ -87,14 +174,19 @@ impl GuestArgs {
                 args: self.args.clone(),
             },
         };
-        VmConfig {
+        Ok(VmConfig {
             id,
             vcpus: self.vcpus,
             memory_mib: self.memory_mib,
             guest,
             serial: SerialConfig { console },
-            devices: DevicesConfig { rng: self.rng },
-        }
+            devices: DevicesConfig {
+                rng: self.rng,
+                disks: self.disks.iter().map(|d| parse_disk(d)).collect::<Result<_>>()?,
+                nics: self.nics.iter().map(|n| parse_nic(n)).collect::<Result<_>>()?,
+                vsock: self.vsock.as_deref().map(parse_vsock).transpose()?,
+            },
+        })
     }
 }
 
@@ -113,12 +205,18 @@ enum Cmd {
         /// Do not copy the guest's serial output to stdout.
         #[arg(long)]
         quiet: bool,
+        /// Node settings (JSON: max_net_queues, vhost_default).
+        #[arg(long)]
+        node_config: Option<PathBuf>,
     },
     /// Run the daemon that owns VMs and serves the API.
     Daemon {
         /// Where VM records live.
         #[arg(long, env = "K7D_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
         state_dir: PathBuf,
+        /// Node settings (JSON: max_net_queues, vhost_default).
+        #[arg(long)]
+        node_config: Option<PathBuf>,
     },
     /// Create a VM in the daemon.
     Create {
@@ -230,13 +328,16 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             timeout,
             serial_log,
             quiet,
+            node_config,
         } => {
             init_logs("warn");
-            run_foreground(&guest, timeout, serial_log, quiet, cli.json, process_start)
+            let node = load_node(&node_config)?;
+            run_foreground(&guest, timeout, serial_log, quiet, cli.json, process_start, node)
         }
-        Cmd::Daemon { state_dir } => {
+        Cmd::Daemon { state_dir, node_config } => {
             init_logs("info");
-            daemon(&state_dir, &cli.socket)
+            let node = load_node(&node_config)?;
+            daemon(&state_dir, &cli.socket, node)
         }
         Cmd::Net { cmd } => {
             init_logs("warn");
@@ -287,7 +388,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                             }
                             c
                         }
-                        None => guest.config(id, false),
+                        None => guest.config(id, false)?,
                     };
                     Request::Create { config, start }
                 }
@@ -401,9 +502,10 @@ fn print_vm(v: &Value) {
     }
 }
 
-fn daemon(state_dir: &std::path::Path, socket: &std::path::Path) -> Result<ExitCode> {
+fn daemon(state_dir: &std::path::Path, socket: &std::path::Path, node: NodeConfig) -> Result<ExitCode> {
     catch_signals()?;
     let (d, reconciled) = Daemon::open(state_dir)?;
+    let d = d.with_node_config(node);
     for r in &reconciled {
         eprintln!(
             "k7d: reconciled vm {} ({}, daemon pid {:?} is gone): record removed",
@@ -433,11 +535,12 @@ fn run_foreground(
     quiet: bool,
     json_out: bool,
     process_start: Instant,
+    node: NodeConfig,
 ) -> Result<ExitCode> {
     catch_signals()?;
     let id = format!("run-{}", std::process::id());
     let console = !quiet && !json_out;
-    let config = guest.config(Some(id.clone()), console);
+    let config = guest.config(Some(id.clone()), console)?;
     config.validate()?;
     // With --json the serial output goes into the JSON, through a temp log.
     let tmp_log = (json_out && serial_log.is_none()).then(|| std::env::temp_dir().join(format!("k7d-{id}.serial")));
@@ -447,9 +550,15 @@ fn run_foreground(
         &config,
         &VmOptions {
             serial_log: log.clone(),
+            node,
         },
     )?;
     let built = vm.created_at().elapsed();
+    // The effective data plane of each NIC, settled once at build.
+    for (i, d) in vm.devices().iter().filter(|d| d.kind == "virtio-net").enumerate() {
+        let line = d.detail.split("; MSI-X").next().unwrap_or(&d.detail);
+        eprintln!("k7d: nic {i}: {line}");
+    }
     vm.start()?;
     let started = vm.started_at().unwrap_or_else(Instant::now);
     let deadline = timeout.map(|t| started + Duration::from_secs_f64(t.max(0.0)));

@@ -67,6 +67,7 @@ pub struct Daemon {
     store: Arc<RecordStore>,
     vms: Mutex<HashMap<String, Slot>>,
     state_dir: PathBuf,
+    node: crate::config::NodeConfig,
     _lock: crate::sys::FileLock,
 }
 
@@ -142,10 +143,17 @@ impl Daemon {
                 store,
                 vms: Mutex::new(HashMap::new()),
                 state_dir: state_dir.to_path_buf(),
+                node: crate::config::NodeConfig::default(),
                 _lock: lock,
             },
             reconciled,
         ))
+    }
+
+    /// Uses `node` (network queue/vhost policy) for every VM it builds.
+    pub fn with_node_config(mut self, node: crate::config::NodeConfig) -> Self {
+        self.node = node;
+        self
     }
 
     /// The state directory.
@@ -368,6 +376,7 @@ impl Daemon {
             config,
             &VmOptions {
                 serial_log: Some(serial_log.clone()),
+                node: self.node,
             },
         )
         .map_err(vm_error)?;
@@ -476,6 +485,7 @@ impl Daemon {
                 cid,
                 &VmOptions {
                     serial_log: Some(log.clone()),
+                    node: self.node,
                 },
             ) {
                 Ok(child) => built.push((cid.clone(), child, log, t.elapsed())),
@@ -533,6 +543,7 @@ impl Daemon {
                 dir,
                 &VmOptions {
                     serial_log: Some(serial_log.clone()),
+                    node: self.node,
                 },
             )
             .map_err(|e| match e {

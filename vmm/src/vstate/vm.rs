@@ -172,6 +172,8 @@ struct SnapshotFile {
 pub struct VmOptions {
     /// Append the guest's serial output to this file.
     pub serial_log: Option<PathBuf>,
+    /// Node-wide settings (network queue/vhost policy).
+    pub node: crate::config::NodeConfig,
 }
 
 /// A VM.
@@ -344,7 +346,7 @@ impl Vm {
         let (mut buses, mut devices, serial) =
             build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
         if linux.is_some() {
-            add_linux_platform(&vm_fd, &ram, &control, config, &mut buses, &mut devices)?;
+            add_linux_platform(&vm_fd, &ram, &control, config, opts, &mut buses, &mut devices)?;
         }
 
         let n = u32::from(config.vcpus);
@@ -782,14 +784,13 @@ fn add_linux_platform(
     ram: &GuestRam,
     control: &Arc<VmControl>,
     config: &VmConfig,
+    opts: &VmOptions,
     buses: &mut Buses,
     devices: &mut Vec<DeviceInfo>,
 ) -> Result<(), VmError> {
     use k7d_devices::pci::{
         BarAllocator, ECAM_BUS_SIZE, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciConfigIo, PciConfigMmio, PciRoot,
     };
-    use k7d_devices::virtio::VirtioDevice;
-    use k7d_devices::virtio::transport::VirtioPciDevice;
     let dev_err = |what: &'static str| {
         move |e: &dyn std::fmt::Display| VmError::Device {
             what,
@@ -819,47 +820,101 @@ fn add_linux_platform(
     let mut root = PciRoot::new(alloc, None);
     let routing = Arc::new(GsiRouting::new(vm_fd.clone()));
     let mem = Arc::new(ram.memory().clone());
+    let id = control.vm_id().to_string();
+    let mut pci = PciCtx {
+        vm_fd,
+        root: &mut root,
+        routing: &routing,
+        buses,
+        devices,
+    };
     if config.devices.rng {
         let rng = k7d_devices::virtio::rng::Rng::new().map_err(|e| dev_err("virtio-rng")(&e))?;
-        let vectors = rng.queue_max_sizes().len() as u32 + 1;
-        let gsi_base = routing.allocate(vectors);
-        let router = Arc::new(DeviceMsiRouter::new(routing.clone(), gsi_base));
-        let dev = Arc::new(Mutex::new(
-            VirtioPciDevice::new(Box::new(rng), mem.clone(), router).map_err(|e| dev_err("virtio-rng")(&e))?,
-        ));
-        let att = root.add_device(dev.clone()).map_err(|e| dev_err("virtio-rng")(&e))?;
-        for bar in &att.bars {
-            buses
-                .mmio
-                .insert(bar.addr, bar.len, dev.clone())
-                .map_err(|e| dev_err("virtio-rng")(&e))?;
-        }
-        {
-            let d = dev.lock().unwrap_or_else(|p| p.into_inner());
-            for (v, fd) in d.msix().irqfds().iter().enumerate() {
-                vm_fd
-                    .register_irqfd(fd, gsi_base + v as u32)
-                    .map_err(|e| VmError::Kvm("KVM_IRQFD (virtio-rng)", e))?;
+        pci.add("virtio-rng", Box::new(rng), mem.clone(), String::new())?;
+    }
+    for (i, d) in config.devices.disks.iter().enumerate() {
+        let disk =
+            k7d_devices::virtio::block::DiskImage::open(&d.path, d.read_only).map_err(|e| dev_err("virtio-blk")(&e))?;
+        let serial = format!("k7d-disk{i}");
+        let blk = k7d_devices::virtio::block::Block::new(disk, &serial).map_err(|e| dev_err("virtio-blk")(&e))?;
+        // SAFETY: the view maps the VM's own RAM; the device (inside the
+        // buses) is dropped before `ram` (see `Vm`'s field order), and no
+        // device outlives its VM.
+        let view =
+            unsafe { k7d_devices::virtio::block::DeviceMemory::new(&mem) }.map_err(|e| dev_err("virtio-blk")(&e))?;
+        let detail = format!(
+            "{} ({}), serial {serial}, own dirty bitmap",
+            d.path.display(),
+            if d.read_only { "read-only" } else { "read-write" }
+        );
+        pci.add("virtio-blk", Box::new(blk), view.handle(), detail)?;
+    }
+    if !config.devices.nics.is_empty() {
+        let node = opts.node.net().map_err(|e| dev_err("virtio-net")(&e))?;
+        let mut nl = k7d_net::netlink::Netlink::open().map_err(|e| dev_err("virtio-net")(&e))?;
+        for (i, n) in config.devices.nics.iter().enumerate() {
+            let idx = i as u16;
+            let req = k7d_net::policy::NicNetRequest {
+                vhost: n.vhost,
+                queues: n.queues,
+            };
+            let would_vhost = n.vhost.unwrap_or(node.vhost_default());
+            let avail = if would_vhost {
+                k7d_net::policy::VhostAvailability::probe(Path::new(k7d_net::policy::VHOST_NET_PATH))
+            } else {
+                k7d_net::policy::VhostAvailability::Unavailable("not probed".into())
+            };
+            let mut plane = k7d_net::policy::effective_data_plane(&node, &req, u16::from(config.vcpus), &avail)
+                .map_err(|e| VmError::Device {
+                    what: "virtio-net",
+                    msg: format!("nic {i}: {e}"),
+                })?;
+            if let Some(w) = &plane.warning {
+                tracing::warn!(vm = %id, nic = i, "{w}");
             }
-            for n in d.ioeventfds().map_err(|e| dev_err("virtio-rng")(&e))? {
-                vm_fd
-                    .register_ioevent(
-                        &n.eventfd,
-                        &kvm_ioctls::IoEventAddress::Mmio(n.addr),
-                        kvm_ioctls::NoDatamatch,
-                    )
-                    .map_err(|e| VmError::Kvm("KVM_IOEVENTFD (virtio-rng)", e))?;
+            if plane.vhost {
+                // The kernel vhost-net backend is not built yet: an explicit
+                // request fails, a defaulted NIC falls back with a warning.
+                if let Err(e) = k7d_devices::virtio::net::vhost::VhostNetBackend::new(plane.queue_pairs) {
+                    if n.vhost == Some(true) {
+                        return Err(VmError::Device {
+                            what: "virtio-net",
+                            msg: format!("nic {i}: vhost-net was requested explicitly but cannot be used: {e}"),
+                        });
+                    }
+                    tracing::warn!(vm = %id, nic = i, error = %e, "vhost-net unusable; this NIC uses the userspace data plane");
+                    plane.vhost = false;
+                }
             }
+            let tap_name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(&id, idx).tap);
+            let tap = k7d_net::create_tap(&mut nl, &tap_name, plane.queue_pairs.into(), true)
+                .map_err(|e| dev_err("virtio-net")(&e))?;
+            let mac = n
+                .mac
+                .as_deref()
+                .and_then(crate::config::parse_mac)
+                .unwrap_or_else(|| derived_mac(&id, idx));
+            let net = k7d_devices::virtio::net::Net::new(
+                tap,
+                k7d_devices::virtio::net::NetConfig {
+                    mac,
+                    queue_pairs: plane.queue_pairs,
+                },
+            )
+            .map_err(|e| dev_err("virtio-net")(&e))?;
+            let mac_s = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+            pci.add(
+                "virtio-net",
+                Box::new(net),
+                mem.clone(),
+                format!("tap {tap_name}, {plane}, mac {mac_s}"),
+            )?;
         }
-        devices.push(DeviceInfo {
-            kind: "virtio-rng".into(),
-            location: format!(
-                "pci {} bar0 {:#x}",
-                att.bdf,
-                att.bars.first().map(|b| b.addr).unwrap_or(0)
-            ),
-            detail: format!("MSI-X vectors at GSI {gsi_base}..{}", gsi_base + vectors - 1),
-        });
+    }
+    if let Some(v) = &config.devices.vsock {
+        let dev = k7d_devices::virtio::vsock::Vsock::new(v.cid, &v.uds).map_err(|e| dev_err("virtio-vsock")(&e))?;
+        let detail = format!("cid {}, hybrid host socket {}", v.cid, v.uds.display());
+        pci.add("virtio-vsock", Box::new(dev), mem.clone(), detail)?;
     }
     let root = Arc::new(Mutex::new(root));
     buses
@@ -907,6 +962,86 @@ fn copy_memory(src: &File, dst: &File, len: u64) -> Result<(), VmError> {
         off += n as u64;
     }
     Ok(())
+}
+
+/// What wiring a virtio-pci device needs.
+struct PciCtx<'a> {
+    vm_fd: &'a Arc<VmFd>,
+    root: &'a mut k7d_devices::pci::PciRoot,
+    routing: &'a Arc<GsiRouting>,
+    buses: &'a mut Buses,
+    devices: &'a mut Vec<DeviceInfo>,
+}
+
+impl PciCtx<'_> {
+    /// Puts `dev` on the PCI bus: MSI-X vectors routed through KVM (one GSI
+    /// each, irqfds registered), queue notifications as ioeventfds, BARs on
+    /// the MMIO bus, and a line for `info`.
+    fn add(
+        &mut self,
+        what: &'static str,
+        dev: Box<dyn k7d_devices::virtio::VirtioDevice>,
+        mem: k7d_devices::virtio::GuestMemoryHandle,
+        detail: String,
+    ) -> Result<(), VmError> {
+        use k7d_devices::virtio::transport::VirtioPciDevice;
+        let err = |e: &dyn std::fmt::Display| VmError::Device {
+            what,
+            msg: e.to_string(),
+        };
+        let vectors = dev.queue_max_sizes().len() as u32 + 1;
+        let gsi_base = self.routing.allocate(vectors);
+        let router = Arc::new(DeviceMsiRouter::new(self.routing.clone(), gsi_base));
+        let dev = Arc::new(Mutex::new(VirtioPciDevice::new(dev, mem, router).map_err(|e| err(&e))?));
+        let att = self.root.add_device(dev.clone()).map_err(|e| err(&e))?;
+        for bar in &att.bars {
+            self.buses
+                .mmio
+                .insert(bar.addr, bar.len, dev.clone())
+                .map_err(|e| err(&e))?;
+        }
+        {
+            let d = dev.lock().unwrap_or_else(|p| p.into_inner());
+            for (v, fd) in d.msix().irqfds().iter().enumerate() {
+                self.vm_fd
+                    .register_irqfd(fd, gsi_base + v as u32)
+                    .map_err(|e| VmError::Kvm("KVM_IRQFD (virtio)", e))?;
+            }
+            for n in d.ioeventfds().map_err(|e| err(&e))? {
+                self.vm_fd
+                    .register_ioevent(
+                        &n.eventfd,
+                        &kvm_ioctls::IoEventAddress::Mmio(n.addr),
+                        kvm_ioctls::NoDatamatch,
+                    )
+                    .map_err(|e| VmError::Kvm("KVM_IOEVENTFD (virtio)", e))?;
+            }
+        }
+        let mut d = format!("MSI-X vectors at GSI {gsi_base}..{}", gsi_base + vectors - 1);
+        if !detail.is_empty() {
+            d = format!("{detail}; {d}");
+        }
+        self.devices.push(DeviceInfo {
+            kind: what.into(),
+            location: format!(
+                "pci {} bar0 {:#x}",
+                att.bdf,
+                att.bars.first().map(|b| b.addr).unwrap_or(0)
+            ),
+            detail: d,
+        });
+        Ok(())
+    }
+}
+
+/// A locally administered MAC derived from the VM id and NIC index.
+fn derived_mac(vm_id: &str, idx: u16) -> [u8; 6] {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in vm_id.bytes().chain(idx.to_le_bytes()) {
+        h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+    }
+    let b = h.to_le_bytes();
+    [0x52, 0x54, 0x00, b[0], b[1], b[2]]
 }
 
 fn open_log(p: &Path) -> Result<File, VmError> {

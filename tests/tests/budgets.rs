@@ -101,6 +101,45 @@ fn pause_and_resume_are_within_budget() {
     check(budgets::RESUME, resumes);
 }
 
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "latency budgets are for release builds: cargo test --release"
+)]
+fn fork_is_within_budget() {
+    use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = TempDir::new("budget-fork");
+    const MIB: u64 = 256;
+    let mut src = k7d_tests::boot("f", &builtin("idle", 1, MIB, &[]), &dir.0.join("s.log"));
+    std::thread::sleep(Duration::from_millis(20));
+    src.pause(Duration::from_secs(2)).unwrap();
+    // Prepare: the first fork freezes the base.
+    drop(src.fork("prep", &VmOptions::default()).unwrap());
+    let measure = |src: &Vm, dirty_pages: u64| -> Vec<Duration> {
+        (0..11)
+            .map(|r| {
+                let pages = (MIB << 20) / 4096;
+                let stride = (pages / dirty_pages.max(1)).max(1);
+                for i in 0..dirty_pages {
+                    let gpa = ((i * stride) % pages * 4096).max(1 << 20);
+                    src.memory().write_obj(r as u32 ^ i as u32, GuestAddress(gpa)).unwrap();
+                }
+                let t = Instant::now();
+                let child = src.fork("child", &VmOptions::default()).unwrap();
+                let d = t.elapsed();
+                drop(child);
+                d
+            })
+            .collect()
+    };
+    let clean = measure(&src, 0);
+    check(budgets::FORK_256M_CLEAN, clean);
+    let one_pct = measure(&src, (MIB << 20) / 4096 / 100);
+    check(budgets::FORK_256M_1PCT, one_pct);
+    src.stop();
+}
+
 /// `LATENCY_BUDGETS.md` and `budgets.rs` agree, row by row.
 #[test]
 fn latency_budgets_md_matches_the_code() {

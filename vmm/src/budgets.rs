@@ -36,5 +36,19 @@ pub const RESUME: Budget = Budget {
     limit: Duration::from_micros(100),
 };
 
+/// `Vm::fork` of a paused 256 MiB VM whose base is frozen and nothing
+/// diverged since (child built, not started).
+pub const FORK_256M_CLEAN: Budget = Budget {
+    name: "fork_256m_clean",
+    limit: Duration::from_millis(2),
+};
+
+/// `Vm::fork` of a paused 256 MiB VM with 1% of its pages diverged from the
+/// base (each copied into the child: the cost grows with divergence).
+pub const FORK_256M_1PCT: Budget = Budget {
+    name: "fork_256m_1pct",
+    limit: Duration::from_millis(10),
+};
+
 /// Every budget, for the consistency test.
-pub const ALL: &[Budget] = &[VM_BOOT_TO_FIRST_EXIT, PAUSE, RESUME];
+pub const ALL: &[Budget] = &[VM_BOOT_TO_FIRST_EXIT, PAUSE, RESUME, FORK_256M_CLEAN, FORK_256M_1PCT];

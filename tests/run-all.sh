@@ -44,6 +44,17 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 log "host-level tests (real KVM, release build: latency budgets are asserted)"
 cargo test --workspace --release
 
+if [ -z "${K7D_SKIP_FUZZ:-}" ]; then
+  if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+    command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
+    log "fuzz smoke (every target, bounded)"
+    # Build products cached outside the repo (the fuzz crate is its own workspace).
+    FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target} devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-20}"
+  else
+    log "fuzz smoke skipped: no nightly toolchain (cargo-fuzz needs one; see docs/fuzzing.md)"
+  fi
+fi
+
 if [ -z "${K7D_SKIP_LAB:-}" ]; then
   log "nested lab (real Linux guests)"
   cargo test --release -p k7d-tests --test lab -- --ignored --test-threads=1 --nocapture

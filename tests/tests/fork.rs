@@ -149,3 +149,28 @@ fn a_thousand_forks_are_byte_identical_to_the_source_at_the_fork_instant() {
         "{differing} pages differed between children and their source"
     );
 }
+
+#[test]
+fn pause_is_total_guest_ram_does_not_change_for_200ms() {
+    const SIZE: u64 = 8 * MIB;
+    let dir = TempDir::new("pause-total");
+    let mut src = churning(&dir, SIZE / MIB);
+    let sum = |vm: &Vm| -> u64 {
+        // FNV-1a over the whole RAM as the VM sees it.
+        ram(vm, SIZE).iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        })
+    };
+    for _ in 0..5 {
+        // Running: RAM changes within a few milliseconds.
+        let a = sum(&src);
+        std::thread::sleep(Duration::from_millis(5));
+        assert_ne!(sum(&src), a, "the guest is not writing, the test proves nothing");
+        src.pause(Duration::from_secs(2)).unwrap();
+        let p = sum(&src);
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(sum(&src), p, "guest RAM changed while the VM was paused");
+        src.resume().unwrap();
+    }
+    src.stop();
+}

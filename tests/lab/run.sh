@@ -27,7 +27,7 @@ while [[ $# -gt 0 ]]; do
     --timeout) TIMEOUT=$2; shift 2 ;;
     --list)
       for f in "$LAB"/scenarios/*.sh; do
-        [[ $f == *.guest.sh ]] && continue
+        [[ $f == *.guest.sh || $f == *.prepare.sh ]] && continue
         printf '%-16s default=%-3s %s\n' "$(basename "$f" .sh)" "$(header "$f" default no)" "$(header "$f" description)"
       done
       exit 0 ;;
@@ -35,9 +35,13 @@ while [[ $# -gt 0 ]]; do
       rc=0
       for f in "$LAB"/scenarios/*.sh "$LAB"/lib/*.sh; do
         if head -n3 "$f" | grep -q bash; then bash -n "$f"; else sh -n "$f"; fi || { echo "syntax error: $f"; rc=1; }
-        [[ $f == */scenarios/*.sh && $f != *.guest.sh ]] || continue
+        [[ $f == */scenarios/*.sh && $f != *.guest.sh && $f != *.prepare.sh ]] || continue
         [[ -n $(header "$f" description) && $(header "$f" default) =~ ^(yes|no)$ ]] ||
           { echo "$f: needs '# lab: description=' and '# lab: default=yes|no'"; rc=1; }
+        for k in guest:guest prepare:prepare; do  # the files these headers name must exist
+          v=$(header "$f" "${k%%:*}")
+          [[ -z $v || -f $LAB/scenarios/$v.${k#*:}.sh ]] || { echo "$f: no scenarios/$v.${k#*:}.sh"; rc=1; }
+        done
       done
       exit $rc ;;
     -h | --help) usage ;;
@@ -48,7 +52,10 @@ done
 [[ -n $SCEN ]] || usage
 SCRIPT=$LAB/scenarios/$SCEN.sh
 [[ -f $SCRIPT ]] || die "no scenario $SCEN ($SCRIPT)"
-GUEST_SCRIPT=$LAB/scenarios/$SCEN.guest.sh
+# The guest script: "# lab: guest=NAME" (scenarios/NAME.guest.sh), else the
+# scenario's own scenarios/<name>.guest.sh, else lib/default.guest.sh.
+GUEST_SCRIPT=$LAB/scenarios/$(header "$SCRIPT" guest "$SCEN").guest.sh
+[[ -f $GUEST_SCRIPT || -z $(header "$SCRIPT" guest) ]] || die "scenario $SCEN: no $GUEST_SCRIPT"
 [[ -f $GUEST_SCRIPT ]] || GUEST_SCRIPT=$LAB/lib/default.guest.sh
 TIMEOUT=${TIMEOUT:-${K7D_LAB_TIMEOUT:-$(header "$SCRIPT" timeout 600)}}
 [[ $(header "$SCRIPT" bin) != required || -n $BIN ]] || die "scenario $SCEN needs --bin PATH"
@@ -109,18 +116,44 @@ mkdir -p "$RUN/lab/l2" "$RUN/lab/bin" "$RUN/lab/files"
 install -m 0755 "$SCRIPT" "$RUN/lab/scenario.sh"
 cp "$LAB/lib/l1-lib.sh" "$RUN/lab/lib.sh"
 cp "$L2_TREE/boot/vmlinuz-$L2_KREL" "$RUN/lab/l2/vmlinuz"
-mkdir -p "$OUT/work/guest" && cp "$GUEST_SCRIPT" "$OUT/work/guest/guest.sh"
+# The guest's part of this run: /guest.sh and the scenario's l2-bins (host
+# executables with their libraries at /usr/bin/<tool>, on the guest's PATH
+# before busybox's /bin). Busybox sh runs its applets before PATH, so a tool
+# whose name is an applet and a shell name gets a function in front of the
+# script; others are found on PATH (or call /usr/bin/<tool>).
+mkdir -p "$OUT/work/guest"
+L2_BINS=$(header "$SCRIPT" l2-bins)
+{
+  if [[ -n $L2_BINS ]]; then
+    echo "# l2-bins ($L2_BINS), added by run.sh: copied host tools win over busybox applets"
+    for tool in $L2_BINS; do
+      [[ $tool =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] && printf '%s() { /usr/bin/%s "$@"; }\n' "$tool" "$tool"
+    done
+  fi
+  cat "$GUEST_SCRIPT"
+} >"$OUT/work/guest/guest.sh"
+for tool in $L2_BINS; do
+  p=$(host_tool "$tool") || die "scenario $SCEN wants $tool in the guest: not on this host (tests/lab/setup.sh)"
+  stage_elf "$p" "$OUT/work/guest" "/usr/bin/$tool"
+done
 mkcpio "$OUT/work/guest" "$OUT/work/guest.cpio"
 cat "$L2_BASE" "$OUT/work/guest.cpio" >"$RUN/lab/l2/initrd.cpio"
 [[ -z $BIN ]] || stage_elf "$BIN" "$RUN" "/lab/bin/$(basename "$BIN")"
 for tool in $(header "$SCRIPT" l1-bins); do
-  p=$(command -v "$tool") || die "scenario $SCEN wants $tool in L1: not on this host"
+  p=$(host_tool "$tool") || die "scenario $SCEN wants $tool in L1: not on this host (tests/lab/setup.sh)"
   stage_elf "$p" "$RUN" "/usr/bin/$tool"
 done
 for f in $(header "$SCRIPT" files); do
   [[ $f == /* ]] || f=$LAB/../../$f
   cp -rL "$f" "$RUN/lab/files/"
 done
+# "# lab: prepare=NAME": scenarios/NAME.prepare.sh built host-side files (an erofs
+# image, ...), cached by a hash of its inputs; they join /lab/files/.
+PREP=$(header "$SCRIPT" prepare)
+if [[ -n $PREP ]]; then
+  PREP_DIR=$(prepared "$PREP")
+  cp -r "$PREP_DIR/." "$RUN/lab/files/"
+fi
 {
   q() { printf "export %s='%s'\n" "$1" "${2//\'/\'\\\'\'}"; }
   q LAB_SCENARIO "$SCEN"

@@ -3,7 +3,9 @@
 # The kernels and busybox that go into the images are not installed: run.sh
 # fetches them with apt-get download into $K7D_LAB_CACHE.
 set -euo pipefail
-PKGS=(qemu-system-x86 cpio kmod xz-utils zstd iproute2 util-linux coreutils)
+# erofs-utils: mkfs.erofs for k7d-blk's read-only image (k7d-blk.prepare.sh);
+# e2fsprogs: mkfs.ext4, copied into the k7d-blk guest (l2-bins).
+PKGS=(qemu-system-x86 cpio kmod xz-utils zstd iproute2 util-linux coreutils erofs-utils e2fsprogs)
 [[ $EUID -eq 0 ]] || { echo "setup.sh: run as root (apt-get install)" >&2; exit 2; }
 missing=()
 for p in "${PKGS[@]}"; do

@@ -199,3 +199,47 @@ cached_image() {
   touch "$img"
   printf '%s\n' "$img"
 }
+
+# host_tool NAME: the path of a host executable (PATH, then the sbin folders a
+# non-root PATH may lack).
+host_tool() {
+  local p d
+  if p=$(command -v "$1" 2>/dev/null) && [[ $p == /* ]]; then printf '%s\n' "$p"; return 0; fi
+  for d in /usr/local/sbin /usr/sbin /sbin; do
+    [[ -x $d/$1 ]] && { printf '%s\n' "$d/$1"; return 0; }
+  done
+  return 1
+}
+
+# prepared NAME: run scenarios/NAME.prepare.sh OUTDIR on the host once per input
+# and print OUTDIR ($CACHE/prepared/NAME-KEY/files). The key hashes the script, this
+# file and the installed versions of the Debian packages its
+# "# lab: packages=..." header names (its tools, e.g. erofs-utils); those must
+# be installed (tests/lab/setup.sh). Unused outputs go after 14 days.
+prepared() {
+  local name=$1 script pkgs versions k dir tmp p
+  script=$LAB/scenarios/$name.prepare.sh
+  [[ -f $script ]] || die "no $script"
+  pkgs=$(sed -n 's/^# lab: *packages=//p' "$script" | head -n1)
+  versions=
+  if [[ -n $pkgs ]]; then
+    # shellcheck disable=SC2086
+    versions=$(dpkg-query -W -f '${Package}=${Version} ${db:Status-Status}\n' $pkgs 2>/dev/null) || true
+    for p in $pkgs; do
+      grep -q "^$p=.* installed\$" <<<"$versions" || die "$name.prepare.sh needs the Debian package $p: run tests/lab/setup.sh"
+    done
+  fi
+  k=$(key "$name" "$versions" -- "$script" "$LAB/lib/host.sh")
+  dir=$CACHE/prepared/$name-$k
+  if [[ ! -e $dir/.done ]]; then
+    log "preparing $name ($k)"
+    mkdir -p "$CACHE/prepared" "$CACHE/tmp"
+    tmp=$(mktemp -d "$CACHE/tmp/prep-$name.XXXXXX")
+    mkdir "$tmp/files"
+    timeout 300 bash "$script" "$tmp/files" >&2 || die "$script failed"
+    rm -rf "$dir" && mv "$tmp" "$dir" && touch "$dir/.done"
+    find "$CACHE/prepared" -mindepth 1 -maxdepth 1 -type d -mtime +14 -exec rm -rf {} +
+  fi
+  touch "$dir"
+  printf '%s\n' "$dir/files"
+}

@@ -11,7 +11,8 @@ exec </dev/console >/dev/console 2>&1
 echo "LAB-GUEST init uptime=$up"
 mount -t sysfs sys /sys
 mount -t tmpfs tmp /tmp
-export PATH=/bin HOME=/tmp
+# Tools copied in with "# lab: l2-bins=" (at /usr/bin) come before busybox applets.
+export PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp
 for m in $(cat /modules.order); do
   insmod "/modules/$m" || echo "LAB-GUEST insmod-failed $m"
 done

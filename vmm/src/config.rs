@@ -113,6 +113,25 @@ pub struct NicConfig {
     /// Guest MAC `aa:bb:cc:dd:ee:ff` (default: derived from the VM id).
     #[serde(default)]
     pub mac: Option<String>,
+    /// Attach the tap to a pod's network through k7d's datapath (tc-eBPF
+    /// direct, bridge chain, or auto) instead of leaving a bare tap.
+    #[serde(default)]
+    pub datapath: Option<DatapathNicConfig>,
+}
+
+/// How a NIC reaches its pod (`docs/datapath.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatapathNicConfig {
+    /// `direct`, `bridge` or `auto`.
+    pub mode: String,
+    /// The pod's network namespace (e.g. `/run/netns/pod`); the tap is created there.
+    pub netns: PathBuf,
+    /// The pod's interface (the CNI veth inside `netns`, e.g. `eth0`).
+    pub pod_if: String,
+    /// The pod UID (policy identity).
+    #[serde(default)]
+    pub pod_uid: Option<String>,
 }
 
 /// A virtio-vsock device with the hybrid (unix socket) host side.
@@ -360,6 +379,14 @@ impl VmConfig {
             }
         }
         for (i, n) in self.devices.nics.iter().enumerate() {
+            if let Some(d) = &n.datapath
+                && d.mode.parse::<k7d_net::Mode>().is_err()
+            {
+                return Err(ConfigError::Guest(format!(
+                    "nic {i}: datapath mode `{}` is unknown (use direct, bridge or auto)",
+                    d.mode
+                )));
+            }
             if let Some(m) = &n.mac
                 && parse_mac(m).is_none()
             {

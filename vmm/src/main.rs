@@ -73,7 +73,8 @@ struct GuestArgs {
     /// A virtio-blk disk: `PATH` (read-write) or `PATH,ro` (repeatable; /dev/vda, /dev/vdb, ...).
     #[arg(long = "disk")]
     disks: Vec<String>,
-    /// A virtio-net NIC: `tap=NAME[,queues=N][,vhost=on|off][,mac=aa:bb:cc:dd:ee:ff]` (repeatable).
+    /// A virtio-net NIC: `tap=NAME[,queues=N][,vhost=on|off][,mac=..]`, or attached to a pod:
+    /// `datapath=direct|bridge|auto,netns=PATH,pod-if=NAME[,pod-uid=UID][,queues=N]` (repeatable).
     #[arg(long = "nic")]
     nics: Vec<String>,
     /// A virtio-vsock device: `cid=N,uds=PATH`.
@@ -107,8 +108,13 @@ fn parse_kv(flag: &str, s: &str) -> Result<Vec<(String, String)>> {
 
 fn parse_nic(s: &str) -> Result<NicConfig> {
     let mut n = NicConfig::default();
+    let (mut mode, mut netns, mut pod_if, mut pod_uid) = (None, None, None, None);
     for (k, v) in parse_kv("nic", s)? {
         match k.as_str() {
+            "datapath" => mode = Some(v),
+            "netns" => netns = Some(PathBuf::from(v)),
+            "pod-if" => pod_if = Some(v),
+            "pod-uid" => pod_uid = Some(v),
             "tap" => n.tap = Some(v),
             "queues" => {
                 n.queues = Some(
@@ -124,8 +130,20 @@ fn parse_nic(s: &str) -> Result<NicConfig> {
                 })
             }
             "mac" => n.mac = Some(v),
-            _ => anyhow::bail!("--nic {s}: unknown key `{k}` (known: tap, queues, vhost, mac)"),
+            _ => anyhow::bail!(
+                "--nic {s}: unknown key `{k}` (known: tap, queues, vhost, mac, datapath, netns, pod-if, pod-uid)"
+            ),
         }
+    }
+    if let Some(mode) = mode {
+        n.datapath = Some(k7d_vmm::config::DatapathNicConfig {
+            mode,
+            netns: netns.ok_or_else(|| anyhow!("--nic {s}: datapath= needs netns=PATH (the pod's netns)"))?,
+            pod_if: pod_if.ok_or_else(|| anyhow!("--nic {s}: datapath= needs pod-if=NAME (the pod's veth)"))?,
+            pod_uid,
+        });
+    } else if netns.is_some() || pod_if.is_some() || pod_uid.is_some() {
+        anyhow::bail!("--nic {s}: netns/pod-if/pod-uid only make sense with datapath=direct|bridge|auto");
     }
     Ok(n)
 }

@@ -187,6 +187,8 @@ pub struct Vm {
     vcpus: Vec<vcpu::SharedVcpu>,
     buses: Arc<Buses>,
     serial: Arc<Mutex<Serial>>,
+    /// After the buses (the taps are closed first), before the VM fd.
+    _net_cleanups: Vec<NetCleanup>,
     devices: Vec<DeviceInfo>,
     vm_fd: Arc<VmFd>,
     ram: GuestRam,
@@ -343,10 +345,20 @@ impl Vm {
 
         let control = Arc::new(VmControl::new(id));
         let serial_state = restore.as_ref().map(|(st, _)| &st.serial);
+        let mut net_cleanups = Vec::new();
         let (mut buses, mut devices, serial) =
             build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
         if linux.is_some() {
-            add_linux_platform(&vm_fd, &ram, &control, config, opts, &mut buses, &mut devices)?;
+            add_linux_platform(
+                &vm_fd,
+                &ram,
+                &control,
+                config,
+                opts,
+                &mut buses,
+                &mut devices,
+                &mut net_cleanups,
+            )?;
         }
 
         let n = u32::from(config.vcpus);
@@ -393,6 +405,7 @@ impl Vm {
             vcpus: pending,
             buses: Arc::new(buses),
             serial,
+            _net_cleanups: net_cleanups,
             devices,
             vm_fd,
             ram,
@@ -787,6 +800,7 @@ fn add_linux_platform(
     opts: &VmOptions,
     buses: &mut Buses,
     devices: &mut Vec<DeviceInfo>,
+    net_cleanups: &mut Vec<NetCleanup>,
 ) -> Result<(), VmError> {
     use k7d_devices::pci::{
         BarAllocator, ECAM_BUS_SIZE, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciConfigIo, PciConfigMmio, PciRoot,
@@ -886,9 +900,50 @@ fn add_linux_platform(
                     plane.vhost = false;
                 }
             }
-            let tap_name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(&id, idx).tap);
-            let tap = k7d_net::create_tap(&mut nl, &tap_name, plane.queue_pairs.into(), true)
-                .map_err(|e| dev_err("virtio-net")(&e))?;
+            let mut path_note = String::new();
+            let (tap_name, tap) = match &n.datapath {
+                None => {
+                    let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(&id, idx).tap);
+                    let tap = k7d_net::create_tap(&mut nl, &name, plane.queue_pairs.into(), true)
+                        .map_err(|e| dev_err("virtio-net")(&e))?;
+                    (name, tap)
+                }
+                Some(d) => {
+                    let mode: k7d_net::Mode = d.mode.parse().map_err(|e| dev_err("virtio-net")(&e))?;
+                    let dp = k7d_net::Datapath::new(k7d_net::DatapathConfig::default())
+                        .map_err(|e| dev_err("datapath")(&e))?;
+                    let att = dp
+                        .attach(&k7d_net::NicRequest {
+                            vm_id: &id,
+                            nic_idx: idx,
+                            mode,
+                            pod_netns: &d.netns,
+                            pod_if: &d.pod_if,
+                            queues: plane.queue_pairs.into(),
+                            vnet_hdr: true,
+                            pod_uid: d.pod_uid.as_deref(),
+                            unsupported: None,
+                        })
+                        .map_err(|e| VmError::Device {
+                            what: "datapath",
+                            msg: format!("nic {i}: {e}"),
+                        })?;
+                    path_note = format!(
+                        ", datapath: {}{}",
+                        att.effective_mode,
+                        att.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+                    );
+                    // Detached (filters, pins, bridge) when the VM goes away.
+                    net_cleanups.push(NetCleanup {
+                        dp,
+                        vm_id: id.clone(),
+                        idx,
+                        netns: d.netns.clone(),
+                        pod_if: d.pod_if.clone(),
+                    });
+                    (att.tap.name.clone(), att.tap)
+                }
+            };
             let mac = n
                 .mac
                 .as_deref()
@@ -907,7 +962,7 @@ fn add_linux_platform(
                 "virtio-net",
                 Box::new(net),
                 mem.clone(),
-                format!("tap {tap_name}, {plane}, mac {mac_s}"),
+                format!("tap {tap_name}, {plane}, mac {mac_s}{path_note}"),
             )?;
         }
     }
@@ -962,6 +1017,23 @@ fn copy_memory(src: &File, dst: &File, len: u64) -> Result<(), VmError> {
         off += n as u64;
     }
     Ok(())
+}
+
+/// A NIC attached through the datapath, detached when the VM is dropped.
+pub(crate) struct NetCleanup {
+    dp: k7d_net::Datapath,
+    vm_id: String,
+    idx: u16,
+    netns: PathBuf,
+    pod_if: String,
+}
+
+impl Drop for NetCleanup {
+    fn drop(&mut self) {
+        if let Err(e) = self.dp.detach(&self.vm_id, self.idx, Some(&self.netns), &self.pod_if) {
+            tracing::error!(vm = %self.vm_id, nic = self.idx, error = %e, "datapath detach failed");
+        }
+    }
 }
 
 /// What wiring a virtio-pci device needs.

@@ -798,10 +798,13 @@ fn add_linux_platform(
     control: &Arc<VmControl>,
     config: &VmConfig,
     opts: &VmOptions,
-    buses: &mut Buses,
-    devices: &mut Vec<DeviceInfo>,
-    net_cleanups: &mut Vec<NetCleanup>,
+    out: Wiring<'_>,
 ) -> Result<(), VmError> {
+    let Wiring {
+        buses,
+        devices,
+        net_cleanups,
+    } = out;
     use k7d_devices::pci::{
         BarAllocator, ECAM_BUS_SIZE, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciConfigIo, PciConfigMmio, PciRoot,
     };
@@ -1017,6 +1020,13 @@ fn copy_memory(src: &File, dst: &File, len: u64) -> Result<(), VmError> {
         off += n as u64;
     }
     Ok(())
+}
+
+/// Where `add_linux_platform` puts what it builds.
+struct Wiring<'a> {
+    buses: &'a mut Buses,
+    devices: &'a mut Vec<DeviceInfo>,
+    net_cleanups: &'a mut Vec<NetCleanup>,
 }
 
 /// A NIC attached through the datapath, detached when the VM is dropped.

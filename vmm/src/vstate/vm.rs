@@ -349,16 +349,12 @@ impl Vm {
         let (mut buses, mut devices, serial) =
             build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
         if linux.is_some() {
-            add_linux_platform(
-                &vm_fd,
-                &ram,
-                &control,
-                config,
-                opts,
-                &mut buses,
-                &mut devices,
-                &mut net_cleanups,
-            )?;
+            let out = Wiring {
+                buses: &mut buses,
+                devices: &mut devices,
+                net_cleanups: &mut net_cleanups,
+            };
+            add_linux_platform(&vm_fd, &ram, &control, config, opts, out)?;
         }
 
         let n = u32::from(config.vcpus);

@@ -175,6 +175,19 @@ fn lab_k7d_net_userspace_two_queues() {
     );
 }
 
+/// Issue 6: a real Linux guest reaches a peer netns through the tc-eBPF
+/// direct datapath (the VM's tap in the pod netns, programs on the tap and the
+/// pod's veth): ping + 100 MiB each way with matching sums, nothing left.
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_direct_datapath_real_guest() {
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("k7d-direct", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(metric(&r, "net.guest_to_l1_100mib") > 0.0);
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("datapath: direct"), "{notes}");
+}
+
 /// The same over L1's kernel vhost-net (`vhost=on`): "vhost: on, queues: 2".
 /// Pending while k7d-net-vhost.sh says `# lab: default=no` (the vhost-net
 /// backend is a stub): skipped unless `K7D_LAB_RUN_PENDING=1`.

@@ -18,10 +18,20 @@
 # By hand: tests/lab/run.sh --bin target/release/k7d k7d-net
 . /lab/lib.sh
 
-VMM=${NET_VMM:-k7d} VHOST=${NET_VHOST:-off}
+VMM=${NET_VMM:-k7d} VHOST=${NET_VHOST:-off} DIRECT=${NET_DATAPATH:-}
 TAP=k7dlab0 SIZE=104857600 LOG=/tmp/l2-net.log
 [ -c /dev/net/tun ] || lab_fail "no /dev/net/tun in L1"
 ip link show "$TAP" >/dev/null 2>&1 && lab_fail "$TAP exists before the VMM started"
+if [ -n "$DIRECT" ]; then
+  # A pod: netns k7dpod with the CNI veth eth0; its peer k7dpeer in L1's root
+  # netns is the host the guest talks to (10.77.0.1) through k7d's datapath.
+  grep -q " /sys/fs/bpf " /proc/mounts || mount -t bpf bpf /sys/fs/bpf || lab_fail "cannot mount bpffs"
+  ip netns add k7dpod || lab_fail "ip netns add failed"
+  ip link add k7dpeer type veth peer name eth0 netns k7dpod || lab_fail "veth creation failed"
+  ip addr add 10.77.0.1/24 dev k7dpeer && ip link set k7dpeer up && ip -n k7dpod link set eth0 up ||
+    lab_fail "configuring the pod veth failed"
+  TAP=k7dpeer
+fi
 rm -f /tmp/net.*
 
 # What L1 sends, and an endless stdin for its listener (see the guest script).
@@ -39,8 +49,10 @@ rx_pid=$!
     i=$((i + 1)); [ "$i" -lt 3000 ] || { echo "the tap $TAP never appeared in L1" >/tmp/net.agent-err; exit 1; }
     sleep 0.1
   done
-  { ip addr add 10.77.0.1/24 dev "$TAP" && ip link set "$TAP" up; } 2>/tmp/net.ip.err ||
-    { echo "configuring $TAP failed: $(cat /tmp/net.ip.err)" >/tmp/net.agent-err; exit 1; }
+  if [ -z "$DIRECT" ]; then
+    { ip addr add 10.77.0.1/24 dev "$TAP" && ip link set "$TAP" up; } 2>/tmp/net.ip.err ||
+      { echo "configuring $TAP failed: $(cat /tmp/net.ip.err)" >/tmp/net.agent-err; exit 1; }
+  fi
   lab_now >/tmp/net.tap-up
   i=0
   until [ -s /tmp/net.l1-rx.rc ]; do
@@ -58,6 +70,7 @@ agent_pid=$!
 
 nic="tap=$TAP,queues=2"
 [ "$VHOST" = on ] && nic="$nic,vhost=on"
+[ -n "$DIRECT" ] && nic="datapath=$DIRECT,netns=/run/netns/k7dpod,pod-if=eth0,queues=2"
 case $VMM in
   k7d)
     [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
@@ -83,12 +96,23 @@ err=$(sed -n 's/.*LAB-GUEST error //p' "$LOG" | head -n1)
 [ "$L2_RC" = 0 ] || lab_fail "$VMM exited $L2_RC: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
 grep -q "LAB-GUEST net-done=yes" "$LOG" || lab_fail "the guest script did not finish"
 grep -q "LAB-GUEST end rc=0" "$LOG" || lab_fail "the guest script did not end with rc=0"
-if [ "$VMM" = k7d ]; then
+if [ -n "$DIRECT" ]; then
+  line=$(grep "k7d: nic 0: tap k7dt" "$LOG" | head -n1)
+  case $line in
+    *"vhost: off, queues: 2,"*"datapath: $DIRECT"*) lab_note "$line" ;;
+    *) lab_fail "k7d did not report 'vhost: off, queues: 2 ... datapath: $DIRECT' (it printed: $line)" ;;
+  esac
+  # Nothing of the NIC may remain: no tap in the pod, no filters, no pins.
+  left=$(ip -n k7dpod -o link show | grep -c k7dt)
+  [ "$left" = 0 ] || lab_fail "a tap is still in the pod netns after k7d exited"
+  [ -z "$(ls -A /sys/fs/bpf/k7d 2>/dev/null)" ] || lab_fail "bpf pins left: $(ls -R /sys/fs/bpf/k7d)"
+  [ -z "$(/usr/bin/tc -n k7dpod filter show dev eth0 ingress 2>/dev/null)" ] || lab_fail "tc filters left on the pod's eth0"
+elif [ "$VMM" = k7d ]; then
   line="k7d: nic 0: tap $TAP, vhost: $VHOST, queues: 2"
   grep -qF "$line" "$LOG" || lab_fail "k7d did not print '$line' (it printed: $(grep 'k7d: nic' "$LOG" | head -n2 | tr '\n' ' '))"
   lab_note "$line"
 fi
-ip link show "$TAP" >/dev/null 2>&1 && lab_fail "the tap $TAP is still there after $VMM exited"
+[ -n "$DIRECT" ] || ! ip link show "$TAP" >/dev/null 2>&1 || lab_fail "the tap $TAP is still there after $VMM exited"
 
 q=$(lab_guest net-queues net)
 [ "$q" = "rx-0,rx-1,tx-0,tx-1" ] || lab_fail "the guest's eth0 has queues $q, expected rx-0,rx-1,tx-0,tx-1 (2 queue pairs)"
@@ -108,4 +132,4 @@ lab_note "guest eth0 queues $q, mac $(lab_guest net-mac net), ping 3/3; 100 MiB 
 lab_metric net.guest_to_l1_100mib "$(lab_guest net-tx-s net)" s
 lab_metric net.l1_to_guest_100mib "$(lab_guest net-rx-s net)" s
 lab_note "timings of an emulated machine (L1 is QEMU TCG): not performance figures"
-lab_pass "$VMM-net (vhost $VHOST): 2 queue pairs, ping 3/3, 100 MiB each way, sums match, tap removed"
+lab_pass "$VMM-net (vhost $VHOST${DIRECT:+, datapath $DIRECT}): 2 queue pairs, ping 3/3, 100 MiB each way, sums match, nothing left"

@@ -1,5 +1,5 @@
-# lab: description=PENDING (k7d's vhost-net backend is a stub): k7d-net with --nic ...,vhost=on over L1's /dev/vhost-net; expects "vhost: on, queues: 2"
-# lab: default=no
+# lab: description=k7d-net with --nic ...,vhost=on over L1's /dev/vhost-net; expects "vhost: on, queues: 2"
+# lab: default=yes
 # lab: timeout=900
 # lab: bin=required
 # lab: guest=k7d-net

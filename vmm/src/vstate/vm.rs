@@ -885,18 +885,22 @@ fn add_linux_platform(
             if let Some(w) = &plane.warning {
                 tracing::warn!(vm = %id, nic = i, "{w}");
             }
-            if plane.vhost {
-                // The kernel vhost-net backend is not built yet: an explicit
-                // request fails, a defaulted NIC falls back with a warning.
-                if let Err(e) = k7d_devices::virtio::net::vhost::VhostNetBackend::new(plane.queue_pairs) {
-                    if n.vhost == Some(true) {
-                        return Err(VmError::Device {
+            if plane.vhost && n.datapath.is_some() {
+                // The datapath owns the tap's creation; vhost on such a NIC is
+                // not wired yet: settle the plane as if vhost were unavailable
+                // (an explicit request fails with that reason).
+                let why = k7d_net::policy::VhostAvailability::Unavailable(
+                    "NICs attached through the datapath use the userspace data plane for now".into(),
+                );
+                plane =
+                    k7d_net::policy::effective_data_plane(&node, &req, u16::from(config.vcpus), &why).map_err(|e| {
+                        VmError::Device {
                             what: "virtio-net",
-                            msg: format!("nic {i}: vhost-net was requested explicitly but cannot be used: {e}"),
-                        });
-                    }
-                    tracing::warn!(vm = %id, nic = i, error = %e, "vhost-net unusable; this NIC uses the userspace data plane");
-                    plane.vhost = false;
+                            msg: format!("nic {i}: {e}"),
+                        }
+                    })?;
+                if let Some(w) = &plane.warning {
+                    tracing::warn!(vm = %id, nic = i, "{w}");
                 }
             }
             let mut path_note = String::new();
@@ -948,14 +952,38 @@ fn add_linux_platform(
                 .as_deref()
                 .and_then(crate::config::parse_mac)
                 .unwrap_or_else(|| derived_mac(&id, idx));
-            let net = k7d_devices::virtio::net::Net::new(
-                tap,
-                k7d_devices::virtio::net::NetConfig {
-                    mac,
-                    queue_pairs: plane.queue_pairs,
-                },
-            )
-            .map_err(|e| dev_err("virtio-net")(&e))?;
+            let cfg = |pairs: u16| k7d_devices::virtio::net::NetConfig {
+                mac,
+                queue_pairs: pairs,
+            };
+            let net = if plane.vhost {
+                let opts = k7d_devices::virtio::net::VhostOptions { dirty_log: false };
+                match k7d_devices::virtio::net::Net::new_vhost(tap, cfg(plane.queue_pairs), mem.clone(), opts) {
+                    Ok(net) => net,
+                    Err(e) => {
+                        // The failed attempt dropped (and so removed) the tap.
+                        // Settle the plane again with vhost unavailable: an
+                        // explicit request fails with the reason, a defaulted
+                        // NIC falls back to userspace with one warning.
+                        let why = k7d_net::policy::VhostAvailability::Unavailable(e.to_string());
+                        plane = k7d_net::policy::effective_data_plane(&node, &req, u16::from(config.vcpus), &why)
+                            .map_err(|pe| VmError::Device {
+                                what: "virtio-net",
+                                msg: format!("nic {i}: {pe}"),
+                            })?;
+                        if let Some(w) = &plane.warning {
+                            tracing::warn!(vm = %id, nic = i, "{w}");
+                        }
+                        let tap = k7d_net::create_tap(&mut nl, &tap_name, plane.queue_pairs.into(), true)
+                            .map_err(|e| dev_err("virtio-net")(&e))?;
+                        k7d_devices::virtio::net::Net::new(tap, cfg(plane.queue_pairs))
+                            .map_err(|e| dev_err("virtio-net")(&e))?
+                    }
+                }
+            } else {
+                k7d_devices::virtio::net::Net::new(tap, cfg(plane.queue_pairs))
+                    .map_err(|e| dev_err("virtio-net")(&e))?
+            };
             let mac_s = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
             pci.add(
                 "virtio-net",

@@ -16,11 +16,12 @@ use virtio_bindings::virtio_net::{
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::event_handler::{CtrlQueue, PairWorker};
+use super::event_handler::{CtrlQueue, CtrlWorker, PairWorker};
+use super::vhost::{self, VhostDirtyLog, VhostNetBackend, VhostOptions};
 use super::{MAX_QUEUE_PAIRS, NetError, QUEUE_SIZE, persist, tap_queue};
 use crate::virtio::{
-    ActivateContext, ActiveQueue, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
-    VirtioDevice, VirtioError,
+    ActivateContext, ActiveQueue, GuestMemoryHandle, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice, VirtioError,
 };
 
 /// Length of the config space: `mac[6]`, `status`, `max_virtqueue_pairs`, `mtu`.
@@ -81,7 +82,7 @@ pub struct NetStats {
 }
 
 impl NetStats {
-    fn new(pairs: u16) -> Self {
+    pub(super) fn new(pairs: u16) -> Self {
         Self {
             pairs: (0..pairs).map(|_| QueuePairStats::default()).collect(),
             active_pairs: AtomicU16::new(0),
@@ -97,6 +98,8 @@ struct Running {
     workers: Vec<JoinHandle<Vec<ActiveQueue>>>,
     /// Queues the driver enabled that no worker uses (returned on reset).
     spare: Vec<ActiveQueue>,
+    /// Rings handed to the kernel (vhost): RX 0, TX 0, RX 1, ...
+    vhost_rings: Vec<ActiveQueue>,
 }
 
 /// A virtio-net device on a (multiqueue) tap.
@@ -107,6 +110,8 @@ pub struct Net {
     queue_sizes: Vec<u16>,
     stats: Arc<NetStats>,
     running: Option<Running>,
+    /// The kernel data plane, when built with [`Net::new_vhost`].
+    vhost: Option<VhostNetBackend>,
 }
 
 impl std::fmt::Debug for Net {
@@ -114,6 +119,7 @@ impl std::fmt::Debug for Net {
         f.debug_struct("Net")
             .field("tap", &self.tap.name)
             .field("pairs", &self.pairs)
+            .field("vhost", &self.vhost.is_some())
             .field("active", &self.running.is_some())
             .finish_non_exhaustive()
     }
@@ -149,7 +155,36 @@ impl Net {
             queue_sizes: vec![QUEUE_SIZE; 2 * usize::from(pairs) + 1],
             stats: Arc::new(NetStats::new(pairs)),
             running: None,
+            vhost: None,
         })
+    }
+
+    /// A device whose RX/TX rings the kernel serves (vhost-net): opens one
+    /// `/dev/vhost-net` per queue pair now, so a missing or unusable vhost
+    /// fails here (and the VMM can fall back to [`Net::new`] with a fresh
+    /// tap). `mem` is the VM's RAM, the same handle the transport activates
+    /// the device with. The control queue is served in userspace.
+    pub fn new_vhost(
+        tap: Tap,
+        config: NetConfig,
+        mem: GuestMemoryHandle,
+        opts: VhostOptions,
+    ) -> Result<Self, NetError> {
+        let mut net = Self::new(tap, config)?;
+        net.vhost = Some(VhostNetBackend::open(mem, config.queue_pairs, opts)?);
+        Ok(net)
+    }
+
+    /// Whether the kernel serves the rings (the data plane settled at build).
+    pub fn is_vhost(&self) -> bool {
+        self.vhost.is_some()
+    }
+
+    /// The vhost dirty log (pages the kernel wrote), when built with
+    /// `VhostOptions { dirty_log: true }`; the fork path drains it into the
+    /// device's bitmap ([`VhostDirtyLog::drain_into`]).
+    pub fn vhost_dirty_log(&self) -> Option<Arc<VhostDirtyLog>> {
+        self.vhost.as_ref().and_then(VhostNetBackend::dirty_log)
     }
 
     /// Counters (per queue pair, control queue, running workers).
@@ -181,9 +216,111 @@ impl Net {
                 Err(_) => error!("a net worker panicked; its queues are lost"),
             }
         }
+        let mut rings = r.vhost_rings;
+        if let Some(v) = self.vhost.as_mut() {
+            v.stop(&mut rings);
+        }
+        queues.extend(rings);
         queues.sort_by_key(|q| q.index);
         self.stats.active_pairs.store(0, Ordering::Release);
         queues.into_iter().map(|q| q.queue).collect()
+    }
+
+    /// The vhost half of `activate`: rings of pairs `0..pairs` to the
+    /// kernel, the control queue (if any) to a userspace worker.
+    #[allow(clippy::too_many_arguments)]
+    fn activate_vhost(
+        &mut self,
+        mem: GuestMemoryHandle,
+        acked: u64,
+        interrupt: crate::virtio::Interrupt,
+        mut by_index: BTreeMap<u16, ActiveQueue>,
+        ctrl: Option<CtrlQueue>,
+        stop: EventFd,
+        pairs: u16,
+    ) -> Result<(), VirtioError> {
+        let hdr = vhost::vnet_hdr_len(acked);
+        for fd in &self.tap.queues {
+            tap_queue::set_vnet_hdr_size(fd, hdr).map_err(|e| self.bad_tap("TUNSETVNETHDRSZ", e))?;
+        }
+        let mut rings = Vec::with_capacity(2 * usize::from(pairs));
+        for i in 0..2 * pairs {
+            match by_index.remove(&i) {
+                Some(q) => rings.push(q),
+                None => {
+                    return Err(VirtioError::QueueCount {
+                        device: "net",
+                        expected: 2 * usize::from(pairs),
+                        got: rings.len(),
+                    });
+                }
+            }
+        }
+        let Some(backend) = self.vhost.as_mut() else {
+            return Err(VirtioError::Unsupported {
+                device: "net",
+                op: "vhost activation without a vhost backend",
+            });
+        };
+        if let Err(e) = backend.start(acked, &rings, &self.tap.queues, &interrupt) {
+            backend.stop(&mut rings);
+            error!(tap = %self.tap.name, error = %e, "vhost-net activation failed");
+            return Err(VirtioError::Open {
+                path: format!("{} for tap {}", vhost::VHOST_NET_PATH, self.tap.name),
+                source: std::io::Error::other(e),
+            });
+        }
+        let mut workers = Vec::new();
+        if let Some(ctrl) = ctrl {
+            let worker = CtrlWorker {
+                mem,
+                ctrl,
+                tap: self.tap.clone(),
+                stop: stop.try_clone().map_err(VirtioError::EventFd)?,
+                interrupt,
+                stats: self.stats.clone(),
+            };
+            match std::thread::Builder::new()
+                .name("k7d-vnet-ctrl".into())
+                .spawn(move || worker.run())
+            {
+                Ok(h) => workers.push(h),
+                Err(e) => {
+                    if let Some(b) = self.vhost.as_mut() {
+                        b.stop(&mut rings);
+                    }
+                    return Err(VirtioError::Spawn("net", e));
+                }
+            }
+        }
+        self.running = Some(Running {
+            stop,
+            workers,
+            spare: by_index.into_values().collect(),
+            vhost_rings: rings,
+        });
+        info!(tap = %self.tap.name, features = acked, pairs, vnet_hdr = hdr, "virtio-net activated (vhost-net)");
+        Ok(())
+    }
+
+    /// Features of the userspace data plane (vhost adjusts the ring ones).
+    fn userspace_features(&self) -> u64 {
+        let mut f = VIRTIO_F_VERSION_1
+            | VIRTIO_RING_F_EVENT_IDX
+            | VIRTIO_RING_F_INDIRECT_DESC
+            | bit(VIRTIO_NET_F_CSUM)
+            | bit(VIRTIO_NET_F_GUEST_CSUM)
+            | bit(VIRTIO_NET_F_GUEST_TSO4)
+            | bit(VIRTIO_NET_F_GUEST_TSO6)
+            | bit(VIRTIO_NET_F_HOST_TSO4)
+            | bit(VIRTIO_NET_F_HOST_TSO6)
+            | bit(VIRTIO_NET_F_MAC)
+            | bit(VIRTIO_NET_F_STATUS)
+            | bit(VIRTIO_NET_F_CTRL_VQ);
+        if self.pairs > 1 {
+            f |= bit(VIRTIO_NET_F_MQ);
+        }
+        f
     }
 
     fn bad_tap(&self, what: &str, e: std::io::Error) -> VirtioError {
@@ -212,22 +349,11 @@ impl VirtioDevice for Net {
     }
 
     fn avail_features(&self) -> u64 {
-        let mut f = VIRTIO_F_VERSION_1
-            | VIRTIO_RING_F_EVENT_IDX
-            | VIRTIO_RING_F_INDIRECT_DESC
-            | bit(VIRTIO_NET_F_CSUM)
-            | bit(VIRTIO_NET_F_GUEST_CSUM)
-            | bit(VIRTIO_NET_F_GUEST_TSO4)
-            | bit(VIRTIO_NET_F_GUEST_TSO6)
-            | bit(VIRTIO_NET_F_HOST_TSO4)
-            | bit(VIRTIO_NET_F_HOST_TSO6)
-            | bit(VIRTIO_NET_F_MAC)
-            | bit(VIRTIO_NET_F_STATUS)
-            | bit(VIRTIO_NET_F_CTRL_VQ);
-        if self.pairs > 1 {
-            f |= bit(VIRTIO_NET_F_MQ);
+        let f = self.userspace_features();
+        match &self.vhost {
+            Some(v) => vhost::offered_features(f, v.kernel_supported()),
+            None => f,
         }
-        f
     }
 
     fn config_len(&self) -> u64 {
@@ -288,6 +414,9 @@ impl VirtioDevice for Net {
             queue: q,
             max_pairs: pairs,
         });
+        if self.vhost.is_some() {
+            return self.activate_vhost(ctx.mem, acked, ctx.interrupt, by_index, ctrl, stop, pairs);
+        }
         let mut workers = Vec::with_capacity(usize::from(pairs));
         for k in 0..pairs {
             let (Some(rx), Some(tx)) = (by_index.remove(&(2 * k)), by_index.remove(&(2 * k + 1))) else {
@@ -328,6 +457,7 @@ impl VirtioDevice for Net {
             stop,
             workers,
             spare: by_index.into_values().collect(),
+            vhost_rings: Vec::new(),
         });
         info!(
             tap = %self.tap.name,

@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 
 use k7d_net::Tap;
 use tracing::{debug, error, warn};
-use virtio_queue::{DescriptorChain, QueueT};
+use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
@@ -239,7 +239,7 @@ impl PairWorker {
 
     // ---------------------------------------------------------------- TX
 
-    fn process_tx(&mut self) {
+    pub(super) fn process_tx(&mut self) {
         if self.broken[1] {
             return;
         }
@@ -286,6 +286,9 @@ impl PairWorker {
                 }
             }
             match self.tx.queue.enable_notification(mem) {
+                Ok(true) if ring_unpoppable(&mut self.tx.queue, mem) => {
+                    return self.mark_broken(1, &"the driver's avail ring cannot be read");
+                }
                 Ok(true) => continue,
                 Ok(false) => break,
                 Err(e) => return self.mark_broken(1, &e),
@@ -345,7 +348,7 @@ impl PairWorker {
     /// Moves frames from the tap into RX buffers until the tap is empty or
     /// the guest has no buffer left (then asks to be notified when it posts
     /// one). The frame in hand when buffers ran out stays in `bounce`.
-    fn process_rx(&mut self) {
+    pub(super) fn process_rx(&mut self) {
         if self.broken[0] {
             return;
         }
@@ -363,6 +366,10 @@ impl PairWorker {
             self.pending = Some(len);
             let Some(chain) = self.rx.queue.pop_descriptor_chain(mem) else {
                 match self.rx.queue.enable_notification(mem) {
+                    Ok(true) if ring_unpoppable(&mut self.rx.queue, mem) => {
+                        self.mark_broken(0, &"the driver's avail ring cannot be read");
+                        break;
+                    }
                     // A buffer arrived meanwhile: take it.
                     Ok(true) => {
                         if let Err(e) = self.rx.queue.disable_notification(mem) {
@@ -489,74 +496,181 @@ impl PairWorker {
 
     // ---------------------------------------------------------------- control
 
-    fn process_ctrl(&mut self) {
-        if self.broken[2] || self.ctrl.is_none() {
+    pub(super) fn process_ctrl(&mut self) {
+        if self.broken[2] {
             return;
         }
         let mem_handle = self.mem.clone();
-        let mem: &GuestMemoryTracked = &mem_handle;
-        let mut done = 0usize;
-        loop {
-            let Some(c) = self.ctrl.as_mut() else { return };
-            if let Err(e) = c.queue.queue.disable_notification(mem) {
-                return self.mark_broken(2, &e);
-            }
-            while let Some(chain) = self.ctrl.as_mut().and_then(|c| c.queue.queue.pop_descriptor_chain(mem)) {
-                let head = chain.head_index();
-                let max_pairs = self.ctrl.as_ref().map_or(1, |c| c.max_pairs);
-                let (cmd, ack) = ctrl::parse(chain, max_pairs);
-                let ok = match cmd {
-                    CtrlCommand::SetPairs(n) => self.set_pairs(n),
-                    CtrlCommand::Refused => false,
-                };
-                let counter = if ok { &self.stats.ctrl_ok } else { &self.stats.ctrl_err };
-                counter.fetch_add(1, Ordering::Relaxed);
-                let mut len = 0;
-                if let Some(at) = ack {
-                    // Through vm-memory, so the bitmap records the ack byte.
-                    if mem.write_obj(ctrl::ack_byte(ok), at).is_ok() {
-                        len = 1;
-                    }
-                }
-                let Some(c) = self.ctrl.as_mut() else { return };
-                if let Err(e) = c.queue.queue.add_used(mem, head, len) {
-                    return self.mark_broken(2, &e);
-                }
-                done += 1;
-            }
-            let Some(c) = self.ctrl.as_mut() else { return };
-            match c.queue.queue.enable_notification(mem) {
-                Ok(true) => continue,
-                Ok(false) => break,
-                Err(e) => return self.mark_broken(2, &e),
-            }
-        }
-        if done > 0 {
-            self.signal(2);
+        let Some(c) = self.ctrl.as_mut() else { return };
+        match serve_ctrl(c, &mem_handle, &self.tap, &self.stats) {
+            Ok(0) => {}
+            Ok(_) => self.signal(2),
+            Err(e) => self.mark_broken(2, &e),
         }
     }
+}
 
-    /// Attaches tap queues `0..n` and detaches the rest.
-    fn set_pairs(&self, n: u16) -> bool {
-        let queues = &self.tap.queues;
-        if queues.len() > 1 {
-            // Attach first so at least one queue is attached throughout.
-            for fd in queues.iter().take(usize::from(n)) {
-                if let Err(e) = tap_queue::set_attached(fd, true) {
-                    warn!(tap = %self.tap.name, error = %e, "attaching a tap queue failed");
-                    return false;
+/// Serves every pending control command: parse, act (`VQ_PAIRS_SET` attaches
+/// tap queues), ack byte through vm-memory, used entry. Returns the chains
+/// completed; an error means the ring itself is broken.
+pub(super) fn serve_ctrl(
+    c: &mut CtrlQueue,
+    mem: &GuestMemoryTracked,
+    tap: &Tap,
+    stats: &NetStats,
+) -> Result<usize, virtio_queue::Error> {
+    let mut done = 0usize;
+    loop {
+        c.queue.queue.disable_notification(mem)?;
+        while let Some(chain) = c.queue.queue.pop_descriptor_chain(mem) {
+            let head = chain.head_index();
+            let (cmd, ack) = ctrl::parse(chain, c.max_pairs);
+            let ok = match cmd {
+                CtrlCommand::SetPairs(n) => set_pairs(tap, stats, n),
+                CtrlCommand::Refused => false,
+            };
+            let counter = if ok { &stats.ctrl_ok } else { &stats.ctrl_err };
+            counter.fetch_add(1, Ordering::Relaxed);
+            let mut len = 0;
+            if let Some(at) = ack {
+                // Through vm-memory, so the bitmap records the ack byte.
+                if mem.write_obj(ctrl::ack_byte(ok), at).is_ok() {
+                    len = 1;
                 }
             }
-            for fd in queues.iter().skip(usize::from(n)) {
-                if let Err(e) = tap_queue::set_attached(fd, false) {
-                    warn!(tap = %self.tap.name, error = %e, "detaching a tap queue failed");
-                    return false;
+            c.queue.queue.add_used(mem, head, len)?;
+            done += 1;
+        }
+        if !c.queue.queue.enable_notification(mem)? {
+            break;
+        }
+        if ring_unpoppable(&mut c.queue.queue, mem) {
+            return Err(virtio_queue::Error::InvalidAvailRingIndex);
+        }
+    }
+    Ok(done)
+}
+
+/// Whether the ring cannot be popped although it may claim work: not
+/// ready, avail ring at GPA 0 (virtio-queue refuses it), an unreadable
+/// avail index, or one claiming more entries than the ring holds.
+/// `pop_descriptor_chain` then returns `None` forever while
+/// `enable_notification` keeps reporting work: without this check a "drain,
+/// re-enable, drain again" loop spins on guest-written ring state.
+fn ring_unpoppable(q: &mut Queue, mem: &GuestMemoryTracked) -> bool {
+    q.iter(mem).is_err()
+}
+
+/// Attaches tap queues `0..n` and detaches the rest.
+fn set_pairs(tap: &Tap, stats: &NetStats, n: u16) -> bool {
+    let queues = &tap.queues;
+    if queues.len() > 1 {
+        // Attach first so at least one queue is attached throughout.
+        for fd in queues.iter().take(usize::from(n)) {
+            if let Err(e) = tap_queue::set_attached(fd, true) {
+                warn!(tap = %tap.name, error = %e, "attaching a tap queue failed");
+                return false;
+            }
+        }
+        for fd in queues.iter().skip(usize::from(n)) {
+            if let Err(e) = tap_queue::set_attached(fd, false) {
+                warn!(tap = %tap.name, error = %e, "detaching a tap queue failed");
+                return false;
+            }
+        }
+    }
+    stats.active_pairs.store(n, Ordering::Release);
+    debug!(tap = %tap.name, pairs = n, "guest set the queue-pair count");
+    true
+}
+
+/// The control queue of a vhost-net device (`k7d-vnet-ctrl`): the kernel
+/// serves the rings, this thread only `VQ_PAIRS_SET`.
+pub(super) struct CtrlWorker {
+    pub(super) mem: GuestMemoryHandle,
+    pub(super) ctrl: CtrlQueue,
+    pub(super) tap: Arc<Tap>,
+    pub(super) stop: EventFd,
+    pub(super) interrupt: Interrupt,
+    pub(super) stats: Arc<NetStats>,
+}
+
+impl CtrlWorker {
+    /// Runs until the stop eventfd fires; returns the control queue.
+    pub(super) fn run(mut self) -> Vec<ActiveQueue> {
+        let epoll = Epoll::new().and_then(|ep| {
+            ep.ctl(
+                ControlOperation::Add,
+                self.ctrl.queue.notify.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, TOKEN_CTRL),
+            )?;
+            ep.ctl(
+                ControlOperation::Add,
+                self.stop.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, TOKEN_STOP),
+            )?;
+            Ok(ep)
+        });
+        let epoll = match epoll {
+            Ok(ep) => ep,
+            Err(e) => {
+                error!(error = %e, "net control worker cannot set up epoll; control queue is dead until reset");
+                return vec![self.ctrl.queue];
+            }
+        };
+        self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
+        let mut events = [EpollEvent::default(); 4];
+        // Commands posted before activation.
+        let mut broken = !self.serve();
+        'outer: loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    error!(error = %e, "net control worker epoll failed; control queue is dead until reset");
+                    break;
+                }
+            };
+            for ev in &events[..n] {
+                match ev.data() {
+                    TOKEN_STOP => break 'outer,
+                    TOKEN_CTRL => {
+                        let _ = self.ctrl.queue.notify.read();
+                        if !broken {
+                            broken = !self.serve();
+                        }
+                    }
+                    other => warn!(token = other, "net control worker got an unknown epoll token"),
                 }
             }
         }
-        self.stats.active_pairs.store(n, Ordering::Release);
-        debug!(tap = %self.tap.name, pairs = n, "guest set the queue-pair count");
-        true
+        self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
+        vec![self.ctrl.queue]
+    }
+
+    /// One round of commands; false when the ring broke.
+    fn serve(&mut self) -> bool {
+        let mem: &GuestMemoryTracked = &self.mem;
+        match serve_ctrl(&mut self.ctrl, mem, &self.tap, &self.stats) {
+            Ok(0) => true,
+            Ok(_) => {
+                let q = &mut self.ctrl.queue;
+                match q.queue.needs_notification(mem) {
+                    Ok(true) => {
+                        if let Err(e) = self.interrupt.signal_queue(q.index) {
+                            warn!(queue = q.index, error = %e, "net could not signal the guest");
+                        }
+                    }
+                    Ok(false) => {}
+                    Err(e) => error!(queue = q.index, error = ?e, "net could not read the event index"),
+                }
+                true
+            }
+            Err(e) => {
+                error!(error = ?e, "net control queue is broken; waiting for a reset");
+                false
+            }
+        }
     }
 }
 

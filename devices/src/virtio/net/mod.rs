@@ -24,14 +24,18 @@
 //! - The tap is created by the VMM (`k7d_net::create_tap` with the name from
 //!   `k7d_net::nic_names`, `vnet_hdr = true`, one queue per pair); the device
 //!   takes the [`k7d_net::Tap`].
-//! - Snapshot/restore fail loudly ([`persist`]); the kernel vhost-net backend
-//!   is a documented stub ([`vhost`]).
+//! - Or the kernel vhost-net data plane ([`Net::new_vhost`], [`vhost`]): one
+//!   `/dev/vhost-net` per pair serves the rings; the control queue stays in
+//!   a small userspace worker.
+//! - Snapshot/restore fail loudly ([`persist`]).
 //!
 //! See `docs/virtio-net.md`.
 
 mod ctrl;
 mod device;
 mod event_handler;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod persist;
 mod tap_queue;
 pub mod vhost;
@@ -39,6 +43,7 @@ pub mod vhost;
 use thiserror::Error;
 
 pub use device::{Net, NetConfig, NetStats, QueuePairStats};
+pub use vhost::{VhostDirtyLog, VhostOptions};
 
 /// Size of every queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -80,7 +85,32 @@ pub enum NetError {
         #[source]
         source: std::io::Error,
     },
-    /// The kernel vhost-net backend is not built.
-    #[error("the kernel vhost-net backend is not implemented yet; use the userspace backend")]
+    /// The compatibility probe [`vhost::VhostNetBackend::new`] was called:
+    /// the VMM must build vhost NICs with [`Net::new_vhost`].
+    #[error("this VMM does not build vhost-net NICs yet (Net::new_vhost is not wired); use the userspace backend")]
     VhostNotImplemented,
+    /// `/dev/vhost-net` could not be opened.
+    #[error("cannot open {path}: {reason}")]
+    VhostOpen {
+        /// The device node.
+        path: &'static str,
+        /// The OS error.
+        reason: std::io::Error,
+    },
+    /// A vhost ioctl failed.
+    #[error("vhost-net {op} failed on queue pair {pair}: {reason}")]
+    Vhost {
+        /// Queue pair.
+        pair: u16,
+        /// The operation.
+        op: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// Guest memory the kernel cannot map.
+    #[error("guest memory has {0} regions; vhost-net takes between 1 and 64")]
+    VhostMemory(usize),
+    /// The kernel's vhost-net lacks a feature k7d needs.
+    #[error("the kernel's vhost-net lacks {0}, which k7d needs")]
+    VhostFeature(&'static str),
 }

@@ -39,6 +39,19 @@ pub(super) fn writev(fd: &OwnedFd, iov: &[libc::iovec]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
+/// Sets the size of the virtio-net header the tap queue reads and writes
+/// (`TUNSETVNETHDRSZ`).
+pub(super) fn set_vnet_hdr_size(fd: &OwnedFd, size: usize) -> io::Result<()> {
+    let size = libc::c_int::try_from(size).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: TUNSETVNETHDRSZ reads one int through the pointer, which points
+    // at a live local; the fd is an open tap queue.
+    let rc = unsafe { libc::ioctl(fd.as_raw_fd(), libc::TUNSETVNETHDRSZ, &size as *const libc::c_int) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// Reads one frame into `buf`.
 pub(super) fn read(fd: &OwnedFd, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: `buf` is a live, writable slice of `buf.len()` bytes.

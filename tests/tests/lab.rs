@@ -37,7 +37,22 @@ fn out_dir(scenario: &str) -> PathBuf {
 
 /// Runs a scenario and returns its `result.json` once it passed; the error
 /// carries the harness's output (which prints both logs on failure).
+/// Runs a scenario; a failed run is retried ONCE and the first failure is
+/// printed in full. The lab is an emulated machine shared with the rest of the
+/// CI run; a rare guest hang under virtio-blk was seen once in CI (open bug,
+/// CHALLENGES.md "An intermittent guest I/O hang in the lab"), and the retry
+/// keeps such a hang from sinking a whole CI run while the report shows it.
 fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
+    match run_scenario_once(scenario, bin) {
+        Ok(r) => Ok(r),
+        Err(first) => {
+            eprintln!("LAB RETRY: scenario {scenario} failed once; running it again. First failure:\n{first:#}");
+            run_scenario_once(scenario, bin).map_err(|e| e.context(format!("{scenario} failed twice")))
+        }
+    }
+}
+
+fn run_scenario_once(scenario: &str, bin: Option<&Path>) -> Result<Value> {
     let out = out_dir(scenario);
     let mut cmd = Command::new(lab_dir().join("run.sh"));
     cmd.arg("--out").arg(&out).env("K7D_LAB_QUIET", "1");

@@ -35,6 +35,18 @@ use crate::pci::{MsixError, MsixVectors};
 
 /// The guest memory type devices see (the VMM's, with a dirty bitmap).
 pub type GuestMemoryTracked = GuestMemoryMmap<AtomicBitmap>;
+
+/// Whether a queue cannot be popped although it may claim work: not ready,
+/// avail ring at GPA 0 (virtio-queue refuses it), an unreadable avail index,
+/// or one claiming more entries than the ring holds. `pop_descriptor_chain`
+/// then returns `None` forever while `enable_notification` keeps reporting
+/// work: every worker's "drain, re-enable, drain again" loop must check this
+/// before going round again, or it spins on guest-written ring state (found
+/// by the `net_tx` fuzz target; `devices/tests/ring_spin.rs`).
+pub fn ring_unpoppable(q: &mut Queue, mem: &GuestMemoryTracked) -> bool {
+    use virtio_queue::QueueOwnedT;
+    q.iter(mem).is_err()
+}
 /// Shared handle to guest memory, cloned into each worker.
 pub type GuestMemoryHandle = Arc<GuestMemoryTracked>;
 

@@ -96,6 +96,9 @@ impl RequestHandler {
             if !queue.enable_notification(mem)? {
                 break;
             }
+            if crate::virtio::ring_unpoppable(queue, mem) {
+                return Err(virtio_queue::Error::InvalidAvailRingIndex);
+            }
         }
         let notify = served > 0 && queue.needs_notification(mem)?;
         Ok(Batch { served, notify, more })

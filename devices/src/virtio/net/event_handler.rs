@@ -11,6 +11,7 @@
 //! entries are added as they complete; the guest is signalled once per batch
 //! (at most [`BATCH`] frames) and only when the event index asks for it.
 
+use crate::virtio::ring_unpoppable;
 use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use std::sync::atomic::Ordering;
 
 use k7d_net::Tap;
 use tracing::{debug, error, warn};
-use virtio_queue::{DescriptorChain, Queue, QueueOwnedT, QueueT};
+use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
@@ -549,16 +550,6 @@ pub(super) fn serve_ctrl(
         }
     }
     Ok(done)
-}
-
-/// Whether the ring cannot be popped although it may claim work: not
-/// ready, avail ring at GPA 0 (virtio-queue refuses it), an unreadable
-/// avail index, or one claiming more entries than the ring holds.
-/// `pop_descriptor_chain` then returns `None` forever while
-/// `enable_notification` keeps reporting work: without this check a "drain,
-/// re-enable, drain again" loop spins on guest-written ring state.
-fn ring_unpoppable(q: &mut Queue, mem: &GuestMemoryTracked) -> bool {
-    q.iter(mem).is_err()
 }
 
 /// Attaches tap queues `0..n` and detaches the rest.

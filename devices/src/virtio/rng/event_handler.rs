@@ -100,6 +100,10 @@ impl RngWorker {
                 used = true;
             }
             match self.queue.enable_notification(mem) {
+                Ok(true) if crate::virtio::ring_unpoppable(&mut self.queue, mem) => {
+                    error!("rng queue is broken (avail ring unreadable or ahead); waiting for a reset");
+                    return;
+                }
                 Ok(true) => continue,
                 Ok(false) => break,
                 Err(e) => {

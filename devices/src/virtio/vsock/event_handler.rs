@@ -101,15 +101,12 @@ impl VsockWorker {
         let q = usize::from(TXQ);
         self.tx_stalled = false;
         let mut used = false;
-        let mut empty_rounds = 0u32;
         'outer: loop {
             if let Err(e) = self.queues[q].disable_notification(mem) {
                 error!(error = ?e, "vsock tx queue is broken; waiting for a reset");
                 return;
             }
-            let mut popped = false;
             while let Some(mut chain) = self.queues[q].pop_descriptor_chain(mem) {
-                popped = true;
                 if self.muxer.control_backlog() >= MAX_CONTROL_BACKLOG {
                     // The guest is not taking RX packets; resume after it does.
                     self.queues[q].go_to_previous_position();
@@ -149,18 +146,9 @@ impl VsockWorker {
                 used = true;
             }
             match self.queues[q].enable_notification(mem) {
-                // Work reported but nothing could be popped: the driver's avail
-                // ring is unreadable or its index runs ahead of the ring. Looping
-                // would spin forever (found by the vsock_tx fuzz target).
-                // (One empty round is a benign race with the driver adding a
-                // buffer while notifications were off; two in a row are not.)
-                Ok(true) if !popped && empty_rounds > 0 => {
+                Ok(true) if crate::virtio::ring_unpoppable(&mut self.queues[q], mem) => {
                     error!("vsock tx queue is broken (avail ring unreadable or ahead); waiting for a reset");
                     break;
-                }
-                Ok(true) if !popped => {
-                    empty_rounds += 1;
-                    continue;
                 }
                 Ok(true) => continue,
                 Ok(false) => break,
@@ -183,18 +171,15 @@ impl VsockWorker {
         let mem: &GuestMemoryTracked = &self.mem;
         let q = usize::from(RXQ);
         let mut used = false;
-        let mut empty_rounds = 0u32;
         'outer: loop {
             if let Err(e) = self.queues[q].disable_notification(mem) {
                 error!(error = ?e, "vsock rx queue is broken; waiting for a reset");
                 return;
             }
-            let mut popped = false;
             while self.muxer.has_rx_work() {
                 let Some(mut chain) = self.queues[q].pop_descriptor_chain(mem) else {
                     break;
                 };
-                popped = true;
                 let head = chain.head_index();
                 let len = match VsockPacket::from_rx_virtq_chain(mem, &mut chain, MAX_PKT_BUF_SIZE) {
                     Err(e) => {
@@ -224,13 +209,9 @@ impl VsockWorker {
                 used = true;
             }
             match self.queues[q].enable_notification(mem) {
-                Ok(true) if self.muxer.has_rx_work() && !popped && empty_rounds > 0 => {
+                Ok(true) if self.muxer.has_rx_work() && crate::virtio::ring_unpoppable(&mut self.queues[q], mem) => {
                     error!("vsock rx queue is broken (avail ring unreadable or ahead); waiting for a reset");
                     break;
-                }
-                Ok(true) if self.muxer.has_rx_work() && !popped => {
-                    empty_rounds += 1;
-                    continue;
                 }
                 Ok(true) if self.muxer.has_rx_work() => continue,
                 Ok(_) => break,

@@ -36,14 +36,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use k7d_benches::{env_num, median};
 use k7d_net::{AttachMethod, Attached, Datapath, DatapathConfig, Mode, NicRequest, ObjectSource, in_netns};
 
 const NODE_IP: &str = "10.78.0.1";
 const GUEST_IP: &str = "10.78.0.10";
-
-fn env_num(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 fn sh(args: &[&str]) -> Result<String> {
     let out = Command::new(args[0])
@@ -491,11 +488,6 @@ fn ping(lab: &Lab, n: usize) -> Result<Vec<f64>> {
     Ok(v)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn pct(v: &mut [f64], p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     v[((v.len() as f64 - 1.0) * p).round() as usize]
@@ -512,8 +504,7 @@ fn pin_to_last_cpu() {
 }
 
 fn main() -> Result<()> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
+    if !k7d_benches::is_root() {
         println!("datapath bench: skipped (needs root for netns, taps and bpf)");
         return Ok(());
     }

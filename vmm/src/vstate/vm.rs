@@ -85,6 +85,10 @@ pub enum VmError {
         /// Why.
         msg: String,
     },
+    /// A device refused a lifecycle step (pause, resume); the sentence
+    /// names the device, the VM and what state the VM was left in.
+    #[error("{0}")]
+    DeviceState(String),
     /// Saving or restoring machine state failed.
     #[error(transparent)]
     Persist(#[from] PersistError),
@@ -190,6 +194,8 @@ pub struct Vm {
     /// After the buses (the taps are closed first), before the VM fd.
     _net_cleanups: Vec<NetCleanup>,
     devices: Vec<DeviceInfo>,
+    /// The virtio functions (also on the buses): paused with the vCPUs.
+    virtio: Vec<VirtioHandle>,
     vm_fd: Arc<VmFd>,
     ram: GuestRam,
     created: Instant,
@@ -346,6 +352,7 @@ impl Vm {
         let control = Arc::new(VmControl::new(id));
         let serial_state = restore.as_ref().map(|(st, _)| &st.serial);
         let mut net_cleanups = Vec::new();
+        let mut virtio = Vec::new();
         let (mut buses, mut devices, serial) =
             build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
         if linux.is_some() {
@@ -353,6 +360,7 @@ impl Vm {
                 buses: &mut buses,
                 devices: &mut devices,
                 net_cleanups: &mut net_cleanups,
+                virtio: &mut virtio,
             };
             add_linux_platform(&vm_fd, &ram, &control, config, opts, out)?;
         }
@@ -403,6 +411,7 @@ impl Vm {
             serial,
             _net_cleanups: net_cleanups,
             devices,
+            virtio,
             vm_fd,
             ram,
             created,
@@ -524,13 +533,44 @@ impl Vm {
         self.control.pause(timeout).map_err(|source| VmError::Control {
             id: self.id.clone(),
             source,
-        })
+        })?;
+        // vCPUs parked: no guest access can race the devices' pause. Each
+        // device drains what it is serving and parks; then nothing writes
+        // guest RAM. A device that cannot pause undoes the whole pause.
+        for (i, d) in self.virtio.iter().enumerate() {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = dev.pause() {
+                let name = dev.device_name();
+                drop(dev);
+                for done in self.virtio[..i].iter().rev() {
+                    if let Err(e) = done.lock().unwrap_or_else(|p| p.into_inner()).resume() {
+                        tracing::error!(vm = %self.id, error = %e, "resuming a device after a failed pause failed");
+                    }
+                }
+                let _ = self.control.resume();
+                return Err(VmError::DeviceState(format!(
+                    "the {name} device could not pause, so vm {} keeps running: {e}",
+                    self.id
+                )));
+            }
+        }
+        Ok(())
     }
 
-    /// Unparks the vCPUs.
+    /// Restarts the devices, then unparks the vCPUs.
     pub fn resume(&self) -> Result<(), VmError> {
         if self.started.is_none() || self.control.stopped().is_some() {
             return Err(self.state_error("resume"));
+        }
+        for d in &self.virtio {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            dev.resume().map_err(|e| {
+                VmError::DeviceState(format!(
+                    "the {} device of vm {} could not resume, so it stays paused: {e}",
+                    dev.device_name(),
+                    self.id
+                ))
+            })?;
         }
         self.control.resume().map_err(|source| VmError::Control {
             id: self.id.clone(),
@@ -800,6 +840,7 @@ fn add_linux_platform(
         buses,
         devices,
         net_cleanups,
+        virtio,
     } = out;
     use k7d_devices::pci::{
         BarAllocator, ECAM_BUS_SIZE, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciConfigIo, PciConfigMmio, PciRoot,
@@ -840,6 +881,7 @@ fn add_linux_platform(
         routing: &routing,
         buses,
         devices,
+        virtio,
     };
     if config.devices.rng {
         let rng = k7d_devices::virtio::rng::Rng::new().map_err(|e| dev_err("virtio-rng")(&e))?;
@@ -1051,7 +1093,11 @@ struct Wiring<'a> {
     buses: &'a mut Buses,
     devices: &'a mut Vec<DeviceInfo>,
     net_cleanups: &'a mut Vec<NetCleanup>,
+    virtio: &'a mut Vec<VirtioHandle>,
 }
+
+/// A virtio-pci function the VM pauses and resumes with its vCPUs.
+type VirtioHandle = Arc<Mutex<k7d_devices::virtio::transport::VirtioPciDevice>>;
 
 /// A NIC attached through the datapath, detached when the VM is dropped.
 pub(crate) struct NetCleanup {
@@ -1077,6 +1123,7 @@ struct PciCtx<'a> {
     routing: &'a Arc<GsiRouting>,
     buses: &'a mut Buses,
     devices: &'a mut Vec<DeviceInfo>,
+    virtio: &'a mut Vec<VirtioHandle>,
 }
 
 impl PciCtx<'_> {
@@ -1123,6 +1170,7 @@ impl PciCtx<'_> {
                     .map_err(|e| VmError::Kvm("KVM_IOEVENTFD (virtio)", e))?;
             }
         }
+        self.virtio.push(dev.clone());
         let mut d = format!("MSI-X vectors at GSI {gsi_base}..{}", gsi_base + vectors - 1);
         if !detail.is_empty() {
             d = format!("{detail}; {d}");

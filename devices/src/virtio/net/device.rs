@@ -16,7 +16,7 @@ use virtio_bindings::virtio_net::{
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use super::event_handler::{CtrlQueue, CtrlWorker, PairWorker};
+use super::event_handler::{CtrlQueue, CtrlWorker, PairWorker, Worker};
 use super::vhost::{self, VhostDirtyLog, VhostNetBackend, VhostOptions};
 use super::{MAX_QUEUE_PAIRS, NetError, QUEUE_SIZE, persist, tap_queue};
 use crate::virtio::{
@@ -95,11 +95,25 @@ impl NetStats {
 
 struct Running {
     stop: EventFd,
-    workers: Vec<JoinHandle<Vec<ActiveQueue>>>,
+    workers: Vec<JoinHandle<Worker>>,
     /// Queues the driver enabled that no worker uses (returned on reset).
     spare: Vec<ActiveQueue>,
     /// Rings handed to the kernel (vhost): RX 0, TX 0, RX 1, ...
     vhost_rings: Vec<ActiveQueue>,
+    /// What vhost needs to start again after a pause.
+    acked: u64,
+    interrupt: crate::virtio::Interrupt,
+}
+
+/// A paused device: workers joined with all their state, vhost rings
+/// detached from the kernel with their positions read back.
+struct Paused {
+    stop: EventFd,
+    workers: Vec<Worker>,
+    spare: Vec<ActiveQueue>,
+    vhost_rings: Vec<ActiveQueue>,
+    acked: u64,
+    interrupt: crate::virtio::Interrupt,
 }
 
 /// A virtio-net device on a (multiqueue) tap.
@@ -110,6 +124,7 @@ pub struct Net {
     queue_sizes: Vec<u16>,
     stats: Arc<NetStats>,
     running: Option<Running>,
+    paused: Option<Paused>,
     /// The kernel data plane, when built with [`Net::new_vhost`].
     vhost: Option<VhostNetBackend>,
 }
@@ -155,6 +170,7 @@ impl Net {
             queue_sizes: vec![QUEUE_SIZE; 2 * usize::from(pairs) + 1],
             stats: Arc::new(NetStats::new(pairs)),
             running: None,
+            paused: None,
             vhost: None,
         })
     }
@@ -202,17 +218,22 @@ impl Net {
         self.running.is_some()
     }
 
-    fn stop_workers(&mut self) -> Vec<Queue> {
-        let Some(r) = self.running.take() else {
-            return Vec::new();
-        };
+    /// Whether the device is paused (activated, workers parked).
+    pub fn is_paused(&self) -> bool {
+        self.paused.is_some()
+    }
+
+    /// Stops the workers after what each is serving (every popped chain is
+    /// completed before a worker looks at its stop) and detaches vhost.
+    fn park(&mut self) -> Option<Paused> {
+        let r = self.running.take()?;
         if let Err(e) = r.stop.write(1) {
             error!(error = %e, "could not signal the net workers to stop");
         }
-        let mut queues: Vec<ActiveQueue> = r.spare;
+        let mut workers = Vec::with_capacity(r.workers.len());
         for w in r.workers {
             match w.join() {
-                Ok(qs) => queues.extend(qs),
+                Ok(w) => workers.push(w),
                 Err(_) => error!("a net worker panicked; its queues are lost"),
             }
         }
@@ -220,10 +241,40 @@ impl Net {
         if let Some(v) = self.vhost.as_mut() {
             v.stop(&mut rings);
         }
-        queues.extend(rings);
+        Some(Paused {
+            stop: r.stop,
+            workers,
+            spare: r.spare,
+            vhost_rings: rings,
+            acked: r.acked,
+            interrupt: r.interrupt,
+        })
+    }
+
+    fn stop_workers(&mut self) -> Vec<Queue> {
+        let parked = self.park();
+        let Some(p) = parked.or_else(|| self.paused.take()) else {
+            return Vec::new();
+        };
+        let mut queues: Vec<ActiveQueue> = p.spare;
+        for w in p.workers {
+            queues.extend(w.into_queues());
+        }
+        queues.extend(p.vhost_rings);
         queues.sort_by_key(|q| q.index);
         self.stats.active_pairs.store(0, Ordering::Release);
         queues.into_iter().map(|q| q.queue).collect()
+    }
+
+    fn spawn_worker(&self, k: Option<u16>, worker: Worker) -> Result<JoinHandle<Worker>, VirtioError> {
+        let name = match k {
+            Some(k) => format!("k7d-vnet-q{k}"),
+            None => "k7d-vnet-ctrl".into(),
+        };
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || worker.run())
+            .map_err(|e| VirtioError::Spawn("net", e))
     }
 
     /// The vhost half of `activate`: rings of pairs `0..pairs` to the
@@ -277,19 +328,16 @@ impl Net {
                 ctrl,
                 tap: self.tap.clone(),
                 stop: stop.try_clone().map_err(VirtioError::EventFd)?,
-                interrupt,
+                interrupt: interrupt.clone(),
                 stats: self.stats.clone(),
             };
-            match std::thread::Builder::new()
-                .name("k7d-vnet-ctrl".into())
-                .spawn(move || worker.run())
-            {
+            match self.spawn_worker(None, Worker::Ctrl(Box::new(worker))) {
                 Ok(h) => workers.push(h),
                 Err(e) => {
                     if let Some(b) = self.vhost.as_mut() {
                         b.stop(&mut rings);
                     }
-                    return Err(VirtioError::Spawn("net", e));
+                    return Err(e);
                 }
             }
         }
@@ -298,6 +346,8 @@ impl Net {
             workers,
             spare: by_index.into_values().collect(),
             vhost_rings: rings,
+            acked,
+            interrupt,
         });
         info!(tap = %self.tap.name, features = acked, pairs, vnet_hdr = hdr, "virtio-net activated (vhost-net)");
         Ok(())
@@ -377,7 +427,7 @@ impl VirtioDevice for Net {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
-        if self.running.is_some() {
+        if self.running.is_some() || self.paused.is_some() {
             return Err(VirtioError::AlreadyActive(self.name()));
         }
         let acked = ctx.acked_features;
@@ -438,10 +488,7 @@ impl VirtioDevice for Net {
                 ctx.interrupt.clone(),
                 self.stats.clone(),
             );
-            let spawned = std::thread::Builder::new()
-                .name(format!("k7d-vnet-q{k}"))
-                .spawn(move || worker.run());
-            match spawned {
+            match self.spawn_worker(Some(k), Worker::Pair(Box::new(worker))) {
                 Ok(h) => workers.push(h),
                 Err(e) => {
                     // Stop the ones already started before failing.
@@ -449,7 +496,7 @@ impl VirtioDevice for Net {
                     for w in workers {
                         let _ = w.join();
                     }
-                    return Err(VirtioError::Spawn("net", e));
+                    return Err(e);
                 }
             }
         }
@@ -458,6 +505,8 @@ impl VirtioDevice for Net {
             workers,
             spare: by_index.into_values().collect(),
             vhost_rings: Vec::new(),
+            acked,
+            interrupt: ctx.interrupt,
         });
         info!(
             tap = %self.tap.name,
@@ -473,12 +522,79 @@ impl VirtioDevice for Net {
         self.stop_workers()
     }
 
+    /// Parks every worker after the chain it is serving and, with vhost,
+    /// detaches the tap from the kernel (which flushes its in-flight work)
+    /// and reads the ring positions back. When this returns nothing writes
+    /// guest memory for this device; frames arriving meanwhile wait in the
+    /// tap. A device that is not active has nothing to pause.
     fn pause(&mut self) -> Result<(), VirtioError> {
-        persist::unsupported("pause")
+        if let Some(p) = self.park() {
+            self.paused = Some(p);
+        }
+        Ok(())
     }
 
+    /// Restarts the workers (and vhost) where they stopped.
     fn resume(&mut self) -> Result<(), VirtioError> {
-        persist::unsupported("resume")
+        let Some(p) = self.paused.take() else {
+            return Ok(());
+        };
+        // Clear the stop that parked them, or the new threads leave at once.
+        let _ = p.stop.read();
+        let mut rings = p.vhost_rings;
+        if let Some(v) = self.vhost.as_mut()
+            && !rings.is_empty()
+            && let Err(e) = v.start(p.acked, &rings, &self.tap.queues, &p.interrupt)
+        {
+            v.stop(&mut rings);
+            error!(tap = %self.tap.name, error = %e, "vhost-net could not restart after a pause");
+            self.paused = Some(Paused {
+                vhost_rings: rings,
+                ..p
+            });
+            return Err(VirtioError::Open {
+                path: format!("{} for tap {}", vhost::VHOST_NET_PATH, self.tap.name),
+                source: std::io::Error::other(e),
+            });
+        }
+        let mut handles = Vec::with_capacity(p.workers.len());
+        let mut left = p.workers.into_iter();
+        while let Some(w) = left.next() {
+            let k = match &w {
+                Worker::Pair(pw) => Some(pw.pair()),
+                Worker::Ctrl(_) => None,
+            };
+            match self.spawn_worker(k, w) {
+                Ok(h) => handles.push(h),
+                Err(e) => {
+                    // Put back what runs: the device stays paused as a whole.
+                    let _ = p.stop.write(1);
+                    let mut workers: Vec<Worker> = handles.into_iter().filter_map(|h| h.join().ok()).collect();
+                    workers.extend(left);
+                    if let Some(v) = self.vhost.as_mut() {
+                        v.stop(&mut rings);
+                    }
+                    self.paused = Some(Paused {
+                        stop: p.stop,
+                        workers,
+                        spare: p.spare,
+                        vhost_rings: rings,
+                        acked: p.acked,
+                        interrupt: p.interrupt,
+                    });
+                    return Err(e);
+                }
+            }
+        }
+        self.running = Some(Running {
+            stop: p.stop,
+            workers: handles,
+            spare: p.spare,
+            vhost_rings: rings,
+            acked: p.acked,
+            interrupt: p.interrupt,
+        });
+        Ok(())
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

@@ -108,12 +108,20 @@ impl PairWorker {
         }
     }
 
+    /// The queue pair this worker serves.
+    pub(super) fn pair(&self) -> u16 {
+        self.pair
+    }
+
     fn fd(&self) -> &OwnedFd {
         &self.tap.queues[usize::from(self.pair)]
     }
 
-    /// Runs until the stop eventfd fires; returns the queues.
-    pub(super) fn run(mut self) -> Vec<ActiveQueue> {
+    /// Runs until the stop eventfd fires; returns itself (queues, a frame
+    /// still waiting for a buffer, broken flags), so the device can resume it
+    /// after a pause or take its queues back. The stop stays set: the device
+    /// clears it before restarting workers.
+    pub(super) fn run(mut self) -> Self {
         self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
         // SAFETY: gettid has no preconditions.
         let tid = unsafe { libc::gettid() };
@@ -125,6 +133,11 @@ impl PairWorker {
             Err(e) => error!(pair = self.pair, error = %e, "net worker cannot set up epoll; pair is dead until reset"),
         }
         self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
+        self
+    }
+
+    /// The queues (RX, TX, control if it had it).
+    pub(super) fn into_queues(self) -> Vec<ActiveQueue> {
         let mut out = vec![self.rx, self.tx];
         out.extend(self.ctrl.map(|c| c.queue));
         out
@@ -587,8 +600,9 @@ pub(super) struct CtrlWorker {
 }
 
 impl CtrlWorker {
-    /// Runs until the stop eventfd fires; returns the control queue.
-    pub(super) fn run(mut self) -> Vec<ActiveQueue> {
+    /// Runs until the stop eventfd fires; returns itself (see
+    /// [`PairWorker::run`]).
+    pub(super) fn run(mut self) -> Self {
         let epoll = Epoll::new().and_then(|ep| {
             ep.ctl(
                 ControlOperation::Add,
@@ -606,7 +620,7 @@ impl CtrlWorker {
             Ok(ep) => ep,
             Err(e) => {
                 error!(error = %e, "net control worker cannot set up epoll; control queue is dead until reset");
-                return vec![self.ctrl.queue];
+                return self;
             }
         };
         self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
@@ -636,6 +650,11 @@ impl CtrlWorker {
             }
         }
         self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
+        self
+    }
+
+    /// The control queue.
+    pub(super) fn into_queues(self) -> Vec<ActiveQueue> {
         vec![self.ctrl.queue]
     }
 
@@ -661,6 +680,30 @@ impl CtrlWorker {
                 error!(error = ?e, "net control queue is broken; waiting for a reset");
                 false
             }
+        }
+    }
+}
+
+/// A net worker thread's body: a queue pair (userspace data plane) or the
+/// control queue of a vhost-net device.
+pub(super) enum Worker {
+    Pair(Box<PairWorker>),
+    Ctrl(Box<CtrlWorker>),
+}
+
+impl Worker {
+    /// Runs until the stop eventfd fires.
+    pub(super) fn run(self) -> Self {
+        match self {
+            Self::Pair(w) => Self::Pair(Box::new(w.run())),
+            Self::Ctrl(w) => Self::Ctrl(Box::new(w.run())),
+        }
+    }
+
+    pub(super) fn into_queues(self) -> Vec<ActiveQueue> {
+        match self {
+            Self::Pair(w) => w.into_queues(),
+            Self::Ctrl(w) => w.into_queues(),
         }
     }
 }

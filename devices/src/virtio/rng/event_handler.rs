@@ -28,13 +28,15 @@ pub(super) struct RngWorker {
 }
 
 impl RngWorker {
-    /// Runs until the stop eventfd fires; returns the queue.
-    pub(super) fn run(mut self) -> Queue {
+    /// Runs until the stop eventfd fires; returns itself (queue state and
+    /// all), so the device can resume it or take its queue back. The stop is
+    /// left set: whoever restarts the worker clears it.
+    pub(super) fn run(mut self) -> Self {
         let epoll = match self.epoll() {
             Ok(e) => e,
             Err(e) => {
                 error!(error = %e, "rng worker cannot set up epoll; device is dead until reset");
-                return self.queue;
+                return self;
             }
         };
         // Buffers posted before activation (their notify is in the eventfd too,
@@ -47,12 +49,12 @@ impl RngWorker {
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     error!(error = %e, "rng worker epoll failed; device is dead until reset");
-                    return self.queue;
+                    return self;
                 }
             };
             for ev in &events[..n] {
                 match ev.data() {
-                    TOKEN_STOP => return self.queue,
+                    TOKEN_STOP => return self,
                     TOKEN_QUEUE => {
                         // Non-blocking; EAGAIN only means another wakeup consumed it.
                         let _ = self.notify.read();

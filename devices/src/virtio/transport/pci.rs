@@ -298,6 +298,30 @@ impl VirtioPciDevice {
         self.active
     }
 
+    /// Parks the device's workers (see [`VirtioDevice::pause`]): when this
+    /// returns, the device writes no guest memory. Called with every vCPU
+    /// parked, so no guest access races it. A device the driver has not
+    /// started has nothing running: nothing to do.
+    pub fn pause(&mut self) -> Result<(), VirtioError> {
+        if self.active {
+            self.device.pause()?;
+        }
+        Ok(())
+    }
+
+    /// Restarts what [`Self::pause`] parked.
+    pub fn resume(&mut self) -> Result<(), VirtioError> {
+        if self.active {
+            self.device.resume()?;
+        }
+        Ok(())
+    }
+
+    /// The device's name (`rng`, `blk`, `net`, `vsock`).
+    pub fn device_name(&self) -> &'static str {
+        self.device.name()
+    }
+
     /// The PCI configuration space (read-only view, e.g. for tests and ACPI).
     pub fn config(&self) -> &PciConfiguration {
         &self.config

@@ -17,7 +17,7 @@ use crate::virtio::{ActivateContext, VIRTIO_F_VERSION_1, VirtioDevice, VirtioErr
 
 struct Running {
     stop: EventFd,
-    handle: JoinHandle<Vec<Queue>>,
+    handle: JoinHandle<VsockWorker>,
 }
 
 /// A virtio-vsock device with the hybrid (unix socket) host side.
@@ -31,6 +31,8 @@ pub struct Vsock {
     listener: UnixListener,
     queue_sizes: [u16; NUM_QUEUES],
     worker: Option<Running>,
+    /// The worker of a paused device, with its muxer and connections.
+    paused: Option<(EventFd, VsockWorker)>,
 }
 
 impl std::fmt::Debug for Vsock {
@@ -68,6 +70,7 @@ impl Vsock {
             listener,
             queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
             worker: None,
+            paused: None,
         })
     }
 
@@ -86,20 +89,37 @@ impl Vsock {
         self.worker.is_some()
     }
 
-    fn stop_worker(&mut self) -> Vec<Queue> {
-        let Some(w) = self.worker.take() else {
-            return Vec::new();
-        };
+    /// Whether the device is paused (activated, worker parked).
+    pub fn is_paused(&self) -> bool {
+        self.paused.is_some()
+    }
+
+    fn join_worker(&mut self) -> Option<(EventFd, VsockWorker)> {
+        let w = self.worker.take()?;
         if let Err(e) = w.stop.write(1) {
             error!(error = %e, "could not signal the vsock worker to stop");
         }
         match w.handle.join() {
-            Ok(q) => q,
+            Ok(worker) => Some((w.stop, worker)),
             Err(_) => {
                 error!("the vsock worker panicked; its queues are lost");
-                Vec::new()
+                None
             }
         }
+    }
+
+    fn stop_worker(&mut self) -> Vec<Queue> {
+        let paused = self.paused.take();
+        self.join_worker().or(paused).map(|(_, w)| w.queues).unwrap_or_default()
+    }
+
+    fn spawn(&mut self, stop: EventFd, worker: VsockWorker) -> Result<(), VirtioError> {
+        let handle = std::thread::Builder::new()
+            .name("k7d-vsock".into())
+            .spawn(move || worker.run())
+            .map_err(|e| VirtioError::Spawn("vsock", e))?;
+        self.worker = Some(Running { stop, handle });
+        Ok(())
     }
 }
 
@@ -136,7 +156,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
-        if self.worker.is_some() {
+        if self.worker.is_some() || self.paused.is_some() {
             return Err(VirtioError::AlreadyActive(self.name()));
         }
         let mut queues = ctx.queues;
@@ -168,18 +188,36 @@ impl VirtioDevice for Vsock {
             malformed: 0,
             tx_stalled: false,
             buf: vec![0; MAX_PKT_BUF_SIZE as usize],
+            registered: false,
         };
-        let handle = std::thread::Builder::new()
-            .name("k7d-vsock".into())
-            .spawn(move || worker.run())
-            .map_err(|e| VirtioError::Spawn("vsock", e))?;
-        self.worker = Some(Running { stop, handle });
+        self.spawn(stop, worker)?;
         info!(cid = self.cid, features = ctx.acked_features, "virtio-vsock activated");
         Ok(())
     }
 
     fn reset(&mut self) -> Vec<Queue> {
         self.stop_worker()
+    }
+
+    /// Parks the worker after the packet it is handling: when this returns
+    /// the device writes no guest memory. Host connections stay open (their
+    /// data waits in the sockets). A device that is not active has nothing
+    /// to pause.
+    fn pause(&mut self) -> Result<(), VirtioError> {
+        if let Some(w) = self.join_worker() {
+            self.paused = Some(w);
+        }
+        Ok(())
+    }
+
+    /// Restarts a paused worker where it stopped.
+    fn resume(&mut self) -> Result<(), VirtioError> {
+        let Some((stop, worker)) = self.paused.take() else {
+            return Ok(());
+        };
+        // Clear the stop that parked it, or the new thread leaves at once.
+        let _ = stop.read();
+        self.spawn(stop, worker)
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
@@ -243,7 +281,9 @@ mod tests {
             "the vsock device does not support snapshot"
         );
         assert!(v.restore(&[]).is_err());
-        assert!(v.pause().is_err());
+        // Nothing to pause before activation.
+        v.pause().unwrap();
+        v.resume().unwrap();
         assert!(v.reset().is_empty());
         assert!(p.exists());
         let e = Vsock::new(43, &p).unwrap_err();

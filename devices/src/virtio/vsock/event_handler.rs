@@ -33,14 +33,22 @@ pub(super) struct VsockWorker {
     /// TX processing paused because the muxer's control backlog is full.
     pub(super) tx_stalled: bool,
     pub(super) buf: Vec<u8>,
+    /// Whether the notify and stop fds are in the muxer's epoll (they stay
+    /// there across a pause: the epoll outlives the thread).
+    pub(super) registered: bool,
 }
 
 impl VsockWorker {
-    /// Runs until the stop eventfd fires; returns the queues (rx, tx, event).
-    pub(super) fn run(mut self) -> Vec<Queue> {
-        if let Err(e) = self.register() {
-            error!(error = %e, "vsock worker cannot set up epoll; device is dead until reset");
-            return self.queues;
+    /// Runs until the stop eventfd fires; returns itself (queues, muxer and
+    /// connections), so the device can resume it after a pause or take the
+    /// queues (rx, tx, event) back. The stop stays set: the device clears it.
+    pub(super) fn run(mut self) -> Self {
+        if !self.registered {
+            if let Err(e) = self.register() {
+                error!(error = %e, "vsock worker cannot set up epoll; device is dead until reset");
+                return self;
+            }
+            self.registered = true;
         }
         // Buffers posted before activation.
         self.process_tx();
@@ -52,13 +60,13 @@ impl VsockWorker {
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
                     error!(error = %e, "vsock worker epoll failed; device is dead until reset");
-                    return self.queues;
+                    return self;
                 }
             };
             let mut tx_kick = false;
             for ev in &events[..n] {
                 match ev.data() {
-                    TOKEN_STOP => return self.queues,
+                    TOKEN_STOP => return self,
                     t if t < TOKEN_STOP => {
                         // Non-blocking; EAGAIN only means another wakeup consumed it.
                         let _ = self.notify[t as usize].read();

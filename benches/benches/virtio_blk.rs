@@ -135,7 +135,9 @@ impl Rig {
             }
             if posted {
                 self.ring.publish()?;
-                self.notify.write(1)?;
+                if self.ring.needs_kick()? {
+                    self.notify.write(1)?;
+                }
             }
             let (first, n) = self.ring.reap()?;
             if n == 0 {

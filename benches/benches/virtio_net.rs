@@ -231,7 +231,9 @@ fn make_tap(ns: &Netns, name: &str, pairs: u16) -> Result<(Tap, Injector)> {
 
 /// The device and the driver's rings.
 struct Device {
-    dev: Net,
+    /// In a mutex: a paused device keeps its workers' state, which is Send
+    /// but not Sync.
+    dev: Mutex<Net>,
     mem: Arc<GuestMemoryTracked>,
     msix: Arc<MsixVectors>,
     pairs: Vec<Mutex<Pair>>,
@@ -343,7 +345,7 @@ impl Device {
             ensure!(ack == 0, "VQ_PAIRS_SET {pairs} was refused (ack {ack})");
         }
         Ok(Self {
-            dev,
+            dev: Mutex::new(dev),
             mem,
             msix,
             pairs: ps,
@@ -357,7 +359,7 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        self.dev.reset();
+        self.dev.lock().unwrap_or_else(|p| p.into_inner()).reset();
     }
 }
 
@@ -376,7 +378,9 @@ fn dev_tx(d: &Device, p: &mut Pair, n: usize) -> Result<()> {
         }
         if posted {
             p.tx.publish()?;
-            p.tx_notify.write(1)?;
+            if p.tx.needs_kick()? {
+                p.tx_notify.write(1)?;
+            }
         }
         let (_, got) = p.tx.reap()?;
         if got == 0 {
@@ -440,7 +444,9 @@ fn dev_rx(d: &Device, p: &mut Pair, n: usize, abort: &AtomicBool) -> Result<()> 
         }
         if posted {
             p.rx.publish()?;
-            p.rx_notify.write(1)?;
+            if p.rx.needs_kick()? {
+                p.rx_notify.write(1)?;
+            }
         }
         let (_, got) = p.rx.reap()?;
         if got == 0 {
@@ -589,7 +595,7 @@ fn bench_pairs(ns: &Netns, pairs: u16, n_tx: usize, n_rx: usize, rounds: usize) 
             r.rx_floor.push(rxf * 1e9 / frames_rx);
         }
     }
-    let stats = dev.dev.stats();
+    let stats = dev.dev.lock().unwrap_or_else(|p| p.into_inner()).stats();
     let malformed: u64 = stats.pairs.iter().map(|s| s.malformed.load(Ordering::Relaxed)).sum();
     ensure!(malformed == 0, "the device counted {malformed} malformed chains");
     drop(dev);

@@ -4,8 +4,9 @@
 //! avail entries as Linux's virtio driver does, kicks the device's notify
 //! eventfd and waits on the vector's irqfd for used entries.
 //!
-//! No EVENT_IDX: the device signals once per batch it completes, the driver
-//! kicks once per batch it posts, which is what a busy Linux guest sees.
+//! No EVENT_IDX: the device signals once per batch it completes; the driver
+//! kicks after a batch it posts unless the device set `VRING_USED_F_NO_NOTIFY`
+//! (it is still draining), as Linux's virtio driver does.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
@@ -127,6 +128,18 @@ impl DriverRing {
         self.mem
             .store(self.avail_idx, GuestAddress(self.avail + 2), Ordering::Release)?;
         Ok(())
+    }
+
+    /// Whether the device wants a kick for what was just published: Linux's
+    /// `virtqueue_kick_prepare` without EVENT_IDX, i.e. `VRING_USED_F_NO_NOTIFY`
+    /// clear. A worker that is still draining the ring sets the flag, so a
+    /// busy device is not woken for every request.
+    pub fn needs_kick(&self) -> Result<bool> {
+        // The avail index store must be visible before the flag is read (the
+        // device does the mirror image: flag clear, fence, avail re-read).
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let flags: u16 = self.mem.load(GuestAddress(self.used), Ordering::Acquire)?;
+        Ok(flags & 1 == 0)
     }
 
     /// The device's `used.idx` (acquire).

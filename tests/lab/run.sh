@@ -164,7 +164,7 @@ fi
   q LAB_L2_KERNEL_RELEASE "$L2_KREL"
   q LAB_L1_BINS "$(header "$SCRIPT" l1-bins)"
   [[ -z $BIN ]] || q LAB_BIN "/lab/bin/$(basename "$BIN")"
-  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
+  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
 } >"$RUN/lab/env"
 mkcpio "$RUN" "$OUT/work/run.cpio"
 cat "${IMAGES[@]}" "$OUT/work/run.cpio" >"$OUT/work/l1-initrd.cpio"
@@ -172,9 +172,11 @@ t_prep=$(date +%s.%N)
 log "prepared in $(awk -v a="$t_start" -v b="$t_prep" 'BEGIN{printf "%.1f", b-a}') s: L1 $L1_KREL, L2 $L2_KREL, $(du -m "$OUT/work/l1-initrd.cpio" | cut -f1) MiB initramfs; booting L1 (timeout ${TIMEOUT}s)"
 
 # --- boot L1 --------------------------------------------------------------------
+L0_QEMU=("${K7D_LAB_QEMU:-qemu-system-x86_64}")
+[[ -z ${K7D_LAB_QEMU_DATA:-} ]] || L0_QEMU+=(-L "$K7D_LAB_QEMU_DATA")
 : >"$OUT/l2.log"
 set +e
-timeout -k 10 "$TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu EPYC,+svm -smp 2 -m 3072 \
+timeout -k 10 "$TIMEOUT" "${L0_QEMU[@]}" -accel "tcg,thread=${K7D_LAB_TCG_THREAD:-multi}" -cpu "${K7D_LAB_L1_CPU:-EPYC,+svm}" -smp "${K7D_LAB_L1_SMP:-1}" -m 3072 \
   -nic none -nographic -monitor none -serial stdio -serial "file:$OUT/l2.log" -no-reboot \
   -kernel "$L1_TREE/boot/vmlinuz-$L1_KREL" -initrd "$OUT/work/l1-initrd.cpio" \
   -append "console=ttyS0 panic=-1 quiet ${K7D_LAB_L1_APPEND:-}" </dev/null 2>&1 |

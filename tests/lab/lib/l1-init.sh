@@ -20,14 +20,22 @@ end() { echo "LAB-END rc=$1"; sync; poweroff -f; sleep 10; }
 
 . /lab/env
 for m in $(cat /lab/modules.order); do
-  insmod "/lab/modules/$m" || { echo "LAB-FAIL L1: insmod $m failed"; end 1; }
+  # Module options from LAB_MODOPTS_<name> (dashes as underscores), e.g.
+  # LAB_MODOPTS_kvm_amd="npt=0".
+  n=$(basename "$m" .ko | tr - _)
+  eval "opts=\${LAB_MODOPTS_$n:-}"
+  # shellcheck disable=SC2086  # options are separate words
+  insmod "/lab/modules/$m" $opts || { echo "LAB-FAIL L1: insmod $m $opts failed"; end 1; }
 done
 [ -c /dev/kvm ] || { echo "LAB-FAIL L1: no /dev/kvm after loading kvm-amd"; end 1; }
+# On a one-CPU L1 a halted L2 vCPU that polls before sleeping only takes the
+# CPU from the threads that would wake it (device workers, L1's stack).
+[ "$(nproc)" -gt 1 ] || echo 0 >/sys/module/kvm/parameters/halt_poll_ns
 ip link set lo up 2>/dev/null
 # The L2 serial channel: ttyS1 is a file on the host (l2.log); no CR/LF mangling.
 stty -F /dev/ttyS1 raw -echo 2>/dev/null
 read -r up _ </proc/uptime
-echo "LAB-L1 ready uptime=$up modules=$(tr '\n' ' ' </lab/modules.order)"
+echo "LAB-L1 ready uptime=$up modules=$(tr '\n' ' ' </lab/modules.order) cpus=$(nproc) halt_poll_ns=$(cat /sys/module/kvm/parameters/halt_poll_ns 2>/dev/null)"
 
 cd /lab || end 1
 timeout -s KILL "${LAB_SCENARIO_TIMEOUT:-540}" sh /lab/scenario.sh

@@ -1,6 +1,6 @@
-# lab: description=PENDING (intermittent guest hang/crash at mkfs.ext4, CHALLENGES.md): k7d virtio-blk: mkfs.ext4 + 64 MiB + sync on a raw image read back by L1; an erofs image read-only, sums checked, writes refused in the guest
-# lab: default=no
-# lab: timeout=360
+# lab: description=k7d virtio-blk: mkfs.ext4 + 64 MiB + sync on a raw image read back by L1; an erofs image read-only, sums checked, writes refused in the guest
+# lab: default=yes
+# lab: timeout=600
 # lab: bin=required
 # lab: guest-modules=virtio_pci virtio_blk erofs
 # lab: l1-modules=loop crc32c_generic ext4
@@ -32,11 +32,11 @@ ro_bytes=$(wc -c <"$RO")
 case $VMM in
   k7d)
     [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
-    lab_run_l2 blk "${LAB_L2_TIMEOUT:-150}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
+    lab_run_l2 blk "${LAB_L2_TIMEOUT:-300}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
       --cmdline "$LAB_CMDLINE" --vcpus 2 --memory 512 --disk "$IMG" --disk "$RO,ro" ;;
   qemu)
     lab_note "$(qemu-system-x86_64 --version | head -n1)"
-    lab_run_l2 blk "${LAB_L2_TIMEOUT:-150}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
+    lab_run_l2 blk "${LAB_L2_TIMEOUT:-300}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
       -nodefaults -no-user-config -display none -serial stdio -no-reboot \
       -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE" \
       -drive "file=$IMG,if=virtio,format=raw" -drive "file=$RO,if=virtio,format=raw,readonly=on" ;;
@@ -46,7 +46,7 @@ esac
 # The guest's own verdict first: its first error says most.
 err=$(sed -n 's/.*LAB-GUEST error //p' "$LOG" | head -n1)
 [ -z "$err" ] || lab_fail "guest: $err"
-[ "$L2_RC" != 137 ] || lab_fail "$VMM killed after ${LAB_L2_TIMEOUT:-150} s: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
+[ "$L2_RC" != 137 ] || lab_fail "$VMM killed after ${LAB_L2_TIMEOUT:-300} s: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
 [ "$L2_RC" = 0 ] || lab_fail "$VMM exited $L2_RC: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
 grep -q "LAB-GUEST blk-done=yes" "$LOG" || lab_fail "the guest script did not finish"
 grep -q "LAB-GUEST end rc=0" "$LOG" || lab_fail "the guest script did not end with rc=0"

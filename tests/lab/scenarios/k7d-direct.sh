@@ -1,6 +1,6 @@
 # lab: description=k7d-net through the tc-eBPF direct datapath: the guest owns the pod's address and reaches the pod veth's peer (ping + 100 MiB each way, sums match), nothing left after exit
 # lab: default=yes
-# lab: timeout=900
+# lab: timeout=1800
 # lab: bin=required
 # lab: guest=k7d-net
 # lab: guest-modules=virtio_pci virtio_net

@@ -1,6 +1,6 @@
 # lab: description=k7d-net with --nic ...,vhost=on over L1's /dev/vhost-net; expects "vhost: on, queues: 2"
 # lab: default=yes
-# lab: timeout=900
+# lab: timeout=1800
 # lab: bin=required
 # lab: guest=k7d-net
 # lab: guest-modules=virtio_pci virtio_net

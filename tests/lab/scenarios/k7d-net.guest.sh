@@ -36,7 +36,7 @@ g "ping=$(sed -n 's/^\([0-9]*\) packets transmitted, \([0-9]*\) packets received
 mkfifo /tmp/hold && exec 3<>/tmp/hold
 
 t0=$(now)
-timeout 300 nc 10.77.0.1 5001 </tmp/tx >/dev/null 2>/tmp/nc-tx.err
+timeout 900 nc 10.77.0.1 5001 </tmp/tx >/dev/null 2>/tmp/nc-tx.err
 rc=$?
 t1=$(now)
 g "net-tx-rc=$rc"
@@ -45,7 +45,7 @@ g "net-tx-s=$(dt "$t0" "$t1")"
 rm -f /tmp/tx
 
 t0=$(now)
-timeout 300 nc -l -p 5002 <&3 >/tmp/rx 2>/tmp/nc-rx.err
+timeout 900 nc -l -p 5002 <&3 >/tmp/rx 2>/tmp/nc-rx.err
 rc=$?
 t1=$(now)
 g "net-rx-rc=$rc"

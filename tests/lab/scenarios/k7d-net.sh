@@ -1,6 +1,6 @@
 # lab: description=k7d virtio-net userspace (tap, 2 queue pairs, 2 vCPUs): the guest sees 2 queue pairs, pings L1, 100 MiB each way with matching sha256
 # lab: default=yes
-# lab: timeout=900
+# lab: timeout=1800
 # lab: bin=required
 # lab: guest-modules=virtio_pci virtio_net
 # lab: l1-modules=tun vhost_net
@@ -40,7 +40,7 @@ l1_tx_sum=$(sha256sum </tmp/net.l1-tx | cut -d' ' -f1)
 mkfifo /tmp/net.hold && exec 3<>/tmp/net.hold
 
 # guest -> L1 on port 5001: listening before the tap even exists, so before the guest can connect.
-(timeout 600 nc -l -p 5001 <&3 >/tmp/net.l1-rx 2>/tmp/net.l1-rx.err; echo $? >/tmp/net.l1-rx.rc) &
+(timeout 1200 nc -l -p 5001 <&3 >/tmp/net.l1-rx 2>/tmp/net.l1-rx.err; echo $? >/tmp/net.l1-rx.rc) &
 rx_pid=$!
 # L1's side of the tap, then L1 -> guest on port 5002 once the guest's send is done.
 (
@@ -56,11 +56,11 @@ rx_pid=$!
   lab_now >/tmp/net.tap-up
   i=0
   until [ -s /tmp/net.l1-rx.rc ]; do
-    i=$((i + 1)); [ "$i" -lt 3000 ] || { echo "the guest's 100 MiB never finished arriving" >/tmp/net.agent-err; exit 1; }
+    i=$((i + 1)); [ "$i" -lt 6000 ] || { echo "the guest's 100 MiB never finished arriving" >/tmp/net.agent-err; exit 1; }
     sleep 0.2
   done
   i=0
-  until timeout 300 nc 10.77.0.2 5002 </tmp/net.l1-tx >/dev/null 2>/tmp/net.l1-tx.err; do
+  until timeout 900 nc 10.77.0.2 5002 </tmp/net.l1-tx >/dev/null 2>/tmp/net.l1-tx.err; do
     i=$((i + 1)); [ "$i" -lt 600 ] || { echo "could not send to 10.77.0.2:5002: $(cat /tmp/net.l1-tx.err)" >/tmp/net.agent-err; exit 1; }
     sleep 0.3
   done
@@ -74,11 +74,11 @@ nic="tap=$TAP,queues=2"
 case $VMM in
   k7d)
     [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
-    lab_run_l2 net "${LAB_L2_TIMEOUT:-600}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
+    lab_run_l2 net "${LAB_L2_TIMEOUT:-1500}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
       --cmdline "$LAB_CMDLINE" --vcpus 2 --memory 512 --nic "$nic" ;;
   qemu)
     lab_note "$(qemu-system-x86_64 --version | head -n1)"
-    lab_run_l2 net "${LAB_L2_TIMEOUT:-600}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
+    lab_run_l2 net "${LAB_L2_TIMEOUT:-1500}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
       -nodefaults -no-user-config -display none -serial stdio -no-reboot \
       -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE" \
       -netdev "tap,id=n0,ifname=$TAP,script=no,downscript=no,queues=2,vhost=$VHOST" \
@@ -92,7 +92,7 @@ wait "$agent_pid" "$rx_pid" 2>/dev/null
 err=$(sed -n 's/.*LAB-GUEST error //p' "$LOG" | head -n1)
 [ ! -s /tmp/net.agent-err ] || lab_fail "L1: $(cat /tmp/net.agent-err)${err:+; guest: $err}"
 [ -z "$err" ] || lab_fail "guest: $err"
-[ "$L2_RC" != 137 ] || lab_fail "$VMM killed after ${LAB_L2_TIMEOUT:-600} s: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
+[ "$L2_RC" != 137 ] || lab_fail "$VMM killed after ${LAB_L2_TIMEOUT:-1500} s: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
 [ "$L2_RC" = 0 ] || lab_fail "$VMM exited $L2_RC: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
 grep -q "LAB-GUEST net-done=yes" "$LOG" || lab_fail "the guest script did not finish"
 grep -q "LAB-GUEST end rc=0" "$LOG" || lab_fail "the guest script did not end with rc=0"

@@ -25,6 +25,19 @@ fn cmd(args: &[&str]) -> NetCmd {
     Cli::try_parse_from(v).unwrap_or_else(|e| panic!("{args:?}: {e}")).cmd
 }
 
+/// (reason, direction) of every `drops` line whose count is at least 2 (each
+/// refused ping sends two packets).
+fn counts(drops: &str) -> Vec<(&str, &str)> {
+    drops
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            let (reason, dir, n) = (w.next()?, w.next()?, w.next()?.parse::<u64>().ok()?);
+            (n >= 2).then_some((reason, dir))
+        })
+        .collect()
+}
+
 #[test]
 fn policy_and_drops_through_the_cli_functions() {
     let lab = Lab::new();
@@ -61,10 +74,15 @@ fn policy_and_drops_through_the_cli_functions() {
     assert!(shown.contains("default-deny on, 1 allowed and 0 denied"), "{shown}");
     assert_eq!(pairs(), [false, false, true, true], "default-deny + allow C");
     let drops = render(&cmd(&["drops", vm, "--bpffs-root", &root]), false).unwrap();
-    let lines: Vec<&str> = drops.lines().collect();
+    // Both pings' two packets were dropped and counted. At least two, not
+    // exactly: a neighbour probe from B whose entry went stale while a loaded
+    // machine ran the test is dropped (and counted) too.
     assert_eq!(
-        lines,
-        ["pod-policy-default-deny egress 2", "pod-policy-default-deny ingress 2"],
+        counts(&drops),
+        [
+            ("pod-policy-default-deny", "egress"),
+            ("pod-policy-default-deny", "ingress")
+        ],
         "{drops}"
     );
     let j: serde_json::Value =
@@ -72,7 +90,7 @@ fn policy_and_drops_through_the_cli_functions() {
     assert_eq!(j["vm"], vm);
     assert_eq!(j["drops"][0]["reason"], "pod-policy-default-deny");
     assert_eq!(j["drops"][0]["direction"], "egress");
-    assert_eq!(j["drops"][0]["packets"], 2);
+    assert!(j["drops"][0]["packets"].as_u64().is_some_and(|n| n >= 2), "{j}");
 
     // Clear: everything passes, counters stay.
     let out = render(&cmd(&["policy", vm, "--clear", "--bpffs-root", &root]), true).unwrap();
@@ -87,8 +105,15 @@ fn policy_and_drops_through_the_cli_functions() {
     .unwrap();
     assert_eq!(pairs(), [false, false, true, true], "deny B");
     let drops = render(&cmd(&["drops", vm, "--bpffs-root", &root]), false).unwrap();
-    assert!(drops.contains("pod-policy-deny egress 2\n"), "{drops}");
-    assert!(drops.contains("pod-policy-deny ingress 2\n"), "{drops}");
+    let deny: Vec<_> = counts(&drops)
+        .into_iter()
+        .filter(|(r, _)| *r == "pod-policy-deny")
+        .collect();
+    assert_eq!(
+        deny,
+        [("pod-policy-deny", "egress"), ("pod-policy-deny", "ingress")],
+        "{drops}"
+    );
     run(cmd(&["policy", vm, "--clear", "--bpffs-root", &root]), false).unwrap();
     assert_eq!(pairs(), [true; 4], "cleared again");
 

@@ -28,9 +28,6 @@ for m in $(cat /lab/modules.order); do
   insmod "/lab/modules/$m" $opts || { echo "LAB-FAIL L1: insmod $m $opts failed"; end 1; }
 done
 [ -c /dev/kvm ] || { echo "LAB-FAIL L1: no /dev/kvm after loading kvm-amd"; end 1; }
-# On a one-CPU L1 a halted L2 vCPU that polls before sleeping only takes the
-# CPU from the threads that would wake it (device workers, L1's stack).
-[ "$(nproc)" -gt 1 ] || echo 0 >/sys/module/kvm/parameters/halt_poll_ns
 ip link set lo up 2>/dev/null
 # The L2 serial channel: ttyS1 is a file on the host (l2.log); no CR/LF mangling.
 stty -F /dev/ttyS1 raw -echo 2>/dev/null

@@ -173,10 +173,12 @@ log "prepared in $(awk -v a="$t_start" -v b="$t_prep" 'BEGIN{printf "%.1f", b-a}
 
 # --- boot L1 --------------------------------------------------------------------
 L0_QEMU=("${K7D_LAB_QEMU:-qemu-system-x86_64}")
+# L1's vCPUs: one unless the scenario asks otherwise (docs/lab.md, "l1-smp").
+L1_SMP=${K7D_LAB_L1_SMP:-$(header "$SCRIPT" l1-smp 1)}
 [[ -z ${K7D_LAB_QEMU_DATA:-} ]] || L0_QEMU+=(-L "$K7D_LAB_QEMU_DATA")
 : >"$OUT/l2.log"
 set +e
-timeout -k 10 "$TIMEOUT" "${L0_QEMU[@]}" -accel "tcg,thread=${K7D_LAB_TCG_THREAD:-multi}" -cpu "${K7D_LAB_L1_CPU:-EPYC,+svm}" -smp "${K7D_LAB_L1_SMP:-1}" -m 3072 \
+timeout -k 10 "$TIMEOUT" "${L0_QEMU[@]}" -accel "tcg,thread=${K7D_LAB_TCG_THREAD:-multi}" -cpu "${K7D_LAB_L1_CPU:-EPYC,+svm}" -smp "$L1_SMP" -m 3072 \
   -nic none -nographic -monitor none -serial stdio -serial "file:$OUT/l2.log" -no-reboot \
   -kernel "$L1_TREE/boot/vmlinuz-$L1_KREL" -initrd "$OUT/work/l1-initrd.cpio" \
   -append "console=ttyS0 panic=-1 quiet ${K7D_LAB_L1_APPEND:-}" </dev/null 2>&1 |

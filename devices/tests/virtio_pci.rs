@@ -471,7 +471,7 @@ fn pause_parks_the_worker_and_resume_serves_what_was_posted() {
     assert_eq!(
         Arc::strong_count(&mem),
         idle,
-        "the paused worker's thread is gone, its state kept"
+        "pause kept the worker (and its memory handle), it did not drop it"
     );
     // A request posted while paused is not served, and nothing is written.
     mq.add_desc_chains(&[wdesc(0x40_1000, 64)], 1).unwrap();

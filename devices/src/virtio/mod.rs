@@ -20,6 +20,7 @@ pub mod net;
 pub mod rng;
 pub mod transport;
 pub mod vsock;
+mod worker;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};

@@ -1,37 +1,30 @@
 //! The virtio-rng device: identity, features, worker start/stop.
 
 use std::fs::File;
-use std::thread::JoinHandle;
 
-use tracing::{error, info};
+use tracing::info;
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::event_handler::RngWorker;
 use super::{ENTROPY_SOURCE, QUEUE_SIZE};
+use crate::virtio::worker::WorkerThread;
 use crate::virtio::{
     ActivateContext, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice,
     VirtioError,
 };
 
-struct Running {
-    stop: EventFd,
-    handle: JoinHandle<RngWorker>,
-}
-
 /// A virtio entropy device.
 pub struct Rng {
     source: File,
     queue_sizes: [u16; 1],
-    worker: Option<Running>,
-    /// The worker of a paused device: stopped, its queue state kept.
-    paused: Option<(EventFd, RngWorker)>,
+    worker: WorkerThread<RngWorker>,
 }
 
 impl std::fmt::Debug for Rng {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Rng")
-            .field("active", &self.worker.is_some())
+            .field("active", &self.worker.is_running())
             .finish_non_exhaustive()
     }
 }
@@ -51,49 +44,22 @@ impl Rng {
         Self {
             source,
             queue_sizes: [QUEUE_SIZE],
-            worker: None,
-            paused: None,
+            worker: WorkerThread::new("k7d-virtio-rng"),
         }
     }
 
     /// Whether a worker thread is running.
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
+        self.worker.is_running()
     }
 
     /// Whether the device is paused (activated, worker parked).
     pub fn is_paused(&self) -> bool {
-        self.paused.is_some()
-    }
-
-    /// Stops the running worker after the request it is serving and returns
-    /// it with its stop eventfd.
-    fn join_worker(&mut self) -> Option<(EventFd, RngWorker)> {
-        let w = self.worker.take()?;
-        if let Err(e) = w.stop.write(1) {
-            error!(error = %e, "could not signal the rng worker to stop");
-        }
-        match w.handle.join() {
-            Ok(worker) => Some((w.stop, worker)),
-            Err(_) => {
-                error!("the rng worker panicked; its queue is lost");
-                None
-            }
-        }
+        self.worker.is_parked()
     }
 
     fn stop_worker(&mut self) -> Option<Queue> {
-        let paused = self.paused.take();
-        self.join_worker().or(paused).map(|(_, w)| w.queue)
-    }
-
-    fn spawn(&mut self, stop: EventFd, worker: RngWorker) -> Result<(), VirtioError> {
-        let handle = std::thread::Builder::new()
-            .name("k7d-virtio-rng".into())
-            .spawn(move || worker.run())
-            .map_err(|e| VirtioError::Spawn("rng", e))?;
-        self.worker = Some(Running { stop, handle });
-        Ok(())
+        self.worker.stop().map(|w| w.queue)
     }
 }
 
@@ -115,7 +81,7 @@ impl VirtioDevice for Rng {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
-        if self.worker.is_some() || self.paused.is_some() {
+        if self.worker.is_active() {
             return Err(VirtioError::AlreadyActive(self.name()));
         }
         let got = ctx.queues.len();
@@ -140,7 +106,7 @@ impl VirtioDevice for Rng {
             })?,
             malformed: 0,
         };
-        self.spawn(stop, worker)?;
+        self.worker.spawn(stop, worker, "rng")?;
         info!(features = ctx.acked_features, "virtio-rng activated");
         Ok(())
     }
@@ -153,20 +119,13 @@ impl VirtioDevice for Rng {
     /// and completed in one go): when this returns the device writes no
     /// guest memory. A device that is not active has nothing to pause.
     fn pause(&mut self) -> Result<(), VirtioError> {
-        if let Some(w) = self.join_worker() {
-            self.paused = Some(w);
-        }
+        self.worker.park();
         Ok(())
     }
 
     /// Restarts a paused worker where it stopped (queue indexes kept).
     fn resume(&mut self) -> Result<(), VirtioError> {
-        let Some((stop, worker)) = self.paused.take() else {
-            return Ok(());
-        };
-        // Clear the stop that parked it, or the new thread leaves at once.
-        let _ = stop.read();
-        self.spawn(stop, worker)
+        self.worker.unpark("rng")
     }
 }
 

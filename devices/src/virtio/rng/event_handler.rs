@@ -171,3 +171,9 @@ fn fill_chain(chain: DescriptorChain<&GuestMemoryTracked>, source: &mut File, ma
     }
     total
 }
+
+impl crate::virtio::worker::ParkableWorker for RngWorker {
+    fn run(self) -> Self {
+        RngWorker::run(self)
+    }
+}

@@ -3,7 +3,6 @@
 
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::thread::JoinHandle;
 
 use tracing::{error, info, warn};
 use virtio_queue::Queue;
@@ -13,12 +12,8 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 use super::event_handler::VsockWorker;
 use super::muxer::Muxer;
 use super::{MAX_PKT_BUF_SIZE, NUM_QUEUES, QUEUE_SIZE, VsockError, persist};
+use crate::virtio::worker::WorkerThread;
 use crate::virtio::{ActivateContext, VIRTIO_F_VERSION_1, VirtioDevice, VirtioError};
-
-struct Running {
-    stop: EventFd,
-    handle: JoinHandle<VsockWorker>,
-}
 
 /// A virtio-vsock device with the hybrid (unix socket) host side.
 ///
@@ -30,9 +25,7 @@ pub struct Vsock {
     uds_path: PathBuf,
     listener: UnixListener,
     queue_sizes: [u16; NUM_QUEUES],
-    worker: Option<Running>,
-    /// The worker of a paused device, with its muxer and connections.
-    paused: Option<(EventFd, VsockWorker)>,
+    worker: WorkerThread<VsockWorker>,
 }
 
 impl std::fmt::Debug for Vsock {
@@ -40,7 +33,7 @@ impl std::fmt::Debug for Vsock {
         f.debug_struct("Vsock")
             .field("cid", &self.cid)
             .field("uds_path", &self.uds_path)
-            .field("active", &self.worker.is_some())
+            .field("active", &self.worker.is_running())
             .finish_non_exhaustive()
     }
 }
@@ -69,8 +62,7 @@ impl Vsock {
             uds_path,
             listener,
             queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
-            worker: None,
-            paused: None,
+            worker: WorkerThread::new("k7d-vsock"),
         })
     }
 
@@ -86,40 +78,16 @@ impl Vsock {
 
     /// Whether a worker thread is running.
     pub fn is_active(&self) -> bool {
-        self.worker.is_some()
+        self.worker.is_running()
     }
 
     /// Whether the device is paused (activated, worker parked).
     pub fn is_paused(&self) -> bool {
-        self.paused.is_some()
-    }
-
-    fn join_worker(&mut self) -> Option<(EventFd, VsockWorker)> {
-        let w = self.worker.take()?;
-        if let Err(e) = w.stop.write(1) {
-            error!(error = %e, "could not signal the vsock worker to stop");
-        }
-        match w.handle.join() {
-            Ok(worker) => Some((w.stop, worker)),
-            Err(_) => {
-                error!("the vsock worker panicked; its queues are lost");
-                None
-            }
-        }
+        self.worker.is_parked()
     }
 
     fn stop_worker(&mut self) -> Vec<Queue> {
-        let paused = self.paused.take();
-        self.join_worker().or(paused).map(|(_, w)| w.queues).unwrap_or_default()
-    }
-
-    fn spawn(&mut self, stop: EventFd, worker: VsockWorker) -> Result<(), VirtioError> {
-        let handle = std::thread::Builder::new()
-            .name("k7d-vsock".into())
-            .spawn(move || worker.run())
-            .map_err(|e| VirtioError::Spawn("vsock", e))?;
-        self.worker = Some(Running { stop, handle });
-        Ok(())
+        self.worker.stop().map(|w| w.queues).unwrap_or_default()
     }
 }
 
@@ -156,7 +124,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
-        if self.worker.is_some() || self.paused.is_some() {
+        if self.worker.is_active() {
             return Err(VirtioError::AlreadyActive(self.name()));
         }
         let mut queues = ctx.queues;
@@ -190,7 +158,7 @@ impl VirtioDevice for Vsock {
             buf: vec![0; MAX_PKT_BUF_SIZE as usize],
             registered: false,
         };
-        self.spawn(stop, worker)?;
+        self.worker.spawn(stop, worker, "vsock")?;
         info!(cid = self.cid, features = ctx.acked_features, "virtio-vsock activated");
         Ok(())
     }
@@ -204,20 +172,13 @@ impl VirtioDevice for Vsock {
     /// data waits in the sockets). A device that is not active has nothing
     /// to pause.
     fn pause(&mut self) -> Result<(), VirtioError> {
-        if let Some(w) = self.join_worker() {
-            self.paused = Some(w);
-        }
+        self.worker.park();
         Ok(())
     }
 
     /// Restarts a paused worker where it stopped.
     fn resume(&mut self) -> Result<(), VirtioError> {
-        let Some((stop, worker)) = self.paused.take() else {
-            return Ok(());
-        };
-        // Clear the stop that parked it, or the new thread leaves at once.
-        let _ = stop.read();
-        self.spawn(stop, worker)
+        self.worker.unpark("vsock")
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

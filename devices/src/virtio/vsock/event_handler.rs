@@ -285,3 +285,9 @@ fn write_packet<B: vm_memory::bitmap::BitmapSlice>(pkt: &mut VsockPacket<'_, B>,
     }
     (PKT_HEADER_SIZE + data.len()) as u32
 }
+
+impl crate::virtio::worker::ParkableWorker for VsockWorker {
+    fn run(self) -> Self {
+        VsockWorker::run(self)
+    }
+}

@@ -129,6 +129,19 @@ impl Block {
         self.disk.sectors()
     }
 
+    /// A copy-on-write child of this device's disk as of now, for a forked
+    /// VM's own `Block` (see [`DiskImage::fork`]). The first fork freezes
+    /// the image file; this device keeps working on its own overlay.
+    ///
+    /// Call it while the device is paused (or was never activated), so no
+    /// request runs on the disk meanwhile; a running device is refused.
+    pub fn fork_disk(&self) -> Result<DiskImage, BlockError> {
+        if self.is_active() {
+            return Err(BlockError::ForkWhileRunning(self.disk.path().to_owned()));
+        }
+        self.disk.fork()
+    }
+
     /// The queue indexes while paused (`None` otherwise).
     pub fn paused_queue_indexes(&self) -> Option<QueueIndexes> {
         match &self.state {

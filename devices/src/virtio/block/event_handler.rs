@@ -10,7 +10,7 @@ use vm_memory::Bytes;
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::disk::{DiskImage, FileAt};
+use super::disk::{DiskAt, DiskImage};
 use super::request::{Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
 use super::{ID_BYTES, MAX_DESCRIPTORS, SECTOR_SHIFT, status};
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
@@ -187,12 +187,13 @@ impl RequestHandler {
     }
 
     fn read_sectors(&self, mem: &GuestMemoryTracked, req: &Request) -> Result<(), RequestError> {
-        let mut src = FileAt {
-            file: self.disk.file(),
+        let mut src = DiskAt {
+            disk: &self.disk,
             offset: req.sector << SECTOR_SHIFT,
         };
         for s in &req.data {
-            // Image bytes straight into guest RAM; FileAt marks the bitmap.
+            // Image (or overlay) bytes straight into guest RAM; DiskAt marks
+            // the bitmap as FileAt does.
             mem.read_exact_volatile_from(s.addr, &mut src, s.len as usize)
                 .map_err(|e| RequestError::Io(e.to_string()))?;
         }
@@ -203,8 +204,8 @@ impl RequestHandler {
         if self.disk.read_only() {
             return Err(RequestError::ReadOnly);
         }
-        let mut dst = FileAt {
-            file: self.disk.file(),
+        let mut dst = DiskAt {
+            disk: &self.disk,
             offset: req.sector << SECTOR_SHIFT,
         };
         for s in &req.data {

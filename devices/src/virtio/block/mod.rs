@@ -1,7 +1,16 @@
 //! virtio-blk: a raw image file, read-write or read-only (e.g. erofs).
 //!
 //! - [`DiskImage`] (`disk.rs`): the backing file, opened `O_RDWR` or
-//!   `O_RDONLY`; capacity is its length in 512-byte sectors.
+//!   `O_RDONLY`; capacity is its length in 512-byte sectors. [`DiskAt`] is
+//!   the request path's positioned reader/writer on it.
+//! - Copy-on-write overlay (`disk.rs`): [`DiskImage::fork`] (through
+//!   [`Block::fork_disk`], device paused) freezes a writable base and gives
+//!   the source and each child their own unlinked, sparse overlay file with
+//!   a map of the 4 KiB clusters it holds; reads take present clusters from
+//!   it and the rest from the base, partial writes to an absent cluster
+//!   copy it first. A fork copies only the parent's present clusters, so it
+//!   costs what diverged, not the disk size; dropping a disk frees its
+//!   overlay. Read-only images are shared.
 //! - [`Block`] (`device.rs`): the [`crate::virtio::VirtioDevice`]: features,
 //!   config space, one I/O worker thread, pause/resume.
 //! - `request.rs`: request parsing with the spec's validation (virtio 1.2
@@ -53,7 +62,7 @@ mod persist;
 mod request;
 
 pub use device::{Block, QueueIndexes};
-pub use disk::{DiskImage, FileAt};
+pub use disk::{CLUSTER_SIZE, DiskAt, DiskImage, FileAt};
 pub use event_handler::{Batch, BlockStats, MAX_BATCH, RequestHandler};
 pub use memory::{DeviceMemory, RegionDirty, device_view};
 pub use persist::seed_indexes_from_used_ring;
@@ -131,6 +140,36 @@ pub enum BlockError {
     /// The guest's ring could not be read while seeding queue indexes.
     #[error("reading the guest's used ring failed: {0}")]
     UsedRing(String),
+    /// Duplicating the base image's descriptor for a fork failed.
+    #[error("duplicating the descriptor of the disk image {path} for a fork failed")]
+    ForkBase {
+        /// The image path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Creating a copy-on-write overlay file failed.
+    #[error("creating the copy-on-write overlay for {path} failed")]
+    Overlay {
+        /// The image path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Copying the parent's overlay into a fork's overlay failed.
+    #[error("copying the copy-on-write overlay of {path} for a fork failed")]
+    OverlayCopy {
+        /// The image path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The disk was to be forked while its device's worker was running.
+    #[error("the disk {0} can only be forked while its device is paused")]
+    ForkWhileRunning(String),
     /// Snapshot/restore of blk state is not implemented.
     #[error("virtio-blk {0} is not implemented yet")]
     NotImplemented(&'static str),

@@ -70,7 +70,13 @@ struct Machine {
 
 impl Machine {
     fn new() -> Self {
-        let mem = Arc::new(GuestMemoryTracked::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap());
+        Self::on(Arc::new(
+            GuestMemoryTracked::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap(),
+        ))
+    }
+
+    /// A machine on existing guest RAM (a restore target).
+    fn on(mem: Arc<GuestMemoryTracked>) -> Self {
         let router = Arc::new(RecRouter::default());
         let vdev = VirtioPciDevice::new(Box::new(Rng::new().unwrap()), mem.clone(), router.clone()).unwrap();
         let dev = Arc::new(Mutex::new(vdev));
@@ -771,4 +777,103 @@ fn bar_moves_are_reported() {
     let fds = dev.lock().unwrap().ioeventfds().unwrap();
     assert_eq!(fds.len(), 1);
     assert_eq!(fds[0].addr, 0xd000_8000 + 0x3000);
+}
+
+#[test]
+fn a_restored_function_resumes_on_the_guests_rings_at_used_idx() {
+    // The source: a live rng that served 3 requests; a 4th is posted and
+    // kicked while it is paused (in flight at the snapshot).
+    let mut src = Machine::new();
+    src.probe();
+    src.enable_msix();
+    let mem = src.mem.clone();
+    let mq = MockSplitQueue::create(&*mem, GuestAddress(QUEUE_BASE), QSIZE);
+    src.driver_init(VIRTIO_F_VERSION_1, &mq);
+    for i in 0..3u16 {
+        mq.add_desc_chains(&[wdesc(0x40_0000 + 0x1000 * u64::from(i), 64)], i)
+            .unwrap();
+        src.kick(0);
+        assert!(wait_used(&mem, &mq, i + 1));
+    }
+    src.dev.lock().unwrap().pause().unwrap();
+    mq.add_desc_chains(&[wdesc(0x40_3000, 48)], 3).unwrap();
+    src.kick(0);
+    let st = src.dev.lock().unwrap().save_state().unwrap();
+    assert_eq!(st.device, "rng");
+    assert!(st.msix.enabled && st.queues[0].ready);
+    // The state survives serialization (snapshots are JSON).
+    let st: k7d_devices::virtio::transport::VirtioPciState =
+        serde_json::from_slice(&serde_json::to_vec(&st).unwrap()).unwrap();
+
+    // A fresh function of the same kind on the same guest RAM (as a fork
+    // child's RAM holds the source's): restore, then start.
+    let mut dst = Machine::on(mem.clone());
+    dst.probe(); // the test's view of the capabilities; restore rewrites config space
+    dst.dev.lock().unwrap().restore_state(&st).unwrap();
+    assert!(
+        !dst.dev.lock().unwrap().is_active(),
+        "a restored device waits for start"
+    );
+    // The guest's MSI-X programming reached the new VM's routes.
+    let routes = dst.router.0.lock().unwrap().clone();
+    assert!(
+        routes
+            .iter()
+            .any(|(v, m, masked)| *v == QUEUE_VECTOR && m.data == 0x31 && !masked),
+        "restore did not route the queue vector: {routes:?}"
+    );
+    assert_eq!(dst.dev.lock().unwrap().device_status(), st.status);
+    dst.dev.lock().unwrap().start_restored().unwrap();
+    assert!(dst.dev.lock().unwrap().is_active());
+    // The request in flight at the snapshot is served as used entry 3 (a
+    // device seeded from 0 would overwrite entry 0 and set used.idx to 1).
+    assert!(
+        wait_used(&mem, &mq, 4),
+        "the in-flight request was not served after restore"
+    );
+    assert_eq!(used_elem(&mem, &mq, 3), (3, 48));
+    assert_eq!(used_elem(&mem, &mq, 0), (0, 64), "entry 0 was rewritten");
+    assert!(
+        dst.wait_irq(QUEUE_VECTOR) >= 1,
+        "the restored device signals its vector"
+    );
+    mq.add_desc_chains(&[wdesc(0x40_4000, 16)], 4).unwrap();
+    dst.kick(0);
+    assert!(wait_used(&mem, &mq, 5));
+    assert_eq!(used_elem(&mem, &mq, 4), (4, 16));
+    drop(src);
+}
+
+#[test]
+fn a_state_that_does_not_fit_is_refused_with_a_sentence_and_nothing_runs() {
+    let mut src = Machine::new();
+    src.probe();
+    src.enable_msix();
+    let mem = src.mem.clone();
+    let mq = MockSplitQueue::create(&*mem, GuestAddress(QUEUE_BASE), QSIZE);
+    src.driver_init(VIRTIO_F_VERSION_1, &mq);
+    src.dev.lock().unwrap().pause().unwrap();
+    let good = src.dev.lock().unwrap().save_state().unwrap();
+    type Edit = Box<dyn Fn(&mut k7d_devices::virtio::transport::VirtioPciState)>;
+    let cases: Vec<(&str, Edit)> = vec![
+        ("a blk device", Box::new(|s| s.device = "blk".into())),
+        ("queues", Box::new(|s| s.queues.push(s.queues[0]))),
+        ("does not offer", Box::new(|s| s.driver_features |= 1 << 40)),
+        ("BAR 0", Box::new(|s| s.pci_config[4] ^= 0x1000_0000)),
+        ("size", Box::new(|s| s.queues[0].size = 3)),
+        ("keeps no state", Box::new(|s| s.device_state = b"x".to_vec())),
+    ];
+    for (want, edit) in cases {
+        let mut st = good.clone();
+        edit(&mut st);
+        let dst = Machine::new();
+        let e = dst.dev.lock().unwrap().restore_state(&st).unwrap_err().to_string();
+        assert!(e.starts_with("the rng device cannot be restored: "), "{e}");
+        assert!(e.contains(want), "{want:?} not in {e:?}");
+        assert!(!e.contains('\n'));
+        let mut d = dst.dev.lock().unwrap();
+        d.start_restored().unwrap();
+        assert!(!d.is_active(), "a refused restore left the device live");
+        assert_eq!(d.device_status(), 0, "a refused restore left state behind");
+    }
 }

@@ -171,6 +171,42 @@ impl PciConfiguration {
         self.bars[i].addr = self.decode_bar(i);
     }
 
+    /// The whole register file (for a snapshot of the device).
+    pub fn registers(&self) -> Vec<u32> {
+        self.regs.to_vec()
+    }
+
+    /// Puts back a register file saved by [`Self::registers`] from the same
+    /// kind of device (fork, restore). The BARs must decode to the addresses
+    /// this space has now: a restored device sits where the VMM placed it.
+    pub fn restore_registers(&mut self, regs: &[u32]) -> Result<(), PciError> {
+        if regs.len() != NUM_REGS {
+            return Err(PciError::Restore(format!(
+                "the saved configuration space has {} registers, not {NUM_REGS}",
+                regs.len()
+            )));
+        }
+        if regs[0] != self.regs[0] || regs[2] != self.regs[2] {
+            return Err(PciError::Restore(format!(
+                "the saved configuration space is of device {:#010x} class {:#010x}, this one {:#010x} class {:#010x}",
+                regs[0], regs[2], self.regs[0], self.regs[2]
+            )));
+        }
+        let before: Vec<u64> = (0..NUM_BARS).map(|i| self.decode_bar(i)).collect();
+        let saved = self.regs;
+        self.regs.copy_from_slice(regs);
+        for (i, was) in before.iter().enumerate() {
+            if self.decode_bar(i) != *was {
+                let got = self.decode_bar(i);
+                self.regs = saved;
+                return Err(PciError::Restore(format!(
+                    "BAR {i} was saved at {got:#x}, but this device sits at {was:#x}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The current base address of BAR `index` (0 if absent).
     pub fn bar_address(&self, index: u8) -> u64 {
         self.bars

@@ -13,8 +13,8 @@ mod root;
 
 pub use config::{BarKind, CapabilityInfo, NUM_BARS, PCI_CONFIG_SPACE_SIZE, PciConfiguration, PciHeader};
 pub use msix::{
-    MAX_MSIX_VECTORS, MSIX_ENTRY_SIZE, MsiMessage, MsiRouteError, MsiRouter, MsixCapability, MsixError, MsixVectors,
-    NoopMsiRouter,
+    MAX_MSIX_VECTORS, MSIX_ENTRY_SIZE, MsiMessage, MsiRouteError, MsiRouter, MsixCapability, MsixError, MsixSnapshot,
+    MsixVectors, NoopMsiRouter,
 };
 pub use root::{
     BarAllocator, BarRelocator, ECAM_BUS_SIZE, HostBridge, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciAttachment,
@@ -94,6 +94,9 @@ pub enum PciError {
     /// I/O BARs are not allocated (no I/O window).
     #[error("BAR {0} is an I/O BAR, which the PCI root does not allocate")]
     IoBar(u8),
+    /// A saved configuration space does not fit this device.
+    #[error("{0}")]
+    Restore(String),
     /// All 31 device slots of bus 0 are taken.
     #[error("PCI bus 0 has no free device slot")]
     BusFull,

@@ -186,6 +186,19 @@ impl std::fmt::Debug for MsixVectors {
     }
 }
 
+/// The guest-programmed MSI-X state of a device, for a snapshot.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MsixSnapshot {
+    /// Per vector: message address low, address high, data, vector control.
+    pub entries: Vec<[u32; 4]>,
+    /// Pending bits.
+    pub pba: Vec<u64>,
+    /// MSI-X enable (capability control).
+    pub enabled: bool,
+    /// Function mask (capability control).
+    pub function_masked: bool,
+}
+
 impl MsixVectors {
     /// `num` vectors, all masked, MSI-X disabled, each with a fresh eventfd.
     pub fn new(num: u16, router: Arc<dyn MsiRouter>) -> Result<Self, MsixError> {
@@ -212,6 +225,46 @@ impl MsixVectors {
 
     fn lock(&self) -> MutexGuard<'_, MsixState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The table, pending bits and control as the guest left them.
+    pub fn save(&self) -> MsixSnapshot {
+        let st = self.lock();
+        MsixSnapshot {
+            entries: st
+                .entries
+                .iter()
+                .map(|e| [e.msg.address_lo, e.msg.address_hi, e.msg.data, e.ctrl])
+                .collect(),
+            pba: st.pba.clone(),
+            enabled: st.enabled,
+            function_masked: st.function_masked,
+        }
+    }
+
+    /// Puts back a state from [`Self::save`] of a device with as many vectors
+    /// and tells the router about every vector, so the new VM's interrupt
+    /// routes match the guest's table; an unmasked pending vector fires.
+    pub fn restore(&self, s: &MsixSnapshot) -> Result<(), MsixError> {
+        let mut st = self.lock();
+        if s.entries.len() != st.entries.len() || s.pba.len() != st.pba.len() {
+            return Err(MsixError::TableSize(u16::try_from(s.entries.len()).unwrap_or(u16::MAX)));
+        }
+        for (e, [lo, hi, data, ctrl]) in st.entries.iter_mut().zip(s.entries.iter().copied()) {
+            e.msg = MsiMessage {
+                address_lo: lo,
+                address_hi: hi,
+                data,
+            };
+            e.ctrl = ctrl & VECTOR_CTRL_MASK;
+        }
+        st.pba.copy_from_slice(&s.pba);
+        st.enabled = s.enabled;
+        st.function_masked = s.function_masked;
+        for v in 0..st.entries.len() {
+            self.update_vector(&mut st, v);
+        }
+        Ok(())
     }
 
     /// Number of vectors.

@@ -92,6 +92,14 @@ pub enum VirtioError {
         /// The operation.
         op: &'static str,
     },
+    /// A saved state does not fit the device it is restored into.
+    #[error("the {device} device cannot be restored: {why}")]
+    Restore {
+        /// Device name.
+        device: &'static str,
+        /// What did not fit.
+        why: String,
+    },
     /// Activation with the wrong queues.
     #[error("the {device} device needs {expected} ready queue(s), the driver enabled {got}")]
     QueueCount {
@@ -155,6 +163,15 @@ impl InterruptStatus {
     /// The configuration generation counter.
     pub fn config_generation(&self) -> u8 {
         self.config_generation.load(Ordering::Acquire)
+    }
+    /// The ISR without clearing it (snapshot).
+    pub fn isr(&self) -> u8 {
+        self.isr.load(Ordering::Acquire)
+    }
+    /// Puts back an ISR and configuration generation (restore).
+    pub fn restore(&self, isr: u8, config_generation: u8) {
+        self.isr.store(isr, Ordering::Release);
+        self.config_generation.store(config_generation, Ordering::Release);
     }
     /// Clears the ISR (device reset).
     pub fn reset(&self) {

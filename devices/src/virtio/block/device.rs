@@ -142,6 +142,16 @@ impl Block {
         self.disk.fork()
     }
 
+    /// The disk (the VMM keeps a handle to fork it while the device is paused).
+    pub fn disk(&self) -> &Arc<DiskImage> {
+        &self.disk
+    }
+
+    /// Whether the disk is read-only.
+    pub fn read_only(&self) -> bool {
+        self.disk.read_only()
+    }
+
     /// The queue indexes while paused (`None` otherwise).
     pub fn paused_queue_indexes(&self) -> Option<QueueIndexes> {
         match &self.state {

@@ -119,14 +119,17 @@ struct Paused {
 /// A virtio-net device on a (multiqueue) tap.
 pub struct Net {
     tap: Arc<Tap>,
-    mac: [u8; 6],
-    pairs: u16,
+    pub(super) mac: [u8; 6],
+    pub(super) pairs: u16,
     queue_sizes: Vec<u16>,
-    stats: Arc<NetStats>,
+    pub(super) stats: Arc<NetStats>,
     running: Option<Running>,
     paused: Option<Paused>,
     /// The kernel data plane, when built with [`Net::new_vhost`].
     vhost: Option<VhostNetBackend>,
+    /// Queue pairs the guest had enabled, applied at the next activation
+    /// (restore; see `persist.rs`).
+    pub(super) restore_pairs: Option<u16>,
 }
 
 impl std::fmt::Debug for Net {
@@ -172,6 +175,7 @@ impl Net {
             running: None,
             paused: None,
             vhost: None,
+            restore_pairs: None,
         })
     }
 
@@ -458,6 +462,16 @@ impl VirtioDevice for Net {
             }
         }
         self.stats.active_pairs.store(1, Ordering::Release);
+        if let Some(n) = self.restore_pairs.take()
+            && n > 1
+            && n <= pairs
+            && !super::event_handler::set_pairs(&self.tap, &self.stats, n)
+        {
+            return Err(self.bad_tap(
+                "TUNSETQUEUE",
+                std::io::Error::other("restoring the queue-pair count failed"),
+            ));
+        }
 
         let stop = EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?;
         let mut ctrl = ctrl_index.and_then(|i| by_index.remove(&i)).map(|q| CtrlQueue {
@@ -598,12 +612,11 @@ impl VirtioDevice for Net {
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
-        persist::unsupported("snapshot")
+        persist::snapshot(self)
     }
 
     fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
-        let _ = state;
-        persist::unsupported("restore")
+        persist::restore(self, state)
     }
 }
 

@@ -566,7 +566,7 @@ pub(super) fn serve_ctrl(
 }
 
 /// Attaches tap queues `0..n` and detaches the rest.
-fn set_pairs(tap: &Tap, stats: &NetStats, n: u16) -> bool {
+pub(super) fn set_pairs(tap: &Tap, stats: &NetStats, n: u16) -> bool {
     let queues = &tap.queues;
     if queues.len() > 1 {
         // Attach first so at least one queue is attached throughout.

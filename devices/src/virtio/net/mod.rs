@@ -27,7 +27,7 @@
 //! - Or the kernel vhost-net data plane ([`Net::new_vhost`], [`vhost`]): one
 //!   `/dev/vhost-net` per pair serves the rings; the control queue stays in
 //!   a small userspace worker.
-//! - Snapshot/restore fail loudly ([`persist`]).
+//! - Snapshot/restore ([`persist`]): the enabled queue pairs, checked MAC and pair count.
 //!
 //! See `docs/virtio-net.md`.
 

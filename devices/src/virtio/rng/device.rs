@@ -127,6 +127,21 @@ impl VirtioDevice for Rng {
     fn resume(&mut self) -> Result<(), VirtioError> {
         self.worker.unpark("rng")
     }
+
+    /// rng keeps nothing beyond its queue, which the transport carries.
+    fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
+        Ok(Vec::new())
+    }
+
+    fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
+        if !state.is_empty() {
+            return Err(VirtioError::Restore {
+                device: "rng",
+                why: format!("rng keeps no state, but {} bytes were saved", state.len()),
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Drop for Rng {

@@ -2,8 +2,10 @@
 //! `docs/virtio-pci.md` for why, and for the register map.
 
 mod pci;
+mod persist;
 
 pub use pci::{IoEventFd, VirtioPciDevice, VirtioPciError};
+pub use persist::{QueueRegsState, VirtioPciState};
 
 /// Layout of BAR 0 and of the virtio PCI capabilities.
 pub mod layout {

@@ -64,18 +64,18 @@ pub struct IoEventFd {
 
 /// Driver-visible state of one queue (registers, not the ring).
 #[derive(Clone, Copy, Debug)]
-struct QueueRegs {
-    max_size: u16,
-    size: u16,
-    vector: u16,
-    ready: bool,
-    desc: u64,
-    driver: u64,
-    device: u64,
+pub(super) struct QueueRegs {
+    pub(super) max_size: u16,
+    pub(super) size: u16,
+    pub(super) vector: u16,
+    pub(super) ready: bool,
+    pub(super) desc: u64,
+    pub(super) driver: u64,
+    pub(super) device: u64,
 }
 
 impl QueueRegs {
-    fn new(max_size: u16) -> Self {
+    pub(super) fn new(max_size: u16) -> Self {
         Self {
             max_size,
             size: max_size,
@@ -100,22 +100,24 @@ fn set_half(v: &mut u64, high: bool, half: u32) {
 /// space, for the PCI root) and [`BusDevice`] (BAR 0, for the MMIO bus at the
 /// BAR's address).
 pub struct VirtioPciDevice {
-    config: PciConfiguration,
-    device: Box<dyn VirtioDevice>,
-    mem: GuestMemoryHandle,
-    msix: Arc<MsixVectors>,
-    msix_cap: usize,
-    pci_cfg_cap: usize,
-    irq_status: Arc<InterruptStatus>,
-    queues: Vec<QueueRegs>,
-    notify: Vec<EventFd>,
-    device_feature_select: u32,
-    driver_feature_select: u32,
-    driver_features: u64,
-    status: u8,
-    config_vector: u16,
-    queue_select: u16,
-    active: bool,
+    pub(super) config: PciConfiguration,
+    pub(super) device: Box<dyn VirtioDevice>,
+    pub(super) mem: GuestMemoryHandle,
+    pub(super) msix: Arc<MsixVectors>,
+    pub(super) msix_cap: usize,
+    pub(super) pci_cfg_cap: usize,
+    pub(super) irq_status: Arc<InterruptStatus>,
+    pub(super) queues: Vec<QueueRegs>,
+    pub(super) notify: Vec<EventFd>,
+    pub(super) device_feature_select: u32,
+    pub(super) driver_feature_select: u32,
+    pub(super) driver_features: u64,
+    pub(super) status: u8,
+    pub(super) config_vector: u16,
+    pub(super) queue_select: u16,
+    pub(super) active: bool,
+    /// Restored live, not started yet ([`Self::start_restored`]).
+    pub(super) restored_live: bool,
 }
 
 impl std::fmt::Debug for VirtioPciDevice {
@@ -261,6 +263,7 @@ impl VirtioPciDevice {
             config_vector: VIRTIO_MSI_NO_VECTOR,
             queue_select: 0,
             active: false,
+            restored_live: false,
         })
     }
 
@@ -337,7 +340,7 @@ impl VirtioPciDevice {
         self.status |= status::FAILED;
     }
 
-    fn reset(&mut self) {
+    pub(super) fn reset(&mut self) {
         if self.active {
             let queues = self.device.reset();
             debug!(
@@ -347,6 +350,7 @@ impl VirtioPciDevice {
             );
         }
         self.active = false;
+        self.restored_live = false;
         for q in &mut self.queues {
             *q = QueueRegs::new(q.max_size);
         }
@@ -407,7 +411,7 @@ impl VirtioPciDevice {
         self.status = v;
         if new & status::DRIVER_OK != 0
             && v & status::DRIVER_OK != 0
-            && let Err(e) = self.activate()
+            && let Err(e) = self.activate(false)
         {
             error!(device = self.device.name(), error = %e, "activation failed; device needs reset");
             self.status |= status::DEVICE_NEEDS_RESET;
@@ -417,7 +421,7 @@ impl VirtioPciDevice {
         }
     }
 
-    fn interrupt(&self) -> Interrupt {
+    pub(super) fn interrupt(&self) -> Interrupt {
         Interrupt::new(
             self.msix.clone(),
             self.queues.iter().map(|q| q.vector).collect(),
@@ -426,7 +430,10 @@ impl VirtioPciDevice {
         )
     }
 
-    fn activate(&mut self) -> Result<(), VirtioError> {
+    /// Hands the ready queues to the device. `seed_from_guest` (restore,
+    /// fork): each queue starts where the guest's own used ring says the
+    /// device stopped (`next_avail = next_used = used.idx`), never at 0.
+    pub(super) fn activate(&mut self, seed_from_guest: bool) -> Result<(), VirtioError> {
         let event_idx = self.driver_features & VIRTIO_RING_F_EVENT_IDX != 0;
         let mut active = Vec::new();
         for (i, r) in self.queues.iter().enumerate() {
@@ -446,6 +453,13 @@ impl VirtioPciDevice {
             q.set_ready(true);
             if !q.is_valid(&*self.mem) {
                 return Err(bad());
+            }
+            if seed_from_guest {
+                let used = q
+                    .used_idx(&*self.mem, std::sync::atomic::Ordering::Acquire)
+                    .map_err(|_| bad())?;
+                q.set_next_avail(used.0);
+                q.set_next_used(used.0);
             }
             let notify = self.notify[i].try_clone().map_err(VirtioError::EventFd)?;
             active.push(ActiveQueue {

@@ -1,5 +1,7 @@
 //! Helpers for k7d's host-level integration tests (real KVM, test guests).
 
+pub mod blk_driver;
+
 use std::path::PathBuf;
 use std::time::Duration;
 

@@ -224,6 +224,20 @@ impl GuestRam {
         }
     }
 
+    /// Marks the pages holding these guest physical addresses as differing
+    /// from the base (device writes; addresses outside RAM are ignored).
+    pub fn add_diverged_gpas(&self, gpas: impl Iterator<Item = u64>) {
+        let mut d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
+        for gpa in gpas {
+            if self.mem.address_in_range(GuestAddress(gpa)) {
+                let page = memfd_offset_of(gpa) / PAGE;
+                if let Some(slot) = d.get_mut((page / 64) as usize) {
+                    *slot |= 1 << (page % 64);
+                }
+            }
+        }
+    }
+
     /// Page indexes that differ from the base.
     pub fn diverged_pages(&self) -> Vec<u64> {
         let d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());

@@ -97,7 +97,7 @@ pub struct VmKvmState {
     pub clock: kvm_clock_data,
 }
 
-/// Everything needed to resume a paused real-mode-guest VM elsewhere.
+/// Everything needed to resume a paused VM elsewhere.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct MachineState {
     /// [`STATE_VERSION`].
@@ -108,6 +108,10 @@ pub struct MachineState {
     pub vm: VmKvmState,
     /// The serial port.
     pub serial: SerialSnapshot,
+    /// The virtio-pci functions, in bus order (Linux guests; empty for the
+    /// real-mode test guests).
+    #[serde(default)]
+    pub virtio: Vec<k7d_devices::virtio::transport::VirtioPciState>,
 }
 
 /// MSRs this host lets us read (probed once per process).

@@ -196,6 +196,9 @@ pub struct Vm {
     devices: Vec<DeviceInfo>,
     /// The virtio functions (also on the buses): paused with the vCPUs.
     virtio: Vec<VirtioHandle>,
+    /// Writers of guest RAM the fork path must account for besides KVM's
+    /// dirty log and the VM's own bitmap (see `docs/fork.md`); before `ram`.
+    ram_writers: RamWriters,
     vm_fd: Arc<VmFd>,
     ram: GuestRam,
     created: Instant,
@@ -210,8 +213,9 @@ impl Vm {
 
     /// Builds a VM that resumes `state`, with guest RAM copied from `memory`
     /// (a file holding the source's RAM, e.g. its memfd or a snapshot file).
-    /// Real-mode guests only for now: a Linux guest's PCI devices cannot be
-    /// restored yet, and asking is an error rather than a silently fresh device.
+    /// Its disks are opened from the config's paths as they are now: keeping
+    /// them as they were at the snapshot is the caller's business (as with
+    /// Firecracker); a fork gives its children copy-on-write disks instead.
     pub fn restore(
         id: &str,
         config: &VmConfig,
@@ -219,11 +223,6 @@ impl Vm {
         state: &MachineState,
         memory: &File,
     ) -> Result<Self, VmError> {
-        if matches!(config.guest, GuestSpec::Linux { .. }) {
-            return Err(VmError::Persist(PersistError::Mismatch(
-                "restoring a Linux guest needs its PCI devices' state, which k7d cannot save yet".into(),
-            )));
-        }
         if state.version != persist::STATE_VERSION {
             return Err(VmError::Persist(PersistError::Mismatch(format!(
                 "state version {} is not {}",
@@ -250,24 +249,55 @@ impl Vm {
         if !matches!(self.state(), VmState::Paused | VmState::Created) {
             return Err(self.state_error("fork"));
         }
-        if matches!(self.config.guest, GuestSpec::Linux { .. }) {
-            return Err(VmError::Persist(PersistError::Mismatch(
-                "forking a Linux guest needs its PCI devices' state, which k7d cannot save yet".into(),
-            )));
+        if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
+            return Err(VmError::Persist(PersistError::Mismatch(format!(
+                "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",
+                self.id
+            ))));
         }
         if self.ram.is_frozen() {
+            self.ram_writers.harvest_into(&self.ram);
             self.ram.harvest(&self.vm_fd)?;
         } else {
             // Dirty log on before the freeze, both while nothing runs: no
-            // write can fall between them.
+            // write can fall between them. What the devices wrote before the
+            // freeze is in the base: their bitmaps start empty.
             self.ram.set_dirty_log(&self.vm_fd, true)?;
             self.ram.freeze()?;
+            self.ram_writers.clear();
             self.ram.harvest(&self.vm_fd)?;
         }
         let state = self.save_state()?;
+        // Each child gets a copy-on-write view of every writable disk as of
+        // now (the first fork freezes the source's image too); read-only
+        // images are shared.
+        let mut disks = Vec::with_capacity(self.ram_writers.disks.len());
+        for (i, d) in self.ram_writers.disks.iter().enumerate() {
+            disks.push(d.fork().map_err(|e| VmError::Device {
+                what: "virtio-blk",
+                msg: format!("disk {i} of vm {} could not be forked: {e}", self.id),
+            })?);
+        }
         let mut config = self.config.clone();
         config.id = Some(child_id.to_string());
-        Self::build(child_id, &config, opts, Some((&state, RamSource::ChildOf(&self.ram))))
+        // Own taps (named after the child), same MACs: the guest's driver
+        // already holds the MAC.
+        for (i, n) in config.devices.nics.iter_mut().enumerate() {
+            let mac = n
+                .mac
+                .as_deref()
+                .and_then(crate::config::parse_mac)
+                .unwrap_or_else(|| derived_mac(&self.id, i as u16));
+            n.mac = Some(mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"));
+            n.tap = None;
+        }
+        Self::build_with_disks(
+            child_id,
+            &config,
+            opts,
+            Some((&state, RamSource::ChildOf(&self.ram))),
+            Some(disks),
+        )
     }
 
     /// This VM's RAM (fork tests compare children with their source).
@@ -280,6 +310,18 @@ impl Vm {
         config: &VmConfig,
         opts: &VmOptions,
         restore: Option<(&MachineState, RamSource<'_>)>,
+    ) -> Result<Self, VmError> {
+        Self::build_with_disks(id, config, opts, restore, None)
+    }
+
+    /// As `build`; `forked_disks` (a fork child) replaces opening the
+    /// config's disk paths.
+    fn build_with_disks(
+        id: &str,
+        config: &VmConfig,
+        opts: &VmOptions,
+        restore: Option<(&MachineState, RamSource<'_>)>,
+        forked_disks: Option<Vec<k7d_devices::virtio::block::DiskImage>>,
     ) -> Result<Self, VmError> {
         let created = Instant::now();
         // Every guest-file error comes before any KVM object exists.
@@ -313,12 +355,17 @@ impl Vm {
             }
         };
         ram.register(&vm_fd, dirty_log)?;
-        let linux = match &config.guest {
-            GuestSpec::Linux {
-                kernel,
-                initrd,
-                cmdline,
-            } => {
+        let is_linux = matches!(config.guest, GuestSpec::Linux { .. });
+        // A restored guest's RAM already holds its kernel, tables and state.
+        let linux = match (&config.guest, &restore) {
+            (
+                GuestSpec::Linux {
+                    kernel,
+                    initrd,
+                    cmdline,
+                },
+                None,
+            ) => {
                 let cmdline = cmdline.clone().unwrap_or_else(|| arch::default_cmdline(true));
                 Some(arch::configure_linux(
                     ram.memory(),
@@ -353,16 +400,21 @@ impl Vm {
         let serial_state = restore.as_ref().map(|(st, _)| &st.serial);
         let mut net_cleanups = Vec::new();
         let mut virtio = Vec::new();
+        let mut ram_writers = RamWriters::default();
         let (mut buses, mut devices, serial) =
             build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
-        if linux.is_some() {
+        // The real-mode test guests get the PCI platform only when a host
+        // test attaches devices to play their driver (the config refuses
+        // devices on them for users).
+        if is_linux || config.devices.any() {
             let out = Wiring {
                 buses: &mut buses,
                 devices: &mut devices,
                 net_cleanups: &mut net_cleanups,
                 virtio: &mut virtio,
+                ram_writers: &mut ram_writers,
             };
-            add_linux_platform(&vm_fd, &ram, &control, config, opts, out)?;
+            add_linux_platform(&vm_fd, &ram, &control, config, opts, out, forked_disks)?;
         }
 
         let n = u32::from(config.vcpus);
@@ -393,6 +445,11 @@ impl Vm {
             }
             pending.push(Arc::new(Mutex::new(v)));
         }
+        if let Some((st, _)) = &restore {
+            // After the vCPUs: a restored device may signal at once, and an
+            // interrupt needs the restored LAPICs to land in.
+            restore_virtio(id, &virtio, &st.virtio)?;
+        }
         if let (Some(image), None) = (image, &restore) {
             let tsc_khz = vcpu::lock_vcpu(&pending[0]).get_tsc_khz().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "KVM_GET_TSC_KHZ failed; assuming 1 GHz for the guest parameter block");
@@ -412,6 +469,7 @@ impl Vm {
             _net_cleanups: net_cleanups,
             devices,
             virtio,
+            ram_writers,
             vm_fd,
             ram,
             created,
@@ -449,6 +507,28 @@ impl Vm {
         self.ram.memfd()
     }
 
+    /// A guest MMIO write, as a vCPU's MMIO exit makes it (host tests play
+    /// guest drivers with it). Returns whether a device took it.
+    pub fn mmio_write(&self, addr: u64, data: &[u8]) -> bool {
+        self.buses.mmio.write(addr, data)
+    }
+
+    /// A guest MMIO read, as a vCPU's MMIO exit makes it.
+    pub fn mmio_read(&self, addr: u64, data: &mut [u8]) -> bool {
+        self.buses.mmio.read(addr, data)
+    }
+
+    /// The virtio functions in bus order: device name and BAR 0 address.
+    pub fn virtio_functions(&self) -> Vec<(&'static str, u64)> {
+        self.virtio
+            .iter()
+            .map(|d| {
+                let d = d.lock().unwrap_or_else(|p| p.into_inner());
+                (d.device_name(), d.config().bar_address(0))
+            })
+            .collect()
+    }
+
     /// The KVM VM fd.
     pub fn vm_fd(&self) -> &VmFd {
         &self.vm_fd
@@ -484,6 +564,12 @@ impl Vm {
             return Err(self.state_error("start"));
         }
         crate::sys::install_kick_handler().map_err(io("cannot install the vCPU kick signal handler"))?;
+        // Restored devices go live first: the vCPUs find them as they were.
+        for d in &self.virtio {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            dev.start_restored()
+                .map_err(|e| VmError::DeviceState(format!("vm {} cannot start: {e}", self.id)))?;
+        }
         let vcpus = self.vcpus.clone();
         self.control.set_threads(vcpus.len());
         self.started = Some(Instant::now());
@@ -593,7 +679,26 @@ impl Vm {
             vcpus,
             vm: persist::save_vm(&self.vm_fd)?,
             serial: self.serial.lock().unwrap_or_else(|p| p.into_inner()).snapshot(),
+            virtio: self.save_virtio()?,
         })
+    }
+
+    /// Every virtio function's state, in bus order (the VM is paused, so
+    /// every device is parked).
+    fn save_virtio(&self) -> Result<Vec<k7d_devices::virtio::transport::VirtioPciState>, VmError> {
+        self.virtio
+            .iter()
+            .map(|d| {
+                let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+                dev.save_state().map_err(|e| {
+                    VmError::DeviceState(format!(
+                        "the state of vm {}'s {} device cannot be saved: {e}",
+                        self.id,
+                        dev.device_name()
+                    ))
+                })
+            })
+            .collect()
     }
 
     /// Writes a cold snapshot into `dir` (created): `state.json` (machine
@@ -835,12 +940,14 @@ fn add_linux_platform(
     config: &VmConfig,
     opts: &VmOptions,
     out: Wiring<'_>,
+    forked_disks: Option<Vec<k7d_devices::virtio::block::DiskImage>>,
 ) -> Result<(), VmError> {
     let Wiring {
         buses,
         devices,
         net_cleanups,
         virtio,
+        ram_writers,
     } = out;
     use k7d_devices::pci::{
         BarAllocator, ECAM_BUS_SIZE, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciConfigIo, PciConfigMmio, PciRoot,
@@ -887,16 +994,25 @@ fn add_linux_platform(
         let rng = k7d_devices::virtio::rng::Rng::new().map_err(|e| dev_err("virtio-rng")(&e))?;
         pci.add("virtio-rng", Box::new(rng), mem.clone(), String::new())?;
     }
+    let mut forked = forked_disks.map(Vec::into_iter);
     for (i, d) in config.devices.disks.iter().enumerate() {
-        let disk =
-            k7d_devices::virtio::block::DiskImage::open(&d.path, d.read_only).map_err(|e| dev_err("virtio-blk")(&e))?;
+        let disk = match forked.as_mut() {
+            Some(it) => it.next().ok_or_else(|| VmError::Device {
+                what: "virtio-blk",
+                msg: format!("disk {i} has no copy-on-write view from the fork source"),
+            })?,
+            None => k7d_devices::virtio::block::DiskImage::open(&d.path, d.read_only)
+                .map_err(|e| dev_err("virtio-blk")(&e))?,
+        };
         let serial = format!("k7d-disk{i}");
         let blk = k7d_devices::virtio::block::Block::new(disk, &serial).map_err(|e| dev_err("virtio-blk")(&e))?;
+        ram_writers.disks.push(blk.disk().clone());
         // SAFETY: the view maps the VM's own RAM; the device (inside the
         // buses) is dropped before `ram` (see `Vm`'s field order), and no
         // device outlives its VM.
         let view =
             unsafe { k7d_devices::virtio::block::DeviceMemory::new(&mem) }.map_err(|e| dev_err("virtio-blk")(&e))?;
+        ram_writers.blk_views.push(view.clone());
         let detail = format!(
             "{} ({}), serial {serial}, own dirty bitmap",
             d.path.display(),
@@ -999,9 +1115,13 @@ fn add_linux_platform(
                 queue_pairs: pairs,
             };
             let net = if plane.vhost {
-                let opts = k7d_devices::virtio::net::VhostOptions { dirty_log: false };
+                // The kernel logs the pages it writes: the fork path needs them.
+                let opts = k7d_devices::virtio::net::VhostOptions { dirty_log: true };
                 match k7d_devices::virtio::net::Net::new_vhost(tap, cfg(plane.queue_pairs), mem.clone(), opts) {
-                    Ok(net) => net,
+                    Ok(net) => {
+                        ram_writers.vhost_logs.extend(net.vhost_dirty_log());
+                        net
+                    }
                     Err(e) => {
                         // The failed attempt dropped (and so removed) the tap.
                         // Settle the plane again with vhost unavailable: an
@@ -1094,6 +1214,65 @@ struct Wiring<'a> {
     devices: &'a mut Vec<DeviceInfo>,
     net_cleanups: &'a mut Vec<NetCleanup>,
     virtio: &'a mut Vec<VirtioHandle>,
+    ram_writers: &'a mut RamWriters,
+}
+
+/// The writers of guest RAM that keep their own record of what they wrote,
+/// and the disks a fork must give each child a view of.
+#[derive(Default)]
+struct RamWriters {
+    /// virtio-blk's own views of guest RAM (their bitmaps see only blk).
+    blk_views: Vec<k7d_devices::virtio::block::DeviceMemory>,
+    /// The kernel's log of the pages vhost-net wrote.
+    vhost_logs: Vec<Arc<k7d_devices::virtio::net::VhostDirtyLog>>,
+    /// Every disk, in config order.
+    disks: Vec<Arc<k7d_devices::virtio::block::DiskImage>>,
+}
+
+impl RamWriters {
+    /// Folds what the devices wrote since the last call into `ram`'s
+    /// diverged set. Every device is paused.
+    fn harvest_into(&self, ram: &GuestRam) {
+        for v in &self.blk_views {
+            for region in v.take_dirty() {
+                ram.add_diverged_gpas(region.dirty_addrs().map(|a| a.0));
+            }
+        }
+        for log in &self.vhost_logs {
+            log.drain(|gpa| ram.add_diverged_gpas(std::iter::once(gpa.0)));
+        }
+    }
+
+    /// Forgets what the devices wrote so far (it is in the frozen base).
+    fn clear(&self) {
+        for v in &self.blk_views {
+            v.reset_dirty();
+        }
+        for log in &self.vhost_logs {
+            log.drain(|_| {});
+        }
+    }
+}
+
+/// Puts the saved virtio states into a restored VM's functions, in bus order.
+fn restore_virtio(
+    id: &str,
+    virtio: &[VirtioHandle],
+    states: &[k7d_devices::virtio::transport::VirtioPciState],
+) -> Result<(), VmError> {
+    if states.len() != virtio.len() {
+        return Err(VmError::Persist(PersistError::Mismatch(format!(
+            "the state has {} virtio devices, vm {id}'s config {}",
+            states.len(),
+            virtio.len()
+        ))));
+    }
+    for (d, st) in virtio.iter().zip(states) {
+        let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+        dev.restore_state(st)
+            .map_err(|e| VmError::DeviceState(format!("vm {id} cannot be restored: {e}")))?;
+    }
+    Ok(())
 }
 
 /// A virtio-pci function the VM pauses and resumes with its vCPUs.

@@ -1,0 +1,352 @@
+# lab: description=k7d forks a running Linux guest (issue 5): the child ticks on, its clocks go on and never back, sleep 1 ~ 1 s, its disk is the source's as of the fork, source and child diverge, nothing left
+# lab: default=yes
+# lab: timeout=900
+# lab: bin=required
+# lab: guest-modules=virtio_pci virtio_blk
+#
+# Issue 5, "Lab, real Linux guest": fork a Linux guest whose init loops writing
+# a counter to a virtio-blk disk and printing the date every 100 ms.
+# The guest (k7d-fork.guest.sh) prints, each tick,
+#   LAB-GUEST tick n=<n> prev=<sector 0 before writing> disk=<sector 0 after> date=<date +%s> up=<uptime> end
+# and every 10th tick "LAB-GUEST sleep1=<s> n=<n> end" (`sleep 1` timed on /proc/uptime).
+#
+# Through the daemon (k7d daemon / create / start / fork / pause / resume /
+# info / stop / delete / list), with a 64 MiB sparse raw image as /dev/vda,
+# 2 vCPUs and 512 MiB, this proves:
+#  1. `k7d --json fork src --count 1` succeeds and names one child and its
+#     fork_ms (metric fork.ms); the child is running.
+#  2. the child keeps printing: >= 20 complete tick lines.
+#  3. in the child, n goes up by one per tick, `date` never decreases,
+#     uptime grows by >= 0.09 s per tick (the 100 ms sleep), both advance at
+#     L1's pace (within 3 s over the watch window), and across the fork the
+#     child's first tick is later on both clocks than the source's tick before it.
+#  4. the child's disk holds the source's data as of the fork: its first
+#     tick c read prev = c-1 off the disk, the source wrote c-1 (its log says
+#     so), and c-1 lies between the source's last tick before the fork
+#     command and its last tick after the command returned.
+#  5. `sleep 1` in the child takes 0.9 to 2.0 s.
+#  6. the wall clock is L1's: the source's date just before the fork and the
+#     child's first date are within a few seconds of L1's `date +%s`.
+#  7. divergence: right after the fork the source is paused for 3 s while the
+#     child runs: the source's log does not grow, the child's counter gains >= 3
+#     ticks, and after the resume both run on with the child ahead; in both VMs
+#     every tick reads prev = n-1 and disk = n, so each VM's disk follows its
+#     own counter only (a shared disk would show the other VM's numbers).
+#  8. cleanup: stop + delete both VMs; `list` is empty, the records are gone,
+#     no vCPU / virtio-blk thread or memfd is left in the daemon, and the daemon
+#     exits 0 on SIGTERM with no ERROR in its log and its socket removed.
+# Timings are those of an emulated machine (L1 is QEMU TCG; both guests share
+# L1's one vCPU): the bounds are loose on purpose, and say why where they are.
+# By hand: tests/lab/run.sh --bin target/release/k7d k7d-fork
+# shellcheck disable=SC2015  # "A && B || fail ...": fail exits
+. /lab/lib.sh
+
+[ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
+W=/tmp/k7d-fork
+st=$W/state sock=$W/k7d.sock IMG=$W/disk.img DLOG=$W/daemon.log
+PAUSE_S=3   # the source is paused this long right after the fork (check 7)
+WATCH_S=15  # then both run at least this long (and until the child has 30 ticks)
+rm -rf "$W" && mkdir -p "$W" || lab_fail "cannot make $W"
+truncate -s 67108864 "$IMG" || lab_fail "cannot create the 64 MiB image $IMG"
+
+SRC=src CH='' SRC_LOG='' CH_LOG='' dpid='' relayed=
+# kct SECS ARGS...: one k7d CLI call to this scenario's daemon, killed after SECS.
+kct() { _t=$1; shift; timeout -s KILL "$_t" "$LAB_BIN" --socket "$sock" "$@"; }
+kc() { kct 60 "$@"; }
+# fail REASON: relay what the guests printed so far to l2.log, then lab_fail.
+fail() {
+  relay_logs
+  [ ! -s "$DLOG" ] || echo "lab: k7d daemon log (tail): $(tail -n 5 "$DLOG" | tr '\n' ' ')"
+  lab_fail "$*"
+}
+relay_logs() {
+  [ -z "$relayed" ] || return 0
+  relayed=1
+  for _p in "$SRC:$SRC_LOG" "${CH:-child}:$CH_LOG"; do
+    _l=${_p#*:}
+    [ -n "$_l" ] && [ -f "$_l" ] || continue
+    echo "=== lab: fork-${_p%%:*}: serial log $_l" >/dev/ttyS1
+    tr -d '\r' <"$_l" >/dev/ttyS1
+    echo >/dev/ttyS1
+    echo "=== lab: fork-${_p%%:*}: end" >/dev/ttyS1
+  done
+}
+# json_str KEY FILE / json_num KEY FILE: the first value of "KEY" in a JSON file.
+json_str() { sed -n "s/.*\"$1\": *\"\([^\"]*\)\".*/\1/p" "$2" | head -n1; }
+json_num() { sed -n "s/.*\"$1\": *\([-0-9.eE+]*\).*/\1/p" "$2" | head -n1; }
+# ge A B / le A B: numeric comparisons of decimals.
+ge() { awk -v a="$1" -v b="$2" 'BEGIN {exit !(a + 0 >= b + 0)}'; }
+le() { awk -v a="$1" -v b="$2" 'BEGIN {exit !(a + 0 <= b + 0)}'; }
+abs_le() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN {d = a - b; if (d < 0) d = -d; exit !(d <= t)}'; }
+
+# The serial-log parser. Only complete lines count: "LAB-GUEST tick ... end"
+# (a fork child's log may begin in the middle of a line; a growing log may end
+# in one). Modes (-v want=):
+#   last     the n of the last tick ("0" without any)
+#   lasttick "n date up" of the last tick
+#   tick     "date up prev disk" of tick n=N (-v N=)
+#   summary  shell assignments P<name>=<value> (-v P=): ticks, first/last n,
+#            prev, disk, date, up; counts of bad prev/disk reads, gaps, n going
+#            back, date going back, uptime short of the 0.1 s sleep; the
+#            sleep1 values after the first tick (count, min, max, list) and one
+#            printed before it (a sleep that straddled a fork); the first
+#            problem in words (why, whyd).
+cat >"$W/ticks.awk" <<'EOF'
+# n and dt are numbers; ups is uptime as printed (compared as up = ups + 0).
+function tick(n, p, d, dt, ups,   wp, up) {
+  up = ups + 0
+  if (want == "tick" && n == N + 0 && !found) { found = 1; print dt, ups, p, d }
+  cnt++
+  if (cnt == 1) { fn = n; fp = p; fd = d; fdt = dt; fup = ups }
+  else {
+    if (n <= ln) { back++; if (why == "") why = "tick n=" n " came after n=" ln }
+    else if (n != ln + 1) { gaps++ }
+    if (dt < ldt) { dback++; if (why == "") why = "date went back from " ldt " to " dt " at n=" n }
+    if (up - lup < 0.09) { ushort++; if (why == "") why = "uptime went from " lups " to " ups " at n=" n ", less than the 0.1 s sleep between ticks" }
+  }
+  wp = (n == 1) ? "none" : (n - 1) ""
+  if (p != wp) { badp++; if (whyd == "") whyd = "tick n=" n " read prev=" p " off the disk before writing (expected " wp ")" }
+  if (d != n "") { badd++; if (whyd == "") whyd = "tick n=" n " read disk=" d " back after writing " n }
+  ln = n; ldt = dt; lup = up; lups = ups
+}
+{
+  sub(/\r+$/, "")
+  if (match($0, /LAB-GUEST tick n=[0-9]+ prev=[^ ]+ disk=[^ ]+ date=[0-9]+ up=[0-9]+\.[0-9]+ end$/)) {
+    split(substr($0, RSTART), f, " ")
+    tick(substr(f[3], 3) + 0, substr(f[4], 6), substr(f[5], 6), substr(f[6], 6) + 0, substr(f[7], 4))
+  } else if (match($0, /LAB-GUEST sleep1=[0-9]+\.[0-9]+ n=[0-9]+ end$/)) {
+    split(substr($0, RSTART), f, " ")
+    ss = substr(f[2], 8); s = ss + 0
+    if (cnt == 0) pre = ss
+    else { sc++; sl = sl (sl == "" ? "" : ",") ss; if (sc == 1 || s < smin + 0) smin = ss; if (sc == 1 || s > smax + 0) smax = ss }
+  }
+}
+END {
+  if (want == "last") print (cnt ? ln : 0)
+  if (want == "lasttick") print (cnt ? ln " " ldt " " lups : "0 0 0")
+  if (want == "summary") {
+    gsub(/'/, "", why); gsub(/'/, "", whyd); gsub(/'/, "", fp); gsub(/'/, "", fd)
+    printf "%sticks=%d %sfn=%d %sfp='%s' %sfd='%s' %sfdt=%d %sfup='%s' %sln=%d %sldt=%d %slup='%s' ", P, cnt, P, fn, P, fp, P, fd, P, fdt, P, fup, P, ln, P, ldt, P, lups
+    printf "%sbadp=%d %sbadd=%d %sgaps=%d %sback=%d %sdback=%d %sushort=%d ", P, badp, P, badd, P, gaps, P, back, P, dback, P, ushort
+    printf "%ssc=%d %ssmin='%s' %ssmax='%s' %ssl='%s' %spre='%s' %swhy='%s' %swhyd='%s'\n", P, sc, P, smin, P, smax, P, sl, P, pre, P, why, P, whyd
+  }
+}
+EOF
+last_n() { tr -d '\r' <"$1" | awk -v want=last -f "$W/ticks.awk"; }
+last_tick() { tr -d '\r' <"$1" | awk -v want=lasttick -f "$W/ticks.awk"; }
+tick_of() { tr -d '\r' <"$1" | awk -v want=tick -v N="$2" -f "$W/ticks.awk"; }
+summary() { tr -d '\r' <"$2" | awk -v want=summary -v P="$1" -f "$W/ticks.awk"; }
+guest_error() { [ -f "$1" ] || return 0; tr -d '\r' <"$1" | sed -n 's/.*LAB-GUEST error //p' | head -n1; }
+# vm_threads: the daemon's vCPU and virtio-blk threads (by thread name).
+vm_threads() { cat /proc/"$dpid"/task/*/comm 2>/dev/null | grep -cE '^(vcpu[0-9]+|k7d-virtio-blk)$'; }
+memfds() {
+  _m=0
+  for _f in /proc/"$dpid"/fd/*; do
+    case $(readlink "$_f" 2>/dev/null) in *memfd:*) _m=$((_m + 1)) ;; esac
+  done
+  echo "$_m"
+}
+# daemon_alive: the daemon runs (an exited, unreaped child is a zombie: kill -0 still works on it).
+daemon_alive() { [ -e "/proc/$dpid" ] && [ "$(sed 's/.*) //' "/proc/$dpid/stat" 2>/dev/null | cut -d' ' -f1)" != Z ]; }
+
+# --- the daemon and the source VM --------------------------------------------
+"$LAB_BIN" daemon --state-dir "$st" --socket "$sock" 2>"$DLOG" &
+dpid=$!
+i=0
+while ! kc list >/dev/null 2>&1; do
+  i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not come up within 30 s: $(tail -n3 "$DLOG")"
+  daemon_alive || fail "the k7d daemon exited at start: $(tail -n3 "$DLOG")"
+  sleep 0.1
+done
+kc create --id "$SRC" --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" --cmdline "$LAB_CMDLINE" \
+  --vcpus 2 --memory 512 --disk "$IMG" >"$W/create.out" 2>&1 || fail "k7d create failed: $(cat "$W/create.out")"
+kc start "$SRC" >"$W/start.out" 2>&1 || fail "k7d start $SRC failed: $(cat "$W/start.out")"
+kc --json info "$SRC" >"$W/src-info.json" 2>&1 || fail "k7d --json info $SRC failed: $(cat "$W/src-info.json")"
+SRC_LOG=$(json_str serial_log "$W/src-info.json")
+[ -n "$SRC_LOG" ] || fail "k7d --json info $SRC reports no serial_log: $(tr '\n' ' ' <"$W/src-info.json")"
+lab_note "source: k7d create --id $SRC --vcpus 2 --memory 512 --disk (64 MiB raw) + start; serial log $SRC_LOG"
+
+# Until the guest loop has ticked 20 times (boot: ~7 s in the lab).
+i=0
+until [ -f "$SRC_LOG" ] && [ "$(last_n "$SRC_LOG")" -ge 20 ]; do
+  i=$((i + 1)); [ "$i" -lt 600 ] || fail "source: fewer than 20 ticks within 300 s (last n=$(last_n "$SRC_LOG" 2>/dev/null))"
+  if [ $((i % 10)) -eq 0 ]; then
+    kc --json info "$SRC" >"$W/src-info.json" 2>&1
+    grep -q '"status": "running"' "$W/src-info.json" ||
+      fail "source: not running before the fork: $(json_str status "$W/src-info.json"): $(tr -d '\r' <"$SRC_LOG" | tail -n3 | tr '\n' ' ')"
+  fi
+  [ -z "$(guest_error "$SRC_LOG")" ] || fail "source guest: $(guest_error "$SRC_LOG")"
+  sleep 0.5
+done
+[ "$(tr -d '\r' <"$SRC_LOG" | sed -n 's/.*LAB-GUEST vda-sectors=\([0-9]*\).*/\1/p' | head -n1)" = 131072 ] ||
+  fail "source: the guest's /dev/vda is not 131072 sectors (64 MiB): $(grep 'vda-sectors' "$SRC_LOG")"
+
+# --- 1. the fork ----------------------------------------------------------------
+n_before=$(last_n "$SRC_LOG")
+t_fork0=$(date +%s) u_fork0=$(lab_now)
+kct 180 --json fork "$SRC" --count 1 >"$W/fork.json" 2>"$W/fork.err"
+rc=$?
+u_fork1=$(lab_now) t_fork1=$(date +%s)
+n_after=$(last_n "$SRC_LOG")
+[ "$rc" = 0 ] || fail "k7d fork $SRC --count 1 exited $rc: $(cat "$W/fork.err" "$W/fork.json" | tr '\n' ' ')"
+# The child's id: the one id in the answer that is not the source's (it is
+# both children[0].id and its config's id).
+CH=$(sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' "$W/fork.json" | sort -u | grep -vxF "$SRC")
+[ -n "$CH" ] && [ "$(echo "$CH" | wc -l)" = 1 ] || fail "k7d fork: not exactly one child id in the answer: $(tr '\n' ' ' <"$W/fork.json")"
+fork_ms=$(json_num fork_ms "$W/fork.json")
+paused_ms=$(json_num source_paused_ms "$W/fork.json")
+[ -n "$fork_ms" ] && ge "$fork_ms" 0.000001 || fail "k7d fork: no fork_ms > 0 in the answer: $(tr '\n' ' ' <"$W/fork.json")"
+
+# --- 7 (first half): the source paused while the child runs -----------------------
+kc pause "$SRC" >"$W/pause.out" 2>&1 || fail "k7d pause $SRC (right after the fork) failed: $(cat "$W/pause.out")"
+sz_p=$(wc -c <"$SRC_LOG") src_p=$(last_n "$SRC_LOG")
+kc --json info "$CH" >"$W/child-info.json" 2>&1 || fail "k7d --json info $CH failed: $(cat "$W/child-info.json")"
+grep -q '"status": "running"' "$W/child-info.json" || fail "the child $CH is not running after the fork: $(json_str status "$W/child-info.json")"
+CH_LOG=$(json_str serial_log "$W/child-info.json")
+[ -n "$CH_LOG" ] || fail "k7d --json info $CH reports no serial_log: $(tr '\n' ' ' <"$W/child-info.json")"
+[ "$CH_LOG" != "$SRC_LOG" ] || fail "the child's serial log is the source's: $CH_LOG"
+lab_metric fork.ms "$fork_ms" ms
+[ -z "$paused_ms" ] || lab_metric fork.source_paused_ms "$paused_ms" ms
+lab_note "fork: k7d fork $SRC --count 1 -> child $CH, fork_ms=$fork_ms, source_paused_ms=${paused_ms:-?}; the CLI call took $(lab_sub "$u_fork1" "$u_fork0") s in L1; source ticks n=$n_before before the call, n=$n_after after it"
+ch_p=$(last_n "$CH_LOG" 2>/dev/null || echo 0)
+sleep "$PAUSE_S"
+sz_r=$(wc -c <"$SRC_LOG") src_r=$(last_n "$SRC_LOG") ch_r=$(last_n "$CH_LOG" 2>/dev/null || echo 0)
+kc --json info "$SRC" >"$W/src-info.json" 2>&1
+grep -q '"status": "paused"' "$W/src-info.json" || fail "the source is not paused after k7d pause: $(json_str status "$W/src-info.json")"
+kc resume "$SRC" >"$W/resume.out" 2>&1 || fail "k7d resume $SRC failed: $(cat "$W/resume.out")"
+[ "$sz_r" = "$sz_p" ] || fail "the source printed while paused: its serial log grew from $sz_p to $sz_r bytes in $PAUSE_S s"
+gain=$((ch_r - ch_p))
+[ "$gain" -ge 3 ] || fail "the child did not run while the source was paused: its counter went from $ch_p to $ch_r in $PAUSE_S s"
+[ "$ch_r" -gt "$src_r" ] || fail "the child is not ahead of the paused source at resume: child n=$ch_r, source n=$src_r"
+
+# --- watch both for WATCH_S s (and until the child has 30 ticks, at most 180 s) -----
+u_a=$(lab_now) t_a=$(date +%s)
+read -r a_n a_date a_up <<EOF
+$(last_tick "$CH_LOG")
+EOF
+i=0
+while :; do
+  sleep 1
+  i=$((i + 1))
+  [ -z "$(guest_error "$CH_LOG")" ] || fail "child guest: $(guest_error "$CH_LOG")"
+  [ -z "$(guest_error "$SRC_LOG")" ] || fail "source guest: $(guest_error "$SRC_LOG")"
+  [ "$i" -ge "$WATCH_S" ] && [ "$(summary C_ "$CH_LOG" | sed -n 's/^C_ticks=\([0-9]*\) .*/\1/p')" -ge 30 ] && break
+  [ "$i" -lt 180 ] || break  # check 2 says what is missing
+done
+run_threads=$(vm_threads) run_memfds=$(memfds)
+u_b=$(lab_now) t_b=$(date +%s)
+read -r b_n b_date b_up <<EOF
+$(last_tick "$CH_LOG")
+EOF
+src_end=$(last_n "$SRC_LOG") ch_end=$(last_n "$CH_LOG")
+
+# Stop both; keep their logs (delete removes the runtime dirs).
+kc --json stop "$CH" >"$W/stop-child.json" 2>&1 || fail "k7d stop $CH failed: $(cat "$W/stop-child.json")"
+kc --json stop "$SRC" >"$W/stop-src.json" 2>&1 || fail "k7d stop $SRC failed: $(cat "$W/stop-src.json")"
+grep -q '"status": "stopped' "$W/stop-child.json" || fail "k7d stop $CH: status $(json_str status "$W/stop-child.json")"
+grep -q '"status": "stopped' "$W/stop-src.json" || fail "k7d stop $SRC: status $(json_str status "$W/stop-src.json")"
+tr -d '\r' <"$SRC_LOG" >/tmp/l2-fork-src.log
+tr -d '\r' <"$CH_LOG" >/tmp/l2-fork-child.log
+relay_logs
+SRC_LOG=/tmp/l2-fork-src.log CH_LOG=/tmp/l2-fork-child.log
+
+[ -z "$(guest_error "$SRC_LOG")" ] || fail "source guest: $(guest_error "$SRC_LOG")"
+[ -z "$(guest_error "$CH_LOG")" ] || fail "child guest: $(guest_error "$CH_LOG")"
+eval "$(summary S_ "$SRC_LOG")"
+eval "$(summary C_ "$CH_LOG")"
+# shellcheck disable=SC2154  # S_* and C_* come from the eval'd summaries
+{
+  lab_note "source: $S_ticks ticks n=$S_fn..$S_ln, gaps $S_gaps, sleep1 (s): $S_sl"
+  lab_note "child: $C_ticks ticks n=$C_fn..$C_ln, first prev=$C_fp disk=$C_fd date=$C_fdt up=$C_fup, gaps $C_gaps, sleep1 (s): $C_sl${C_pre:+, one straddling the fork: $C_pre}"
+
+  # The source itself: consecutive ticks, its disk its own, clocks forward, started on a zeroed disk.
+  [ "$S_fn" = 1 ] && [ "$S_fp" = none ] || fail "source: the first tick is n=$S_fn prev=$S_fp, expected n=1 on a zeroed disk (prev=none)"
+  [ "$S_back" = 0 ] && [ "$S_dback" = 0 ] && [ "$S_ushort" = 0 ] || fail "source: $S_why"
+  [ "$S_badp" = 0 ] && [ "$S_badd" = 0 ] || fail "source: its disk does not follow its own counter: $S_whyd ($S_badp bad prev, $S_badd bad read-backs)"
+  [ "$S_ln" -ge $((src_r + 5)) ] || fail "source: it did not run on after the resume: n=$src_r at resume, n=$S_ln at the end"
+
+  # 2. the child keeps printing, from where the source was (it did not boot anew).
+  ! grep -q 'LAB-GUEST init' "$CH_LOG" || fail "child: its log shows a fresh boot (LAB-GUEST init): it did not go on from the source"
+  [ "$C_ticks" -ge 20 ] || fail "child: only $C_ticks complete tick lines after the fork (want >= 20): $(tail -n3 "$CH_LOG" | tr '\n' ' ')"
+  # Gaps only where a kernel message broke a line; more than 2 is a lost tick.
+  [ "$S_gaps" -le 2 ] && [ "$C_gaps" -le 2 ] || fail "ticks missing from the logs: source $S_gaps gaps, child $C_gaps gaps"
+
+  # 3. the child's clocks: never back, forward by at least the sleeps, at L1's pace.
+  [ "$C_back" = 0 ] && [ "$C_dback" = 0 ] && [ "$C_ushort" = 0 ] || fail "child: $C_why"
+  ge "$((C_ldt - C_fdt))" "$(awk -v t="$C_ticks" 'BEGIN {print int((t - 1) * 0.1) - 1}')" ||
+    fail "child: date advanced $((C_ldt - C_fdt)) s over $C_ticks ticks of >= 0.1 s each"
+  ge "$(lab_sub "$C_lup" "$C_fup")" "$(awk -v t="$C_ticks" 'BEGIN {print (t - 1) * 0.09}')" ||
+    fail "child: uptime advanced $(lab_sub "$C_lup" "$C_fup") s over $C_ticks ticks of >= 0.1 s each"
+  # Over the watch window, against L1's clocks. The lines lag L1's samples by
+  # up to one tick (~1.3 s with a sleep1): 3 s of slack.
+  abs_le "$(lab_sub "$b_up" "$a_up")" "$(lab_sub "$u_b" "$u_a")" 3 ||
+    fail "child: uptime advanced $(lab_sub "$b_up" "$a_up") s while L1's advanced $(lab_sub "$u_b" "$u_a") s (ticks n=$a_n..$b_n)"
+  abs_le "$((b_date - a_date))" "$((t_b - t_a))" 3 ||
+    fail "child: date advanced $((b_date - a_date)) s while L1's advanced $((t_b - t_a)) s (ticks n=$a_n..$b_n)"
+  lab_note "child clocks over the watch window: uptime +$(lab_sub "$b_up" "$a_up") s, date +$((b_date - a_date)) s; L1: +$(lab_sub "$u_b" "$u_a") s, +$((t_b - t_a)) s"
+
+  # 4. the child's disk is the source's as of the fork.
+  c1=$((C_fn - 1))
+  read -r s_date s_up _ s_disk <<EOF
+$(tick_of "$SRC_LOG" "$c1")
+EOF
+  [ -n "$s_date" ] || fail "child: its first tick is n=$C_fn, but the source never printed tick n=$c1"
+  [ "$s_disk" = "$c1" ] || fail "source: tick n=$c1 read back disk=$s_disk"
+  [ "$C_fp" = "$c1" ] || fail "child: its first tick n=$C_fn read prev=$C_fp off its disk; the source had written n=$c1 (the child's disk is not the source's as of the fork)"
+  # The child goes on from what the source had written when it stopped for the
+  # fork: n_before (complete before the call) <= c1; and c1 <= n_after + 1,
+  # the + 1 for a tick line the source was printing at the fork and had not
+  # finished when the call returned (its tick n=c1 is in the log, checked above).
+  [ "$c1" -ge "$n_before" ] && [ "$c1" -le $((n_after + 1)) ] ||
+    fail "child: it goes on from n=$c1, but the source was at n=$n_before before the fork command and n=$n_after after it"
+  ge "$(lab_sub "$C_fup" "$s_up")" 0.09 || fail "child: uptime went back across the fork: source tick n=$c1 up=$s_up, child tick n=$C_fn up=$C_fup"
+  [ "$C_fdt" -ge "$s_date" ] || fail "child: date went back across the fork: source tick n=$c1 date=$s_date, child tick n=$C_fn date=$C_fdt"
+  lab_note "child disk as of the fork: source wrote n=$c1 (ticks n=$n_before..$n_after around the fork call), the child's first tick n=$C_fn read prev=$C_fp; uptime $s_up -> $C_fup, date $s_date -> $C_fdt across the fork"
+
+  # 5. sleep 1 in the child. An emulated machine (TCG) with two 2-vCPU guests on
+  # L1's one vCPU: a wakeup can be late by several hundred ms, hence up to 2.0 s.
+  [ "$C_sc" -ge 1 ] || fail "child: no sleep1 line after its first tick"
+  ge "$C_smin" 0.9 && le "$C_smax" 2.0 || fail "child: sleep 1 took $C_sl s (want 0.9..2.0)"
+
+  # 6. the wall clock is L1's (kvmclock's wall clock), before and after the fork.
+  read -r nb_date _ <<EOF
+$(tick_of "$SRC_LOG" "$n_before")
+EOF
+  abs_le "$nb_date" "$t_fork0" 3 || fail "source: date=$nb_date at tick n=$n_before, L1's date was $t_fork0 just after it"
+  ge "$C_fdt" $((t_fork0 - 3)) && le "$C_fdt" $((t_fork1 + 5)) ||
+    fail "child: its first date is $C_fdt, L1's date was $t_fork0..$t_fork1 around the fork"
+  lab_note "wall clock: source date $nb_date at tick n=$n_before, child's first date $C_fdt; L1 $t_fork0 before the fork, $t_fork1 after"
+
+  # 7. divergence (the pause half was checked above).
+  [ "$ch_end" -gt "$src_end" ] || fail "the child is not ahead at the end: child n=$ch_end, source n=$src_end (it gained $gain while the source was paused)"
+  [ "$C_badp" = 0 ] && [ "$C_badd" = 0 ] || fail "child: its disk does not follow its own counter: $C_whyd ($C_badp bad prev, $C_badd bad read-backs)"
+  lab_note "divergence: source paused $PAUSE_S s right after the fork (log unchanged at $sz_p bytes, n=$src_p), child n $ch_p -> $ch_r meanwhile; at the end source n=$src_end, child n=$ch_end; each VM read back only its own counter"
+}
+
+# --- 8. cleanup ---------------------------------------------------------------------
+kc delete "$CH" >"$W/delete.out" 2>&1 || fail "k7d delete $CH failed: $(cat "$W/delete.out")"
+kc delete "$SRC" >"$W/delete.out" 2>&1 || fail "k7d delete $SRC failed: $(cat "$W/delete.out")"
+kc --json list >"$W/list.json" 2>&1 || fail "k7d --json list failed: $(cat "$W/list.json")"
+grep -q '"vms": \[\]' "$W/list.json" || fail "k7d list after deleting both: $(tr '\n' ' ' <"$W/list.json")"
+left=$(ls -A "$st/vms" 2>&1)
+[ -z "$left" ] || fail "the state dir still holds: $(echo "$left" | tr '\n' ' ')"
+i=0
+until [ "$(vm_threads)" = 0 ] && [ "$(memfds)" = 0 ]; do
+  i=$((i + 1))
+  [ "$i" -lt 100 ] || fail "the daemon still has $(vm_threads) vCPU/virtio-blk threads ($run_threads while both ran) and $(memfds) memfds ($run_memfds while both ran) 10 s after deleting both VMs"
+  sleep 0.1
+done
+kill -TERM "$dpid"
+i=0
+while daemon_alive; do
+  i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not exit within 30 s of SIGTERM"
+  sleep 0.1
+done
+wait "$dpid"
+drc=$?
+[ "$drc" = 0 ] || fail "the k7d daemon exited $drc on SIGTERM: $(tail -n3 "$DLOG" | tr '\n' ' ')"
+[ ! -e "$sock" ] || fail "the daemon left its socket $sock"
+! grep -q 'ERROR' "$DLOG" || fail "the daemon logged an error: $(grep -m1 'ERROR' "$DLOG")"
+lab_note "cleanup: both VMs stopped and deleted, list empty, no records, $run_threads vCPU/blk threads and $run_memfds memfds while both ran and none after; daemon exited 0"
+lab_note "timings of an emulated machine (L1 is QEMU TCG, one vCPU for both guests): not performance figures"
+lab_pass "k7d-fork: child $CH forked in $fork_ms ms ticks on ($C_ticks ticks), clocks forward, sleep 1 = $C_smin..$C_smax s, disk as of the fork (n=$c1), diverged from the paused source; nothing left"

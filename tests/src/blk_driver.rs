@@ -1,0 +1,215 @@
+//! The guest's virtio-blk driver, played from the host against a VM's real
+//! virtio-pci function: the test programs the transport through the VM's
+//! MMIO bus (as a vCPU's MMIO exits would), and keeps 4 KiB reads in flight
+//! from random image blocks into random data pages of guest RAM. The real
+//! device worker writes those pages (through its own dirty bitmap), which is
+//! what the fork tests need: a writer of guest RAM that KVM's dirty log does
+//! not see.
+//!
+//! The driver writes guest RAM (descriptors, headers, avail ring) only while
+//! it holds [`BlkDriver::gate`]: a test takes the gate to stand for "the
+//! guest is paused" before it pauses the VM.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering, fence};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use k7d_devices::virtio::transport::layout::{self, common};
+use k7d_vmm::Vm;
+use vm_memory::{Address, Bytes, GuestAddress};
+
+/// Queue size the driver programs.
+pub const QSIZE: u16 = 64;
+/// Requests in flight at most.
+pub const QD: u16 = 16;
+const F_NEXT: u16 = 1;
+const F_WRITE: u16 = 2;
+/// virtio-blk request type IN (read).
+const T_IN: u32 = 0;
+/// Bytes per read.
+pub const BLOCK: u64 = 4096;
+
+/// Where the driver keeps its rings and buffers in guest RAM.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    /// Descriptor table (avail ring at +0x400, used ring at +0x1000,
+    /// headers at +0x2000, status bytes at +0x3000).
+    pub ring: u64,
+    /// First data page.
+    pub data: u64,
+    /// Number of data pages reads land in.
+    pub data_pages: u64,
+}
+
+impl Layout {
+    fn desc(&self) -> u64 {
+        self.ring
+    }
+    fn avail(&self) -> u64 {
+        self.ring + 0x400
+    }
+    fn used(&self) -> u64 {
+        self.ring + 0x1000
+    }
+    fn header(&self, slot: u16) -> u64 {
+        self.ring + 0x2000 + 16 * u64::from(slot)
+    }
+    fn status(&self, slot: u16) -> u64 {
+        self.ring + 0x3000 + u64::from(slot)
+    }
+}
+
+/// The played driver of one blk function.
+pub struct BlkDriver {
+    bar0: u64,
+    layout: Layout,
+    image_blocks: u64,
+    gate: Mutex<()>,
+    stop: AtomicBool,
+    /// Requests completed with status OK.
+    pub done: AtomicU64,
+    /// Requests completed with another status (must stay 0).
+    pub failed: AtomicU64,
+}
+
+fn mmio_w(vm: &Vm, addr: u64, data: &[u8]) {
+    assert!(vm.mmio_write(addr, data), "no device at {addr:#x}");
+}
+
+impl BlkDriver {
+    /// Initializes the VM's first virtio-blk function (features: VERSION_1
+    /// only), sets up queue 0 at `layout` and brings the device to DRIVER_OK.
+    pub fn init(vm: &Vm, layout: Layout, image_bytes: u64) -> Self {
+        let bar0 = vm
+            .virtio_functions()
+            .into_iter()
+            .find(|(n, _)| *n == "blk")
+            .map(|(_, b)| b)
+            .expect("the VM has a blk function");
+        let cfg = bar0 + layout::COMMON_CFG_OFFSET;
+        let mem = vm.memory();
+        // Zero the rings.
+        mem.write_slice(&[0u8; 0x4000], GuestAddress(layout.ring)).unwrap();
+        mmio_w(vm, cfg + common::DEVICE_STATUS, &[0]);
+        mmio_w(vm, cfg + common::DEVICE_STATUS, &[1]);
+        mmio_w(vm, cfg + common::DEVICE_STATUS, &[3]);
+        mmio_w(vm, cfg + common::DRIVER_FEATURE_SELECT, &1u32.to_le_bytes());
+        mmio_w(vm, cfg + common::DRIVER_FEATURE, &1u32.to_le_bytes()); // VERSION_1 (bit 32)
+        mmio_w(vm, cfg + common::DEVICE_STATUS, &[0xb]);
+        let mut st = [0u8];
+        vm.mmio_read(cfg + common::DEVICE_STATUS, &mut st);
+        assert_eq!(st[0] & 8, 8, "the device refused FEATURES_OK");
+        mmio_w(vm, cfg + common::QUEUE_SELECT, &0u16.to_le_bytes());
+        mmio_w(vm, cfg + common::QUEUE_SIZE, &QSIZE.to_le_bytes());
+        mmio_w(vm, cfg + common::QUEUE_DESC, &layout.desc().to_le_bytes());
+        mmio_w(vm, cfg + common::QUEUE_DRIVER, &layout.avail().to_le_bytes());
+        mmio_w(vm, cfg + common::QUEUE_DEVICE, &layout.used().to_le_bytes());
+        mmio_w(vm, cfg + common::QUEUE_ENABLE, &1u16.to_le_bytes());
+        mmio_w(vm, cfg + common::DEVICE_STATUS, &[0xf]);
+        vm.mmio_read(cfg + common::DEVICE_STATUS, &mut st);
+        assert_eq!(st[0], 0xf, "the device did not go live (status {:#x})", st[0]);
+        Self {
+            bar0,
+            layout,
+            image_blocks: image_bytes / BLOCK,
+            gate: Mutex::new(()),
+            stop: AtomicBool::new(false),
+            done: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+        }
+    }
+
+    /// Holding this, the driver writes nothing into guest RAM.
+    pub fn gate(&self) -> MutexGuard<'_, ()> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes [`Self::run`] return.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops the driver when dropped: a failing test's unwinding then ends
+    /// the driver thread instead of leaving `thread::scope` waiting on it.
+    pub fn stop_on_drop(&self) -> StopOnDrop<'_> {
+        StopOnDrop(self)
+    }
+
+    /// Keeps `QD` reads in flight until [`Self::stop`]; `seed` varies the
+    /// random blocks and pages.
+    pub fn run(&self, vm: &Vm, seed: u64) {
+        let mem = vm.memory();
+        let l = self.layout;
+        let mut x = seed | 1;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut free: Vec<u16> = (0..QD).collect();
+        let mut avail_idx: u16 = 0;
+        let mut last_used: u16 = 0;
+        let notify = self.bar0 + layout::NOTIFY_OFFSET;
+        while !self.stop.load(Ordering::SeqCst) {
+            if !free.is_empty() {
+                let _g = self.gate();
+                while let Some(slot) = free.pop() {
+                    let d = 3 * slot;
+                    let block = rnd() % self.image_blocks;
+                    let page = rnd() % l.data_pages;
+                    let h = l.header(slot);
+                    mem.write_obj(T_IN, GuestAddress(h)).unwrap();
+                    mem.write_obj(0u32, GuestAddress(h + 4)).unwrap();
+                    mem.write_obj(block * (BLOCK / 512), GuestAddress(h + 8)).unwrap();
+                    mem.write_obj(0xffu8, GuestAddress(l.status(slot))).unwrap();
+                    let desc = |i: u16, addr: u64, len: u32, flags: u16, next: u16| {
+                        let at = GuestAddress(l.desc() + 16 * u64::from(i));
+                        mem.write_obj(addr, at).unwrap();
+                        mem.write_obj(len, at.unchecked_add(8)).unwrap();
+                        mem.write_obj(flags, at.unchecked_add(12)).unwrap();
+                        mem.write_obj(next, at.unchecked_add(14)).unwrap();
+                    };
+                    desc(d, h, 16, F_NEXT, d + 1);
+                    desc(d + 1, l.data + page * BLOCK, BLOCK as u32, F_WRITE | F_NEXT, d + 2);
+                    desc(d + 2, l.status(slot), 1, F_WRITE, 0);
+                    let entry = l.avail() + 4 + 2 * u64::from(avail_idx % QSIZE);
+                    mem.write_obj(d, GuestAddress(entry)).unwrap();
+                    avail_idx = avail_idx.wrapping_add(1);
+                }
+                fence(Ordering::SeqCst);
+                mem.write_obj(avail_idx, GuestAddress(l.avail() + 2)).unwrap();
+                fence(Ordering::SeqCst);
+                mmio_w(vm, notify, &0u16.to_le_bytes());
+            }
+            let used: u16 = mem.read_obj(GuestAddress(l.used() + 2)).unwrap();
+            fence(Ordering::SeqCst);
+            if used == last_used {
+                std::thread::sleep(Duration::from_micros(100));
+                continue;
+            }
+            while last_used != used {
+                let e = l.used() + 4 + 8 * u64::from(last_used % QSIZE);
+                let id: u32 = mem.read_obj(GuestAddress(e)).unwrap();
+                let slot = (id / 3) as u16;
+                let status: u8 = mem.read_obj(GuestAddress(l.status(slot))).unwrap();
+                if status == 0 {
+                    self.done.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    self.failed.fetch_add(1, Ordering::SeqCst);
+                }
+                free.push(slot);
+                last_used = last_used.wrapping_add(1);
+            }
+        }
+    }
+}
+
+/// See [`BlkDriver::stop_on_drop`].
+pub struct StopOnDrop<'a>(&'a BlkDriver);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop();
+    }
+}

@@ -548,7 +548,18 @@ fn pause_drains_and_hands_back_indexes_and_restore_seeds_from_used_idx() {
     std::thread::sleep(Duration::from_millis(30));
     assert_eq!(r.used_idx(), 2);
     assert!(r.dev_mem.dirty_pages().is_empty(), "pause is total");
-    assert!(r.dev.snapshot().is_err(), "snapshot fails loudly for now");
+    // The snapshot carries the disk's identity, and restores only into a
+    // device on a disk of the same size and mode.
+    let snap = r.dev.snapshot().unwrap();
+    let mut same = Block::new(DiskImage::open(&r.image.0, false).unwrap(), "y").unwrap();
+    same.restore(&snap).unwrap();
+    let other = TempImage::new(&pattern(4096));
+    let mut smaller = Block::new(DiskImage::open(&other.0, false).unwrap(), "z").unwrap();
+    let e = smaller.restore(&snap).unwrap_err().to_string();
+    assert!(
+        e.starts_with("the blk device cannot be restored: the saved disk had 16 sectors"),
+        "{e}"
+    );
     r.dev.resume().unwrap();
     assert!(r.wait_used(3), "the request posted while paused is served on resume");
 

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use k7d_benches::{k7d_bin, ms, stats, time_to_first_stdout_byte};
+use k7d_benches::{k7d_bin, ms, stats, time_to_first_stdout_byte, which};
 
 fn main() -> Result<()> {
     let runs: usize = std::env::var("K7D_BENCH_RUNS")
@@ -99,12 +99,4 @@ fn main() -> Result<()> {
         if ratio <= 0.2 { "met" } else { "NOT met" }
     );
     Ok(())
-}
-
-fn which(name: &str) -> Option<std::path::PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| std::path::Path::new(d).join(name))
-        .find(|p| p.exists())
 }

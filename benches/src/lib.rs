@@ -69,7 +69,17 @@ pub fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
 }
 
+pub mod qemu_fork;
 pub mod ring;
+
+/// The first `name` on `PATH`.
+pub fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| std::path::Path::new(d).join(name))
+        .find(|p| p.exists())
+}
 
 /// A number from the environment, else `default`.
 pub fn env_num(name: &str, default: usize) -> usize {

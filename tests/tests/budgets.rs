@@ -153,7 +153,65 @@ fn fork_is_within_budget() {
     };
     check(budgets::FORK_256M_CLEAN, || measure(&src, 0));
     check(budgets::FORK_256M_1PCT, || measure(&src, (MIB << 20) / 4096 / 100));
+    check(budgets::FORK_256M_10PCT, || measure(&src, (MIB << 20) / 4096 / 10));
     src.stop();
+
+    let mut big = k7d_tests::boot("g", &builtin("idle", 1, 2048, &[]), &dir.0.join("g.log"));
+    std::thread::sleep(Duration::from_millis(20));
+    big.pause(Duration::from_secs(2)).unwrap();
+    drop(big.fork("prep", &VmOptions::default()).unwrap());
+    check(budgets::FORK_2G_CLEAN, || {
+        (0..11)
+            .map(|_| {
+                let t = Instant::now();
+                let child = big.fork("child", &VmOptions::default()).unwrap();
+                let d = t.elapsed();
+                drop(child);
+                d
+            })
+            .collect()
+    });
+    big.stop();
+}
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "latency budgets are for release builds: cargo test --release"
+)]
+fn restore_is_within_budget() {
+    use k7d_guest::{RESULTS_ADDR, result};
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = TempDir::new("budget-restore");
+    // A 64 MiB guest that keeps writing (its loop counter moves).
+    let mut src = k7d_tests::boot(
+        "r",
+        &builtin("memwriter", 1, 64, &[64, 0x20_0000, 1]),
+        &dir.0.join("r.log"),
+    );
+    std::thread::sleep(Duration::from_millis(50));
+    src.pause(Duration::from_secs(2)).unwrap();
+    let snap = dir.0.join("snap");
+    src.snapshot_to(&snap).unwrap();
+    src.stop();
+    let counter = RESULTS_ADDR + result::LOOP_COUNTER;
+    check(budgets::RESTORE_64M, || {
+        (0..11)
+            .map(|i| {
+                let t = Instant::now();
+                let mut vm = Vm::restore_from(&format!("r{i}"), &snap, &VmOptions::default()).unwrap();
+                let c0 = read_u32(&vm, counter);
+                vm.start().unwrap();
+                while read_u32(&vm, counter) == c0 {
+                    assert!(t.elapsed() < Duration::from_secs(5), "the restored guest does not run");
+                    std::hint::spin_loop();
+                }
+                let d = t.elapsed();
+                vm.stop();
+                d
+            })
+            .collect()
+    });
 }
 
 /// `LATENCY_BUDGETS.md` and `budgets.rs` agree, row by row.

@@ -1190,20 +1190,38 @@ fn add_linux_platform(
 }
 
 /// Copies `len` bytes of guest RAM from `src` into the new VM's memfd,
-/// skipping holes (untouched pages stay unallocated in the destination).
+/// skipping holes (untouched pages stay unallocated in the destination): the
+/// file's holes are found with `SEEK_DATA`/`SEEK_HOLE` (a snapshot's memory
+/// file is written sparse) and data that reads as zero is not written.
 fn copy_memory(src: &File, dst: &File, len: u64) -> Result<(), VmError> {
+    use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
+    let seek = |off: u64, whence: i32| -> Option<u64> {
+        let off = i64::try_from(off).ok()?;
+        // SAFETY: lseek on a file descriptor we own; it touches no memory.
+        let r = unsafe { libc::lseek(src.as_raw_fd(), off, whence) };
+        u64::try_from(r).ok()
+    };
     let mut buf = vec![0u8; 1 << 20];
     let mut off = 0;
     while off < len {
-        let n = (len - off).min(buf.len() as u64) as usize;
-        src.read_exact_at(&mut buf[..n], off)
-            .map_err(io("cannot read the saved guest memory"))?;
-        if buf[..n].iter().any(|&b| b != 0) {
-            dst.write_all_at(&buf[..n], off)
-                .map_err(io("cannot write the restored guest memory"))?;
+        // The next data at or after `off`, and where it ends. ENXIO (no data
+        // left) ends the copy; a file system without SEEK_DATA reports the
+        // whole file as data.
+        let Some(start) = seek(off, libc::SEEK_DATA) else { break };
+        let end = seek(start, libc::SEEK_HOLE).unwrap_or(len).min(len);
+        let mut at = start.min(len);
+        while at < end {
+            let n = (end - at).min(buf.len() as u64) as usize;
+            src.read_exact_at(&mut buf[..n], at)
+                .map_err(io("cannot read the saved guest memory"))?;
+            if buf[..n].iter().any(|&b| b != 0) {
+                dst.write_all_at(&buf[..n], at)
+                    .map_err(io("cannot write the restored guest memory"))?;
+            }
+            at += n as u64;
         }
-        off += n as u64;
+        off = end.max(start + 1);
     }
     Ok(())
 }

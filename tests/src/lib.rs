@@ -183,3 +183,9 @@ pub fn thread_names() -> Vec<String> {
 pub fn vm_threads_alive() -> bool {
     thread_names().iter().any(|n| n.starts_with("vcpu") || n == "k7d-conn")
 }
+
+/// Whether this process runs as root (taps, netns).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and touches no memory.
+    unsafe { libc::geteuid() == 0 }
+}

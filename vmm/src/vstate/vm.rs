@@ -249,6 +249,13 @@ impl Vm {
         if !matches!(self.state(), VmState::Paused | VmState::Created) {
             return Err(self.state_error("fork"));
         }
+        // Refusals first, before the first fork freezes anything.
+        if self.config.devices.vsock.is_some() {
+            return Err(VmError::Persist(PersistError::Mismatch(format!(
+                "vm {} cannot be forked: its vsock device's host connections cannot be carried into a child",
+                self.id
+            ))));
+        }
         if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
             return Err(VmError::Persist(PersistError::Mismatch(format!(
                 "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",

@@ -1,0 +1,84 @@
+//! What a fork child gets besides RAM and vCPU state: its own tap with the
+//! source's MAC (removed with the child), and a clear refusal, before
+//! anything is frozen, for what cannot be carried (vsock).
+
+use std::time::Duration;
+
+use k7d_tests::{TempDir, boot, builtin};
+use k7d_vmm::config::{NicConfig, VsockConfig};
+use k7d_vmm::{Vm, VmOptions};
+
+/// `(tap name, mac)` from a VM's virtio-net line in `devices()`.
+fn nic(vm: &Vm) -> (String, String) {
+    let d = vm
+        .devices()
+        .iter()
+        .find(|d| d.kind == "virtio-net")
+        .expect("a virtio-net device")
+        .detail
+        .clone();
+    let word_after = |key: &str| {
+        d.split(key)
+            .nth(1)
+            .and_then(|r| r.split([',', ' ', ';']).find(|w| !w.is_empty()))
+            .unwrap_or_else(|| panic!("no {key} in {d:?}"))
+            .to_string()
+    };
+    (word_after("tap "), word_after("mac "))
+}
+
+fn link_exists(name: &str) -> bool {
+    std::path::Path::new("/sys/class/net").join(name).exists()
+}
+
+#[test]
+fn a_child_gets_its_own_tap_with_the_sources_mac_and_loses_it_with_the_child() {
+    if !k7d_tests::is_root() {
+        eprintln!("skipped: creating taps needs root");
+        return;
+    }
+    let dir = TempDir::new("fork-nic");
+    let mut cfg = builtin("memwriter", 1, 16, &[64, 0x20_0000, 1]);
+    cfg.devices.nics.push(NicConfig::default());
+    let src = boot("fnic", &cfg, &dir.0.join("src.log"));
+    let (src_tap, src_mac) = nic(&src);
+    assert!(link_exists(&src_tap));
+    src.pause(Duration::from_secs(2)).unwrap();
+    let child = src.fork("fnic-c1", &VmOptions::default()).unwrap();
+    let (child_tap, child_mac) = nic(&child);
+    assert_ne!(child_tap, src_tap, "the child must not share the source's tap");
+    assert_eq!(child_mac, src_mac, "the guest's driver holds the MAC: the child keeps it");
+    assert!(link_exists(&child_tap), "the child's tap {child_tap} does not exist");
+    drop(child);
+    assert!(!link_exists(&child_tap), "deleting the child left its tap {child_tap}");
+    assert!(link_exists(&src_tap), "deleting the child removed the source's tap");
+    src.resume().unwrap();
+    let mut src = src;
+    src.stop();
+    drop(src);
+    assert!(!link_exists(&src_tap));
+}
+
+#[test]
+fn a_vm_with_vsock_is_refused_with_a_sentence_before_anything_is_frozen() {
+    let dir = TempDir::new("fork-vsock");
+    let mut cfg = builtin("memwriter", 1, 16, &[64, 0x20_0000, 1]);
+    cfg.devices.vsock = Some(VsockConfig {
+        cid: 3,
+        uds: dir.0.join("v.sock"),
+    });
+    let src = boot("fvsock", &cfg, &dir.0.join("src.log"));
+    src.pause(Duration::from_secs(2)).unwrap();
+    let e = src.fork("fvsock-c1", &VmOptions::default()).err().expect("refused").to_string();
+    assert!(e.contains("cannot be forked") && e.contains("vsock"), "{e}");
+    assert!(!e.contains('\n'));
+    assert!(!src.ram().is_frozen(), "a refused fork froze the source's RAM");
+    // A snapshot is refused too, by the device itself, and writes nothing.
+    let snap = dir.0.join("snap");
+    let e = src.snapshot_to(&snap).unwrap_err().to_string();
+    assert!(e.contains("vsock") && e.contains("snapshot"), "{e}");
+    assert!(!snap.exists(), "a refused snapshot left {}", snap.display());
+    src.resume().unwrap();
+    let mut src = src;
+    src.stop();
+}

@@ -47,7 +47,10 @@ fn a_child_gets_its_own_tap_with_the_sources_mac_and_loses_it_with_the_child() {
     let child = src.fork("fnic-c1", &VmOptions::default()).unwrap();
     let (child_tap, child_mac) = nic(&child);
     assert_ne!(child_tap, src_tap, "the child must not share the source's tap");
-    assert_eq!(child_mac, src_mac, "the guest's driver holds the MAC: the child keeps it");
+    assert_eq!(
+        child_mac, src_mac,
+        "the guest's driver holds the MAC: the child keeps it"
+    );
     assert!(link_exists(&child_tap), "the child's tap {child_tap} does not exist");
     drop(child);
     assert!(!link_exists(&child_tap), "deleting the child left its tap {child_tap}");
@@ -69,7 +72,11 @@ fn a_vm_with_vsock_is_refused_with_a_sentence_before_anything_is_frozen() {
     });
     let src = boot("fvsock", &cfg, &dir.0.join("src.log"));
     src.pause(Duration::from_secs(2)).unwrap();
-    let e = src.fork("fvsock-c1", &VmOptions::default()).err().expect("refused").to_string();
+    let e = src
+        .fork("fvsock-c1", &VmOptions::default())
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(e.contains("cannot be forked") && e.contains("vsock"), "{e}");
     assert!(!e.contains('\n'));
     assert!(!src.ram().is_frozen(), "a refused fork froze the source's RAM");

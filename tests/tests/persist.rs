@@ -1,6 +1,7 @@
-//! Machine state survives a save/restore into a new KVM VM: timers keep
-//! ticking at their rate in the restored VM (PIT2, LAPIC, IA32_TSC_DEADLINE
-//! set after IA32_TSC), on both vCPUs of `smp`, and the source goes on too.
+//! Machine state survives a save/restore into a new KVM VM and a fork:
+//! timers keep ticking at their rate in the restored VM and in a fork child
+//! (PIT2, LAPIC, IA32_TSC_DEADLINE set after IA32_TSC), on both vCPUs of
+//! `smp`, and the source goes on too.
 
 use std::time::{Duration, Instant};
 
@@ -64,6 +65,32 @@ fn timers_survive(name: &str, vcpus: u8, counters: &[u64]) {
             "{name}: restored counter {c:#x} ticks at {r}/s, expected ~1000/s"
         );
     }
+    // A fork child (copy-on-write RAM, the same state path) ticks at its rate too.
+    let mut child = src
+        .fork(
+            &format!("{name}-child"),
+            &VmOptions {
+                serial_log: Some(dir.0.join("child.log")),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    for (c, f) in counters.iter().zip(&frozen) {
+        assert_eq!(
+            read_u32(&child, RESULTS_ADDR + c),
+            *f,
+            "{name}: the child's counter {c:#x} is not the source's"
+        );
+    }
+    child.start().unwrap();
+    for c in counters {
+        let r = rate(&child, *c, Duration::from_millis(500));
+        assert!(
+            (600..=1400).contains(&r),
+            "{name}: the fork child's counter {c:#x} ticks at {r}/s, expected ~1000/s"
+        );
+    }
+    child.stop();
     src.resume().unwrap();
     // KVM's PIT re-injects the ticks it could not deliver while the source
     // was paused (lost-tick policy "delay", QEMU's default too): let that

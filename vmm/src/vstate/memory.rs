@@ -253,15 +253,41 @@ impl GuestRam {
         v
     }
 
-    /// Copies `pages` (indexes over the whole RAM) from `src`'s view into this
-    /// RAM: the child gets the parent's pages that differ from their base.
+    /// Copies `pages` (ascending indexes over the whole RAM) from `src`'s view
+    /// into this RAM: the child gets the parent's pages that differ from their
+    /// base. Runs of consecutive pages are copied host mapping to host mapping
+    /// in one go (no bounce buffer), and marked diverged under one lock.
     pub fn copy_diverged_from(&self, src: &GuestRam, pages: &[u64]) -> Result<(), MemoryError> {
-        let mut buf = vec![0u8; PAGE as usize];
+        let mut i = 0;
+        while i < pages.len() {
+            let first = pages[i];
+            let gpa = gpa_of(first * PAGE);
+            let mut n = 1u64;
+            // Extend while the next page is the next one in guest-physical
+            // space too (a run never crosses the MMIO hole).
+            while i + (n as usize) < pages.len()
+                && pages[i + n as usize] == first + n
+                && gpa_of((first + n) * PAGE) == gpa + n * PAGE
+            {
+                n += 1;
+            }
+            let len = usize::try_from(n * PAGE).map_err(|_| MemoryError::Copy(first))?;
+            let from = src
+                .mem
+                .get_slice(GuestAddress(gpa), len)
+                .map_err(|_| MemoryError::Copy(first))?;
+            let to = self
+                .mem
+                .get_slice(GuestAddress(gpa), len)
+                .map_err(|_| MemoryError::Copy(first))?;
+            from.copy_to_volatile_slice(to);
+            i += n as usize;
+        }
+        let mut d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
         for &p in pages {
-            let gpa = GuestAddress(gpa_of(p * PAGE));
-            src.mem.read_slice(&mut buf, gpa).map_err(|_| MemoryError::Copy(p))?;
-            self.mem.write_slice(&buf, gpa).map_err(|_| MemoryError::Copy(p))?;
-            self.add_diverged(&[1], p);
+            if let Some(w) = d.get_mut((p / 64) as usize) {
+                *w |= 1 << (p % 64);
+            }
         }
         Ok(())
     }

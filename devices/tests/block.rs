@@ -2,9 +2,10 @@
 //! with the device on its own view of that memory (its own dirty bitmap) and
 //! virtio-queue's mock driver-side rings.
 
+mod common;
+
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::FromRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -21,10 +22,7 @@ use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::desc::{RawDescriptor, split::Descriptor as SplitDescriptor};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::bitmap::AtomicBitmap;
-use vm_memory::bitmap::NewBitmap;
-use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestRegionMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 const MEM_SIZE: usize = 16 << 20;
@@ -36,21 +34,8 @@ const QSIZE: u16 = 64;
 const W: u16 = VRING_DESC_F_WRITE as u16;
 const QUEUE_VECTOR: u16 = 1;
 
-/// Guest RAM as the VMM has it: a memfd, MAP_SHARED, with the VMM's bitmap.
 fn memfd_memory() -> Arc<GuestMemoryTracked> {
-    // SAFETY: memfd_create with a NUL-terminated name; the fd is owned below.
-    let fd = unsafe { libc::memfd_create(c"k7d-blk-test".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: `fd` is a fresh descriptor nothing else owns.
-    let file = unsafe { File::from_raw_fd(fd) };
-    file.set_len(MEM_SIZE as u64).unwrap();
-    let region = MmapRegionBuilder::new_with_bitmap(MEM_SIZE, AtomicBitmap::with_len(MEM_SIZE))
-        .with_file_offset(FileOffset::new(file, 0))
-        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-        .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
-        .build()
-        .unwrap();
-    Arc::new(GuestMemoryTracked::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()]).unwrap())
+    common::memfd_memory(MEM_SIZE, c"k7d-blk-test")
 }
 
 struct TempImage(PathBuf);

@@ -3,6 +3,8 @@
 //! memory, virtio-queue's mock driver rings, as in `block.rs`), and on the
 //! `DiskImage` + `DiskAt` level for the cluster edge cases.
 
+mod common;
+
 use std::fs::File;
 use std::os::fd::FromRawFd;
 use std::os::unix::fs::MetadataExt;
@@ -20,9 +22,8 @@ use virtio_bindings::virtio_blk as b;
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
 use virtio_queue::mock::MockSplitQueue;
 use virtio_queue::{Queue, QueueT};
-use vm_memory::bitmap::{AtomicBitmap, NewBitmap};
-use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap, GuestRegionMmap};
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 const CS: u64 = CLUSTER_SIZE;
@@ -488,19 +489,7 @@ const FEATURES: u64 = VIRTIO_F_VERSION_1
     | features::WRITE_ZEROES;
 
 fn memfd_memory() -> Arc<GuestMemoryTracked> {
-    // SAFETY: memfd_create with a NUL-terminated name; the fd is owned below.
-    let fd = unsafe { libc::memfd_create(c"k7d-cow-guest".as_ptr(), libc::MFD_CLOEXEC) };
-    assert!(fd >= 0);
-    // SAFETY: `fd` is a fresh descriptor nothing else owns.
-    let file = unsafe { File::from_raw_fd(fd) };
-    file.set_len(MEM_SIZE as u64).unwrap();
-    let region = MmapRegionBuilder::new_with_bitmap(MEM_SIZE, AtomicBitmap::with_len(MEM_SIZE))
-        .with_file_offset(FileOffset::new(file, 0))
-        .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-        .with_mmap_flags(libc::MAP_SHARED | libc::MAP_NORESERVE)
-        .build()
-        .unwrap();
-    Arc::new(GuestMemoryTracked::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()]).unwrap())
+    common::memfd_memory(MEM_SIZE, c"k7d-cow-guest")
 }
 
 /// One VM's blk device. Fields drop in order: the device (and its worker)

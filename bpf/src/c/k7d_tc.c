@@ -123,8 +123,12 @@ static __always_inline __u32 policy(struct __sk_buff *skb, struct k7d_cfg *cfg, 
 			struct icmp6hdr *ic = (void *)(ip6 + 1);
 			if ((void *)(ic + 1) > end)
 				return R_MALFORMED;
-			/* Neighbour and router discovery always pass. */
-			if (ic->icmp6_type >= 133 && ic->icmp6_type <= 137)
+			/* Link-local control always passes: multicast listener
+			 * discovery (130-132, MLDv2 reports 143), router and
+			 * neighbour discovery (133-137). An interface sends MLD
+			 * reports by itself for a second or so after it comes up;
+			 * policing them counted drops no pod ever sent. */
+			if ((ic->icmp6_type >= 130 && ic->icmp6_type <= 137) || ic->icmp6_type == 143)
 				return 0;
 		}
 		if (peer_dst)

@@ -179,3 +179,64 @@ fn pause_is_total_while_the_guest_and_blk_are_busy() {
     let mut vm = vm;
     vm.stop();
 }
+
+#[test]
+fn a_started_child_serves_the_reads_in_flight_at_the_fork_from_its_own_disk() {
+    let dir = TempDir::new("fork-blk-start");
+    let cfg = config(&dir);
+    let img = std::fs::read(&cfg.devices.disks[0].path).unwrap();
+    let src = boot("bsrc", &cfg, &dir.0.join("src.log"));
+    let drv = BlkDriver::init(&src, LAYOUT, IMAGE).verify_against(img.clone());
+    // The source's driver runs a while, then stops with reads in flight:
+    // it posts a full batch and the VM pauses right away.
+    let mut st = std::thread::scope(|s| {
+        let h = s.spawn(|| drv.run(&src, 3));
+        assert!(wait_for(Duration::from_secs(20), || drv.done.load(Ordering::SeqCst) > 500));
+        drv.stop();
+        h.join().unwrap()
+    });
+    drv.post(&src, &mut st);
+    src.pause(Duration::from_secs(2)).unwrap();
+    let in_flight = st.in_flight();
+    assert!(in_flight > 0);
+    let mut child = src.fork("bchild", &VmOptions::default()).unwrap();
+    child.start().unwrap();
+    src.resume().unwrap();
+    // Both go on from the same driver state, each on its own rings, device
+    // and copy-on-write disk: the child's device starts at the guest's
+    // used.idx, serves what was in flight and what comes after.
+    let cdrv = BlkDriver::attach(&child, LAYOUT, IMAGE).verify_against(img.clone());
+    let sdrv = BlkDriver::attach(&src, LAYOUT, IMAGE).verify_against(img);
+    std::thread::scope(|s| {
+        let (cst, sst) = (st.clone(), st);
+        let c = s.spawn(|| cdrv.run_from(&child, cst));
+        let p = s.spawn(|| sdrv.run_from(&src, sst));
+        let _stop = (cdrv.stop_on_drop(), sdrv.stop_on_drop());
+        assert!(
+            wait_for(Duration::from_secs(20), || cdrv.done.load(Ordering::SeqCst) > 2000
+                && sdrv.done.load(Ordering::SeqCst) > 2000),
+            "child {} / source {} reads after the fork",
+            cdrv.done.load(Ordering::SeqCst),
+            sdrv.done.load(Ordering::SeqCst)
+        );
+        cdrv.stop();
+        sdrv.stop();
+        let _ = (c.join(), p.join());
+    });
+    for (who, d) in [("child", &cdrv), ("source", &sdrv), ("source before the fork", &drv)] {
+        assert_eq!(d.failed.load(Ordering::SeqCst), 0, "{who}: reads failed");
+        assert_eq!(
+            d.wrong_data.load(Ordering::SeqCst),
+            0,
+            "{who}: reads returned other bytes than the disk's"
+        );
+    }
+    eprintln!(
+        "{in_flight} reads in flight at the fork; after it the child served {} and the source {}",
+        cdrv.done.load(Ordering::SeqCst),
+        sdrv.done.load(Ordering::SeqCst)
+    );
+    child.stop();
+    let mut src = src;
+    src.stop();
+}

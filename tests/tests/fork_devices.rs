@@ -89,3 +89,60 @@ fn a_vm_with_vsock_is_refused_with_a_sentence_before_anything_is_frozen() {
     let mut src = src;
     src.stop();
 }
+
+#[test]
+fn a_forked_disk_freezes_its_image_until_the_last_vm_is_gone() {
+    use k7d_vmm::config::DiskConfig;
+    let dir = TempDir::new("fork-frozen");
+    let img = dir.0.join("disk.img");
+    std::fs::write(&img, vec![7u8; 1 << 20]).unwrap();
+    let mut cfg = builtin("memwriter", 1, 16, &[64, 0x20_0000, 1]);
+    cfg.devices.disks.push(DiskConfig {
+        path: img.clone(),
+        read_only: false,
+    });
+    let src = boot("ffrz", &cfg, &dir.0.join("src.log"));
+    // Before any fork the image is an ordinary read-write image.
+    let probe = |ro: bool| k7d_devices::virtio::block::DiskImage::open(&img, ro).map(drop);
+    probe(false).unwrap();
+    src.pause(Duration::from_secs(2)).unwrap();
+    let child = src.fork("ffrz-c1", &VmOptions::default()).unwrap();
+    // Frozen: another VM may read it, not write it.
+    let e = probe(false).unwrap_err().to_string();
+    assert!(e.contains("frozen base") && !e.contains('\n'), "{e}");
+    probe(true).unwrap();
+    // A snapshot could not carry what the overlays hold: refused, nothing written.
+    let snap = dir.0.join("snap");
+    let e = src.snapshot_to(&snap).unwrap_err().to_string();
+    assert!(e.contains("cannot be snapshotted") && e.contains("disk 0"), "{e}");
+    assert!(!snap.exists());
+    // The lock outlives the source while a child holds the base.
+    src.resume().unwrap();
+    let mut src = src;
+    src.stop();
+    drop(src);
+    assert!(probe(false).is_err(), "the base was writable while a child still read it");
+    drop(child);
+    probe(false).unwrap();
+}
+
+#[test]
+fn a_snapshot_keeps_the_nic_mac_when_restored_under_another_id() {
+    if !k7d_tests::is_root() {
+        eprintln!("skipped: creating taps needs root");
+        return;
+    }
+    let dir = TempDir::new("snap-mac");
+    let mut cfg = builtin("memwriter", 1, 16, &[64, 0x20_0000, 1]);
+    cfg.devices.nics.push(NicConfig::default());
+    let src = boot("smac", &cfg, &dir.0.join("src.log"));
+    let (_, mac) = nic(&src);
+    src.pause(Duration::from_secs(2)).unwrap();
+    let snap = dir.0.join("snap");
+    src.snapshot_to(&snap).unwrap();
+    let mut src = src;
+    src.stop();
+    drop(src);
+    let restored = Vm::restore_from("smac-restored", &snap, &VmOptions::default()).unwrap();
+    assert_eq!(nic(&restored).1, mac, "the restored guest's driver holds the old MAC");
+}

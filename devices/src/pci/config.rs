@@ -194,7 +194,11 @@ impl PciConfiguration {
         }
         let before: Vec<u64> = (0..NUM_BARS).map(|i| self.decode_bar(i)).collect();
         let saved = self.regs;
-        self.regs.copy_from_slice(regs);
+        // Only what a driver can write comes from the saved state; the rest
+        // (identity, capability layout, read-only bits) is this device's.
+        for (i, r) in self.regs.iter_mut().enumerate() {
+            *r = (*r & !self.wmask[i]) | (regs[i] & self.wmask[i]);
+        }
         for (i, was) in before.iter().enumerate() {
             if self.decode_bar(i) != *was {
                 let got = self.decode_bar(i);

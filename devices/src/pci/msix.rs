@@ -79,6 +79,14 @@ pub enum MsixError {
     /// Creating a vector's eventfd failed.
     #[error("creating an MSI-X vector eventfd failed")]
     EventFd(#[source] std::io::Error),
+    /// A saved table has another number of vectors than this device.
+    #[error("the saved MSI-X table has {saved} vectors, this device {have}")]
+    Mismatch {
+        /// Vectors in the saved state.
+        saved: usize,
+        /// Vectors of this device.
+        have: usize,
+    },
     /// The device signalled a vector the table does not have.
     #[error("MSI-X vector {0} does not exist")]
     NoSuchVector(u16),
@@ -248,7 +256,10 @@ impl MsixVectors {
     pub fn restore(&self, s: &MsixSnapshot) -> Result<(), MsixError> {
         let mut st = self.lock();
         if s.entries.len() != st.entries.len() || s.pba.len() != st.pba.len() {
-            return Err(MsixError::TableSize(u16::try_from(s.entries.len()).unwrap_or(u16::MAX)));
+            return Err(MsixError::Mismatch {
+                saved: s.entries.len(),
+                have: st.entries.len(),
+            });
         }
         for (e, [lo, hi, data, ctrl]) in st.entries.iter_mut().zip(s.entries.iter().copied()) {
             e.msg = MsiMessage {

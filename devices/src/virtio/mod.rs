@@ -92,6 +92,14 @@ pub enum VirtioError {
         /// The operation.
         op: &'static str,
     },
+    /// The device's state could not be serialized.
+    #[error("the state of the {device} device cannot be saved: {why}")]
+    Save {
+        /// Device name.
+        device: &'static str,
+        /// Why.
+        why: String,
+    },
     /// A saved state does not fit the device it is restored into.
     #[error("the {device} device cannot be restored: {why}")]
     Restore {
@@ -310,6 +318,14 @@ pub trait VirtioDevice: Send {
             device: self.name(),
             op: "resume",
         })
+    }
+    /// For a device whose backend writes guest RAM past the memory handle it
+    /// was activated with (a kernel backend: vhost), switch that backend's
+    /// own dirty log on and hand it over; the fork path merges it. Called
+    /// with the device paused. In-process devices write through the handle,
+    /// whose bitmap already records them: `None`.
+    fn kernel_dirty_log(&mut self) -> Result<Option<Arc<net::VhostDirtyLog>>, VirtioError> {
+        Ok(None)
     }
     /// Serializes the paused device's state.
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

@@ -84,7 +84,7 @@ fn internal(e: impl std::error::Error) -> ApiError {
 
 fn vm_error(e: VmError) -> ApiError {
     match e {
-        VmError::State { .. } => ApiError::new(ErrorCode::Conflict, e.to_string()),
+        VmError::State { .. } | VmError::Refused(_) => ApiError::new(ErrorCode::Conflict, e.to_string()),
         VmError::Guest(_) => ApiError::new(ErrorCode::InvalidArgument, e.to_string()),
         other => internal(other),
     }

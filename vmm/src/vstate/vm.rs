@@ -85,6 +85,10 @@ pub enum VmError {
         /// Why.
         msg: String,
     },
+    /// What the VM holds cannot be carried into a fork or snapshot; the
+    /// sentence names the VM and the device.
+    #[error("{0}")]
+    Refused(String),
     /// A device refused a lifecycle step (pause, resume); the sentence
     /// names the device, the VM and what state the VM was left in.
     #[error("{0}")]
@@ -251,16 +255,16 @@ impl Vm {
         }
         // Refusals first, before the first fork freezes anything.
         if self.config.devices.vsock.is_some() {
-            return Err(VmError::Persist(PersistError::Mismatch(format!(
+            return Err(VmError::Refused(format!(
                 "vm {} cannot be forked: its vsock device's host connections cannot be carried into a child",
                 self.id
-            ))));
+            )));
         }
         if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
-            return Err(VmError::Persist(PersistError::Mismatch(format!(
+            return Err(VmError::Refused(format!(
                 "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",
                 self.id
-            ))));
+            )));
         }
         if self.ram.is_frozen() {
             self.ram_writers.harvest_into(&self.ram);
@@ -269,6 +273,7 @@ impl Vm {
             // Dirty log on before the freeze, both while nothing runs: no
             // write can fall between them. What the devices wrote before the
             // freeze is in the base: their bitmaps start empty.
+            self.ram_writers.start_kernel_logs(&self.id, &self.virtio)?;
             self.ram.set_dirty_log(&self.vm_fd, true)?;
             self.ram.freeze()?;
             self.ram_writers.clear();
@@ -280,22 +285,19 @@ impl Vm {
         // images are shared.
         let mut disks = Vec::with_capacity(self.ram_writers.disks.len());
         for (i, d) in self.ram_writers.disks.iter().enumerate() {
-            disks.push(d.fork().map_err(|e| VmError::Device {
-                what: "virtio-blk",
-                msg: format!("disk {i} of vm {} could not be forked: {e}", self.id),
+            disks.push(d.fork().map_err(|e| {
+                let cause = std::error::Error::source(&e)
+                    .map(|c| format!(": {c}"))
+                    .unwrap_or_default();
+                VmError::DeviceState(format!("disk {i} of vm {} could not be forked: {e}{cause}", self.id))
             })?);
         }
         let mut config = self.config.clone();
         config.id = Some(child_id.to_string());
         // Own taps (named after the child), same MACs: the guest's driver
         // already holds the MAC.
-        for (i, n) in config.devices.nics.iter_mut().enumerate() {
-            let mac = n
-                .mac
-                .as_deref()
-                .and_then(crate::config::parse_mac)
-                .unwrap_or_else(|| derived_mac(&self.id, i as u16));
-            n.mac = Some(mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"));
+        pin_macs(&mut config, &self.id);
+        for n in &mut config.devices.nics {
             n.tap = None;
         }
         Self::build_with_disks(
@@ -572,10 +574,20 @@ impl Vm {
         }
         crate::sys::install_kick_handler().map_err(io("cannot install the vCPU kick signal handler"))?;
         // Restored devices go live first: the vCPUs find them as they were.
-        for d in &self.virtio {
+        // If one cannot, the ones already started are stopped again and the
+        // VM is done for (its devices no longer match its RAM).
+        for (i, d) in self.virtio.iter().enumerate() {
             let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            dev.start_restored()
-                .map_err(|e| VmError::DeviceState(format!("vm {} cannot start: {e}", self.id)))?;
+            if let Err(e) = dev.start_restored() {
+                drop(dev);
+                for done in &self.virtio[..i] {
+                    done.lock().unwrap_or_else(|p| p.into_inner()).reset_device();
+                }
+                self.started = Some(Instant::now());
+                self.control.set_threads(0);
+                self.control.request_stop(StopReason::Requested);
+                return Err(VmError::DeviceState(format!("vm {} cannot start: {e}", self.id)));
+            }
         }
         let vcpus = self.vcpus.clone();
         self.control.set_threads(vcpus.len());
@@ -712,6 +724,12 @@ impl Vm {
     /// state, config, format version) and `memory` (guest RAM, sparse). The
     /// VM must be paused.
     pub fn snapshot_to(&self, dir: &Path) -> Result<(), VmError> {
+        if let Some(i) = self.ram_writers.disks.iter().position(|d| d.is_frozen()) {
+            return Err(VmError::Refused(format!(
+                "vm {} cannot be snapshotted: its disk {i} is a copy-on-write view since a fork, and a snapshot would not carry what it wrote",
+                self.id
+            )));
+        }
         let state = self.save_state()?;
         std::fs::create_dir_all(dir).map_err(io(format!("cannot create the snapshot directory {}", dir.display())))?;
         let mem_path = dir.join(SNAPSHOT_MEMORY);
@@ -730,10 +748,12 @@ impl Vm {
             .map_err(io(format!("cannot write guest memory to {}", mem_path.display())))?;
         mem.sync_all()
             .map_err(io(format!("cannot sync {}", mem_path.display())))?;
+        let mut config = self.config.clone();
+        pin_macs(&mut config, &self.id);
         let file = SnapshotFile {
             format: SNAPSHOT_FORMAT.into(),
             version: persist::STATE_VERSION,
-            config: self.config.clone(),
+            config,
             state,
         };
         let body = serde_json::to_vec(&file).map_err(|e| VmError::Persist(PersistError::Mismatch(e.to_string())))?;
@@ -1122,13 +1142,11 @@ fn add_linux_platform(
                 queue_pairs: pairs,
             };
             let net = if plane.vhost {
-                // The kernel logs the pages it writes: the fork path needs them.
-                let opts = k7d_devices::virtio::net::VhostOptions { dirty_log: true };
+                // The dirty log is switched on by the first fork (logging
+                // costs the kernel a bit set per page it writes).
+                let opts = k7d_devices::virtio::net::VhostOptions { dirty_log: false };
                 match k7d_devices::virtio::net::Net::new_vhost(tap, cfg(plane.queue_pairs), mem.clone(), opts) {
-                    Ok(net) => {
-                        ram_writers.vhost_logs.extend(net.vhost_dirty_log());
-                        net
-                    }
+                    Ok(net) => net,
                     Err(e) => {
                         // The failed attempt dropped (and so removed) the tap.
                         // Settle the plane again with vhost unavailable: an
@@ -1203,11 +1221,20 @@ fn add_linux_platform(
 fn copy_memory(src: &File, dst: &File, len: u64) -> Result<(), VmError> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
+    // `None`: no data at or after `off` (ENXIO). A file system that cannot
+    // answer (any other error) is treated as all data from `off` on.
     let seek = |off: u64, whence: i32| -> Option<u64> {
-        let off = i64::try_from(off).ok()?;
-        // SAFETY: lseek on a file descriptor we own; it touches no memory.
-        let r = unsafe { libc::lseek(src.as_raw_fd(), off, whence) };
-        u64::try_from(r).ok()
+        let Ok(o) = i64::try_from(off) else { return Some(off) };
+        // SAFETY: lseek on the caller's open file; it touches no memory (it
+        // moves the file offset, which nothing here relies on: reads are
+        // positioned).
+        let r = unsafe { libc::lseek(src.as_raw_fd(), o, whence) };
+        match u64::try_from(r) {
+            Ok(v) => Some(v),
+            Err(_) if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => None,
+            Err(_) if whence == libc::SEEK_HOLE => Some(len),
+            Err(_) => Some(off),
+        }
     };
     let mut buf = vec![0u8; 1 << 20];
     let mut off = 0;
@@ -1248,8 +1275,9 @@ struct Wiring<'a> {
 struct RamWriters {
     /// virtio-blk's own views of guest RAM (their bitmaps see only blk).
     blk_views: Vec<k7d_devices::virtio::block::DeviceMemory>,
-    /// The kernel's log of the pages vhost-net wrote.
-    vhost_logs: Vec<Arc<k7d_devices::virtio::net::VhostDirtyLog>>,
+    /// The kernel's log of the pages vhost-net wrote (switched on by the
+    /// first fork).
+    vhost_logs: Mutex<Vec<Arc<k7d_devices::virtio::net::VhostDirtyLog>>>,
     /// Every disk, in config order.
     disks: Vec<Arc<k7d_devices::virtio::block::DiskImage>>,
 }
@@ -1263,9 +1291,26 @@ impl RamWriters {
                 ram.add_diverged_gpas(region.dirty_addrs().map(|a| a.0));
             }
         }
-        for log in &self.vhost_logs {
+        for log in self.vhost_logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             log.drain(|gpa| ram.add_diverged_gpas(std::iter::once(gpa.0)));
         }
+    }
+
+    /// Asks every device whose backend writes guest RAM from the kernel for
+    /// its dirty log (first fork, devices paused: logging starts at resume).
+    fn start_kernel_logs(&self, id: &str, virtio: &[VirtioHandle]) -> Result<(), VmError> {
+        let mut logs = self.vhost_logs.lock().unwrap_or_else(|p| p.into_inner());
+        for d in virtio {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            let log = dev.kernel_dirty_log().map_err(|e| {
+                VmError::Refused(format!(
+                    "vm {id} cannot be forked: its {} device cannot log the pages its kernel backend writes: {e}",
+                    dev.device_name()
+                ))
+            })?;
+            logs.extend(log);
+        }
+        Ok(())
     }
 
     /// Forgets what the devices wrote so far (it is in the frozen base).
@@ -1273,7 +1318,7 @@ impl RamWriters {
         for v in &self.blk_views {
             v.reset_dirty();
         }
-        for log in &self.vhost_logs {
+        for log in self.vhost_logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             log.drain(|_| {});
         }
     }
@@ -1389,6 +1434,20 @@ impl PciCtx<'_> {
             detail: d,
         });
         Ok(())
+    }
+}
+
+/// Writes every NIC's effective MAC into `config` (a VM restored or forked
+/// under another id must keep the MAC its guest's driver holds, not derive a
+/// new one from the new id).
+fn pin_macs(config: &mut VmConfig, vm_id: &str) {
+    for (i, n) in config.devices.nics.iter_mut().enumerate() {
+        let mac = n
+            .mac
+            .as_deref()
+            .and_then(crate::config::parse_mac)
+            .unwrap_or_else(|| derived_mac(vm_id, i as u16));
+        n.mac = Some(mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":"));
     }
 }
 

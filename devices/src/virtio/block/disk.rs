@@ -65,6 +65,12 @@ pub struct DiskImage {
     overlay: OnceLock<Overlay>,
 }
 
+/// `flock(2)` on `file`; whether it was granted.
+fn flock(file: &File, op: i32) -> bool {
+    // SAFETY: flock on an fd owned by `file`; it touches no memory.
+    unsafe { libc::flock(file.as_raw_fd(), op) == 0 }
+}
+
 impl DiskImage {
     /// Opens `path`: `O_RDWR`, or `O_RDONLY` when `read_only` (the device then
     /// advertises `VIRTIO_BLK_F_RO` and fails writes with IOERR).
@@ -78,6 +84,14 @@ impl DiskImage {
                 path: p.display().to_string(),
                 source,
             })?;
+        // A base frozen by a fork holds a shared lock for as long as any of
+        // its VMs lives; writing it would change every child's disk.
+        if !read_only && !flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
+            return Err(BlockError::FrozenBase(p.display().to_string()));
+        }
+        if !read_only {
+            flock(&file, libc::LOCK_UN);
+        }
         let mut disk = Self::from_file(file, read_only, p.display().to_string())?;
         disk.overlay_dir = Some(match p.parent() {
             Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -205,6 +219,15 @@ impl DiskImage {
                     // Under the caller's guarantee nobody else installs one;
                     // if somebody did, theirs wins and `own` is dropped.
                     let installed = self.overlay.get_or_init(|| own);
+                    // Frozen: a shared lock (held by this open file, which
+                    // every child's descriptor shares) makes a read-write
+                    // `open` of the base fail until the last VM is gone.
+                    if !flock(&self.file, libc::LOCK_SH | libc::LOCK_NB) {
+                        warn!(
+                            path = self.path,
+                            "could not lock the frozen base image; a read-write open elsewhere is not refused"
+                        );
+                    }
                     info!(
                         path = self.path,
                         "virtio-blk base image frozen; writes go to an overlay"

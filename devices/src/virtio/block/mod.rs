@@ -167,6 +167,11 @@ pub enum BlockError {
         #[source]
         source: std::io::Error,
     },
+    /// The image is the frozen base of a forked VM's disk.
+    #[error(
+        "the disk image {0} is the frozen base of a forked VM's disk and cannot be opened read-write while that VM or its children live"
+    )]
+    FrozenBase(String),
     /// The disk was to be forked while its device's worker was running.
     #[error("the disk {0} can only be forked while its device is paused")]
     ForkWhileRunning(String),

@@ -40,9 +40,9 @@ pub(super) fn snapshot(dev: &mut Block) -> Result<Vec<u8>, VirtioError> {
         sectors: dev.sectors(),
         read_only: dev.read_only(),
     };
-    serde_json::to_vec(&st).map_err(|e| VirtioError::Restore {
+    serde_json::to_vec(&st).map_err(|e| VirtioError::Save {
         device: "blk",
-        why: format!("its state does not serialize: {e}"),
+        why: e.to_string(),
     })
 }
 

@@ -615,6 +615,19 @@ impl VirtioDevice for Net {
         persist::snapshot(self)
     }
 
+    /// vhost writes guest RAM from the kernel, past the memory handle's
+    /// bitmap: switch its dirty log on (the device is paused, so the kernel
+    /// acks `VHOST_F_LOG_ALL` at resume) and hand it over.
+    fn kernel_dirty_log(&mut self) -> Result<Option<Arc<VhostDirtyLog>>, VirtioError> {
+        let Some(v) = self.vhost.as_mut() else {
+            return Ok(None);
+        };
+        v.enable_dirty_log().map(Some).map_err(|e| VirtioError::Open {
+            path: format!("{} for tap {}", vhost::VHOST_NET_PATH, self.tap.name),
+            source: std::io::Error::other(e),
+        })
+    }
+
     fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
         persist::restore(self, state)
     }

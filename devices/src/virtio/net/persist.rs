@@ -31,9 +31,16 @@ pub(super) fn snapshot(dev: &Net) -> Result<Vec<u8>, VirtioError> {
     let st = NetState {
         mac: dev.mac,
         pairs: dev.pairs,
-        active_pairs: dev.stats.active_pairs.load(Ordering::Acquire),
+        // A restored device not started yet still holds its pairs in
+        // `restore_pairs`.
+        active_pairs: dev
+            .restore_pairs
+            .unwrap_or_else(|| dev.stats.active_pairs.load(Ordering::Acquire)),
     };
-    serde_json::to_vec(&st).map_err(|e| bad(format!("its state does not serialize: {e}")))
+    serde_json::to_vec(&st).map_err(|e| VirtioError::Save {
+        device: "net",
+        why: e.to_string(),
+    })
 }
 
 pub(super) fn restore(dev: &mut Net, state: &[u8]) -> Result<(), VirtioError> {

@@ -244,6 +244,8 @@ pub struct VhostNetBackend {
     pairs: Vec<KernNet<GuestMemoryHandle>>,
     kernel: u64,
     log: Option<Arc<VhostDirtyLog>>,
+    /// The VM's RAM (a log switched on later is sized for it).
+    mem: GuestMemoryHandle,
     /// Written by vhost for rings whose queue has no MSI-X vector (the
     /// driver assigned none: nobody is listening).
     no_vector: EventFd,
@@ -297,6 +299,7 @@ impl VhostNetBackend {
             pairs,
             kernel,
             log,
+            mem,
             no_vector,
             started: 0,
         })
@@ -318,9 +321,33 @@ impl VhostNetBackend {
         self.kernel
     }
 
-    /// The dirty log, when built with one.
+    /// The dirty log, when built with one or switched on.
     pub fn dirty_log(&self) -> Option<Arc<VhostDirtyLog>> {
         self.log.clone()
+    }
+
+    /// Switches the dirty log on (idempotent) for the next [`Self::start`]:
+    /// the kernel then logs every page it writes (`VHOST_F_LOG_ALL`). Only
+    /// while stopped (the device is paused): a running backend keeps its
+    /// features until it is started again.
+    pub fn enable_dirty_log(&mut self) -> Result<Arc<VhostDirtyLog>, NetError> {
+        if let Some(l) = &self.log {
+            return Ok(l.clone());
+        }
+        if self.kernel & VHOST_F_LOG_ALL == 0 {
+            return Err(NetError::VhostFeature("VHOST_F_LOG_ALL"));
+        }
+        if self.started > 0 {
+            return Err(NetError::Vhost {
+                pair: 0,
+                op: "enable the dirty log",
+                reason: "the backend is running; pause the device first".into(),
+            });
+        }
+        let log = Arc::new(VhostDirtyLog::for_memory(&self.mem));
+        self.log = Some(log.clone());
+        info!("vhost-net dirty log on from the next start");
+        Ok(log)
     }
 
     /// Whether any pair is running.

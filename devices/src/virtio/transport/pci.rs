@@ -312,6 +312,17 @@ impl VirtioPciDevice {
         Ok(())
     }
 
+    /// See [`VirtioDevice::kernel_dirty_log`].
+    pub fn kernel_dirty_log(&mut self) -> Result<Option<Arc<crate::virtio::net::VhostDirtyLog>>, VirtioError> {
+        self.device.kernel_dirty_log()
+    }
+
+    /// Stops the device and returns the function to its reset state (as a
+    /// driver writing status 0 would): the VMM's undo of a failed start.
+    pub fn reset_device(&mut self) {
+        self.reset();
+    }
+
     /// Restarts what [`Self::pause`] parked.
     pub fn resume(&mut self) -> Result<(), VirtioError> {
         if self.active {

@@ -162,9 +162,7 @@ impl VirtioPciDevice {
         self.config
             .restore_registers(&st.pci_config)
             .map_err(|e| mismatch(name, e.to_string()))?;
-        self.msix
-            .restore(&st.msix)
-            .map_err(|e| mismatch(name, format!("the MSI-X table does not fit: {e}")))?;
+        self.msix.restore(&st.msix).map_err(|e| mismatch(name, e.to_string()))?;
         for (q, s) in self.queues.iter_mut().zip(&st.queues) {
             *q = QueueRegs {
                 max_size: q.max_size,

@@ -121,7 +121,10 @@ fn a_forked_disk_freezes_its_image_until_the_last_vm_is_gone() {
     let mut src = src;
     src.stop();
     drop(src);
-    assert!(probe(false).is_err(), "the base was writable while a child still read it");
+    assert!(
+        probe(false).is_err(),
+        "the base was writable while a child still read it"
+    );
     drop(child);
     probe(false).unwrap();
 }
@@ -145,4 +148,42 @@ fn a_snapshot_keeps_the_nic_mac_when_restored_under_another_id() {
     drop(src);
     let restored = Vm::restore_from("smac-restored", &snap, &VmOptions::default()).unwrap();
     assert_eq!(nic(&restored).1, mac, "the restored guest's driver holds the old MAC");
+}
+
+#[test]
+fn a_vhost_nic_is_forked_with_its_kernel_dirty_log_switched_on() {
+    if !k7d_tests::is_root() || !std::path::Path::new("/dev/vhost-net").exists() {
+        eprintln!("skipped: needs root and /dev/vhost-net");
+        return;
+    }
+    let dir = TempDir::new("fork-vhost");
+    let mut cfg = builtin("memwriter", 1, 16, &[64, 0x20_0000, 1]);
+    cfg.devices.nics.push(NicConfig {
+        vhost: Some(true),
+        ..Default::default()
+    });
+    let src = boot("fvh", &cfg, &dir.0.join("src.log"));
+    assert!(
+        src.devices()
+            .iter()
+            .any(|d| d.kind == "virtio-net" && d.detail.contains("vhost: on")),
+        "{:?}",
+        src.devices()
+    );
+    src.pause(Duration::from_secs(2)).unwrap();
+    // The first fork switches the kernel's log on (the device is paused);
+    // a second fork drains it; both children get their own vhost NIC.
+    let c1 = src.fork("fvh-c1", &VmOptions::default()).unwrap();
+    src.resume().unwrap();
+    src.pause(Duration::from_secs(2)).unwrap();
+    let c2 = src.fork("fvh-c2", &VmOptions::default()).unwrap();
+    for c in [&c1, &c2] {
+        let (tap, mac) = nic(c);
+        assert_eq!(mac, nic(&src).1);
+        assert!(link_exists(&tap));
+    }
+    drop((c1, c2));
+    src.resume().unwrap();
+    let mut src = src;
+    src.stop();
 }

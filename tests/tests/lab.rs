@@ -263,6 +263,23 @@ fn lab_k7d_fork_linux() {
     assert!(notes.contains("each VM read back only its own counter"), "{notes}");
 }
 
+/// Issue 5 with a vhost-net NIC: the same fork checks as `lab_k7d_fork_linux`;
+/// the first fork switches the kernel's dirty log on, and the child has its
+/// own tap on vhost-net with the source's MAC.
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_fork_linux_vhost() {
+    if pending("k7d-fork-vhost") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("k7d-fork-vhost", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(metric(&r, "fork.ms") > 0.0);
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("both vhost-net"), "{notes}");
+    assert!(notes.contains("each VM read back only its own counter"), "{notes}");
+}
+
 /// A scenario marked `# lab: default=no` is pending: its test skips itself
 /// (saying so) unless `K7D_LAB_RUN_PENDING=1`.
 fn pending(scenario: &str) -> bool {

@@ -161,8 +161,11 @@ while ! kc list >/dev/null 2>&1; do
   daemon_alive || fail "the k7d daemon exited at start: $(tail -n3 "$DLOG")"
   sleep 0.1
 done
+# FORK_NIC (k7d-fork-vhost): a NIC too, e.g. "vhost=on" (its data plane is
+# checked in the source and the child below).
 kc create --id "$SRC" --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" --cmdline "$LAB_CMDLINE" \
-  --vcpus 2 --memory 512 --disk "$IMG" >"$W/create.out" 2>&1 || fail "k7d create failed: $(cat "$W/create.out")"
+  --vcpus 2 --memory 512 --disk "$IMG" ${FORK_NIC:+--nic "$FORK_NIC"} >"$W/create.out" 2>&1 ||
+  fail "k7d create failed: $(cat "$W/create.out")"
 kc start "$SRC" >"$W/start.out" 2>&1 || fail "k7d start $SRC failed: $(cat "$W/start.out")"
 kc --json info "$SRC" >"$W/src-info.json" 2>&1 || fail "k7d --json info $SRC failed: $(cat "$W/src-info.json")"
 SRC_LOG=$(json_str serial_log "$W/src-info.json")
@@ -208,6 +211,20 @@ grep -q '"status": "running"' "$W/child-info.json" || fail "the child $CH is not
 CH_LOG=$(json_str serial_log "$W/child-info.json")
 [ -n "$CH_LOG" ] || fail "k7d --json info $CH reports no serial_log: $(tr '\n' ' ' <"$W/child-info.json")"
 [ "$CH_LOG" != "$SRC_LOG" ] || fail "the child's serial log is the source's: $CH_LOG"
+if [ -n "${FORK_NIC:-}" ]; then
+  # Both NICs on the kernel data plane, each on its own tap, same MAC.
+  for vm in "$SRC" "$CH"; do
+    kc info "$vm" >"$W/$vm-info.txt" 2>&1 || fail "k7d info $vm failed: $(cat "$W/$vm-info.txt")"
+    grep -q "vhost: on" "$W/$vm-info.txt" || fail "$vm: the NIC is not on vhost-net: $(grep -i net "$W/$vm-info.txt" | tr '\n' ' ')"
+  done
+  src_tap=$(sed -n 's/.*tap \([^,]*\),.*/\1/p' "$W/$SRC-info.txt" | head -n1)
+  ch_tap=$(sed -n 's/.*tap \([^,]*\),.*/\1/p' "$W/$CH-info.txt" | head -n1)
+  src_mac=$(sed -n 's/.*mac \([0-9a-f:]*\).*/\1/p' "$W/$SRC-info.txt" | head -n1)
+  ch_mac=$(sed -n 's/.*mac \([0-9a-f:]*\).*/\1/p' "$W/$CH-info.txt" | head -n1)
+  [ -n "$src_tap" ] && [ -n "$ch_tap" ] && [ "$src_tap" != "$ch_tap" ] || fail "the child's tap '$ch_tap' is not its own (source '$src_tap')"
+  [ -n "$src_mac" ] && [ "$src_mac" = "$ch_mac" ] || fail "the child's MAC '$ch_mac' is not the source's '$src_mac'"
+  lab_note "nic: $FORK_NIC; source tap $src_tap, child tap $ch_tap, both vhost-net, MAC $src_mac"
+fi
 lab_metric fork.ms "$fork_ms" ms
 [ -z "$paused_ms" ] || lab_metric fork.source_paused_ms "$paused_ms" ms
 lab_note "fork: k7d fork $SRC --count 1 -> child $CH, fork_ms=$fork_ms, source_paused_ms=${paused_ms:-?}; the CLI call took $(lab_sub "$u_fork1" "$u_fork0") s in L1; source ticks n=$n_before before the call, n=$n_after after it"

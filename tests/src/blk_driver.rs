@@ -107,6 +107,15 @@ pub struct BlkDriver {
     pub failed: AtomicU64,
 }
 
+/// BAR 0 of the VM's first virtio-blk function.
+fn blk_bar0(vm: &Vm) -> u64 {
+    vm.virtio_functions()
+        .into_iter()
+        .find(|(n, _)| *n == "blk")
+        .map(|(_, b)| b)
+        .expect("the VM has a blk function")
+}
+
 fn mmio_w(vm: &Vm, addr: u64, data: &[u8]) {
     assert!(vm.mmio_write(addr, data), "no device at {addr:#x}");
 }
@@ -115,12 +124,7 @@ impl BlkDriver {
     /// Initializes the VM's first virtio-blk function (features: VERSION_1
     /// only), sets up queue 0 at `layout` and brings the device to DRIVER_OK.
     pub fn init(vm: &Vm, layout: Layout, image_bytes: u64) -> Self {
-        let bar0 = vm
-            .virtio_functions()
-            .into_iter()
-            .find(|(n, _)| *n == "blk")
-            .map(|(_, b)| b)
-            .expect("the VM has a blk function");
+        let bar0 = blk_bar0(vm);
         let cfg = bar0 + layout::COMMON_CFG_OFFSET;
         let mem = vm.memory();
         // Zero the rings.
@@ -149,12 +153,7 @@ impl BlkDriver {
     /// A driver for a blk function that is already live (a fork child's,
     /// restored with the rings its source's driver set up).
     pub fn attach(vm: &Vm, layout: Layout, image_bytes: u64) -> Self {
-        let bar0 = vm
-            .virtio_functions()
-            .into_iter()
-            .find(|(n, _)| *n == "blk")
-            .map(|(_, b)| b)
-            .expect("the VM has a blk function");
+        let bar0 = blk_bar0(vm);
         Self {
             bar0,
             layout,

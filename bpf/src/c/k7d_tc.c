@@ -119,8 +119,21 @@ static __always_inline __u32 policy(struct __sk_buff *skb, struct k7d_cfg *cfg, 
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
 		if ((void *)(ip6 + 1) > end)
 			return R_MALFORMED;
-		if (ip6->nexthdr == IPPROTO_ICMPV6) {
-			struct icmp6hdr *ic = (void *)(ip6 + 1);
+		void *l4 = (void *)(ip6 + 1);
+		__u8 nexthdr = ip6->nexthdr;
+		/* MLD reports carry a hop-by-hop header (router alert) before
+		 * ICMPv6: look through one such 8-byte header. */
+		if (nexthdr == IPPROTO_HOPOPTS) {
+			__u8 *hbh = l4;
+			if ((void *)(hbh + 8) > end)
+				return R_MALFORMED;
+			if (hbh[1] == 0) {
+				nexthdr = hbh[0];
+				l4 = hbh + 8;
+			}
+		}
+		if (nexthdr == IPPROTO_ICMPV6) {
+			struct icmp6hdr *ic = l4;
 			if ((void *)(ic + 1) > end)
 				return R_MALFORMED;
 			/* Link-local control always passes: multicast listener

@@ -48,6 +48,18 @@ pub fn ring_unpoppable(q: &mut Queue, mem: &GuestMemoryTracked) -> bool {
     use virtio_queue::QueueOwnedT;
     q.iter(mem).is_err()
 }
+/// Starts `queue` where the guest's used ring says its device stopped:
+/// `next_avail = next_used = used.idx`, read from guest memory (restore and
+/// fork: never 0). Exact at a pause, where every popped chain is completed.
+/// Returns that index.
+pub fn seed_from_used_ring(queue: &mut Queue, mem: &GuestMemoryTracked) -> Result<u16, virtio_queue::Error> {
+    use virtio_queue::QueueT;
+    let idx = queue.used_idx(mem, Ordering::Acquire)?;
+    queue.set_next_avail(idx.0);
+    queue.set_next_used(idx.0);
+    Ok(idx.0)
+}
+
 /// Shared handle to guest memory, cloned into each worker.
 pub type GuestMemoryHandle = Arc<GuestMemoryTracked>;
 

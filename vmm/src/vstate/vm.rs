@@ -1292,7 +1292,9 @@ impl RamWriters {
             }
         }
         for log in self.vhost_logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            log.drain(|gpa| ram.add_diverged_gpas(std::iter::once(gpa.0)));
+            let mut pages = Vec::new();
+            log.drain(|gpa| pages.push(gpa.0));
+            ram.add_diverged_gpas(pages.into_iter());
         }
     }
 

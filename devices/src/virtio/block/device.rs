@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use tracing::{error, info, warn};
+use tracing::{error, info};
 use virtio_queue::{Queue, QueueT};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
@@ -45,7 +45,6 @@ pub struct Block {
     queue_sizes: [u16; 1],
     config: [u8; CONFIG_LEN],
     state: State,
-    seed_from_guest: bool,
     last_stats: BlockStats,
 }
 
@@ -75,7 +74,6 @@ impl Block {
             queue_sizes: [QUEUE_SIZE],
             config: [0; CONFIG_LEN],
             state: State::Idle,
-            seed_from_guest: false,
             last_stats: BlockStats::default(),
         };
         dev.config = dev.build_config();
@@ -171,13 +169,6 @@ impl Block {
         }
     }
 
-    /// At the next `activate`, start the queue at the guest's `used.idx`
-    /// instead of 0 (restore into a guest whose rings are mid-conversation;
-    /// see [`persist::seed_indexes_from_used_ring`]).
-    pub fn seed_indexes_from_guest_on_activate(&mut self, on: bool) {
-        self.seed_from_guest = on;
-    }
-
     fn spawn(&mut self, worker: BlockWorker) -> Result<(), VirtioError> {
         let stop = worker.stop.try_clone().map_err(VirtioError::EventFd)?;
         let handle = std::thread::Builder::new()
@@ -263,23 +254,13 @@ impl VirtioDevice for Block {
             return Err(VirtioError::AlreadyActive(self.name()));
         }
         let got = ctx.queues.len();
-        let Ok([mut q]) = <[_; 1]>::try_from(ctx.queues) else {
+        let Ok([q]) = <[_; 1]>::try_from(ctx.queues) else {
             return Err(VirtioError::QueueCount {
                 device: "blk",
                 expected: 1,
                 got,
             });
         };
-        if self.seed_from_guest {
-            match persist::seed_indexes_from_used_ring(&mut q.queue, &ctx.mem) {
-                Ok(idx) => info!(idx, "blk queue seeded from the guest's used ring"),
-                Err(e) => {
-                    warn!(error = %e, "blk could not seed its queue from the guest");
-                    return Err(VirtioError::BadQueue(q.index));
-                }
-            }
-            self.seed_from_guest = false;
-        }
         let mut limits = self.limits();
         limits.discard &= ctx.acked_features & features::DISCARD != 0;
         limits.write_zeroes &= ctx.acked_features & features::WRITE_ZEROES != 0;

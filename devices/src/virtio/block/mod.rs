@@ -65,7 +65,6 @@ pub use device::{Block, QueueIndexes};
 pub use disk::{CLUSTER_SIZE, DiskAt, DiskImage, FileAt};
 pub use event_handler::{Batch, BlockStats, MAX_BATCH, RequestHandler};
 pub use memory::{DeviceMemory, RegionDirty, device_view};
-pub use persist::seed_indexes_from_used_ring;
 pub use request::{DiscardRange, Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
 
 use thiserror::Error;

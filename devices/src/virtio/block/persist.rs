@@ -1,30 +1,14 @@
 //! Snapshot/restore of virtio-blk.
 //!
 //! The transport carries the queue registers and, on restore, seeds the
-//! queue from the guest's used ring; [`seed_indexes_from_used_ring`] is that
-//! seeding on its own. For blk it is exact: the worker completes every chain
+//! queue from the guest's used ring (`crate::virtio::seed_from_used_ring`).
+//! For blk it is exact: the worker completes every chain
 //! it pops before it parks, so at a pause `next_avail == next_used ==
 //! used.idx`. The device's own state is the disk's size and mode, checked
 //! against the disk the restored device got.
 
-use std::sync::atomic::Ordering;
-
-use virtio_queue::{Queue, QueueT};
-
-use super::{Block, BlockError};
-use crate::virtio::{GuestMemoryTracked, VirtioError};
-
-/// Starts `queue` where the guest's used ring says the device stopped:
-/// `next_avail = next_used = used.idx` read from guest memory. Returns that
-/// index.
-pub fn seed_indexes_from_used_ring(queue: &mut Queue, mem: &GuestMemoryTracked) -> Result<u16, BlockError> {
-    let idx = queue
-        .used_idx(mem, Ordering::Acquire)
-        .map_err(|e| BlockError::UsedRing(format!("{e:?}")))?;
-    queue.set_next_avail(idx.0);
-    queue.set_next_used(idx.0);
-    Ok(idx.0)
-}
+use super::Block;
+use crate::virtio::VirtioError;
 
 /// What a blk snapshot carries: the image's identity as the guest saw it.
 /// The image's contents are the VMM's business (a fork gives the child a

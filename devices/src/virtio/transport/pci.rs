@@ -466,11 +466,7 @@ impl VirtioPciDevice {
                 return Err(bad());
             }
             if seed_from_guest {
-                let used = q
-                    .used_idx(&*self.mem, std::sync::atomic::Ordering::Acquire)
-                    .map_err(|_| bad())?;
-                q.set_next_avail(used.0);
-                q.set_next_used(used.0);
+                crate::virtio::seed_from_used_ring(&mut q, &self.mem).map_err(|_| bad())?;
             }
             let notify = self.notify[i].try_clone().map_err(VirtioError::EventFd)?;
             active.push(ActiveQueue {

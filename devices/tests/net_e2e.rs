@@ -454,8 +454,12 @@ fn bit(b: u32) -> u64 {
 
 #[test]
 fn multiqueue_tx_rx_through_a_real_tap() {
-    if !is_root() {
-        eprintln!("skipped: needs root for a netns and a tap");
+    if !is_root()
+        && k7d_test_skip::skip(
+            "multiqueue_tx_rx_through_a_real_tap",
+            "needs root for a netns and a tap",
+        )
+    {
         return;
     }
     let ns = Netns::new();
@@ -776,8 +780,12 @@ fn rx_counts(stats: &NetStats) -> Vec<u64> {
 
 #[test]
 fn device_refuses_a_tap_that_does_not_match() {
-    if !is_root() {
-        eprintln!("skipped: needs root for a netns and a tap");
+    if !is_root()
+        && k7d_test_skip::skip(
+            "device_refuses_a_tap_that_does_not_match",
+            "needs root for a netns and a tap",
+        )
+    {
         return;
     }
     let ns = Netns::new();

@@ -546,20 +546,58 @@ mod tests {
         assert!(contains(&without, b"COM1"));
     }
 
-    /// `K7D_ACPI_DUMP=dir cargo test ... dump_tables` writes each table to
-    /// `dir/<SIG>.dat` for `iasl -d` (ACPICA's disassembler) to check.
+    /// Every table written to a file (`$K7D_ACPI_DUMP`, else a temporary
+    /// folder) reads back with its signature, its length field equal to the
+    /// file's size and a zero checksum, and ACPICA's own disassembler
+    /// (`iasl -d`, Debian's acpica-tools, which CI installs) accepts it.
     #[test]
-    fn dump_tables() {
-        let Ok(dir) = std::env::var("K7D_ACPI_DUMP") else {
-            return;
-        };
+    fn dumped_tables_pass_acpicas_disassembler() {
+        let keep = std::env::var_os("K7D_ACPI_DUMP").map(std::path::PathBuf::from);
+        let dir = keep
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join(format!("k7d-acpi-{}", std::process::id())));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut files = Vec::new();
         for (_, t) in build_tables(&cfg(2, true)).unwrap().tables {
             let sig = if t.starts_with(b"RSD PTR ") {
                 "RSDP".to_string()
             } else {
                 String::from_utf8_lossy(&t[..4]).into_owned()
             };
-            std::fs::write(std::path::Path::new(&dir).join(format!("{sig}.dat")), &t).unwrap();
+            let path = dir.join(format!("{sig}.dat"));
+            std::fs::write(&path, &t).unwrap();
+            files.push((sig, path));
         }
+        assert!(files.len() >= 5, "RSDP, XSDT, FADT, MADT, DSDT at least: {files:?}");
+        let mut checked = 0;
+        for (sig, path) in &files {
+            let b = std::fs::read(path).unwrap();
+            if sig == "RSDP" {
+                assert_eq!(sum(&b[..20]), 0, "RSDP checksum");
+                assert_eq!(sum(&b), 0, "RSDP extended checksum");
+                continue;
+            }
+            assert_eq!(u32_at(&b, 4) as usize, b.len(), "{sig}: length field");
+            // The FACS is the one table without a checksum (ACPI 6.5, 5.2.10).
+            assert!(sig == "FACS" || sum(&b) == 0, "{sig}: checksum");
+            let Ok(out) = std::process::Command::new("iasl").arg("-d").arg(path).output() else {
+                k7d_test_skip::skip(
+                    "dumped_tables_pass_acpicas_disassembler",
+                    "iasl not found (apt-get install acpica-tools): tables checked without ACPICA",
+                );
+                break;
+            };
+            assert!(
+                out.status.success(),
+                "iasl -d {sig}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            checked += 1;
+        }
+        if keep.is_none() {
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+        eprintln!("{checked} tables disassembled by iasl");
     }
 }

@@ -294,9 +294,11 @@ fn boots_a_synthetic_elf_vmlinux() {
     assert_eq!((flag, magic, tol), (0xaa55, 0x5372_6448, 0xff));
 }
 
+/// The Debian cloud kernel the lab unpacked (`$K7D_LAB_CACHE/pkgs`);
+/// `tests/run-all.sh` fetches it (`tests/lab/run.sh --fetch`) before the tests.
 fn cached_cloud_kernel() -> Option<PathBuf> {
-    let pkgs = Path::new("/var/cache/k7d-lab/pkgs");
-    for pkg in std::fs::read_dir(pkgs).ok()?.flatten() {
+    let cache = std::env::var_os("K7D_LAB_CACHE").map_or_else(|| PathBuf::from("/var/cache/k7d-lab"), PathBuf::from);
+    for pkg in std::fs::read_dir(cache.join("pkgs")).ok()?.flatten() {
         if !pkg.file_name().to_string_lossy().starts_with("linux-image-") {
             continue;
         }
@@ -313,7 +315,10 @@ fn cached_cloud_kernel() -> Option<PathBuf> {
 #[test]
 fn real_debian_cloud_kernel_if_cached() {
     let Some(path) = cached_cloud_kernel() else {
-        eprintln!("note: no Debian cloud kernel under /var/cache/k7d-lab/pkgs; skipping the real bzImage test");
+        k7d_test_skip::skip(
+            "real_debian_cloud_kernel_if_cached",
+            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there)",
+        );
         return;
     };
     let info = probe_kernel(&path).unwrap();

@@ -1,23 +1,74 @@
 #!/usr/bin/env bash
 # Runs every k7d test on this machine, installing what the tests need first.
 #
-#   tests/run-all.sh            # style checks, all host-level tests (release), the nested lab
-#   K7D_SKIP_LAB=1 tests/run-all.sh   # everything but the lab
+#   tests/run-all.sh            # style checks, all host-level tests (release), fuzz smoke, the nested lab
+#   K7D_SKIP_LAB=1 tests/run-all.sh    # everything but the lab (said and counted as a skip)
+#   K7D_SKIP_FUZZ=1 tests/run-all.sh   # everything but the fuzz smoke (said and counted as a skip)
 #
 # Needs root (KVM, taps, network namespaces, bpf) and apt (Debian packages).
+# Every phase prints its time; the output ends with the lab's per-scenario
+# table, the count of skipped test bodies and of lab scenarios that passed
+# only on retry, and the total time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+T0=$(date +%s)
+PHASES=()
+phase_t=$T0 phase_name=
 log() { printf '\n=== %s\n' "$*"; }
+# phase NAME: closes the previous phase (its time is kept for the summary) and opens NAME.
+phase() {
+  local now; now=$(date +%s)
+  [[ -z $phase_name ]] || PHASES+=("$(printf '%-34s %5d s' "$phase_name" $((now - phase_t)))")
+  phase_name=$1 phase_t=$now
+  [[ -z $1 ]] || log "$1"
+}
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "tests/run-all.sh needs root (KVM, taps, netns, bpf): run it with sudo" >&2
   exit 1
 fi
 
+# The lab tests' output folder; each scenario adds a line to summary.tsv.
+LAB_OUT=$(pwd)/target/lab
+# Skipped test bodies are appended here (k7d-test-skip) and counted at the end.
+export K7D_SKIP_LOG
+K7D_SKIP_LOG=$(mktemp /tmp/k7d-skips.XXXXXX)
+SKIPS_SAID=()
+said_skip() { SKIPS_SAID+=("$1"); echo "SKIPPED: $1"; }
+
+# ---- summary: printed at the end, and also when a step fails ------------------
+summary() {
+  local rc=$? retried=0 skipped name verdict attempts wall prep l1 lab_total=0 s
+  phase ""
+  log "summary"
+  printf '%s\n' "${PHASES[@]}"
+  if [ -s "$LAB_OUT/summary.tsv" ]; then
+    echo
+    printf '%-16s %-16s %8s %10s %10s %8s\n' scenario verdict attempts wall_s prepare_s l1_s
+    while IFS=$'\t' read -r name verdict attempts wall prep l1; do
+      printf '%-16s %-16s %8s %10s %10s %8s\n' "$name" "$verdict" "$attempts" "$wall" "$prep" "$l1"
+      [[ $verdict != "passed on retry" ]] || retried=$((retried + 1))
+      lab_total=$(awk -v a="$lab_total" -v b="$wall" 'BEGIN {printf "%.1f", a + b}')
+    done <"$LAB_OUT/summary.tsv"
+    echo "lab total: ${lab_total} s over $(wc -l <"$LAB_OUT/summary.tsv") scenarios"
+  fi
+  skipped=$(sort -u "$K7D_SKIP_LOG" | wc -l)
+  echo
+  echo "skipped test bodies: $((skipped + ${#SKIPS_SAID[@]}))"
+  sort -u "$K7D_SKIP_LOG" | sed 's/^/  /'
+  for s in "${SKIPS_SAID[@]}"; do echo "  $s"; done
+  echo "lab scenarios that passed only on retry: $retried"
+  rm -f "$K7D_SKIP_LOG"
+  if [ "$rc" -eq 0 ]; then log "all tests passed in $(( $(date +%s) - T0 )) s"; else log "FAILED (rc $rc) after $(( $(date +%s) - T0 )) s"; fi
+}
+trap summary EXIT
+
 # Host packages: clang/libbpf for the tc programs, iproute2/ping/procps for the
-# netns tests, qemu-system-x86 for the peer side of benches and the lab.
-PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86)
+# netns tests, qemu-system-x86 for the peer side of benches and the lab,
+# acpica-tools (iasl) to check k7d's ACPI tables with ACPICA's disassembler.
+phase "host packages"
+PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86 acpica-tools)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -28,35 +79,36 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
-if [ -z "${K7D_SKIP_LAB:-}" ] && [ -x tests/lab/setup.sh ]; then
-  log "lab host packages"
+if [ -z "${K7D_SKIP_LAB:-}" ]; then
+  phase "lab host packages and kernels"
   tests/lab/setup.sh
+  # The real-kernel boot-params test reads the cloud kernel from the lab cache.
+  tests/lab/run.sh --fetch
 fi
 
-log "host readiness (k7d check)"
+phase "build and host readiness (k7d check)"
 cargo build --release --bin k7d
 ./target/release/k7d check || true
 
-log "format and lints"
+phase "format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 
-log "host-level tests (real KVM, release build: latency budgets are asserted)"
+phase "host-level tests (real KVM, release)"
 cargo test --workspace --release
 
 if [ -z "${K7D_SKIP_FUZZ:-}" ]; then
-  if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
-    command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
-    log "fuzz smoke (every target, bounded)"
-    # Build products cached outside the repo (the fuzz crate is its own workspace).
-    FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target} devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-20}"
-  else
-    log "fuzz smoke skipped: no nightly toolchain (cargo-fuzz needs one; see docs/fuzzing.md)"
-  fi
+  phase "fuzz smoke (every target, bounded)"
+  # Build products and cargo-fuzz are cached outside the repo (the fuzz crate is its own workspace).
+  FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target} devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-20}"
+else
+  said_skip "fuzz smoke (K7D_SKIP_FUZZ is set)"
 fi
 
 if [ -z "${K7D_SKIP_LAB:-}" ]; then
-  log "nested lab (real Linux guests)"
+  phase "nested lab (real Linux guests)"
+  rm -f "$LAB_OUT/summary.tsv"
   cargo test --release -p k7d-tests --test lab -- --ignored --test-threads=1 --nocapture
+else
+  said_skip "nested lab (K7D_SKIP_LAB is set)"
 fi
-log "all tests passed"

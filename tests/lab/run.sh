@@ -4,7 +4,7 @@
 # L2 guest, and judges the result. See docs/lab.md.
 #
 #   tests/lab/run.sh [--bin PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
-#   tests/lab/run.sh --list | --check
+#   tests/lab/run.sh --list | --check | --fetch
 #
 # Exit status: 0 pass, 1 scenario failed, 2 harness error.
 set -euo pipefail
@@ -18,7 +18,7 @@ usage() { sed -n '6,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 # header FILE KEY [DEFAULT]: the value of "# lab: KEY=value" in a scenario.
 header() { local v; v=$(sed -n "s/^# lab: *$2=//p" "$1" | head -n1); printf '%s\n' "${v:-${3:-}}"; }
 
-BIN='' OUT='' TIMEOUT='' SCEN=''
+BIN='' OUT='' TIMEOUT='' SCEN='' FETCH=''
 while [[ $# -gt 0 ]]; do
   case $1 in
     --bin) BIN=$(realpath "$2"); shift 2 ;;
@@ -44,11 +44,22 @@ while [[ $# -gt 0 ]]; do
         done
       done
       exit $rc ;;
+    --fetch) FETCH=1; shift ;;  # only download and unpack the kernels and busybox into the cache
     -h | --help) usage ;;
     -*) die "unknown option $1" ;;
     *) SCEN=$1; shift ;;
   esac
 done
+if [[ -n $FETCH ]]; then
+  mkdir -p "$CACHE"
+  exec 9>"$CACHE/lock"
+  flock -w 1800 9 || die "another lab run holds $CACHE/lock"
+  read -r _ L1_KREL <<<"$(kernel_tree linux-image-amd64)"
+  read -r L2_TREE L2_KREL <<<"$(kernel_tree linux-image-cloud-amd64)"
+  unpack busybox-static "$(pkg_version busybox-static)" >/dev/null
+  log "fetched: L1 kernel $L1_KREL, L2 kernel $L2_KREL ($L2_TREE), busybox-static"
+  exit 0
+fi
 [[ -n $SCEN ]] || usage
 SCRIPT=$LAB/scenarios/$SCEN.sh
 [[ -f $SCRIPT ]] || die "no scenario $SCEN ($SCRIPT)"

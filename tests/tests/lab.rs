@@ -8,8 +8,10 @@
 //! `cargo test -p k7d-tests --test lab -- --ignored` (CI does). Logs stay in
 //! `<target>/lab/<scenario>/` (or `$K7D_LAB_OUT/<scenario>/`).
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
@@ -37,18 +39,64 @@ fn out_dir(scenario: &str) -> PathBuf {
 
 /// Runs a scenario and returns its `result.json` once it passed; the error
 /// carries the harness's output (which prints both logs on failure).
-/// Runs a scenario; a failed run is retried ONCE and the first failure is
-/// printed in full. The lab is an emulated machine shared with the rest of the
-/// CI run; a rare guest hang under virtio-blk was seen once in CI (open bug,
-/// CHALLENGES.md "An intermittent guest I/O hang in the lab"), and the retry
-/// keeps such a hang from sinking a whole CI run while the report shows it.
+/// A failed run is retried ONCE: the lab is an emulated machine shared with
+/// the rest of the CI run (CHALLENGES.md, "Guests (and L1 itself) dying under
+/// nested I/O"). A retry is never hidden: the first attempt's logs stay in
+/// `<out>.attempt1/`, its failure is printed in full, and the scenario's line
+/// in the lab summary (`<target>/lab/summary.tsv`, printed at the end of CI
+/// by `tests/run-all.sh`) says "passed on retry".
 fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
-    match run_scenario_once(scenario, bin) {
-        Ok(r) => Ok(r),
-        Err(first) => {
-            eprintln!("LAB RETRY: scenario {scenario} failed once; running it again. First failure:\n{first:#}");
-            run_scenario_once(scenario, bin).map_err(|e| e.context(format!("{scenario} failed twice")))
+    let t0 = Instant::now();
+    let first = match run_scenario_once(scenario, bin) {
+        Ok(r) => {
+            summary(scenario, "pass", 1, t0.elapsed(), &r);
+            return Ok(r);
         }
+        Err(first) => first,
+    };
+    let out = out_dir(scenario);
+    let kept = out.with_file_name(format!("{scenario}.attempt1"));
+    let _ = std::fs::remove_dir_all(&kept);
+    let kept_note = match std::fs::rename(&out, &kept) {
+        Ok(()) => format!("its logs are kept in {}", kept.display()),
+        Err(e) => format!("its logs could not be kept ({e})"),
+    };
+    eprintln!("LAB RETRY: scenario {scenario} failed once ({kept_note}); running it again. First failure:\n{first:#}");
+    match run_scenario_once(scenario, bin) {
+        Ok(r) => {
+            summary(scenario, "passed on retry", 2, t0.elapsed(), &r);
+            Ok(r)
+        }
+        Err(e) => {
+            summary(scenario, "FAILED twice", 2, t0.elapsed(), &Value::Null);
+            Err(e.context(format!("{scenario} failed twice (first attempt: {kept_note})")))
+        }
+    }
+}
+
+/// One line per scenario in `<lab out>/summary.tsv`: name, verdict, attempts,
+/// wall seconds (all attempts), and the last attempt's prepare and L1 seconds.
+fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Value) {
+    let dir = out_dir(scenario).parent().map(Path::to_path_buf).unwrap_or_default();
+    let line = format!(
+        "{scenario}\t{verdict}\t{attempts}\t{:.1}\t{}\t{}\n",
+        wall.as_secs_f64(),
+        r["prepare_s"].as_f64().map_or("-".into(), |v| format!("{v:.1}")),
+        r["l1_s"].as_f64().map_or("-".into(), |v| format!("{v:.1}")),
+    );
+    eprintln!("lab summary: {}", line.trim_end());
+    let written = std::fs::create_dir_all(&dir).and_then(|()| {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join("summary.tsv"))
+            .and_then(|mut f| f.write_all(line.as_bytes()))
+    });
+    if let Err(e) = written {
+        eprintln!(
+            "lab summary: cannot append to {}: {e}",
+            dir.join("summary.tsv").display()
+        );
     }
 }
 
@@ -157,7 +205,20 @@ fn lab_boot_to_init_k7d_vs_qemu() {
     );
 }
 
-/// k7d's virtio-blk with a real guest: mkfs.ext4 + mount + 64 MiB + sync on a
+/// The stall watchdog (issue 10): a k7d guest that goes silent while it and
+/// k7d keep running is detected after 10 s of silence, not at L1's timeout;
+/// the evidence (k7d's threads and their kernel stacks, KVM's exit counters,
+/// k7d's own SIGUSR1 dump, the guest's last lines) is printed and k7d killed.
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_stall_watchdog_fires_with_evidence() {
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("lab-stall", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    let took = metric(&r, "stall.detected_after_init");
+    assert!(took >= 10.0 && took < 45.0, "detected {took} s after init");
+}
+
+/// k7d's virtio-blk with a real guest: mkfs.ext4 + mount + 16 MiB + sync on a
 /// raw image that L1 then loop-mounts and finds the same sha256 in; an erofs
 /// image attached read-only mounts, every file matches the host's manifest, a
 /// file write fails with EROFS and a raw write is refused, in the guest, which
@@ -170,22 +231,22 @@ fn lab_k7d_blk_ext4_and_erofs() {
     }
     let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
     let r = run_scenario("k7d-blk", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
-    assert!(metric(&r, "blk.guest_write_sync_64mib") > 0.0);
+    assert!(metric(&r, "blk.guest_write_sync_s") > 0.0);
     let notes = r["notes"].to_string();
     assert!(notes.contains("L1 loop-mount reads the same sha256"), "{notes}");
     assert!(notes.contains("files match ro.manifest"), "{notes}");
 }
 
 /// k7d's userspace virtio-net over a multi-queue tap, 2 vCPUs: the guest sees
-/// 2 queue pairs, pings L1 3/3, and 100 MiB cross each way with matching
+/// 2 queue pairs, pings L1 3/3, and 16 MiB cross each way with matching
 /// sha256; k7d reports "vhost: off, queues: 2" and removes its tap.
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_k7d_net_userspace_two_queues() {
     let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
     let r = run_scenario("k7d-net", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
-    assert!(metric(&r, "net.guest_to_l1_100mib") > 0.0);
-    assert!(metric(&r, "net.l1_to_guest_100mib") > 0.0);
+    assert!(metric(&r, "net.guest_to_l1_s") > 0.0);
+    assert!(metric(&r, "net.l1_to_guest_s") > 0.0);
     let notes = r["notes"].to_string();
     assert!(
         notes.contains("k7d: nic 0: tap k7dlab0, vhost: off, queues: 2"),
@@ -195,13 +256,14 @@ fn lab_k7d_net_userspace_two_queues() {
 
 /// Issue 6: a real Linux guest reaches a peer netns through the tc-eBPF
 /// direct datapath (the VM's tap in the pod netns, programs on the tap and the
-/// pod's veth): ping + 100 MiB each way with matching sums, nothing left.
+/// pod's veth): ping + 16 MiB each way with matching sums, nothing left.
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_k7d_direct_datapath_real_guest() {
     let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
     let r = run_scenario("k7d-direct", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
-    assert!(metric(&r, "net.guest_to_l1_100mib") > 0.0);
+    assert!(metric(&r, "net.guest_to_l1_s") > 0.0);
+    assert!(metric(&r, "net.l1_to_guest_s") > 0.0);
     let notes = r["notes"].to_string();
     assert!(notes.contains("datapath: direct"), "{notes}");
 }
@@ -287,8 +349,10 @@ fn pending(scenario: &str) -> bool {
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let is_pending = text.lines().any(|l| l.trim() == "# lab: default=no");
     if is_pending && std::env::var_os("K7D_LAB_RUN_PENDING").is_none() {
-        eprintln!("skipped: {scenario} is pending (# lab: default=no); K7D_LAB_RUN_PENDING=1 runs it");
-        return true;
+        return k7d_test_skip::skip(
+            &format!("lab {scenario}"),
+            "pending (# lab: default=no); K7D_LAB_RUN_PENDING=1 runs it",
+        );
     }
     false
 }

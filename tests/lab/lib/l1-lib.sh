@@ -24,20 +24,31 @@ lab_sub() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f\n", a-b}'; }
 # output streamed to the L2 serial channel (l2.log on the host) and kept in
 # /tmp/l2-LABEL.log. Sets L2_RC (exit status, 137 = killed at TIMEOUT), L2_WALL
 # (seconds from spawn to exit) and L2_INIT_WALL (seconds from spawn to the
-# guest's "LAB-GUEST init" line; empty if never seen). Resolution 10 ms.
+# guest's "LAB-GUEST init" line; empty if never seen) and L2_STALLED (1 when
+# the watchdog killed it). Resolution 10 ms.
+# A stall watchdog runs beside it: the guest's /init prints a heartbeat every
+# few seconds, so output that stops for LAB_STALL_S seconds (default 60) means
+# the guest, its serial path or the VMM is stuck. The watchdog then gathers
+# the evidence (lab_diag), kills the VMM and the scenario fails at once with
+# "stalled", instead of waiting for the L2 or L1 timeout.
 lab_run_l2() {
   _label=$1 _timeout=$2; shift 2
   _log=/tmp/l2-$_label.log
-  : >"$_log"; rm -f /tmp/.l2-rc /tmp/.l2-init
+  : >"$_log"; rm -f /tmp/.l2-rc /tmp/.l2-init /tmp/.l2-pid /tmp/.l2-stall
   echo "=== lab: $_label: $*" >/dev/ttyS1
   _t0=$(lab_now)
-  { timeout -s KILL "$_timeout" "$@" </dev/null 2>&1; echo $? >/tmp/.l2-rc; } |
+  # Busybox timeout execs CMD in its own process (the watcher is a child), so
+  # $! is the VMM's pid.
+  { timeout -s KILL "$_timeout" "$@" </dev/null 2>&1 & echo $! >/tmp/.l2-pid; wait $!; echo $? >/tmp/.l2-rc; } |
     while IFS= read -r _line || [ -n "$_line" ]; do
       _line=${_line%"$_CR"}
       case $_line in *"LAB-GUEST init"*) lab_now >/tmp/.l2-init ;; esac
       printf '%s\n' "$_line" >>"$_log"
       printf '%s\n' "$_line" >/dev/ttyS1
-    done
+    done &
+  _reader=$!
+  _lab_watchdog "$_label" "$_log"
+  wait "$_reader"
   _t1=$(lab_now)
   L2_RC=$(cat /tmp/.l2-rc 2>/dev/null || echo 255)
   L2_WALL=$(lab_sub "$_t1" "$_t0")
@@ -45,6 +56,79 @@ lab_run_l2() {
   [ -s /tmp/.l2-init ] && L2_INIT_WALL=$(lab_sub "$(cat /tmp/.l2-init)" "$_t0")
   echo "=== lab: $_label: rc=$L2_RC wall=${L2_WALL}s spawn-to-init=${L2_INIT_WALL:-?}s" >/dev/ttyS1
   echo "lab: $_label: rc=$L2_RC wall=${L2_WALL}s spawn-to-init=${L2_INIT_WALL:-?}s"
+  L2_STALLED=0
+  [ ! -e /tmp/.l2-stall ] || L2_STALLED=1
+  # The watchdog's own self-test (lab-stall) expects the stall; every other run fails on it.
+  [ "$L2_STALLED" = 0 ] || [ -n "${LAB_STALL_EXPECTED:-}" ] ||
+    lab_fail "stalled: $_label: $(cat /tmp/.l2-stall) (evidence: LAB-DIAG lines in l1.log)"
+}
+
+# _lab_watchdog LABEL LOG: returns when the VMM has exited; if LOG does not grow
+# for LAB_STALL_S seconds first, gathers the evidence, kills the VMM and
+# leaves the reason in /tmp/.l2-stall.
+_lab_watchdog() {
+  _wl=$1 _wlog=$2 _wlast=-1 _wstill=0 _wlimit=${LAB_STALL_S:-60}
+  while [ ! -e /tmp/.l2-rc ]; do
+    sleep 1
+    _wsz=$(wc -c <"$_wlog" 2>/dev/null || echo 0)
+    if [ "$_wsz" != "$_wlast" ]; then _wlast=$_wsz _wstill=0; continue; fi
+    _wstill=$((_wstill + 1))
+    [ "$_wstill" -ge "$_wlimit" ] || continue
+    _wpid=$(cat /tmp/.l2-pid 2>/dev/null)
+    echo "no output from the guest or the VMM for ${_wlimit} s (last: $(grep -v 'LAB-GUEST hb' "$_wlog" | grep -v k7d-dump | tail -n1 | cut -c1-160))" >/tmp/.l2-stall
+    echo "LAB-STALL $_wl: $(cat /tmp/.l2-stall)"
+    lab_diag "$_wl" "$_wpid" "$_wlog"
+    [ -z "$_wpid" ] || kill -KILL "$_wpid" 2>/dev/null
+    return
+  done
+}
+
+# lab_diag LABEL PID LOG: what tells a stuck VMM from a stuck emulator, as
+# "LAB-DIAG" lines on L1's console: L1's load and interrupts; each VMM thread's
+# state, wait channel, syscall, kernel stack and CPU use over 2 s; KVM's exit
+# counters over the same 2 s (the guest runs or it does not); k7d's own dump
+# (SIGUSR1: vCPUs, virtio queues, serial), and the guest's last lines.
+lab_diag() {
+  _dl=$1 _dp=$2 _dlog=$3
+  _d() { echo "LAB-DIAG $_dl: $*"; }
+  _d "L1 uptime $(cat /proc/uptime) loadavg $(cat /proc/loadavg)"
+  grep -q " /sys/kernel/debug " /proc/mounts || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null
+  _kvmstats() { for _f in exits halt_exits halt_wakeup halt_successful_poll irq_injections nmi_injections io_exits mmio_exits signal_exits irq_exits req_event; do
+      [ -r "/sys/kernel/debug/kvm/$_f" ] && printf '%s=%s ' "$_f" "$(cat "/sys/kernel/debug/kvm/$_f")"; done; }
+  _cpu() { for _t in /proc/"$_dp"/task/*; do
+      [ -r "$_t/stat" ] || continue
+      # fields after "(comm)": state is $1, utime $12, stime $13
+      printf '%s:%s ' "${_t##*/}" "$(sed 's/^.*) //' "$_t/stat" | awk '{print $12 + $13}')"; done; }
+  if [ -n "$_dp" ] && [ -d "/proc/$_dp" ]; then
+    _d "VMM pid $_dp: $(tr '\0' ' ' <"/proc/$_dp/cmdline" | cut -c1-200)"
+    _d "VMM status: $(grep -E '^(State|Threads|VmRSS|SigPnd|ShdPnd)' "/proc/$_dp/status" | tr '\n\t' '  ')"
+    _k0=$(_kvmstats) _c0=$(_cpu)
+    sleep 2
+    _k1=$(_kvmstats) _c1=$(_cpu)
+    _d "kvm counters t0: $_k0"
+    _d "kvm counters t0+2s: $_k1"
+    _d "thread cpu ticks t0: $_c0"
+    _d "thread cpu ticks t0+2s: $_c1"
+    for _t in /proc/"$_dp"/task/*; do
+      [ -r "$_t/stat" ] || continue
+      _d "thread ${_t##*/} $(cat "$_t/comm" 2>/dev/null): state $(sed 's/^.*) //' "$_t/stat" | cut -d' ' -f1) wchan $(cat "$_t/wchan" 2>/dev/null) syscall $(cut -d' ' -f1-3 "$_t/syscall" 2>/dev/null)"
+      [ -r "$_t/stack" ] && _d "  stack: $(head -n 8 "$_t/stack" | sed 's/^\[<[0-9a-f]*>\] //' | tr '\n' ' ')"
+    done
+    case $(cat "/proc/$_dp/comm" 2>/dev/null) in
+      k7d*)
+        _n0=$(grep -c k7d-dump "$_dlog")
+        kill -USR1 "$_dp" 2>/dev/null && sleep 2
+        _d "k7d's own dump (SIGUSR1):"
+        grep k7d-dump "$_dlog" | tail -n +"$((_n0 + 1))" | head -n 200 | sed "s/^/LAB-DIAG $_dl:   /"
+        ;;
+    esac
+  else
+    _d "VMM pid ${_dp:-?} is gone"
+  fi
+  _d "L1 interrupts: $(grep -E 'virtio|ttyS|LOC|RES|CAL|TLB|NMI' /proc/interrupts 2>/dev/null | tr -s ' ' | tr '\n' '|' | cut -c1-600)"
+  _d "L1 processes: $(ps -o pid,stat,comm 2>/dev/null | tr -s ' ' | tr '\n' '|' | cut -c1-600)"
+  _d "the guest's last lines:"
+  grep -v 'LAB-GUEST hb' "$_dlog" | grep -v k7d-dump | tail -n 15 | sed "s/^/LAB-DIAG $_dl:   /"
 }
 
 # lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.

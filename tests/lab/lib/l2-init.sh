@@ -16,8 +16,15 @@ export PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp
 for m in $(cat /modules.order); do
   insmod "/modules/$m" || echo "LAB-GUEST insmod-failed $m"
 done
+# A heartbeat for L1's stall watchdog (lab_run_l2): a guest that runs and can
+# print says so every 5 s, however long its script stays quiet.
+(while sleep 5; do read -r up _ </proc/uptime; echo "LAB-GUEST hb uptime=$up"; done) &
+hb=$!
+echo "$hb" >/tmp/lab-hb.pid
 sh /guest.sh
-echo "LAB-GUEST end rc=$?"
+rc=$?
+kill "$hb" 2>/dev/null
+echo "LAB-GUEST end rc=$rc"
 # lab.end=reboot on the kernel command line: end with a reboot instead.
 case " $(cat /proc/cmdline) " in
   *" lab.end=reboot "*) echo "LAB-GUEST rebooting"; reboot -f ;;

@@ -17,12 +17,13 @@ for d in vda vdb; do
 done
 mkdir -p /mnt/rw /mnt/ro
 
-# /dev/vda: ext4, 64 MiB of random data, sync; read back after dropping caches.
+# /dev/vda: ext4, lab.mib= MiB (kernel command line, default 16) of random data, sync; read back after dropping caches.
 mkfs.ext4 -q -F /dev/vda >/tmp/mkfs.log 2>&1 || fail "mkfs.ext4 /dev/vda failed: $(tail -n3 /tmp/mkfs.log)"
 mount -t ext4 /dev/vda /mnt/rw || fail "mount -t ext4 /dev/vda failed"
 t0=$(now)
 # The sum of the stream as generated, before it touches the disk.
-sum=$(head -c 67108864 /dev/urandom | tee /mnt/rw/f | sha256sum | cut -d' ' -f1)
+MIB=$(sed -n 's/.*[[:space:]]lab\.mib=\([0-9]*\).*/\1/p' </proc/cmdline | tr -d '\n')
+sum=$(head -c $((${MIB:-16} * 1048576)) /dev/urandom | tee /mnt/rw/f | sha256sum | cut -d' ' -f1)
 sync || fail "sync failed"
 t1=$(now)
 g "rw-sha=$sum"

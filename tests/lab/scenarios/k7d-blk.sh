@@ -21,6 +21,9 @@
 . /lab/lib.sh
 
 VMM=${BLK_VMM:-k7d}
+# LAB_BLK_MIB of random data through ext4 (default 16: many requests, both
+# queues' rings wrap; write throughput belongs in benches/).
+MIB=${LAB_BLK_MIB:-16}
 IMG=/tmp/disk.img RO=/lab/files/ro.erofs MANIFEST=/lab/files/ro.manifest
 LOG=/tmp/l2-blk.log
 { [ -s "$RO" ] && [ -s "$MANIFEST" ]; } || lab_fail "no $RO / $MANIFEST (prepare=k7d-blk)"
@@ -33,12 +36,12 @@ case $VMM in
   k7d)
     [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
     lab_run_l2 blk "${LAB_L2_TIMEOUT:-300}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
-      --cmdline "$LAB_CMDLINE" --vcpus 2 --memory 512 --disk "$IMG" --disk "$RO,ro" ;;
+      --cmdline "$LAB_CMDLINE lab.mib=$MIB" --vcpus 2 --memory 512 --disk "$IMG" --disk "$RO,ro" ;;
   qemu)
     lab_note "$(qemu-system-x86_64 --version | head -n1)"
     lab_run_l2 blk "${LAB_L2_TIMEOUT:-300}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
       -nodefaults -no-user-config -display none -serial stdio -no-reboot \
-      -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE" \
+      -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE lab.mib=$MIB" \
       -drive "file=$IMG,if=virtio,format=raw" -drive "file=$RO,if=virtio,format=raw,readonly=on" ;;
   *) lab_fail "unknown BLK_VMM=$VMM" ;;
 esac
@@ -61,8 +64,8 @@ grep -q "LAB-GUEST end rc=0" "$LOG" || lab_fail "the guest script did not end wi
 
 # /dev/vda: the guest wrote 64 MiB, read the same back; L1 reads the same bytes from the image.
 gsum=$(lab_guest rw-sha blk)
-[ ${#gsum} = 64 ] || lab_fail "the guest printed no sha256 of its 64 MiB file"
-[ "$(lab_guest rw-bytes blk)" = 67108864 ] || lab_fail "the guest's file has $(lab_guest rw-bytes blk) bytes, expected 67108864"
+[ ${#gsum} = 64 ] || lab_fail "the guest printed no sha256 of its $MIB MiB file"
+[ "$(lab_guest rw-bytes blk)" = $((MIB * 1048576)) ] || lab_fail "the guest's file has $(lab_guest rw-bytes blk) bytes, expected $((MIB * 1048576))"
 [ "$(lab_guest rw-readback-sha blk)" = "$gsum" ] || lab_fail "the guest read back other bytes than it wrote (after drop_caches): $(lab_guest rw-readback-sha blk) != $gsum"
 [ "$(wc -c <"$IMG")" = 268435456 ] || lab_fail "the image changed size: $(wc -c <"$IMG") bytes"
 mkdir -p /mnt/check
@@ -71,8 +74,9 @@ hsum=$(sha256sum </mnt/check/f | cut -d' ' -f1)
 hbytes=$(wc -c </mnt/check/f)
 umount /mnt/check
 [ "$hsum" = "$gsum" ] || lab_fail "the image holds other bytes than the guest wrote: L1 $hsum ($hbytes bytes), guest $gsum"
-lab_note "vda: ext4 + 64 MiB written and synced by the guest; L1 loop-mount reads the same sha256 $gsum"
-lab_metric blk.guest_write_sync_64mib "$(lab_guest rw-write-sync-s blk)" s
+lab_note "vda: ext4 + $MIB MiB written and synced by the guest; L1 loop-mount reads the same sha256 $gsum"
+lab_metric blk.mib "$MIB" MiB
+lab_metric blk.guest_write_sync_s "$(lab_guest rw-write-sync-s blk)" s
 
 # /dev/vdb: every manifest file, same sums; writes refused in the guest; the image untouched.
 n=0
@@ -91,4 +95,4 @@ grep -q "LAB-GUEST vdb-raw-write=refused" "$LOG" || lab_fail "vdb: a raw write w
 [ "$(sha256sum <"$RO" | cut -d' ' -f1)" = "$ro_sum" ] || lab_fail "ro.erofs changed on the L1 side"
 lab_note "vdb: erofs read-only, $n files match ro.manifest; file write: $(sed -n 's/.*erofs-write-error //p' "$LOG" | head -n1); raw write: $(sed -n 's/.*vdb-raw-write-error //p' "$LOG" | head -n1); image unchanged"
 lab_note "timings of an emulated machine (L1 is QEMU TCG): not performance figures"
-lab_pass "$VMM-blk: ext4 64 MiB round trip through the image, erofs read-only with matching sums, writes refused in the guest"
+lab_pass "$VMM-blk: ext4 $MIB MiB round trip through the image, erofs read-only with matching sums, writes refused in the guest"

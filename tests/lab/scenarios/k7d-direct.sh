@@ -1,6 +1,6 @@
-# lab: description=k7d-net through the tc-eBPF direct datapath: the guest owns the pod's address and reaches the pod veth's peer (ping + 100 MiB each way, sums match), nothing left after exit
+# lab: description=k7d-net through the tc-eBPF direct datapath: the guest owns the pod's address and reaches the pod veth's peer (ping + 16 MiB each way, sums match), nothing left after exit
 # lab: default=yes
-# lab: timeout=1800
+# lab: timeout=900
 # lab: bin=required
 # lab: guest=k7d-net
 # lab: guest-modules=virtio_pci virtio_net
@@ -14,7 +14,7 @@
 # --nic datapath=direct,netns=/run/netns/k7dpod,pod-if=eth0,queues=2, which
 # creates the VM's tap in the pod and attaches the tc programs (L1's 6.1
 # kernel has no TCX: clsact + cls_bpf). The guest (10.77.0.2) pings k7dpeer and
-# moves 100 MiB each way; k7d must report "datapath: direct" and leave no tap,
+# moves 16 MiB each way; k7d must report "datapath: direct" and leave no tap,
 # filter or pin behind.
 # By hand: tests/lab/run.sh --bin target/release/k7d k7d-direct
 # shellcheck disable=SC2034  # read by the sourced scenario

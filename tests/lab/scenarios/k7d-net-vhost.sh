@@ -1,6 +1,6 @@
 # lab: description=k7d-net with --nic ...,vhost=on over L1's /dev/vhost-net; expects "vhost: on, queues: 2"
 # lab: default=yes
-# lab: timeout=1800
+# lab: timeout=900
 # lab: l1-smp=2
 # lab: bin=required
 # lab: guest=k7d-net

@@ -1,7 +1,7 @@
 # The guest of k7d-net, k7d-net-vhost and qemu-net, busybox sh after /init
 # loaded virtio_pci and virtio_net. One NIC, eth0, 2 queue pairs expected; L1
 # is 10.77.0.1/24 on the tap. It prints the queues, pings L1, then moves
-# 100 MiB each way with busybox nc, sums printed for the scenario to compare:
+# lab.mib= MiB (kernel command line, default 16) each way with busybox nc, sums printed for the scenario to compare:
 #   guest -> L1: the guest connects to 10.77.0.1:5001 and sends /tmp/tx
 #   L1 -> guest: the guest listens on 5002 and keeps what arrives in /tmp/rx
 # "LAB-GUEST error ..." and a non-zero rc on the first thing that goes wrong.
@@ -9,7 +9,10 @@ g() { echo "LAB-GUEST $*"; }
 fail() { g "error $*"; exit 1; }
 now() { read -r _n _ </proc/uptime; echo "$_n"; }
 dt() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", b - a}'; }
-SIZE=104857600
+# The size comes from the scenario (LAB_NET_MIB): enough TCP segments to wrap
+# every ring many times; throughput is for benches/, not the lab.
+MIB=$(sed -n 's/.*[[:space:]]lab\.mib=\([0-9]*\).*/\1/p' </proc/cmdline | tr -d '\n')
+SIZE=$((${MIB:-16} * 1048576))
 
 [ -d /sys/class/net/eth0 ] || fail "no eth0 (virtio-net not bound): $(cd /sys/class/net && echo *)"
 g "net-queues=$(cd /sys/class/net/eth0/queues && echo * | tr ' ' ',')"
@@ -18,7 +21,7 @@ ip link set lo up
 ip addr add 10.77.0.2/24 dev eth0 || fail "ip addr add on eth0 failed"
 ip link set eth0 up || fail "ip link set eth0 up failed"
 
-# 100 MiB to send, made while L1 configures its side of the tap.
+# The bytes to send, made while L1 configures its side of the tap.
 head -c "$SIZE" /dev/urandom >/tmp/tx || fail "cannot write /tmp/tx"
 g "net-tx-sha=$(sha256sum </tmp/tx | cut -d' ' -f1)"
 
@@ -40,7 +43,7 @@ timeout 900 nc 10.77.0.1 5001 </tmp/tx >/dev/null 2>/tmp/nc-tx.err
 rc=$?
 t1=$(now)
 g "net-tx-rc=$rc"
-[ "$rc" = 0 ] || fail "sending 100 MiB to 10.77.0.1:5001 failed (rc $rc, 143: timed out): $(cat /tmp/nc-tx.err)"
+[ "$rc" = 0 ] || fail "sending $SIZE bytes to 10.77.0.1:5001 failed (rc $rc, 143: timed out): $(cat /tmp/nc-tx.err)"
 g "net-tx-s=$(dt "$t0" "$t1")"
 rm -f /tmp/tx
 

@@ -1,6 +1,6 @@
-# lab: description=k7d virtio-net userspace (tap, 2 queue pairs, 2 vCPUs): the guest sees 2 queue pairs, pings L1, 100 MiB each way with matching sha256
+# lab: description=k7d virtio-net userspace (tap, 2 queue pairs, 2 vCPUs): the guest sees 2 queue pairs, pings L1, LAB_NET_MIB (16) MiB each way with matching sha256
 # lab: default=yes
-# lab: timeout=1800
+# lab: timeout=900
 # lab: bin=required
 # lab: guest-modules=virtio_pci virtio_net
 # lab: l1-modules=tun vhost_net
@@ -10,7 +10,7 @@
 # tap=k7dlab0,queues=2 (the node policy leaves vhost off, although L1 has
 # /dev/vhost-net). k7d creates the tap; L1 gives it 10.77.0.1/24 once it
 # exists. The guest (k7d-net.guest.sh) must see rx-0 rx-1 tx-0 tx-1, answer 3/3
-# pings and move 100 MiB each way over TCP (busybox nc) with the same sha256 at
+# pings and move LAB_NET_MIB (default 16) MiB each way over TCP (busybox nc) with the same sha256 at
 # both ends. k7d must print "k7d: nic 0: tap k7dlab0, vhost: off, queues: 2" and
 # remove the tap when it exits.
 # Variants source this file: k7d-net-vhost (NET_VHOST=on: --nic ...,vhost=on)
@@ -19,7 +19,10 @@
 . /lab/lib.sh
 
 VMM=${NET_VMM:-k7d} VHOST=${NET_VHOST:-off} DIRECT=${NET_DATAPATH:-}
-TAP=k7dlab0 SIZE=104857600 LOG=/tmp/l2-net.log
+# LAB_NET_MIB each way (default 16: ~11k segments each way, every ring wraps
+# many times; the lab proves correctness, benches/ measure throughput).
+MIB=${LAB_NET_MIB:-16}
+TAP=k7dlab0 SIZE=$((MIB * 1048576)) LOG=/tmp/l2-net.log
 [ -c /dev/net/tun ] || lab_fail "no /dev/net/tun in L1"
 ip link show "$TAP" >/dev/null 2>&1 && lab_fail "$TAP exists before the VMM started"
 if [ -n "$DIRECT" ]; then
@@ -56,7 +59,7 @@ rx_pid=$!
   lab_now >/tmp/net.tap-up
   i=0
   until [ -s /tmp/net.l1-rx.rc ]; do
-    i=$((i + 1)); [ "$i" -lt 6000 ] || { echo "the guest's 100 MiB never finished arriving" >/tmp/net.agent-err; exit 1; }
+    i=$((i + 1)); [ "$i" -lt 6000 ] || { echo "the guest's $MIB MiB never finished arriving" >/tmp/net.agent-err; exit 1; }
     sleep 0.2
   done
   i=0
@@ -74,13 +77,13 @@ nic="tap=$TAP,queues=2"
 case $VMM in
   k7d)
     [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
-    lab_run_l2 net "${LAB_L2_TIMEOUT:-1500}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
-      --cmdline "$LAB_CMDLINE" --vcpus 2 --memory 512 --nic "$nic" ;;
+    lab_run_l2 net "${LAB_L2_TIMEOUT:-780}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
+      --cmdline "$LAB_CMDLINE lab.mib=$MIB" --vcpus 2 --memory 512 --nic "$nic" ;;
   qemu)
     lab_note "$(qemu-system-x86_64 --version | head -n1)"
-    lab_run_l2 net "${LAB_L2_TIMEOUT:-1500}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
+    lab_run_l2 net "${LAB_L2_TIMEOUT:-780}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
       -nodefaults -no-user-config -display none -serial stdio -no-reboot \
-      -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE" \
+      -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE lab.mib=$MIB" \
       -netdev "tap,id=n0,ifname=$TAP,script=no,downscript=no,queues=2,vhost=$VHOST" \
       -device virtio-net-pci,netdev=n0,mq=on,vectors=6 ;;
   *) lab_fail "unknown NET_VMM=$VMM" ;;
@@ -92,7 +95,7 @@ wait "$agent_pid" "$rx_pid" 2>/dev/null
 err=$(sed -n 's/.*LAB-GUEST error //p' "$LOG" | head -n1)
 [ ! -s /tmp/net.agent-err ] || lab_fail "L1: $(cat /tmp/net.agent-err)${err:+; guest: $err}"
 [ -z "$err" ] || lab_fail "guest: $err"
-[ "$L2_RC" != 137 ] || lab_fail "$VMM killed after ${LAB_L2_TIMEOUT:-1500} s: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
+[ "$L2_RC" != 137 ] || lab_fail "$VMM killed after ${LAB_L2_TIMEOUT:-780} s: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
 [ "$L2_RC" = 0 ] || lab_fail "$VMM exited $L2_RC: $(grep -v LAB-GUEST "$LOG" | tail -n3 | tr '\n' ' ')"
 grep -q "LAB-GUEST net-done=yes" "$LOG" || lab_fail "the guest script did not finish"
 grep -q "LAB-GUEST end rc=0" "$LOG" || lab_fail "the guest script did not end with rc=0"
@@ -128,8 +131,9 @@ gtx=$(lab_guest net-tx-sha net) rx=$(sha256sum </tmp/net.l1-rx | cut -d' ' -f1) 
 [ "$(lab_guest net-rx-sha net)" = "$l1_tx_sum" ] || lab_fail "L1 -> guest: sha256 differs: L1 sent $l1_tx_sum, the guest received $(lab_guest net-rx-sha net)"
 rm -f /tmp/net.l1-tx /tmp/net.l1-rx
 
-lab_note "guest eth0 queues $q, mac $(lab_guest net-mac net), ping 3/3; 100 MiB guest->L1 sha256 $gtx, L1->guest sha256 $l1_tx_sum"
-lab_metric net.guest_to_l1_100mib "$(lab_guest net-tx-s net)" s
-lab_metric net.l1_to_guest_100mib "$(lab_guest net-rx-s net)" s
+lab_note "guest eth0 queues $q, mac $(lab_guest net-mac net), ping 3/3; $MIB MiB guest->L1 sha256 $gtx, L1->guest sha256 $l1_tx_sum"
+lab_metric net.mib "$MIB" MiB
+lab_metric net.guest_to_l1_s "$(lab_guest net-tx-s net)" s
+lab_metric net.l1_to_guest_s "$(lab_guest net-rx-s net)" s
 lab_note "timings of an emulated machine (L1 is QEMU TCG): not performance figures"
-lab_pass "$VMM-net (vhost $VHOST${DIRECT:+, datapath $DIRECT}): 2 queue pairs, ping 3/3, 100 MiB each way, sums match, nothing left"
+lab_pass "$VMM-net (vhost $VHOST${DIRECT:+, datapath $DIRECT}): 2 queue pairs, ping 3/3, $MIB MiB each way, sums match, nothing left"

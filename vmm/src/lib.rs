@@ -4,13 +4,15 @@
 //! Code map: [`config`] (what users ask for) → [`vstate`] (the machine:
 //! memory, vCPUs, control, [`vstate::vm::Vm`]) → [`daemon`] (records, API
 //! server, many VMs in one process) → `main.rs` (CLI). [`check`] reports host
-//! readiness; [`budgets`] holds every latency budget.
+//! readiness; [`budgets`] holds every latency budget; [`diag`] is the
+//! `SIGUSR1` state dump.
 
 pub mod arch;
 pub mod budgets;
 pub mod check;
 pub mod config;
 pub mod daemon;
+pub mod diag;
 pub mod netcli;
 pub mod sys;
 pub mod vstate;

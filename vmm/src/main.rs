@@ -522,6 +522,7 @@ fn print_vm(v: &Value) {
 
 fn daemon(state_dir: &std::path::Path, socket: &std::path::Path, node: NodeConfig) -> Result<ExitCode> {
     catch_signals()?;
+    k7d_vmm::diag::install().context("cannot start the SIGUSR1 state dump thread")?;
     let (d, reconciled) = Daemon::open(state_dir)?;
     let d = d.with_node_config(node);
     for r in &reconciled {
@@ -556,6 +557,7 @@ fn run_foreground(
     node: NodeConfig,
 ) -> Result<ExitCode> {
     catch_signals()?;
+    k7d_vmm::diag::install().context("cannot start the SIGUSR1 state dump thread")?;
     let id = format!("run-{}", std::process::id());
     let console = !quiet && !json_out;
     let config = guest.config(Some(id.clone()), console)?;

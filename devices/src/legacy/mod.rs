@@ -4,4 +4,4 @@ mod i8042;
 mod serial;
 
 pub use i8042::I8042;
-pub use serial::{Serial, SerialOutput, SerialSnapshot};
+pub use serial::{Serial, SerialCounters, SerialOutput, SerialProbe, SerialRegs, SerialSnapshot};

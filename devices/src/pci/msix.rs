@@ -424,6 +424,20 @@ impl MsixVectors {
         }
     }
 
+    /// For the state dump: (MSI-X enabled, function masked).
+    pub fn debug_control(&self) -> (bool, bool) {
+        let st = self.lock();
+        (st.enabled, st.function_masked)
+    }
+
+    /// For the state dump: whether `vector` is masked (by any of the three
+    /// masks) and whether its pending bit is set; `None` past the table.
+    pub fn debug_vector(&self, vector: u16) -> Option<(bool, bool)> {
+        let st = self.lock();
+        let v = usize::from(vector);
+        (v < st.entries.len()).then(|| (st.masked(v), st.pending(v)))
+    }
+
     /// Whether `vector`'s pending bit is set.
     pub fn is_pending(&self, vector: u16) -> bool {
         let st = self.lock();

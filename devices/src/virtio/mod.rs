@@ -16,6 +16,7 @@
 //! devices write guest RAM only through vm-memory's `Bytes`.
 
 pub mod block;
+pub mod diag;
 pub mod net;
 pub mod rng;
 pub mod transport;
@@ -200,13 +201,16 @@ impl InterruptStatus {
 }
 
 /// How a device signals the guest: the MSI-X vectors the driver assigned,
-/// fixed at DRIVER_OK. Cheap to clone into each worker.
+/// fixed at DRIVER_OK. Cheap to clone into each worker. It also carries the
+/// function's diagnostic counters ([`diag::DeviceDiag`], shared with the
+/// transport for the state dump), so every worker has them at hand.
 #[derive(Clone, Debug)]
 pub struct Interrupt {
     msix: Arc<MsixVectors>,
     queue_vectors: Arc<[u16]>,
     config_vector: u16,
     status: Arc<InterruptStatus>,
+    diag: Arc<diag::DeviceDiag>,
 }
 
 impl Interrupt {
@@ -218,12 +222,31 @@ impl Interrupt {
         config_vector: u16,
         status: Arc<InterruptStatus>,
     ) -> Self {
+        let diag = Arc::new(diag::DeviceDiag::new(queue_vectors.len()));
+        Self::with_diag(msix, queue_vectors, config_vector, status, diag)
+    }
+
+    /// As [`Self::new`], counting into `diag` (the transport's, which the
+    /// state dump reads).
+    pub fn with_diag(
+        msix: Arc<MsixVectors>,
+        queue_vectors: Vec<u16>,
+        config_vector: u16,
+        status: Arc<InterruptStatus>,
+        diag: Arc<diag::DeviceDiag>,
+    ) -> Self {
         Self {
             msix,
             queue_vectors: queue_vectors.into(),
             config_vector,
             status,
+            diag,
         }
+    }
+
+    /// The function's diagnostic counters (per queue, per worker slot).
+    pub fn diag(&self) -> &Arc<diag::DeviceDiag> {
+        &self.diag
     }
 
     /// The MSI-X vector of `queue`, if any. A backend that writes irqfds
@@ -243,6 +266,7 @@ impl Interrupt {
     /// Tells the guest `queue` has new used buffers.
     pub fn signal_queue(&self, queue: u16) -> Result<(), MsixError> {
         self.status.isr.fetch_or(ISR_QUEUE, Ordering::AcqRel);
+        self.diag.queue(queue).note_interrupt();
         match self.queue_vector(queue) {
             Some(v) => self.msix.trigger(v),
             None => {
@@ -338,6 +362,13 @@ pub trait VirtioDevice: Send {
     /// whose bitmap already records them: `None`.
     fn kernel_dirty_log(&mut self) -> Result<Option<Arc<net::VhostDirtyLog>>, VirtioError> {
         Ok(None)
+    }
+    /// The device's own lines for the state dump (`SIGUSR1`): workers,
+    /// counters, backend state; no prefix, no newline. Called on the dump
+    /// thread with the function's lock held: read atomics, take no lock a
+    /// worker holds for long, never block.
+    fn debug_state(&self) -> Vec<String> {
+        Vec::new()
     }
     /// Serializes the paused device's state.
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

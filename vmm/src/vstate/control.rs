@@ -216,23 +216,41 @@ impl VmControl {
         Ok(())
     }
 
-    /// vCPU side: `true` to (re-)enter the guest, `false` to leave. Parks while paused.
-    pub(crate) fn checkpoint(&self) -> bool {
+    /// vCPU side: `true` to (re-)enter the guest, `false` to leave. Parks
+    /// while paused, calling `on_park(true)` before and `on_park(false)`
+    /// after (the state dump's view of the thread).
+    pub(crate) fn checkpoint(&self, on_park: impl Fn(bool)) -> bool {
         let mut c = self.lock();
         loop {
             match c.target {
                 Target::Run => return true,
                 Target::Stop => return false,
                 Target::Pause => {
+                    on_park(true);
                     c.parked += 1;
                     self.cv.notify_all();
                     while c.target == Target::Pause {
                         c = self.cv.wait(c).unwrap_or_else(|p| p.into_inner());
                     }
                     c.parked -= 1;
+                    on_park(false);
                 }
             }
         }
+    }
+
+    /// For the state dump: the control state (`running`, `pausing`,
+    /// `paused`, `stopping`, `stopped`), vCPUs declared, parked, exited.
+    pub fn debug_view(&self) -> (&'static str, usize, usize, usize) {
+        let c = self.lock();
+        let word = match c.target {
+            _ if c.nvcpus > 0 && c.exited == c.nvcpus => "stopped",
+            Target::Run => "running",
+            Target::Pause if c.parked + c.exited >= c.nvcpus => "paused",
+            Target::Pause => "pausing",
+            Target::Stop => "stopping",
+        };
+        (word, c.nvcpus, c.parked, c.exited)
     }
 
     /// vCPU side: this thread is leaving. The last one runs the stop callback.

@@ -1,6 +1,7 @@
 //! vCPU setup (CPUID, real-mode registers, LAPIC LINT pins) and the run loop.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES, KVM_SYSTEM_EVENT_RESET, KVM_SYSTEM_EVENT_SHUTDOWN};
 use kvm_ioctls::{Kvm, VcpuExit, VcpuFd};
@@ -8,6 +9,7 @@ use thiserror::Error;
 
 use super::control::{StopReason, VmControl};
 use k7d_devices::bus::Bus;
+use k7d_devices::virtio::diag::{now_ns, seconds_ago};
 
 /// Errors from configuring a vCPU.
 #[derive(Debug, Error)]
@@ -116,6 +118,198 @@ pub fn setup_lint(vcpu: &VcpuFd, index: u32) -> Result<(), VcpuSetupError> {
     vcpu.set_lapic(&l).map_err(step(index, "KVM_SET_LAPIC"))
 }
 
+/// What a vCPU thread is doing, for the state dump.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VcpuRunState {
+    /// The thread has not started.
+    NotStarted,
+    /// Inside `KVM_RUN` (running guest code, or halted in the kernel).
+    KvmRun,
+    /// In the VMM: serving an exit, or between two runs.
+    Vmm,
+    /// Parked on the control condvar (the VM is paused).
+    Parked,
+    /// The thread left.
+    Exited,
+}
+
+impl VcpuRunState {
+    fn from_u8(v: u8) -> Self {
+        match v {
+            1 => Self::KvmRun,
+            2 => Self::Vmm,
+            3 => Self::Parked,
+            4 => Self::Exited,
+            _ => Self::NotStarted,
+        }
+    }
+
+    /// The word the dump prints.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NotStarted => "not_started",
+            Self::KvmRun => "kvm_run",
+            Self::Vmm => "vmm",
+            Self::Parked => "parked",
+            Self::Exited => "exited",
+        }
+    }
+}
+
+/// The kind of a vCPU's last exit to userspace, for the state dump.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ExitKind {
+    /// No exit yet.
+    None = 0,
+    /// Port read (`port` recorded).
+    IoIn,
+    /// Port write (`port` recorded).
+    IoOut,
+    /// MMIO read (`addr` recorded).
+    MmioRead,
+    /// MMIO write (`addr` recorded).
+    MmioWrite,
+    /// `KVM_EXIT_HLT`.
+    Hlt,
+    /// `KVM_EXIT_SHUTDOWN`.
+    Shutdown,
+    /// `KVM_EXIT_FAIL_ENTRY`.
+    FailEntry,
+    /// `KVM_EXIT_INTERNAL_ERROR`.
+    InternalError,
+    /// `KVM_EXIT_SYSTEM_EVENT` (type recorded).
+    SystemEvent,
+    /// `KVM_EXIT_INTR` / `KVM_EXIT_IRQ_WINDOW_OPEN`.
+    Intr,
+    /// `KVM_RUN` returned `EINTR`/`EAGAIN` (a kick or a signal).
+    Interrupted,
+    /// Another exit.
+    Other,
+    /// `KVM_RUN` failed.
+    RunFailed,
+}
+
+impl ExitKind {
+    fn from_u8(v: u8) -> Self {
+        const ALL: [ExitKind; 14] = [
+            ExitKind::None,
+            ExitKind::IoIn,
+            ExitKind::IoOut,
+            ExitKind::MmioRead,
+            ExitKind::MmioWrite,
+            ExitKind::Hlt,
+            ExitKind::Shutdown,
+            ExitKind::FailEntry,
+            ExitKind::InternalError,
+            ExitKind::SystemEvent,
+            ExitKind::Intr,
+            ExitKind::Interrupted,
+            ExitKind::Other,
+            ExitKind::RunFailed,
+        ];
+        ALL.get(usize::from(v)).copied().unwrap_or(ExitKind::Other)
+    }
+
+    /// The word the dump prints, and the name of the recorded value.
+    pub fn words(self) -> (&'static str, Option<&'static str>) {
+        match self {
+            Self::None => ("none", None),
+            Self::IoIn => ("io_in", Some("port")),
+            Self::IoOut => ("io_out", Some("port")),
+            Self::MmioRead => ("mmio_read", Some("addr")),
+            Self::MmioWrite => ("mmio_write", Some("addr")),
+            Self::Hlt => ("hlt", None),
+            Self::Shutdown => ("shutdown", None),
+            Self::FailEntry => ("fail_entry", Some("reason")),
+            Self::InternalError => ("internal_error", None),
+            Self::SystemEvent => ("system_event", Some("type")),
+            Self::Intr => ("intr", None),
+            Self::Interrupted => ("eintr", None),
+            Self::Other => ("other", None),
+            Self::RunFailed => ("run_failed", Some("errno")),
+        }
+    }
+}
+
+/// One vCPU thread's state for the state dump (`diag.rs`): written only by
+/// that thread (`Relaxed`, one clock read per exit), read by the dump thread.
+#[derive(Debug, Default)]
+pub struct VcpuDiag {
+    tid: AtomicU64,
+    state: AtomicU8,
+    exits: AtomicU64,
+    last_kind: AtomicU8,
+    last_value: AtomicU64,
+    last_exit_ns: AtomicU64,
+    parked_since_ns: AtomicU64,
+}
+
+/// A [`VcpuDiag`] as read.
+#[derive(Clone, Copy, Debug)]
+pub struct VcpuView {
+    /// OS thread id (0 before the thread started).
+    pub tid: u64,
+    /// What the thread is doing.
+    pub state: VcpuRunState,
+    /// Exits to userspace (including `EINTR` returns).
+    pub exits: u64,
+    /// The last exit.
+    pub last_exit: ExitKind,
+    /// Its port, address, type or errno (see [`ExitKind::words`]).
+    pub last_value: u64,
+    /// Seconds since the last exit (`None`: none yet).
+    pub since_exit_s: Option<f64>,
+    /// Seconds parked (when parked).
+    pub parked_s: Option<f64>,
+}
+
+impl VcpuDiag {
+    fn set(&self, s: VcpuRunState) {
+        self.state.store(s as u8, Ordering::Relaxed);
+    }
+
+    fn note_exit(&self, kind: ExitKind, value: u64) {
+        self.last_exit_ns.store(now_ns(), Ordering::Relaxed);
+        self.last_kind.store(kind as u8, Ordering::Relaxed);
+        self.last_value.store(value, Ordering::Relaxed);
+        self.exits.fetch_add(1, Ordering::Relaxed);
+        self.set(VcpuRunState::Vmm);
+    }
+
+    /// The state now.
+    pub fn view(&self) -> VcpuView {
+        let state = VcpuRunState::from_u8(self.state.load(Ordering::Relaxed));
+        VcpuView {
+            tid: self.tid.load(Ordering::Relaxed),
+            state,
+            exits: self.exits.load(Ordering::Relaxed),
+            last_exit: ExitKind::from_u8(self.last_kind.load(Ordering::Relaxed)),
+            last_value: self.last_value.load(Ordering::Relaxed),
+            since_exit_s: seconds_ago(self.last_exit_ns.load(Ordering::Relaxed)),
+            parked_s: (state == VcpuRunState::Parked)
+                .then(|| seconds_ago(self.parked_since_ns.load(Ordering::Relaxed)))
+                .flatten(),
+        }
+    }
+}
+
+fn classify(exit: &VcpuExit<'_>) -> (ExitKind, u64) {
+    match exit {
+        VcpuExit::IoIn(port, _) => (ExitKind::IoIn, u64::from(*port)),
+        VcpuExit::IoOut(port, _) => (ExitKind::IoOut, u64::from(*port)),
+        VcpuExit::MmioRead(addr, _) => (ExitKind::MmioRead, *addr),
+        VcpuExit::MmioWrite(addr, _) => (ExitKind::MmioWrite, *addr),
+        VcpuExit::Hlt => (ExitKind::Hlt, 0),
+        VcpuExit::Shutdown => (ExitKind::Shutdown, 0),
+        VcpuExit::FailEntry(reason, _) => (ExitKind::FailEntry, *reason),
+        VcpuExit::InternalError => (ExitKind::InternalError, 0),
+        VcpuExit::SystemEvent(kind, _) => (ExitKind::SystemEvent, u64::from(*kind)),
+        VcpuExit::Intr | VcpuExit::IrqWindowOpen => (ExitKind::Intr, 0),
+        _ => (ExitKind::Other, 0),
+    }
+}
+
 /// What ended one `KVM_RUN`, without the borrow of the vCPU.
 enum Outcome {
     Continue,
@@ -133,15 +327,31 @@ pub fn lock_vcpu(v: &SharedVcpu) -> std::sync::MutexGuard<'_, VcpuFd> {
     v.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buses: Arc<Buses>) {
+pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buses: Arc<Buses>, diags: Arc<[VcpuDiag]>) {
     // Whatever happens below, tell the control block this thread is gone.
-    struct Exited<'a>(&'a VmControl);
+    struct Exited<'a>(&'a VmControl, &'a VcpuDiag);
     impl Drop for Exited<'_> {
         fn drop(&mut self) {
+            self.1.set(VcpuRunState::Exited);
             self.0.vcpu_exited();
         }
     }
-    let _exited = Exited(&ctl);
+    static NO_DIAG: VcpuDiag = VcpuDiag {
+        tid: AtomicU64::new(0),
+        state: AtomicU8::new(0),
+        exits: AtomicU64::new(0),
+        last_kind: AtomicU8::new(0),
+        last_value: AtomicU64::new(0),
+        last_exit_ns: AtomicU64::new(0),
+        parked_since_ns: AtomicU64::new(0),
+    };
+    let diag = usize::try_from(index)
+        .ok()
+        .and_then(|i| diags.get(i))
+        .unwrap_or(&NO_DIAG);
+    diag.tid.store(crate::sys::gettid(), Ordering::Relaxed);
+    diag.set(VcpuRunState::Vmm);
+    let _exited = Exited(&ctl, diag);
     let ptr: *mut u8 = &mut lock_vcpu(&shared).get_kvm_run().immediate_exit;
     // SAFETY: `ptr` points into the vCPU's kvm_run mapping, which lives as long
     // as the VcpuFd; `shared` keeps that alive until the end of this function,
@@ -153,10 +363,28 @@ pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buse
         exit: exit.to_string(),
         message: format!("vm {vm_id} vcpu {index}: {exit}{detail}"),
     };
-    while ctl.checkpoint() {
+    let on_park = |parked: bool| {
+        if parked {
+            diag.parked_since_ns.store(now_ns(), Ordering::Relaxed);
+            diag.set(VcpuRunState::Parked);
+        } else {
+            diag.set(VcpuRunState::Vmm);
+        }
+    };
+    while ctl.checkpoint(on_park) {
         // Held only around one KVM_RUN and its exit: a paused vCPU's fd is free.
         let mut vcpu = lock_vcpu(&shared);
-        let outcome = match vcpu.run() {
+        diag.set(VcpuRunState::KvmRun);
+        let ran = vcpu.run();
+        match &ran {
+            Ok(exit) => {
+                let (kind, value) = classify(exit);
+                diag.note_exit(kind, value);
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => diag.note_exit(ExitKind::Interrupted, 0),
+            Err(e) => diag.note_exit(ExitKind::RunFailed, u64::try_from(e.errno()).unwrap_or(0)),
+        }
+        let outcome = match ran {
             Ok(exit) => {
                 ctl.note_exit();
                 match exit {

@@ -186,8 +186,11 @@ pub struct VmOptions {
 
 /// A VM.
 pub struct Vm {
-    // Drop order matters: threads are joined in `Drop::drop`, then the vCPU
-    // fds, the buses, the VM fd, and only then the memory KVM maps.
+    // Drop order matters: threads are joined in `Drop::drop`, then the VM
+    // leaves the state dump, then the vCPU fds, the buses, the VM fd, and
+    // only then the memory KVM maps.
+    _diag: crate::diag::Registration,
+    vcpu_diag: Arc<[vcpu::VcpuDiag]>,
     id: String,
     config: VmConfig,
     control: Arc<VmControl>,
@@ -467,7 +470,19 @@ impl Vm {
             write_guest(ram.memory(), &image, tsc_khz, config.guest.args())?;
         }
         tracing::debug!(vm = id, elapsed_us = created.elapsed().as_micros() as u64, "vm built");
+        let vcpu_diag: Arc<[vcpu::VcpuDiag]> = (0..config.vcpus).map(|_| vcpu::VcpuDiag::default()).collect();
+        let serial_probe = serial.lock().unwrap_or_else(|p| p.into_inner()).probe();
+        let diag = crate::diag::register(crate::diag::VmProbe {
+            id: id.to_string(),
+            control: control.clone(),
+            vcpus: vcpu_diag.clone(),
+            serial: Arc::downgrade(&serial),
+            serial_probe,
+            virtio: virtio.iter().map(Arc::downgrade).collect(),
+        });
         Ok(Self {
+            _diag: diag,
+            vcpu_diag,
             id: id.to_string(),
             config: config.clone(),
             control,
@@ -594,10 +609,10 @@ impl Vm {
         self.started = Some(Instant::now());
         let n = vcpus.len();
         for (i, v) in vcpus.into_iter().enumerate() {
-            let (ctl, buses) = (self.control.clone(), self.buses.clone());
+            let (ctl, buses, diag) = (self.control.clone(), self.buses.clone(), self.vcpu_diag.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("vcpu{i}"))
-                .spawn(move || vcpu::run_loop(v, i as u32, ctl, buses));
+                .spawn(move || vcpu::run_loop(v, i as u32, ctl, buses, diag));
             match spawned {
                 Ok(h) => {
                     use std::os::unix::thread::JoinHandleExt;

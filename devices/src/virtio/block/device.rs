@@ -317,6 +317,26 @@ impl VirtioDevice for Block {
         }
     }
 
+    fn debug_state(&self) -> Vec<String> {
+        let st = self.stats();
+        vec![format!(
+            "backend path={} read_only={} worker={} completed={} ok={} errors={} dropped={} counters=as_of_last_pause_or_reset",
+            self.disk.path(),
+            self.disk.read_only(),
+            if self.is_active() {
+                "running"
+            } else if self.is_paused() {
+                "parked"
+            } else {
+                "none"
+            },
+            st.completed,
+            st.ok,
+            st.errors,
+            st.dropped,
+        )]
+    }
+
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
         persist::snapshot(self)
     }

@@ -13,6 +13,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::disk::{DiskAt, DiskImage};
 use super::request::{Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
 use super::{ID_BYTES, MAX_DESCRIPTORS, SECTOR_SHIFT, status};
+use crate::virtio::diag::WorkerDiag;
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
 /// How long the worker watches the ring after a batch before sleeping.
@@ -264,7 +265,16 @@ impl BlockWorker {
     /// Runs until the stop eventfd fires, finishing the batch in hand first
     /// (I/O is synchronous, so nothing is in flight when this returns).
     /// Returns itself so the device can resume it or take its queue back.
-    pub(super) fn run(mut self) -> Self {
+    pub(super) fn run(self) -> Self {
+        let diag = self.interrupt.diag().clone();
+        let me = diag.worker(self.index);
+        me.started();
+        let this = self.serve(me);
+        me.parked();
+        this
+    }
+
+    fn serve(mut self, me: &WorkerDiag) -> Self {
         let epoll = match self.epoll() {
             Ok(e) => e,
             Err(e) => {
@@ -276,7 +286,10 @@ impl BlockWorker {
         self.process();
         let mut events = [EpollEvent::default(); 2];
         loop {
-            let n = match epoll.wait(-1, &mut events) {
+            me.waiting();
+            let waited = epoll.wait(-1, &mut events);
+            me.woke();
+            let n = match waited {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -292,7 +305,7 @@ impl BlockWorker {
             for ev in &events[..n] {
                 if ev.data() == TOKEN_QUEUE {
                     // Non-blocking; EAGAIN only means another wakeup consumed it.
-                    let _ = self.notify.read();
+                    self.interrupt.diag().queue(self.index).note_kick(self.notify.read());
                     self.process();
                     self.poll_briefly();
                 }
@@ -353,8 +366,14 @@ impl BlockWorker {
             return;
         }
         let mem: &GuestMemoryTracked = &self.mem;
-        match self.handler.process_queue(&mut self.queue, mem) {
+        let r = self.handler.process_queue(&mut self.queue, mem);
+        let qd = self.interrupt.diag().queue(self.index);
+        qd.note_position(&self.queue);
+        match r {
             Ok(batch) => {
+                if batch.served > 0 && !batch.notify {
+                    qd.note_suppressed();
+                }
                 if batch.notify
                     && let Err(e) = self.interrupt.signal_queue(self.index)
                 {

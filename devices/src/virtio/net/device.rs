@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
 use k7d_net::Tap;
@@ -64,6 +64,15 @@ pub struct QueuePairStats {
     pub interrupts: AtomicU64,
     /// The OS thread id of the worker that last served this pair.
     pub worker_tid: AtomicU64,
+    /// Times RX stopped with a frame in hand because the guest had posted
+    /// no buffer (the worker then waits for the guest's RX kick).
+    pub rx_no_buffer: AtomicU64,
+    /// Whether a frame read from the tap is waiting for an RX buffer now.
+    pub rx_frame_waiting: AtomicBool,
+    /// TX frames the tap refused with `EAGAIN` (counted in `tx_dropped` too).
+    pub tx_eagain: AtomicU64,
+    /// Wakeups for the tap queue becoming readable (edge-triggered).
+    pub tap_wakeups: AtomicU64,
 }
 
 /// Device counters, shared with the workers.
@@ -613,6 +622,47 @@ impl VirtioDevice for Net {
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
         persist::snapshot(self)
+    }
+
+    /// One line for the device, one per queue pair (its worker's counters).
+    fn debug_state(&self) -> Vec<String> {
+        let st = &self.stats;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut out = vec![format!(
+            "backend tap={} pairs={} active_pairs={} plane={} running={} paused={} workers_running={} ctrl_ok={} ctrl_err={}",
+            self.tap.name,
+            self.pairs,
+            st.active_pairs.load(Ordering::Relaxed),
+            if self.vhost.is_some() {
+                "vhost(frames not counted)"
+            } else {
+                "userspace"
+            },
+            self.running.is_some(),
+            self.paused.is_some(),
+            st.workers_running.load(Ordering::Relaxed),
+            r(&st.ctrl_ok),
+            r(&st.ctrl_err),
+        )];
+        for (k, p) in st.pairs.iter().enumerate() {
+            out.push(format!(
+                "pair{k} tid={} rx_frames={} rx_bytes={} rx_dropped={} rx_no_buffer={} rx_frame_waiting={} tap_wakeups={} tx_frames={} tx_bytes={} tx_dropped={} tx_eagain={} malformed={} interrupts={}",
+                r(&p.worker_tid),
+                r(&p.rx_frames),
+                r(&p.rx_bytes),
+                r(&p.rx_dropped),
+                r(&p.rx_no_buffer),
+                p.rx_frame_waiting.load(Ordering::Relaxed),
+                r(&p.tap_wakeups),
+                r(&p.tx_frames),
+                r(&p.tx_bytes),
+                r(&p.tx_dropped),
+                r(&p.tx_eagain),
+                r(&p.malformed),
+                r(&p.interrupts),
+            ));
+        }
+        out
     }
 
     /// vhost writes guest RAM from the kernel, past the memory handle's

@@ -27,6 +27,7 @@ use vmm_sys_util::eventfd::EventFd;
 use super::ctrl::{self, CtrlCommand};
 use super::device::NetStats;
 use super::{BATCH, MAX_FRAME_LEN, VNET_HDR_LEN, tap_queue};
+use crate::virtio::diag::WorkerDiag;
 use crate::virtio::{ActiveQueue, GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
 const TOKEN_RX: u64 = 0;
@@ -128,10 +129,14 @@ impl PairWorker {
         if let Some(s) = self.stats.pairs.get(usize::from(self.pair)) {
             s.worker_tid.store(tid as u64, Ordering::Release);
         }
+        let diag = self.interrupt.diag().clone();
+        let me = diag.worker(2 * self.pair);
+        me.started();
         match self.epoll() {
-            Ok(epoll) => self.event_loop(&epoll),
+            Ok(epoll) => self.event_loop(&epoll, me),
             Err(e) => error!(pair = self.pair, error = %e, "net worker cannot set up epoll; pair is dead until reset"),
         }
+        me.parked();
         self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
         self
     }
@@ -162,14 +167,18 @@ impl PairWorker {
         Ok(epoll)
     }
 
-    fn event_loop(&mut self, epoll: &Epoll) {
+    fn event_loop(&mut self, epoll: &Epoll, me: &WorkerDiag) {
+        let diag = self.interrupt.diag().clone();
         // Work posted before activation.
         self.process_tx();
         self.process_rx();
         self.process_ctrl();
         let mut events = [EpollEvent::default(); 8];
         loop {
-            let n = match epoll.wait(-1, &mut events) {
+            me.waiting();
+            let waited = epoll.wait(-1, &mut events);
+            me.woke();
+            let n = match waited {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -182,17 +191,22 @@ impl PairWorker {
                     TOKEN_STOP => return,
                     TOKEN_TX => {
                         // Non-blocking; EAGAIN only means another wakeup consumed it.
-                        let _ = self.tx.notify.read();
+                        diag.queue(self.tx.index).note_kick(self.tx.notify.read());
                         self.process_tx();
                     }
                     TOKEN_RX => {
-                        let _ = self.rx.notify.read();
+                        diag.queue(self.rx.index).note_kick(self.rx.notify.read());
                         self.process_rx();
                     }
-                    TOKEN_TAP => self.process_rx(),
+                    TOKEN_TAP => {
+                        if let Some(s) = self.pair_stats() {
+                            s.tap_wakeups.fetch_add(1, Ordering::Relaxed);
+                        }
+                        self.process_rx();
+                    }
                     TOKEN_CTRL => {
                         if let Some(c) = &self.ctrl {
-                            let _ = c.queue.notify.read();
+                            diag.queue(c.queue.index).note_kick(c.queue.notify.read());
                         }
                         self.process_ctrl();
                     }
@@ -221,7 +235,7 @@ impl PairWorker {
                     warn!(queue = q.index, error = %e, "net could not signal the guest");
                 }
             }
-            Ok(false) => {}
+            Ok(false) => self.interrupt.diag().queue(q.index).note_suppressed(),
             Err(e) => error!(queue = q.index, error = ?e, "net could not read the event index"),
         }
     }
@@ -281,6 +295,9 @@ impl PairWorker {
                     }
                     TxOutcome::Refused(e) => {
                         if let Some(s) = self.pair_stats() {
+                            if e.kind() == ErrorKind::WouldBlock {
+                                s.tx_eagain.fetch_add(1, Ordering::Relaxed);
+                            }
                             let n = s.tx_dropped.fetch_add(1, Ordering::Relaxed);
                             if n == 0 {
                                 warn!(pair = self.pair, error = %e, "the tap refused a frame; dropped (further ones logged at debug)");
@@ -311,6 +328,7 @@ impl PairWorker {
         if done > 0 {
             self.signal(1);
         }
+        self.interrupt.diag().queue(self.tx.index).note_position(&self.tx.queue);
     }
 
     /// Gathers one TX chain and writes it to the tap with one `writev`.
@@ -392,7 +410,14 @@ impl PairWorker {
                         }
                         continue;
                     }
-                    Ok(false) => break,
+                    Ok(false) => {
+                        // The frame in hand waits for the guest's next RX buffer
+                        // (its kick wakes this worker).
+                        if let Some(s) = self.pair_stats() {
+                            s.rx_no_buffer.fetch_add(1, Ordering::Relaxed);
+                        }
+                        break;
+                    }
                     Err(e) => {
                         self.mark_broken(0, &e);
                         break;
@@ -439,6 +464,10 @@ impl PairWorker {
         }
         if done > 0 {
             self.signal(0);
+        }
+        self.interrupt.diag().queue(self.rx.index).note_position(&self.rx.queue);
+        if let Some(s) = self.pair_stats() {
+            s.rx_frame_waiting.store(self.pending.is_some(), Ordering::Relaxed);
         }
     }
 
@@ -516,7 +545,9 @@ impl PairWorker {
         }
         let mem_handle = self.mem.clone();
         let Some(c) = self.ctrl.as_mut() else { return };
-        match serve_ctrl(c, &mem_handle, &self.tap, &self.stats) {
+        let r = serve_ctrl(c, &mem_handle, &self.tap, &self.stats);
+        self.interrupt.diag().queue(c.queue.index).note_position(&c.queue.queue);
+        match r {
             Ok(0) => {}
             Ok(_) => self.signal(2),
             Err(e) => self.mark_broken(2, &e),
@@ -624,11 +655,17 @@ impl CtrlWorker {
             }
         };
         self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
+        let diag = self.interrupt.diag().clone();
+        let me = diag.worker(self.ctrl.queue.index);
+        me.started();
         let mut events = [EpollEvent::default(); 4];
         // Commands posted before activation.
         let mut broken = !self.serve();
         'outer: loop {
-            let n = match epoll.wait(-1, &mut events) {
+            me.waiting();
+            let waited = epoll.wait(-1, &mut events);
+            me.woke();
+            let n = match waited {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -640,7 +677,8 @@ impl CtrlWorker {
                 match ev.data() {
                     TOKEN_STOP => break 'outer,
                     TOKEN_CTRL => {
-                        let _ = self.ctrl.queue.notify.read();
+                        diag.queue(self.ctrl.queue.index)
+                            .note_kick(self.ctrl.queue.notify.read());
                         if !broken {
                             broken = !self.serve();
                         }
@@ -649,6 +687,7 @@ impl CtrlWorker {
                 }
             }
         }
+        me.parked();
         self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
         self
     }
@@ -661,7 +700,10 @@ impl CtrlWorker {
     /// One round of commands; false when the ring broke.
     fn serve(&mut self) -> bool {
         let mem: &GuestMemoryTracked = &self.mem;
-        match serve_ctrl(&mut self.ctrl, mem, &self.tap, &self.stats) {
+        let r = serve_ctrl(&mut self.ctrl, mem, &self.tap, &self.stats);
+        let qd = self.interrupt.diag().queue(self.ctrl.queue.index);
+        qd.note_position(&self.ctrl.queue.queue);
+        match r {
             Ok(0) => true,
             Ok(_) => {
                 let q = &mut self.ctrl.queue;
@@ -671,7 +713,7 @@ impl CtrlWorker {
                             warn!(queue = q.index, error = %e, "net could not signal the guest");
                         }
                     }
-                    Ok(false) => {}
+                    Ok(false) => qd.note_suppressed(),
                     Err(e) => error!(queue = q.index, error = ?e, "net could not read the event index"),
                 }
                 true

@@ -128,6 +128,19 @@ impl VirtioDevice for Rng {
         self.worker.unpark("rng")
     }
 
+    fn debug_state(&self) -> Vec<String> {
+        vec![format!(
+            "backend worker={}",
+            if self.worker.is_running() {
+                "running"
+            } else if self.worker.is_parked() {
+                "parked"
+            } else {
+                "none"
+            }
+        )]
+    }
+
     /// rng keeps nothing beyond its queue, which the transport carries.
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
         Ok(Vec::new())

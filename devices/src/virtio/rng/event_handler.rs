@@ -11,6 +11,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::MAX_BYTES_PER_CHAIN;
+use crate::virtio::diag::WorkerDiag;
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
 const TOKEN_QUEUE: u64 = 0;
@@ -31,7 +32,16 @@ impl RngWorker {
     /// Runs until the stop eventfd fires; returns itself (queue state and
     /// all), so the device can resume it or take its queue back. The stop is
     /// left set: whoever restarts the worker clears it.
-    pub(super) fn run(mut self) -> Self {
+    pub(super) fn run(self) -> Self {
+        let diag = self.interrupt.diag().clone();
+        let me = diag.worker(self.index);
+        me.started();
+        let this = self.serve(me);
+        me.parked();
+        this
+    }
+
+    fn serve(mut self, me: &WorkerDiag) -> Self {
         let epoll = match self.epoll() {
             Ok(e) => e,
             Err(e) => {
@@ -44,7 +54,10 @@ impl RngWorker {
         self.process_queue();
         let mut events = [EpollEvent::default(); 2];
         loop {
-            let n = match epoll.wait(-1, &mut events) {
+            me.waiting();
+            let waited = epoll.wait(-1, &mut events);
+            me.woke();
+            let n = match waited {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -57,8 +70,9 @@ impl RngWorker {
                     TOKEN_STOP => return self,
                     TOKEN_QUEUE => {
                         // Non-blocking; EAGAIN only means another wakeup consumed it.
-                        let _ = self.notify.read();
+                        self.interrupt.diag().queue(self.index).note_kick(self.notify.read());
                         self.process_queue();
+                        self.interrupt.diag().queue(self.index).note_position(&self.queue);
                     }
                     other => warn!(token = other, "rng worker got an unknown epoll token"),
                 }
@@ -123,7 +137,7 @@ impl RngWorker {
                     warn!(error = %e, "rng could not signal the guest");
                 }
             }
-            Ok(false) => {}
+            Ok(false) => self.interrupt.diag().queue(self.index).note_suppressed(),
             Err(e) => error!(error = ?e, "rng could not read the event index"),
         }
     }

@@ -1,6 +1,7 @@
 //! virtio transports. Only virtio-pci (modern, 1.x) exists: see
 //! `docs/virtio-pci.md` for why, and for the register map.
 
+mod diag;
 mod pci;
 mod persist;
 

@@ -14,6 +14,7 @@ use crate::pci::{
     BarKind, BarMove, BarRange, MsiRouter, MsixCapability, MsixError, MsixVectors, PCI_CAP_ID_MSIX, PCI_CAP_ID_VENDOR,
     PciConfiguration, PciDevice, PciError, PciHeader,
 };
+use crate::virtio::diag::DeviceDiag;
 use crate::virtio::{
     ActivateContext, ActiveQueue, GuestMemoryHandle, Interrupt, InterruptStatus, VIRTIO_F_VERSION_1,
     VIRTIO_MSI_NO_VECTOR, VIRTIO_RING_F_EVENT_IDX, VirtioDevice, VirtioError, status,
@@ -118,6 +119,8 @@ pub struct VirtioPciDevice {
     pub(super) active: bool,
     /// Restored live, not started yet ([`Self::start_restored`]).
     pub(super) restored_live: bool,
+    /// What the workers record for the state dump ([`Self::debug_state`]).
+    pub(super) diag: Arc<DeviceDiag>,
 }
 
 impl std::fmt::Debug for VirtioPciDevice {
@@ -264,6 +267,7 @@ impl VirtioPciDevice {
             queue_select: 0,
             active: false,
             restored_live: false,
+            diag: Arc::new(DeviceDiag::new(nq)),
         })
     }
 
@@ -376,6 +380,9 @@ impl VirtioPciDevice {
         for e in &self.notify {
             let _ = e.read();
         }
+        for q in 0..self.queues.len() {
+            self.diag.queue(q as u16).forget_position();
+        }
         debug!(device = self.device.name(), "virtio device reset");
     }
 
@@ -433,11 +440,12 @@ impl VirtioPciDevice {
     }
 
     pub(super) fn interrupt(&self) -> Interrupt {
-        Interrupt::new(
+        Interrupt::with_diag(
             self.msix.clone(),
             self.queues.iter().map(|q| q.vector).collect(),
             self.config_vector,
             self.irq_status.clone(),
+            self.diag.clone(),
         )
     }
 

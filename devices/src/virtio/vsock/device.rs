@@ -181,6 +181,19 @@ impl VirtioDevice for Vsock {
         self.worker.unpark("vsock")
     }
 
+    fn debug_state(&self) -> Vec<String> {
+        vec![format!(
+            "backend worker={}",
+            if self.worker.is_running() {
+                "running"
+            } else if self.worker.is_parked() {
+                "parked"
+            } else {
+                "none"
+            }
+        )]
+    }
+
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
         persist::save().map_err(|e| {
             error!(error = %e, "vsock snapshot refused");

@@ -16,6 +16,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::muxer::{Hdr, MAX_CONTROL_BACKLOG, Muxer, TOKEN_LISTENER};
 use super::{EVQ, MAX_PKT_BUF_SIZE, RXQ, TXQ, op};
+use crate::virtio::diag::WorkerDiag;
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
 const TOKEN_STOP: u64 = 3;
@@ -42,7 +43,16 @@ impl VsockWorker {
     /// Runs until the stop eventfd fires; returns itself (queues, muxer and
     /// connections), so the device can resume it after a pause or take the
     /// queues (rx, tx, event) back. The stop stays set: the device clears it.
-    pub(super) fn run(mut self) -> Self {
+    pub(super) fn run(self) -> Self {
+        let diag = self.interrupt.diag().clone();
+        let me = diag.worker(0);
+        me.started();
+        let this = self.serve(me);
+        me.parked();
+        this
+    }
+
+    fn serve(mut self, me: &WorkerDiag) -> Self {
         if !self.registered {
             if let Err(e) = self.register() {
                 error!(error = %e, "vsock worker cannot set up epoll; device is dead until reset");
@@ -54,8 +64,12 @@ impl VsockWorker {
         self.process_tx();
         self.process_rx();
         let mut events = vec![EpollEvent::default(); 64];
+        let diag = self.interrupt.diag().clone();
         loop {
-            let n = match self.muxer.epoll().wait(-1, &mut events) {
+            me.waiting();
+            let waited = self.muxer.epoll().wait(-1, &mut events);
+            me.woke();
+            let n = match waited {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -69,7 +83,9 @@ impl VsockWorker {
                     TOKEN_STOP => return self,
                     t if t < TOKEN_STOP => {
                         // Non-blocking; EAGAIN only means another wakeup consumed it.
-                        let _ = self.notify[t as usize].read();
+                        if let Some(fd) = self.notify.get(t as usize) {
+                            diag.queue(t as u16).note_kick(fd.read());
+                        }
                         tx_kick |= t == u64::from(TXQ);
                     }
                     t => self.muxer.handle_event(t, ev.event_set()),
@@ -80,6 +96,9 @@ impl VsockWorker {
             }
             self.muxer.request_credit_where_stalled();
             self.process_rx();
+            for (i, q) in self.queues.iter().enumerate() {
+                diag.queue(i as u16).note_position(q);
+            }
         }
     }
 
@@ -251,7 +270,7 @@ fn signal(queue: &mut Queue, mem: &GuestMemoryTracked, interrupt: &Interrupt, in
                 warn!(error = %e, "vsock could not signal the guest");
             }
         }
-        Ok(false) => {}
+        Ok(false) => interrupt.diag().queue(index).note_suppressed(),
         Err(e) => error!(error = ?e, "vsock could not read the event index"),
     }
 }

@@ -159,6 +159,9 @@ struct MsixState {
     pba: Vec<u64>,
     enabled: bool,
     function_masked: bool,
+    /// Vectors whose irqfd a kernel backend (vhost) writes directly,
+    /// bypassing [`MsixVectors::trigger`] and so the pending bit.
+    kernel_writer: Vec<bool>,
 }
 
 impl MsixState {
@@ -223,6 +226,7 @@ impl MsixVectors {
             pba: vec![0; n.div_ceil(64)],
             enabled: false,
             function_masked: false,
+            kernel_writer: vec![false; n],
         };
         Ok(Self {
             state: Mutex::new(state),
@@ -273,7 +277,7 @@ impl MsixVectors {
         st.enabled = s.enabled;
         st.function_masked = s.function_masked;
         for v in 0..st.entries.len() {
-            self.update_vector(&mut st, v);
+            self.update_vector(&mut st, v, true);
         }
         Ok(())
     }
@@ -310,7 +314,7 @@ impl MsixVectors {
         debug!(enabled, function_masked, "MSI-X control");
         for (v, was) in before.into_iter().enumerate() {
             if was != st.masked(v) {
-                self.update_vector(&mut st, v);
+                self.update_vector(&mut st, v, was);
             }
         }
     }
@@ -321,15 +325,36 @@ impl MsixVectors {
         st.enabled && !st.function_masked
     }
 
-    /// Routes vector `v` after a change, then delivers its pending interrupt if
-    /// it just became deliverable. Routing comes first so the interrupt goes to
-    /// the new address.
-    fn update_vector(&self, st: &mut MsixState, v: usize) {
+    /// Declares that a kernel backend (vhost) writes `vector`'s irqfd itself.
+    /// Such writes bypass [`Self::trigger`]: while the vector is masked its
+    /// KVM route is off and KVM drops them, with no pending bit to deliver
+    /// later. So when a kernel-written vector becomes deliverable again, its
+    /// irqfd is written once, whether or not anything was lost: a spurious
+    /// virtio interrupt costs the guest one look at its used ring, a lost one
+    /// can stall a queue for good.
+    pub fn set_kernel_writer(&self, vector: u16, on: bool) {
+        let mut st = self.lock();
+        if let Some(k) = st.kernel_writer.get_mut(usize::from(vector)) {
+            *k = on;
+        }
+    }
+
+    /// Routes vector `v` after a change (`was_masked`: its mask state before
+    /// it), then delivers its pending interrupt if it just became
+    /// deliverable, or, for a kernel-written vector that was masked, replays
+    /// what the kernel may have written meanwhile. Routing comes first so the
+    /// interrupt goes to the new address.
+    fn update_vector(&self, st: &mut MsixState, v: usize, was_masked: bool) {
         let masked = st.masked(v);
         if let Err(e) = self.router.route(v as u16, st.entries[v].msg, masked) {
             warn!(error = %e, source = %e.source, "MSI-X route update failed");
         }
-        if !masked && st.pending(v) {
+        if masked {
+            return;
+        }
+        let pending = st.pending(v);
+        let replay = was_masked && st.kernel_writer.get(v).copied().unwrap_or(false);
+        if pending || replay {
             st.set_pending(v, false);
             if let Err(e) = self.irqfds[v].write(1) {
                 warn!(vector = v, error = %e, "delivering a pending MSI-X vector failed");
@@ -386,6 +411,7 @@ impl MsixVectors {
                 continue;
             };
             let before = st.entries[v];
+            let was_masked = st.masked(v);
             let e = &mut st.entries[v];
             match off % MSIX_ENTRY_SIZE {
                 0 => e.msg.address_lo = val,
@@ -395,7 +421,7 @@ impl MsixVectors {
             }
             let after = *e;
             if before.msg != after.msg || before.ctrl != after.ctrl {
-                self.update_vector(&mut st, v);
+                self.update_vector(&mut st, v, was_masked);
             }
         }
     }
@@ -536,9 +562,48 @@ mod tests {
         assert_eq!(u32::from_le_bytes(d), 0x41);
         assert!(matches!(m.trigger(2), Err(MsixError::NoSuchVector(2))));
         // Out-of-range and odd accesses don't panic.
+        m.set_kernel_writer(9, true);
         m.write_table(0x1000, &[1, 2, 3, 4]);
         m.write_table(3, &[1, 2]);
         m.read_table(0x1000, &mut d);
         assert_eq!(d, [0xff; 4]);
+    }
+
+    /// A vector whose irqfd vhost writes directly: what the kernel wrote
+    /// while the vector was masked (KVM dropped it: the route was off, and
+    /// no pending bit was set) is replayed once on unmask; a vector only
+    /// `trigger` writes gets no spurious interrupt.
+    #[test]
+    fn a_kernel_written_vector_is_replayed_on_unmask() {
+        let m = MsixVectors::new(3, Arc::new(NoopMsiRouter)).unwrap();
+        m.set_control(true, false);
+        for v in 1..3u64 {
+            m.write_table(v * 16 + 12, &0u32.to_le_bytes());
+        }
+        m.set_kernel_writer(1, true);
+        for v in [1u64, 2] {
+            // Mask, (vhost writes the irqfd: KVM drops it), unmask.
+            m.write_table(v * 16 + 12, &1u32.to_le_bytes());
+            m.write_table(v * 16 + 12, &0u32.to_le_bytes());
+        }
+        assert_eq!(
+            m.irqfds()[1].read().unwrap(),
+            1,
+            "the kernel-written vector is replayed"
+        );
+        assert!(
+            m.irqfds()[2].read().is_err(),
+            "a trigger-only vector gets no spurious interrupt"
+        );
+        // The function mask counts as a mask too.
+        m.set_control(true, true);
+        m.set_control(true, false);
+        assert_eq!(m.irqfds()[1].read().unwrap(), 1);
+        assert!(m.irqfds()[2].read().is_err());
+        // A pending interrupt and a replay are one write.
+        m.set_control(true, true);
+        m.trigger(1).unwrap();
+        m.set_control(true, false);
+        assert_eq!(m.irqfds()[1].read().unwrap(), 1);
     }
 }

@@ -402,10 +402,13 @@ impl VhostNetBackend {
                     .map_err(vhost_err(kp, "VHOST_SET_VRING_BASE"))?;
                 dev.set_vring_kick(i, &q.notify)
                     .map_err(vhost_err(kp, "VHOST_SET_VRING_KICK"))?;
-                let call = match interrupt
-                    .queue_vector(q.index)
-                    .and_then(|v| interrupt.msix().irqfds().get(usize::from(v)))
-                {
+                let call = match interrupt.queue_vector(q.index).and_then(|v| {
+                    let fd = interrupt.msix().irqfds().get(usize::from(v))?;
+                    // The kernel writes this irqfd behind the MSI-X state:
+                    // replay it on unmask (see `set_kernel_writer`).
+                    interrupt.msix().set_kernel_writer(v, true);
+                    Some(fd)
+                }) {
                     Some(fd) => fd,
                     None => {
                         warn!(

@@ -198,11 +198,26 @@ pub fn dump_text() -> String {
     text
 }
 
-/// Writes one dump to stderr, line by line under stderr's lock (each line is
-/// one `write`, atomic on a pipe, so output of other threads cannot split a
-/// line).
+/// Also append every dump to this file, before stderr: when stderr is a pipe
+/// nobody drains (the very stall being diagnosed may be one), the file still
+/// gets it.
+pub const DUMP_FILE_ENV: &str = "K7D_DUMP_FILE";
+
+/// Writes one dump to `$K7D_DUMP_FILE` (if set) and to stderr, line by line
+/// under stderr's lock (each line is one `write`, atomic on a pipe, so output
+/// of other threads cannot split a line).
 pub fn dump_to_stderr() {
     let text = dump_text();
+    if let Some(path) = std::env::var_os(DUMP_FILE_ENV) {
+        let r = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(text.as_bytes()));
+        if let Err(e) = r {
+            tracing::warn!(path = %std::path::Path::new(&path).display(), error = %e, "cannot append the state dump to {DUMP_FILE_ENV}");
+        }
+    }
     let mut err = std::io::stderr().lock();
     for line in text.split_inclusive('\n') {
         if err.write_all(line.as_bytes()).is_err() {

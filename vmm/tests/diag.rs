@@ -126,8 +126,11 @@ fn check_vm(block: &[String], vm: &str, vcpus: usize) {
 
 #[test]
 fn sigusr1_dumps_a_running_k7d_run_and_the_vm_runs_on() {
+    let dir = Scratch::new("run");
+    let copy = dir.0.join("dumps.txt");
     let mut child = Command::new(K7D)
         .args(["run", "--builtin", "smp", "--vcpus", "2", "--timeout", "3"])
+        .env("K7D_DUMP_FILE", &copy)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -169,6 +172,11 @@ fn sigusr1_dumps_a_running_k7d_run_and_the_vm_runs_on() {
     let all = err.all().join("\n");
     assert_eq!(st.code(), Some(2), "a timeout exits 2: {all}");
     assert!(all.contains("stopped (stop requested) after the timeout"), "{all}");
+    // $K7D_DUMP_FILE got the same two blocks.
+    let copy = std::fs::read_to_string(&copy).expect("the dump file");
+    let dumped: Vec<&str> = all.lines().filter(|l| l.starts_with("k7d-dump: ")).collect();
+    let copied: Vec<&str> = copy.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(copied, dumped);
 }
 
 struct Scratch(PathBuf);

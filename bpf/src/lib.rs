@@ -24,7 +24,7 @@ pub use error::BpfError;
 pub use identity::{PodUid, pod_identity};
 pub use loader::{
     AttachMethod, AttachedPrograms, LINK_PINS, MAP_PINS, NicPrograms, ObjectSource, PROG_NAMES, ProgMode, detach_nic,
-    load_object, tcx_program_count,
+    load_object, tc_object_embedded, tc_object_missing_reason, tcx_program_count,
 };
 pub use policy::{Direction, DropCount, DropReason, Peer, Policy, clear_policy, drops, read_policy_flag, set_policy};
 pub use uplink::{

@@ -18,6 +18,26 @@ use tracing::{debug, warn};
 use crate::BpfError;
 
 static EMBEDDED: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/k7d_tc.o"));
+/// Why `build.rs` embedded no object (empty when it did).
+const MISSING_REASON: &str = env!("K7D_BPF_MISSING_REASON");
+
+/// Whether this build embeds the tc object (clang was found and compiled it).
+pub fn tc_object_embedded() -> bool {
+    !EMBEDDED.is_empty()
+}
+
+/// Why this build embeds no tc object (one sentence, recorded by `build.rs`:
+/// clang not found, clang failed, `K7D_BPF_SKIP_BUILD`), or `None` when the
+/// object is embedded.
+pub fn tc_object_missing_reason() -> Option<&'static str> {
+    if tc_object_embedded() {
+        None
+    } else if MISSING_REASON.is_empty() {
+        Some("build.rs produced an empty object")
+    } else {
+        Some(MISSING_REASON)
+    }
+}
 
 /// Kernel names of the two programs (also the netlink filter names).
 pub const PROG_NAMES: [&str; 2] = ["k7d_tap_in", "k7d_pod_in"];
@@ -43,9 +63,10 @@ pub enum ObjectSource {
 /// Returns the object bytes, or [`BpfError::ObjectMissing`].
 pub fn load_object(src: &ObjectSource) -> Result<Cow<'static, [u8]>, BpfError> {
     match src {
-        ObjectSource::Embedded if EMBEDDED.is_empty() => Err(BpfError::ObjectMissing(
-            "the crate was built without clang, so no object is embedded".into(),
-        )),
+        ObjectSource::Embedded if !tc_object_embedded() => Err(BpfError::ObjectMissing(format!(
+            "no tc object is embedded in this build ({}); install clang and rebuild k7d",
+            tc_object_missing_reason().unwrap_or("unknown reason")
+        ))),
         ObjectSource::Embedded => Ok(Cow::Borrowed(EMBEDDED)),
         ObjectSource::File(p) => match std::fs::read(p) {
             Ok(b) if !b.is_empty() => Ok(Cow::Owned(b)),

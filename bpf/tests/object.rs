@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 use aya::{Ebpf, programs::SchedClassifier};
-use k7d_bpf::{BpfError, MAP_PINS, ObjectSource, PROG_NAMES, load_object};
+use k7d_bpf::{
+    BpfError, MAP_PINS, ObjectSource, PROG_NAMES, load_object, tc_object_embedded, tc_object_missing_reason,
+};
 
 #[test]
 fn embedded_object_has_both_programs_and_passes_the_verifier() {
@@ -14,7 +16,10 @@ fn embedded_object_has_both_programs_and_passes_the_verifier() {
             assert!(e.to_string().starts_with("bpf object missing"));
             return;
         }
-        Err(e) => panic!("clang is installed in CI, so the object must be embedded: {e}"),
+        Err(e) => panic!(
+            "clang is installed in CI, so the object must be embedded: {e} (build.rs: {:?})",
+            tc_object_missing_reason()
+        ),
     };
     let mut bpf = Ebpf::load(&obj).expect("object parses and maps are created");
     for m in MAP_PINS {
@@ -36,5 +41,27 @@ fn missing_object_is_a_clear_error() {
         let e = load_object(&src).unwrap_err();
         assert!(matches!(e, BpfError::ObjectMissing(_)));
         assert!(e.to_string().starts_with("bpf object missing: "), "{e}");
+    }
+}
+
+/// What `k7d check` reports agrees with what the loader finds; the reason is
+/// one line (it travels through `cargo:rustc-env`). Prints the status, which
+/// `bpf/tests/clang-appears.sh` reads.
+#[test]
+fn tc_object_status_matches_the_object() {
+    let loaded = load_object(&ObjectSource::Embedded);
+    assert_eq!(tc_object_embedded(), loaded.is_ok());
+    match tc_object_missing_reason() {
+        None => {
+            assert!(tc_object_embedded());
+            println!("tc object: embedded");
+        }
+        Some(why) => {
+            assert!(!tc_object_embedded());
+            assert!(!why.is_empty() && !why.contains('\n'), "{why:?}");
+            let e = loaded.unwrap_err().to_string();
+            assert!(e.starts_with("bpf object missing: ") && e.contains(why), "{e}");
+            println!("tc object: missing ({why})");
+        }
     }
 }

@@ -19,6 +19,7 @@ pub use error::NetError;
 pub use k7d_bpf::UplinkPortInfo;
 pub use k7d_bpf::{
     AttachMethod, BpfError, Direction, DropCount, DropReason, ObjectSource, Peer, PodUid, Policy, pod_identity,
+    tc_object_embedded, tc_object_missing_reason,
 };
 pub use names::{LINK_PREFIX, NicNames, nic_names, validate_vm_id, vm_tag};
 pub use netns::in_netns;

@@ -244,10 +244,63 @@ pub fn run() -> Vec<Item> {
             format!("bpf(2) failed ({e}): the direct datapath is unavailable, NICs in auto mode use the bridge chain; run as root on a kernel with CONFIG_BPF_SYSCALL"),
         ),
     });
+    out.push(tc_object_item(k7d_net::tc_object_missing_reason()));
     out
+}
+
+/// Whether this binary embeds the tc-eBPF object (decided when it was built).
+fn tc_object_item(missing: Option<&str>) -> Item {
+    match missing {
+        None => item(
+            "tc-object",
+            Level::Ok,
+            "the tc-eBPF object is embedded in this binary (clang built it)",
+        ),
+        Some(why) => item(
+            "tc-object",
+            Level::Warn,
+            format!(
+                "no tc-eBPF object is embedded in this binary ({why}): datapath=direct NICs are refused and \
+                 datapath=auto NICs use the bridge chain; install clang (apt-get install clang libbpf-dev) and \
+                 rebuild k7d"
+            ),
+        ),
+    }
 }
 
 /// Whether any required item failed.
 pub fn failed(items: &[Item]) -> bool {
     items.iter().any(|i| i.level == Level::Fail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tc_object_line_says_whether_and_why_not() {
+        let ok = tc_object_item(None);
+        assert_eq!((ok.name, ok.level), ("tc-object", Level::Ok));
+        assert!(ok.detail.contains("embedded"), "{}", ok.detail);
+        let missing = tc_object_item(Some("clang was not found in PATH at build time"));
+        assert_eq!(missing.level, Level::Warn);
+        assert!(
+            missing.detail.contains("(clang was not found in PATH at build time)"),
+            "{}",
+            missing.detail
+        );
+        assert!(missing.detail.contains("bridge chain"), "{}", missing.detail);
+    }
+
+    #[test]
+    fn run_reports_the_tc_object_of_this_build() {
+        let items = run();
+        let line = items.iter().find(|i| i.name == "tc-object").expect("a tc-object line");
+        assert_eq!(
+            line.level == Level::Ok,
+            k7d_net::tc_object_embedded(),
+            "{}",
+            line.detail
+        );
+    }
 }

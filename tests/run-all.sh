@@ -97,8 +97,13 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 phase "host-level tests (real KVM, release)"
 cargo test --workspace --release
 
+phase "tc object: no clang embeds nothing, a plain rebuild after clang appears embeds it"
+bpf/tests/clang-appears.sh
+
 if [ -z "${K7D_SKIP_FUZZ:-}" ]; then
-  phase "fuzz smoke (every target, bounded)"
+  phase "fuzz smoke (every target, bounded; stable toolchain + RUSTC_BOOTSTRAP=1)"
+  # A broken or empty target list must fail the smoke, never pass it.
+  devices/fuzz/smoke-selftest.sh
   # Build products and cargo-fuzz are cached outside the repo (the fuzz crate is its own workspace).
   FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target} devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-20}"
 else

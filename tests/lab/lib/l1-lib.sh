@@ -34,7 +34,10 @@ lab_sub() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f\n", a-b}'; }
 lab_run_l2() {
   _label=$1 _timeout=$2; shift 2
   _log=/tmp/l2-$_label.log
-  : >"$_log"; rm -f /tmp/.l2-rc /tmp/.l2-init /tmp/.l2-pid /tmp/.l2-stall
+  : >"$_log"; rm -f /tmp/.l2-rc /tmp/.l2-init /tmp/.l2-pid /tmp/.l2-stall "/tmp/k7d-dump-$_label"
+  # k7d also writes its SIGUSR1 dump here: its stderr is the same pipe as the
+  # guest's console, and a stalled pipe is one way a guest stops printing.
+  export K7D_DUMP_FILE=/tmp/k7d-dump-$_label
   echo "=== lab: $_label: $*" >/dev/ttyS1
   _t0=$(lab_now)
   # Busybox timeout execs CMD in its own process (the watcher is a child), so
@@ -116,17 +119,22 @@ lab_diag() {
     done
     case $(cat "/proc/$_dp/comm" 2>/dev/null) in
       k7d*)
-        _n0=$(grep -c k7d-dump "$_dlog")
         kill -USR1 "$_dp" 2>/dev/null && sleep 2
-        _d "k7d's own dump (SIGUSR1):"
-        grep k7d-dump "$_dlog" | tail -n +"$((_n0 + 1))" | head -n 200 | sed "s/^/LAB-DIAG $_dl:   /"
+        _d "k7d's own dump (SIGUSR1, from \$K7D_DUMP_FILE):"
+        head -n 200 "${K7D_DUMP_FILE:-/dev/null}" 2>/dev/null | sed "s/^/LAB-DIAG $_dl:   /"
         ;;
     esac
   else
     _d "VMM pid ${_dp:-?} is gone"
   fi
   _d "L1 interrupts: $(grep -E 'virtio|ttyS|LOC|RES|CAL|TLB|NMI' /proc/interrupts 2>/dev/null | tr -s ' ' | tr '\n' '|' | cut -c1-600)"
-  _d "L1 processes: $(ps -o pid,stat,comm 2>/dev/null | tr -s ' ' | tr '\n' '|' | cut -c1-600)"
+  # Every user process's state and wait channel: the relay of the VMM's output
+  # (this shell's read loop, writing to /dev/ttyS1) blocked in a tty write
+  # would stall the VMM's console writes, and so the guest.
+  for _p in /proc/[0-9]*; do
+    [ -s "$_p/cmdline" ] || continue
+    _d "L1 process ${_p#/proc/} $(cat "$_p/comm" 2>/dev/null): state $(sed 's/^.*) //' "$_p/stat" 2>/dev/null | cut -d' ' -f1) wchan $(cat "$_p/wchan" 2>/dev/null)"
+  done
   _d "the guest's last lines:"
   grep -v 'LAB-GUEST hb' "$_dlog" | grep -v k7d-dump | tail -n 15 | sed "s/^/LAB-DIAG $_dl:   /"
 }

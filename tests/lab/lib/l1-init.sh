@@ -31,6 +31,14 @@ done
 ip link set lo up 2>/dev/null
 # The L2 serial channel: ttyS1 is a file on the host (l2.log); no CR/LF mangling.
 stty -F /dev/ttyS1 raw -echo 2>/dev/null
+# Held open for L1's whole life: every ">/dev/ttyS1" (the relay writes one per
+# L2 line) would otherwise be the port's first open and last close, and each
+# of those runs the 8250 driver's full startup (FIFO reset, THRE probe with
+# interrupts toggled) and shutdown, with close waiting for the output to
+# drain. Hundreds of those per scenario cost emulated I/O and risk a
+# lost transmit interrupt, which would block the relay and so the VMM's
+# console writes and the guest.
+exec 7>/dev/ttyS1
 read -r up _ </proc/uptime
 echo "LAB-L1 ready uptime=$up modules=$(tr '\n' ' ' </lab/modules.order) cpus=$(nproc) halt_poll_ns=$(cat /sys/module/kvm/parameters/halt_poll_ns 2>/dev/null)"
 

@@ -19,7 +19,7 @@ log() { printf '\n=== %s\n' "$*"; }
 # phase NAME: closes the previous phase (its time is kept for the summary) and opens NAME.
 phase() {
   local now; now=$(date +%s)
-  [[ -z $phase_name ]] || PHASES+=("$(printf '%-34s %5d s' "$phase_name" $((now - phase_t)))")
+  [[ -z $phase_name ]] || PHASES+=("$(printf '%5d s  %s' $((now - phase_t)) "$phase_name")")
   phase_name=$1 phase_t=$now
   [[ -z $1 ]] || log "$1"
 }

@@ -343,9 +343,36 @@ pub fn validate_id(id: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// What a config is validated for (see [`VmConfig::validate_restored`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    /// A new VM: its guest is loaded from the image files.
+    Create,
+    /// A restored VM: its RAM and saved state already hold the guest and its
+    /// devices.
+    Restore,
+}
+
 impl VmConfig {
     /// Validates everything that can be checked before any resource exists.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check(Purpose::Create)
+    }
+
+    /// Validates the config of a snapshot being restored, through the same
+    /// checks as [`VmConfig::validate`] (id, vCPU and memory limits, disks,
+    /// NICs, vsock, guest name, vCPUs and arguments) but two that are about
+    /// loading a new guest: the guest's image files (kernel, initrd, raw
+    /// image) are not looked at, because the restored RAM already holds the
+    /// guest and restore never opens them; and virtio devices on a real-mode
+    /// test guest are not refused, because the saved state already holds
+    /// them (host tests play their drivers; restore checks that the saved
+    /// devices match the config's).
+    pub fn validate_restored(&self) -> Result<(), ConfigError> {
+        self.check(Purpose::Restore)
+    }
+
+    fn check(&self, purpose: Purpose) -> Result<(), ConfigError> {
         if let Some(id) = &self.id {
             validate_id(id)?;
         }
@@ -361,7 +388,7 @@ impl VmConfig {
                 host,
             });
         }
-        if self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {
+        if purpose == Purpose::Create && self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {
             return Err(ConfigError::Guest(
                 "virtio devices need a Linux guest (the real-mode test guests have no PCI bus)".into(),
             ));
@@ -428,6 +455,7 @@ impl VmConfig {
                     )));
                 }
             }
+            GuestSpec::Linux { .. } | GuestSpec::Raw { .. } if purpose == Purpose::Restore => {}
             GuestSpec::Linux { kernel, initrd, .. } => {
                 for p in std::iter::once(kernel).chain(initrd) {
                     let md = std::fs::metadata(p).map_err(|e| ConfigError::Image {

@@ -186,23 +186,36 @@ impl GuestRam {
         Ok(())
     }
 
-    /// Writes the whole RAM, as this VM sees it, into `dst` (sparse: zero
-    /// pages are skipped).
-    pub fn write_to(&self, dst: &File) -> Result<(), std::io::Error> {
+    /// Reads `buf.len()` bytes of RAM at memfd offset `off` as this VM sees
+    /// them, without allocating a page: the memfd is read with `pread` (a
+    /// hole reads as zeros and stays a hole), and after a fork the pages this
+    /// VM wrote since the freeze (its private copies, see
+    /// [`GuestRam::harvest`]) are read from its mapping over that. Call with
+    /// every writer paused and, after a fork, just after a harvest.
+    pub fn read_as_seen(&self, off: u64, buf: &mut [u8]) -> Result<(), std::io::Error> {
         use std::os::unix::fs::FileExt;
-        let mut buf = vec![0u8; 1 << 20];
-        for (gpa, off, len) in layout(self.size) {
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(buf.len() as u64) as usize;
-                self.mem
-                    .read_slice(&mut buf[..n], GuestAddress(gpa + done))
-                    .map_err(|e| std::io::Error::other(e.to_string()))?;
-                if buf[..n].iter().any(|&b| b != 0) {
-                    dst.write_all_at(&buf[..n], off + done)?;
-                }
-                done += n as u64;
+        self.memfd.read_exact_at(buf, off)?;
+        if !self.is_frozen() {
+            return Ok(());
+        }
+        let end = off + buf.len() as u64;
+        let d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
+        let mut page = off / PAGE;
+        while page * PAGE < end {
+            let word = d.get((page / 64) as usize).copied().unwrap_or(0);
+            if word == 0 {
+                page = (page / 64 + 1) * 64;
+                continue;
             }
+            if word & (1 << (page % 64)) != 0 {
+                let from = (page * PAGE).max(off);
+                let to = ((page + 1) * PAGE).min(end);
+                let dst = &mut buf[(from - off) as usize..(to - off) as usize];
+                self.mem
+                    .read_slice(dst, GuestAddress(gpa_of(from)))
+                    .map_err(|e| std::io::Error::other(e.to_string()))?;
+            }
+            page += 1;
         }
         Ok(())
     }
@@ -378,6 +391,59 @@ pub fn layout(size: u64) -> Vec<(u64, u64, u64)> {
         v.push((HIGH_RAM_START, low, size - low));
     }
     v
+}
+
+/// The data extents of `file` within `[0, len)`, in order, found with
+/// `SEEK_DATA`/`SEEK_HOLE`: every byte outside them reads as zero. This is
+/// the one sparse walk k7d has: the snapshot writer walks a VM's memfd with
+/// it, and restore walks the memory file (so holes stay holes both ways). A
+/// file system that cannot answer reports the rest of the file as one extent
+/// (correct, only slower).
+pub fn data_extents(file: &File, len: u64) -> DataExtents<'_> {
+    DataExtents { file, len, off: 0 }
+}
+
+/// The iterator of [`data_extents`].
+pub struct DataExtents<'a> {
+    file: &'a File,
+    len: u64,
+    off: u64,
+}
+
+impl DataExtents<'_> {
+    /// `lseek(off, whence)`; `None`: no data at or after `off` (`ENXIO`).
+    fn seek(&self, off: u64, whence: i32) -> Option<u64> {
+        let Ok(o) = i64::try_from(off) else { return Some(off) };
+        // SAFETY: lseek on an open file we borrow; it touches no memory (it
+        // moves the file offset, which nothing here relies on: every read
+        // and write of these files is positioned).
+        let r = unsafe { libc::lseek(self.file.as_raw_fd(), o, whence) };
+        match u64::try_from(r) {
+            Ok(v) => Some(v),
+            Err(_) if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => None,
+            Err(_) if whence == libc::SEEK_HOLE => Some(self.len),
+            Err(_) => Some(off),
+        }
+    }
+}
+
+impl Iterator for DataExtents<'_> {
+    type Item = std::ops::Range<u64>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.off >= self.len {
+            return None;
+        }
+        let start = self.seek(self.off, libc::SEEK_DATA)?.max(self.off);
+        if start >= self.len {
+            self.off = self.len;
+            return None;
+        }
+        let end = self.seek(start, libc::SEEK_HOLE).unwrap_or(self.len).min(self.len);
+        let end = end.max(start + 1).min(self.len);
+        self.off = end;
+        Some(start..end)
+    }
 }
 
 #[cfg(test)]

@@ -4,5 +4,6 @@ pub mod control;
 pub mod irq;
 pub mod memory;
 pub mod persist;
+pub mod snapshot;
 pub mod vcpu;
 pub mod vm;

@@ -54,6 +54,28 @@ pub enum PersistError {
     /// A FAM wrapper could not be built.
     #[error("cannot build the {0} list")]
     Fam(&'static str),
+    /// A snapshot directory was refused or could not be read.
+    #[error(transparent)]
+    Snapshot(#[from] super::snapshot::SnapshotError),
+}
+
+/// Checks that `state` can be restored into a VM built from `config`: its
+/// version is this k7d's and it has one saved vCPU per configured vCPU.
+pub fn check_fits(config: &crate::config::VmConfig, state: &MachineState) -> Result<(), PersistError> {
+    if state.version != STATE_VERSION {
+        return Err(PersistError::Mismatch(format!(
+            "state version {} is not {STATE_VERSION}",
+            state.version
+        )));
+    }
+    if state.vcpus.len() != usize::from(config.vcpus) {
+        return Err(PersistError::Mismatch(format!(
+            "the state has {} vCPUs, the config {}",
+            state.vcpus.len(),
+            config.vcpus
+        )));
+    }
+    Ok(())
 }
 
 fn ioctl(what: &'static str, whom: impl Into<String>) -> impl FnOnce(kvm_ioctls::Error) -> PersistError {

@@ -26,6 +26,7 @@ use super::control::{ControlError, StopReason, VmControl};
 use super::irq::{DeviceMsiRouter, GsiRouting};
 use super::memory::{GuestMemoryMmap, GuestRam, MemoryError};
 use super::persist::{self, MachineState, PersistError};
+use super::snapshot;
 use super::vcpu::{self, Buses, VcpuSetupError};
 use crate::arch::x86_64 as arch;
 use crate::config::{GuestSpec, VmConfig};
@@ -153,26 +154,10 @@ pub struct DeviceInfo {
 
 /// Where a restored VM's RAM comes from.
 enum RamSource<'a> {
-    /// Copied from a file holding guest RAM byte for byte.
-    File(&'a File),
+    /// Already filled (from a file holding guest RAM byte for byte).
+    Ready(GuestRam),
     /// A fork child of this frozen RAM (plus the pages that diverged from it).
     ChildOf(&'a GuestRam),
-}
-
-/// `state.json` in a snapshot directory.
-pub const SNAPSHOT_STATE: &str = "state.json";
-/// `memory` in a snapshot directory: guest RAM, byte for byte (sparse).
-pub const SNAPSHOT_MEMORY: &str = "memory";
-/// The `format` field of a snapshot's state file.
-pub const SNAPSHOT_FORMAT: &str = "k7d-snapshot";
-
-/// The state file of a cold snapshot.
-#[derive(Debug, Serialize, Deserialize)]
-struct SnapshotFile {
-    format: String,
-    version: u32,
-    config: VmConfig,
-    state: MachineState,
 }
 
 /// Host-side options that are not part of the guest-visible config.
@@ -230,21 +215,10 @@ impl Vm {
         state: &MachineState,
         memory: &File,
     ) -> Result<Self, VmError> {
-        if state.version != persist::STATE_VERSION {
-            return Err(VmError::Persist(PersistError::Mismatch(format!(
-                "state version {} is not {}",
-                state.version,
-                persist::STATE_VERSION
-            ))));
-        }
-        if state.vcpus.len() != usize::from(config.vcpus) {
-            return Err(VmError::Persist(PersistError::Mismatch(format!(
-                "the state has {} vCPUs, the config {}",
-                state.vcpus.len(),
-                config.vcpus
-            ))));
-        }
-        Self::build(id, config, opts, Some((state, RamSource::File(memory))))
+        persist::check_fits(config, state)?;
+        let ram = GuestRam::new(id, config.memory_bytes())?;
+        snapshot::copy_sparse(memory, ram.memfd(), ram.size()).map_err(snapshot_io)?;
+        Self::build(id, config, opts, Some((state, RamSource::Ready(ram))))
     }
 
     /// Forks this paused VM: a new VM `child_id` whose RAM is copy-on-write
@@ -336,13 +310,20 @@ impl Vm {
         forked_disks: Option<Vec<k7d_devices::virtio::block::DiskImage>>,
     ) -> Result<Self, VmError> {
         let created = Instant::now();
-        // Every guest-file error comes before any KVM object exists.
-        let image = match &config.guest {
-            GuestSpec::Linux { kernel, .. } => {
+        let (state, ram_source) = match restore {
+            Some((st, src)) => (Some(st), Some(src)),
+            None => (None, None),
+        };
+        // Every guest-file error comes before any KVM object exists. A
+        // restored or forked guest's RAM already holds its image: the files
+        // are not opened again (they may be gone or changed).
+        let image = match (&config.guest, &ram_source) {
+            (_, Some(_)) => None,
+            (GuestSpec::Linux { kernel, .. }, None) => {
                 arch::probe_kernel(kernel)?;
                 None
             }
-            other => Some(load_image(other)?),
+            (other, None) => Some(load_image(other)?),
         };
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
@@ -352,14 +333,10 @@ impl Vm {
         // Memslots before the irqchip: once KVM has a memslot of its own (the
         // irqchip adds one), every new slot waits for an SRCU grace period,
         // ~7 ms on these hosts (see CHALLENGES.md).
-        let (ram, dirty_log) = match &restore {
+        let (ram, dirty_log) = match ram_source {
             None => (GuestRam::new(id, config.memory_bytes())?, false),
-            Some((_, RamSource::File(src))) => {
-                let ram = GuestRam::new(id, config.memory_bytes())?;
-                copy_memory(src, ram.memfd(), ram.size())?;
-                (ram, false)
-            }
-            Some((_, RamSource::ChildOf(parent))) => {
+            Some(RamSource::Ready(ram)) => (ram, false),
+            Some(RamSource::ChildOf(parent)) => {
                 let ram = GuestRam::new_child(parent)?;
                 ram.copy_diverged_from(parent, &parent.diverged_pages())?;
                 // A child can be forked in turn: it tracks its own writes.
@@ -369,7 +346,7 @@ impl Vm {
         ram.register(&vm_fd, dirty_log)?;
         let is_linux = matches!(config.guest, GuestSpec::Linux { .. });
         // A restored guest's RAM already holds its kernel, tables and state.
-        let linux = match (&config.guest, &restore) {
+        let linux = match (&config.guest, state) {
             (
                 GuestSpec::Linux {
                     kernel,
@@ -404,12 +381,12 @@ impl Vm {
             ..Default::default()
         };
         vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
-        if let Some((st, _)) = &restore {
+        if let Some(st) = state {
             persist::restore_vm(&vm_fd, &st.vm)?;
         }
 
         let control = Arc::new(VmControl::new(id));
-        let serial_state = restore.as_ref().map(|(st, _)| &st.serial);
+        let serial_state = state.map(|st| &st.serial);
         let mut net_cleanups = Vec::new();
         let mut virtio = Vec::new();
         let mut ram_writers = RamWriters::default();
@@ -437,8 +414,8 @@ impl Vm {
                 what: "KVM_CREATE_VCPU",
                 source,
             })?;
-            match (&linux, &restore) {
-                (_, Some((st, _))) => persist::restore_vcpu(&v, i, &st.vcpus[i as usize])?,
+            match (&linux, state) {
+                (_, Some(st)) => persist::restore_vcpu(&v, i, &st.vcpus[i as usize])?,
                 (Some(entry), None) => arch::setup_linux_vcpu(&kvm, &v, i, n, entry)?,
                 (None, None) => {
                     let cpuid = vcpu::cpuid_for(&kvm, i)?;
@@ -457,12 +434,12 @@ impl Vm {
             }
             pending.push(Arc::new(Mutex::new(v)));
         }
-        if let Some((st, _)) = &restore {
+        if let Some(st) = state {
             // After the vCPUs: a restored device may signal at once, and an
             // interrupt needs the restored LAPICs to land in.
             restore_virtio(id, &virtio, &st.virtio)?;
         }
-        if let (Some(image), None) = (image, &restore) {
+        if let (Some(image), None) = (image, state) {
             let tsc_khz = vcpu::lock_vcpu(&pending[0]).get_tsc_khz().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "KVM_GET_TSC_KHZ failed; assuming 1 GHz for the guest parameter block");
                 1_000_000
@@ -735,10 +712,23 @@ impl Vm {
             .collect()
     }
 
-    /// Writes a cold snapshot into `dir` (created): `state.json` (machine
-    /// state, config, format version) and `memory` (guest RAM, sparse). The
-    /// VM must be paused.
+    /// Writes a cold snapshot into `dir`, which must not exist: as
+    /// [`Vm::snapshot`] without replacing.
     pub fn snapshot_to(&self, dir: &Path) -> Result<(), VmError> {
+        self.snapshot(dir, false)
+    }
+
+    /// Writes a cold snapshot of this paused VM into the directory `dir` (an
+    /// absolute path whose parent exists; see `docs/snapshots.md`):
+    /// `manifest.json` (format version, config, each file's size and
+    /// checksums), `state.json` (machine state) and `memory` (guest RAM,
+    /// sparse: only the pages the guest populated are read and written). It
+    /// is written beside `dir` and renamed into place, so `dir` is at every
+    /// instant absent, the old snapshot or the new one. An existing `dir` is
+    /// refused and left untouched unless `replace` is set and it is a
+    /// snapshot: then it is exchanged atomically with the new one and
+    /// removed.
+    pub fn snapshot(&self, dir: &Path, replace: bool) -> Result<(), VmError> {
         if let Some(i) = self.ram_writers.disks.iter().position(|d| d.is_frozen()) {
             return Err(VmError::Refused(format!(
                 "vm {} cannot be snapshotted: its disk {i} is a copy-on-write view since a fork, and a snapshot would not carry what it wrote",
@@ -746,72 +736,32 @@ impl Vm {
             )));
         }
         let state = self.save_state()?;
-        std::fs::create_dir_all(dir).map_err(io(format!("cannot create the snapshot directory {}", dir.display())))?;
-        let mem_path = dir.join(SNAPSHOT_MEMORY);
-        let mem = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&mem_path)
-            .map_err(io(format!("cannot create {}", mem_path.display())))?;
-        mem.set_len(self.ram.size())
-            .map_err(io(format!("cannot size {}", mem_path.display())))?;
-        // Through the mapping: after a fork, RAM is the frozen base plus this
-        // VM's private pages, and only the mapping shows both.
-        self.ram
-            .write_to(&mem)
-            .map_err(io(format!("cannot write guest memory to {}", mem_path.display())))?;
-        mem.sync_all()
-            .map_err(io(format!("cannot sync {}", mem_path.display())))?;
+        if self.ram.is_frozen() {
+            // Since a fork this VM's own pages are private copies over the
+            // frozen base; the writer reads them from the diverged set, so
+            // bring it up to date (the VM is paused: nothing writes).
+            self.ram_writers.harvest_into(&self.ram);
+            self.ram.harvest(&self.vm_fd)?;
+        }
         let mut config = self.config.clone();
         pin_macs(&mut config, &self.id);
-        let file = SnapshotFile {
-            format: SNAPSHOT_FORMAT.into(),
-            version: persist::STATE_VERSION,
-            config,
-            state,
-        };
-        let body = serde_json::to_vec(&file).map_err(|e| VmError::Persist(PersistError::Mismatch(e.to_string())))?;
-        let tmp = dir.join(".state.json.tmp");
-        std::fs::write(&tmp, body).map_err(io(format!("cannot write {}", tmp.display())))?;
-        std::fs::rename(&tmp, dir.join(SNAPSHOT_STATE)).map_err(io("cannot commit the snapshot state file"))?;
-        Ok(())
+        snapshot::write(dir, replace, &config, &state, &self.ram).map_err(|e| match e {
+            snapshot::SnapshotError::Refused(msg) => VmError::Refused(msg),
+            io => snapshot_io(io),
+        })
     }
 
-    /// Builds a VM from a snapshot directory written by [`Vm::snapshot_to`];
-    /// returns it with the config it was saved with (its id replaced by `id`).
+    /// Builds a VM from a snapshot directory written by [`Vm::snapshot`]
+    /// (an absolute path), with the config it was saved with (its id
+    /// replaced by `id`). Everything is verified before any KVM object
+    /// exists: the format version, the manifest's checksum, the config
+    /// (create's validation), each file's kind and size, and every chunk's
+    /// checksum, the memory file's as it is copied into the new memfd.
     pub fn restore_from(id: &str, dir: &Path, opts: &VmOptions) -> Result<Self, VmError> {
-        let state_path = dir.join(SNAPSHOT_STATE);
-        let text = std::fs::read(&state_path).map_err(io(format!("cannot read {}", state_path.display())))?;
-        let file: SnapshotFile = serde_json::from_slice(&text).map_err(|e| {
-            VmError::Persist(PersistError::Mismatch(format!(
-                "{} is not a k7d snapshot: {e}",
-                state_path.display()
-            )))
-        })?;
-        if file.format != SNAPSHOT_FORMAT {
-            return Err(VmError::Persist(PersistError::Mismatch(format!(
-                "{} has format `{}`, expected `{SNAPSHOT_FORMAT}`",
-                state_path.display(),
-                file.format
-            ))));
-        }
-        let mem_path = dir.join(SNAPSHOT_MEMORY);
-        let mem = File::open(&mem_path).map_err(io(format!("cannot open {}", mem_path.display())))?;
-        let len = mem
-            .metadata()
-            .map_err(io(format!("cannot stat {}", mem_path.display())))?
-            .len();
-        let mut config = file.config;
-        if len != config.memory_bytes() {
-            return Err(VmError::Persist(PersistError::Mismatch(format!(
-                "{} holds {len} bytes, the VM has {} MiB of RAM",
-                mem_path.display(),
-                config.memory_mib
-            ))));
-        }
-        config.id = Some(id.to_string());
-        Self::restore(id, &config, opts, &file.state, &mem)
+        let snap = snapshot::open(dir, id).map_err(PersistError::from)?;
+        let ram = GuestRam::new(id, snap.config.memory_bytes())?;
+        snap.copy_memory_into(&ram).map_err(PersistError::from)?;
+        Self::build(id, &snap.config, opts, Some((&snap.state, RamSource::Ready(ram))))
     }
 
     /// Stops the vCPUs (if running) and joins their threads.
@@ -1229,50 +1179,12 @@ fn add_linux_platform(
     Ok(())
 }
 
-/// Copies `len` bytes of guest RAM from `src` into the new VM's memfd,
-/// skipping holes (untouched pages stay unallocated in the destination): the
-/// file's holes are found with `SEEK_DATA`/`SEEK_HOLE` (a snapshot's memory
-/// file is written sparse) and data that reads as zero is not written.
-fn copy_memory(src: &File, dst: &File, len: u64) -> Result<(), VmError> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::FileExt;
-    // `None`: no data at or after `off` (ENXIO). A file system that cannot
-    // answer (any other error) is treated as all data from `off` on.
-    let seek = |off: u64, whence: i32| -> Option<u64> {
-        let Ok(o) = i64::try_from(off) else { return Some(off) };
-        // SAFETY: lseek on the caller's open file; it touches no memory (it
-        // moves the file offset, which nothing here relies on: reads are
-        // positioned).
-        let r = unsafe { libc::lseek(src.as_raw_fd(), o, whence) };
-        match u64::try_from(r) {
-            Ok(v) => Some(v),
-            Err(_) if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => None,
-            Err(_) if whence == libc::SEEK_HOLE => Some(len),
-            Err(_) => Some(off),
-        }
-    };
-    let mut buf = vec![0u8; 1 << 20];
-    let mut off = 0;
-    while off < len {
-        // The next data at or after `off`, and where it ends. ENXIO (no data
-        // left) ends the copy; a file system without SEEK_DATA reports the
-        // whole file as data.
-        let Some(start) = seek(off, libc::SEEK_DATA) else { break };
-        let end = seek(start, libc::SEEK_HOLE).unwrap_or(len).min(len);
-        let mut at = start.min(len);
-        while at < end {
-            let n = (end - at).min(buf.len() as u64) as usize;
-            src.read_exact_at(&mut buf[..n], at)
-                .map_err(io("cannot read the saved guest memory"))?;
-            if buf[..n].iter().any(|&b| b != 0) {
-                dst.write_all_at(&buf[..n], at)
-                    .map_err(io("cannot write the restored guest memory"))?;
-            }
-            at += n as u64;
-        }
-        off = end.max(start + 1);
+/// A snapshot file operation's failure as a VM error.
+fn snapshot_io(e: snapshot::SnapshotError) -> VmError {
+    match e {
+        snapshot::SnapshotError::Io { what, source } => VmError::Io { what, source },
+        other => VmError::Persist(PersistError::Snapshot(other)),
     }
-    Ok(())
 }
 
 /// Where `add_linux_platform` puts what it builds.

@@ -215,6 +215,7 @@ pub fn run() -> Vec<Item> {
             format!("memfd_create failed ({e}): k7d needs Linux >= 3.17 with memfd"),
         ),
     });
+    out.push(thp_item(crate::sys::shmem_thp_policy().as_deref()));
     out.push(dev_item(
         "tun",
         "/dev/net/tun",
@@ -246,6 +247,31 @@ pub fn run() -> Vec<Item> {
     });
     out.push(tc_object_item(k7d_net::tc_object_missing_reason()));
     out
+}
+
+/// Whether guest RAM (a shared memfd that k7d advises `MADV_HUGEPAGE`) can
+/// get transparent huge pages: `shmem_enabled` must be `advise`,
+/// `within_size`, `always` or `force`.
+fn thp_item(policy: Option<&str>) -> Item {
+    match policy {
+        Some("advise" | "within_size" | "always" | "force") => item(
+            "thp-shmem",
+            Level::Ok,
+            format!("shmem_enabled is {}: guest RAM gets 2 MiB pages", policy.unwrap_or_default()),
+        ),
+        Some(p) => item(
+            "thp-shmem",
+            Level::Info,
+            format!(
+                "shmem_enabled is {p}: guest RAM uses 4 KiB pages; `echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled` lets k7d ask for 2 MiB pages (faster guest boot, fewer faults)"
+            ),
+        ),
+        None => item(
+            "thp-shmem",
+            Level::Info,
+            "no transparent huge pages in this kernel: guest RAM uses 4 KiB pages",
+        ),
+    }
 }
 
 /// Whether this binary embeds the tc-eBPF object (decided when it was built).
@@ -290,6 +316,17 @@ mod tests {
             missing.detail
         );
         assert!(missing.detail.contains("bridge chain"), "{}", missing.detail);
+    }
+
+    #[test]
+    fn thp_line_says_whether_guest_ram_gets_huge_pages() {
+        for p in ["advise", "within_size", "always", "force"] {
+            assert_eq!(thp_item(Some(p)).level, Level::Ok, "{p}");
+        }
+        let never = thp_item(Some("never"));
+        assert_eq!(never.level, Level::Info);
+        assert!(never.detail.contains("echo advise"), "{}", never.detail);
+        assert_eq!(thp_item(None).level, Level::Info);
     }
 
     #[test]

@@ -182,6 +182,28 @@ pub fn host_ram_bytes() -> u64 {
         .unwrap_or(u64::MAX)
 }
 
+/// Asks the kernel to back `[addr, addr + len)` with transparent huge pages
+/// (`MADV_HUGEPAGE`). For a shared memfd mapping this takes effect when
+/// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` is `advise`,
+/// `within_size` or `always`; with `never` it is accepted and does nothing.
+pub fn advise_huge_pages(addr: *mut u8, len: usize) -> io::Result<()> {
+    // SAFETY: madvise(MADV_HUGEPAGE) only changes the kernel's page-size
+    // policy for the range; it never changes its contents or mapping, and an
+    // address that is not mapped by this process is an error (ENOMEM), not
+    // undefined behaviour.
+    let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// The host's policy for huge pages in shared memory (`shmem_enabled`, the
+/// bracketed word), if the kernel has transparent huge pages.
+pub fn shmem_thp_policy() -> Option<String> {
+    let text = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
+    let start = text.find('[')? + 1;
+    let end = start + text[start..].find(']')?;
+    Some(text[start..end].to_string())
+}
+
 /// Host page size.
 pub fn page_size() -> usize {
     // SAFETY: sysconf has no memory-safety preconditions.

@@ -28,6 +28,10 @@ for m in $(cat /lab/modules.order); do
   insmod "/lab/modules/$m" $opts || { echo "LAB-FAIL L1: insmod $m $opts failed"; end 1; }
 done
 [ -c /dev/kvm ] || { echo "LAB-FAIL L1: no /dev/kvm after loading kvm-amd"; end 1; }
+# The node setting `k7d check` recommends: shared memory (k7d's guest RAM
+# memfd, advised MADV_HUGEPAGE) may get 2 MiB pages, as QEMU's anonymous guest
+# RAM already does under L1's THP "always" (docs/linux-boot.md, "Huge pages").
+echo advise >/sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null
 ip link set lo up 2>/dev/null
 # The L2 serial channel: ttyS1 is a file on the host (l2.log); no CR/LF mangling.
 stty -F /dev/ttyS1 raw -echo 2>/dev/null
@@ -40,7 +44,7 @@ stty -F /dev/ttyS1 raw -echo 2>/dev/null
 # console writes and the guest.
 exec 7>/dev/ttyS1
 read -r up _ </proc/uptime
-echo "LAB-L1 ready uptime=$up modules=$(tr '\n' ' ' </lab/modules.order) cpus=$(nproc) halt_poll_ns=$(cat /sys/module/kvm/parameters/halt_poll_ns 2>/dev/null)"
+echo "LAB-L1 ready uptime=$up modules=$(tr '\n' ' ' </lab/modules.order) cpus=$(nproc) halt_poll_ns=$(cat /sys/module/kvm/parameters/halt_poll_ns 2>/dev/null) thp-shmem=$(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null)"
 
 cd /lab || end 1
 timeout -s KILL "${LAB_SCENARIO_TIMEOUT:-540}" sh /lab/scenario.sh

@@ -117,6 +117,16 @@ impl GuestRam {
                 .with_mmap_flags(share | libc::MAP_NORESERVE)
                 .build()
                 .map_err(MemoryError::Mmap)?;
+            // A VM's own RAM (not a fork's private view) asks for 2 MiB pages:
+            // one fault and one page-cache entry per 2 MiB instead of 512,
+            // which is most of a Linux guest's boot under nested
+            // virtualization (docs/linux-boot.md, "Huge pages"). Only advice:
+            // the host's shmem_enabled decides; `k7d check` reports it.
+            if share == libc::MAP_SHARED
+                && let Err(e) = crate::sys::advise_huge_pages(region.as_ptr(), len)
+            {
+                tracing::debug!("guest RAM at {gpa:#x}: MADV_HUGEPAGE refused ({e}); 4 KiB pages");
+            }
             let region = GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or_else(|| MemoryError::Memfd {
                 size_mib,
                 source: std::io::Error::other("region wraps the guest address space"),
@@ -451,6 +461,36 @@ mod tests {
     use super::*;
     use std::os::unix::fs::FileExt;
     use vm_memory::Bytes;
+
+    /// The VmFlags line of the mapping that starts at `addr` in /proc/self/smaps.
+    fn vm_flags(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut found = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ')
+                && let Some((start, _)) = range.split_once('-')
+                && let Ok(start) = usize::from_str_radix(start, 16)
+            {
+                found = start == addr;
+            } else if found && let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.trim().to_string();
+            }
+        }
+        panic!("no mapping at {addr:#x} in /proc/self/smaps");
+    }
+
+    #[test]
+    fn a_vms_own_ram_asks_for_huge_pages_and_a_forks_view_does_not() {
+        let ram = GuestRam::new("thp-test", 8 << 20).unwrap();
+        let region = ram.memory().find_region(GuestAddress(0)).unwrap();
+        let flags = vm_flags(region.as_ptr() as usize);
+        assert!(flags.split(' ').any(|f| f == "hg"), "MADV_HUGEPAGE missing: {flags}");
+        ram.freeze().unwrap();
+        let child = GuestRam::new_child(&ram).unwrap();
+        let region = child.memory().find_region(GuestAddress(0)).unwrap();
+        let flags = vm_flags(region.as_ptr() as usize);
+        assert!(!flags.split(' ').any(|f| f == "hg"), "a fork's private view was advised: {flags}");
+    }
 
     #[test]
     fn layout_splits_around_the_hole() {

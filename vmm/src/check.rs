@@ -257,7 +257,10 @@ fn thp_item(policy: Option<&str>) -> Item {
         Some("advise" | "within_size" | "always" | "force") => item(
             "thp-shmem",
             Level::Ok,
-            format!("shmem_enabled is {}: guest RAM gets 2 MiB pages", policy.unwrap_or_default()),
+            format!(
+                "shmem_enabled is {}: guest RAM gets 2 MiB pages",
+                policy.unwrap_or_default()
+            ),
         ),
         Some(p) => item(
             "thp-shmem",

@@ -192,7 +192,11 @@ pub fn advise_huge_pages(addr: *mut u8, len: usize) -> io::Result<()> {
     // address that is not mapped by this process is an error (ENOMEM), not
     // undefined behaviour.
     let rc = unsafe { libc::madvise(addr.cast(), len, libc::MADV_HUGEPAGE) };
-    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
 }
 
 /// The host's policy for huge pages in shared memory (`shmem_enabled`, the

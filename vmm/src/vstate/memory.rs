@@ -489,7 +489,10 @@ mod tests {
         let child = GuestRam::new_child(&ram).unwrap();
         let region = child.memory().find_region(GuestAddress(0)).unwrap();
         let flags = vm_flags(region.as_ptr() as usize);
-        assert!(!flags.split(' ').any(|f| f == "hg"), "a fork's private view was advised: {flags}");
+        assert!(
+            !flags.split(' ').any(|f| f == "hg"),
+            "a fork's private view was advised: {flags}"
+        );
     }
 
     #[test]

@@ -363,6 +363,24 @@ fn a_flipped_bit_is_refused_naming_the_file_and_its_byte_range() {
     assert!(e.contains("memory: bytes 0x500000 to 0x5fffff do not match"), "{e}");
     flip_bit(&memory, 0x50_0007);
     restore("snf-flip-ok2", &dest).unwrap();
+    // ... and data turned into a hole (zeros where the guest wrote).
+    let keep = std::fs::read(&memory).unwrap();
+    let f = std::fs::OpenOptions::new().write(true).open(&memory).unwrap();
+    // SAFETY: fallocate on our own open file; it touches no memory of ours.
+    let rc = unsafe {
+        libc::fallocate(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            PATTERN_AT as i64,
+            1 << 20,
+        )
+    };
+    assert_eq!(rc, 0, "punching a hole: {}", std::io::Error::last_os_error());
+    let e = refusal("snf-flip-h", &dest);
+    assert!(e.contains("memory: bytes 0x200000 to 0x2fffff do not match"), "{e}");
+    f.write_all_at(&keep[PATTERN_AT as usize..PATTERN_AT as usize + (1 << 20)], PATTERN_AT)
+        .unwrap();
+    restore("snf-flip-ok4", &dest).unwrap();
 
     let state = dest.join("state.json");
     flip_bit(&state, 100);
@@ -591,8 +609,9 @@ fn an_idle_vm_snapshot_reads_and_writes_only_the_pages_it_populated() {
         allocated(&mem)
     );
     let r = restore("snf-idle-r", &dest).unwrap();
+    // (Below 16 MiB: a host that gives shmem huge pages allocates 2 MiB at a time.)
     assert!(
-        allocated(r.memfd()) < 1 << 20,
+        allocated(r.memfd()) < 16 << 20,
         "the restore populated {} bytes",
         allocated(r.memfd())
     );
@@ -645,6 +664,9 @@ fn a_forked_vm_and_its_child_are_snapshotted_as_they_see_their_ram() {
     assert!(wait_for(Duration::from_secs(5), || read_u32(&child, COUNTER) != c));
     pause(&child);
     assert!(src.ram().is_frozen() && child.ram().is_frozen());
+    // And each writes where the frozen base has a hole (as a device would).
+    src.memory().write_obj(0x5eed_u32, GuestAddress(0x70_0000)).unwrap();
+    child.memory().write_obj(0xc41d_u32, GuestAddress(0x78_0000)).unwrap();
     for (vm, name) in [(&src, "src"), (&child, "child")] {
         let dest = s.0.join(name);
         vm.snapshot(&dest, false).unwrap();

@@ -3,7 +3,7 @@
 # with SVM), runs a scenario inside it that drives a VMM to boot a real Linux
 # L2 guest, and judges the result. See docs/lab.md.
 #
-#   tests/lab/run.sh [--bin PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
+#   tests/lab/run.sh [--bin PATH] [--test-bin PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
 #   tests/lab/run.sh --list | --check | --fetch
 #
 # Exit status: 0 pass, 1 scenario failed, 2 harness error.
@@ -18,10 +18,11 @@ usage() { sed -n '6,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 # header FILE KEY [DEFAULT]: the value of "# lab: KEY=value" in a scenario.
 header() { local v; v=$(sed -n "s/^# lab: *$2=//p" "$1" | head -n1); printf '%s\n' "${v:-${3:-}}"; }
 
-BIN='' OUT='' TIMEOUT='' SCEN='' FETCH=''
+BIN='' TEST_BIN='' OUT='' TIMEOUT='' SCEN='' FETCH=''
 while [[ $# -gt 0 ]]; do
   case $1 in
     --bin) BIN=$(realpath "$2"); shift 2 ;;
+    --test-bin) TEST_BIN=$(realpath "$2"); shift 2 ;;  # a host test binary to run inside L1 (LAB_TEST_BIN)
     --out) OUT=$2; shift 2 ;;
     --runs) export LAB_RUNS=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
@@ -71,6 +72,8 @@ GUEST_SCRIPT=$LAB/scenarios/$(header "$SCRIPT" guest "$SCEN").guest.sh
 TIMEOUT=${TIMEOUT:-${K7D_LAB_TIMEOUT:-$(header "$SCRIPT" timeout 600)}}
 [[ $(header "$SCRIPT" bin) != required || -n $BIN ]] || die "scenario $SCEN needs --bin PATH"
 [[ -z $BIN || -x $BIN ]] || die "--bin $BIN is not an executable"
+[[ $(header "$SCRIPT" test-bin) != required || -n $TEST_BIN ]] || die "scenario $SCEN needs --test-bin PATH"
+[[ -z $TEST_BIN || -x $TEST_BIN ]] || die "--test-bin $TEST_BIN is not an executable"
 OUT=${OUT:-${K7D_LAB_OUT:-${TMPDIR:-/tmp}/k7d-lab/$SCEN}}
 rm -rf "$OUT" && mkdir -p "$OUT/work"
 OUT=$(realpath "$OUT")
@@ -150,6 +153,7 @@ done
 mkcpio "$OUT/work/guest" "$OUT/work/guest.cpio"
 cat "$L2_BASE" "$OUT/work/guest.cpio" >"$RUN/lab/l2/initrd.cpio"
 [[ -z $BIN ]] || stage_elf "$BIN" "$RUN" "/lab/bin/$(basename "$BIN")"
+[[ -z $TEST_BIN ]] || stage_elf "$TEST_BIN" "$RUN" /lab/bin/test-bin
 for tool in $(header "$SCRIPT" l1-bins); do
   p=$(host_tool "$tool") || die "scenario $SCEN wants $tool in L1: not on this host (tests/lab/setup.sh)"
   stage_elf "$p" "$RUN" "/usr/bin/$tool"
@@ -175,7 +179,8 @@ fi
   q LAB_L2_KERNEL_RELEASE "$L2_KREL"
   q LAB_L1_BINS "$(header "$SCRIPT" l1-bins)"
   [[ -z $BIN ]] || q LAB_BIN "/lab/bin/$(basename "$BIN")"
-  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
+  [[ -z $TEST_BIN ]] || q LAB_TEST_BIN /lab/bin/test-bin
+  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|TEST_BIN|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
 } >"$RUN/lab/env"
 mkcpio "$RUN" "$OUT/work/run.cpio"
 cat "${IMAGES[@]}" "$OUT/work/run.cpio" >"$OUT/work/l1-initrd.cpio"

@@ -159,7 +159,7 @@ fn a_vhost_nic_is_forked_with_its_kernel_dirty_log_switched_on() {
     if (!k7d_tests::is_root() || !std::path::Path::new("/dev/vhost-net").exists())
         && skip(
             "a_vhost_nic_is_forked_with_its_kernel_dirty_log_switched_on",
-            "needs root and /dev/vhost-net (this host's kernel has no vhost_net; the lab's k7d-fork-vhost runs the path)",
+            "needs root and /dev/vhost-net (this host's kernel has no vhost_net; the lab runs this test in L1: host-tests-l1)",
         )
     {
         return;

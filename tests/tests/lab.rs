@@ -46,8 +46,14 @@ fn out_dir(scenario: &str) -> PathBuf {
 /// in the lab summary (`<target>/lab/summary.tsv`, printed at the end of CI
 /// by `tests/run-all.sh`) says "passed on retry".
 fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
+    run_scenario_with(scenario, bin, None)
+}
+
+/// [`run_scenario`] with a host test binary for the scenario to run in L1
+/// (`run.sh --test-bin`).
+fn run_scenario_with(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>) -> Result<Value> {
     let t0 = Instant::now();
-    let first = match run_scenario_once(scenario, bin) {
+    let first = match run_scenario_once(scenario, bin, test_bin) {
         Ok(r) => {
             summary(scenario, "pass", 1, t0.elapsed(), &r);
             return Ok(r);
@@ -62,7 +68,7 @@ fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
         Err(e) => format!("its logs could not be kept ({e})"),
     };
     eprintln!("LAB RETRY: scenario {scenario} failed once ({kept_note}); running it again. First failure:\n{first:#}");
-    match run_scenario_once(scenario, bin) {
+    match run_scenario_once(scenario, bin, test_bin) {
         Ok(r) => {
             summary(scenario, "passed on retry", 2, t0.elapsed(), &r);
             Ok(r)
@@ -100,12 +106,15 @@ fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Val
     }
 }
 
-fn run_scenario_once(scenario: &str, bin: Option<&Path>) -> Result<Value> {
+fn run_scenario_once(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>) -> Result<Value> {
     let out = out_dir(scenario);
     let mut cmd = Command::new(lab_dir().join("run.sh"));
     cmd.arg("--out").arg(&out).env("K7D_LAB_QUIET", "1");
     if let Some(bin) = bin {
         cmd.arg("--bin").arg(bin);
+    }
+    if let Some(bin) = test_bin {
+        cmd.arg("--test-bin").arg(bin);
     }
     cmd.arg(scenario);
     let output = cmd.output().context("running tests/lab/run.sh")?;
@@ -216,6 +225,18 @@ fn lab_stall_watchdog_fires_with_evidence() {
     let r = run_scenario("lab-stall", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
     let took = metric(&r, "stall.detected_after_init");
     assert!((10.0..45.0).contains(&took), "detected {took} s after init");
+}
+
+/// Host-level tests the PVM host cannot run (no `vhost_net` in its kernel)
+/// run inside L1 instead, from the same test binary: the vhost NIC fork test
+/// with `K7D_NO_SKIP=1` (a skip there fails).
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_host_tests_that_need_vhost_run_in_l1() {
+    let bin = test_binary("fork_devices").unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario_with("host-tests-l1", None, Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("passed in L1 with /dev/vhost-net"), "{notes}");
 }
 
 /// k7d's virtio-blk with a real guest: mkfs.ext4 + mount + 16 MiB + sync on a
@@ -372,4 +393,37 @@ fn k7d_binary() -> Result<PathBuf> {
         bail!("cargo build --release -p k7d-vmm failed: {status}");
     }
     Ok(target_dir().join("release").join("k7d"))
+}
+
+/// The executable of the k7d-tests integration test `name`, as cargo builds
+/// it for this profile (`cargo test --no-run --message-format=json`).
+fn test_binary(name: &str) -> Result<PathBuf> {
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let out = Command::new(cargo)
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "k7d-tests",
+            "--test",
+            name,
+            "--no-run",
+            "--message-format=json",
+            "--target-dir",
+        ])
+        .arg(target_dir())
+        .output()
+        .with_context(|| format!("cargo test --no-run --test {name}"))?;
+    if !out.status.success() {
+        bail!(
+            "building the test {name} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .with_context(|| format!("cargo named no executable for the test {name}"))
 }

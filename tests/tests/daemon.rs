@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use k7d_guest::{RESULTS_ADDR, result};
 use k7d_tests::{TestDaemon, wait_for};
-use k7d_vmm::daemon::api::{ErrorCode, Request};
+use k7d_vmm::daemon::api::{ErrorCode, Reply, Request};
 use k7d_vmm::daemon::store::VmRecord;
 use serde_json::{Value, json};
 
@@ -31,8 +31,10 @@ fn lifecycle_is_recorded_and_pause_parks_the_guest() {
 
     // The guest's loop counter moves while running...
     let counter = || {
-        let vm = d.daemon.handle(Request::Info("mw".into())).unwrap();
-        assert_eq!(vm["id"], "mw");
+        let Reply::Vm(vm) = d.daemon.handle(Request::Info("mw".into())).unwrap() else {
+            panic!("info did not answer with a VM")
+        };
+        assert_eq!(vm.id, "mw");
         read_counter(&d)
     };
     assert!(
@@ -249,4 +251,234 @@ fn stale_records_are_reconciled_and_the_state_dir_is_exclusive() {
     );
     drop(d);
     k7d_vmm::daemon::Daemon::open(&state).expect("the state dir is free again once the daemon is gone");
+}
+
+fn idle(id: &str) -> k7d_vmm::VmConfig {
+    let mut cfg = k7d_tests::builtin("idle", 1, 8, &[]);
+    cfg.id = Some(id.into());
+    cfg
+}
+
+/// Every op through the real socket: the typed client reads each result as
+/// the type its op defines, and that type carries every field the daemon
+/// sent (the raw result and the typed one written back are equal).
+#[test]
+fn every_op_answers_with_the_type_its_op_defines() {
+    use k7d_vmm::daemon::api::{CreateArgs, ForkArgs, PeekArgs, RestoreArgs, SnapshotArgs};
+    let d = TestDaemon::start("typed");
+    let mut c = d.client();
+    let snap = d.dir.0.join("snap");
+    let ops = [
+        Request::Create(CreateArgs {
+            config: idle("t"),
+            start: false,
+        }),
+        Request::Start("t".into()),
+        Request::Pause("t".into()),
+        Request::Resume("t".into()),
+        Request::Info("t".into()),
+        Request::Snapshot(SnapshotArgs {
+            id: "t".into(),
+            dir: snap.clone(),
+        }),
+        Request::Restore(RestoreArgs {
+            dir: snap.clone(),
+            id: Some("r".into()),
+        }),
+        Request::Fork(ForkArgs {
+            id: "t".into(),
+            count: 2,
+        }),
+        Request::Peek(PeekArgs {
+            id: "t".into(),
+            addr: RESULTS_ADDR,
+            count: 3,
+        }),
+        Request::List,
+        Request::Version,
+        Request::Stop("t".into()),
+        Request::Delete("t".into()),
+    ];
+    for req in ops {
+        let raw = c.call(&req).unwrap_or_else(|e| panic!("`{}`: {e}", req.op()));
+        let reply = Reply::from_result(&req, raw.clone()).unwrap_or_else(|e| panic!("`{}`: {e}: {raw}", req.op()));
+        assert_eq!(
+            serde_json::to_value(&reply).unwrap(),
+            raw,
+            "`{}` lost a field",
+            req.op()
+        );
+        match (&req, &reply) {
+            (Request::Create(_), Reply::Vm(vm)) => assert_eq!((vm.id.as_str(), vm.status.as_str()), ("t", "created")),
+            (Request::Start(_) | Request::Resume(_), Reply::Vm(vm)) => assert_eq!(vm.status, "running"),
+            (Request::Pause(_), Reply::Vm(vm)) => assert_eq!(vm.status, "paused"),
+            (Request::Info(_), Reply::Vm(vm)) => {
+                assert_eq!(vm.state, k7d_vmm::VmState::Running);
+                assert!(vm.serial_log.is_some() && vm.created_unix.is_some());
+            }
+            (Request::Snapshot(_), Reply::Snapshot(s)) => assert_eq!(s.dir, snap),
+            (Request::Restore(_), Reply::Vm(vm)) => assert_eq!((vm.id.as_str(), vm.status.as_str()), ("r", "running")),
+            (Request::Fork(_), Reply::Forked(f)) => {
+                let ids: Vec<&str> = f.children.iter().map(|c| c.info.id.as_str()).collect();
+                assert_eq!(ids, ["t-f1", "t-f2"]);
+                assert!(f.source_paused_ms >= f.pause_ms);
+            }
+            (Request::Peek(_), Reply::Peek(p)) => assert_eq!(p.words.len(), 3),
+            (Request::List, Reply::List(l)) => {
+                let ids: Vec<&str> = l.vms.iter().map(|v| v.id.as_str()).collect();
+                assert_eq!(ids, ["r", "t", "t-f1", "t-f2"]);
+            }
+            (Request::Version, Reply::Version(v)) => assert_eq!(v.pid, std::process::id()),
+            (Request::Stop(_), Reply::Vm(vm)) => assert_eq!(vm.status, "stopped (stop requested)"),
+            (Request::Delete(_), Reply::Deleted(del)) => assert!(del.deleted),
+            _ => panic!("`{}` answered {reply:?}", req.op()),
+        }
+        // `Client::request` reads the same (asked again only where asking
+        // twice changes nothing).
+        if matches!(req, Request::Info(_) | Request::Peek(_) | Request::Version) {
+            let again = c.request(&req).unwrap();
+            assert_eq!(std::mem::discriminant(&again), std::mem::discriminant(&reply));
+        }
+    }
+}
+
+/// A fork whose second child cannot be recorded (its record path is taken
+/// by a directory): the first child, already started, is stopped and
+/// removed, every child id is free again and no child file remains; the
+/// source runs on.
+#[test]
+fn a_fork_whose_child_cannot_be_recorded_leaves_no_child() {
+    use k7d_vmm::daemon::api::{CreateArgs, ForkArgs};
+    let d = TestDaemon::start("forkfail");
+    let mut c = d.client();
+    c.call(&Request::Create(CreateArgs {
+        config: idle("src"),
+        start: true,
+    }))
+    .unwrap();
+    let blocker = d.dir.0.join("state/vms/src-f2.json");
+    std::fs::create_dir(&blocker).unwrap();
+    let fork = |c: &mut k7d_vmm::daemon::client::Client| {
+        c.call(&Request::Fork(ForkArgs {
+            id: "src".into(),
+            count: 2,
+        }))
+    };
+    let e = fork(&mut c).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Internal, "{}", e.message);
+    assert!(e.message.contains("src-f2.json"), "{}", e.message);
+    let list = c.call(&Request::List).unwrap();
+    let ids: Vec<&str> = list["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["src"], "a child of the failed fork survived");
+    for child in ["src-f1", "src-f2"] {
+        let e = c.call(&Request::Info(child.into())).unwrap_err();
+        assert_eq!(e.code, ErrorCode::NotFound, "{child} is still held: {}", e.message);
+    }
+    let mut entries = d.state_entries();
+    entries.sort();
+    assert_eq!(
+        entries,
+        ["src", "src-f2.json", "src.json", "src.lock"],
+        "the failed fork left files"
+    );
+    assert_eq!(c.call(&Request::Info("src".into())).unwrap()["status"], "running");
+    // The ids were released: the same fork succeeds once the path is free.
+    std::fs::remove_dir(&blocker).unwrap();
+    let r = fork(&mut c).unwrap();
+    let ids: Vec<&str> = r["children"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["src-f1", "src-f2"]);
+}
+
+/// A source id too long to name its tenth child: the fork is refused and
+/// the nine ids reserved before the refusal are free again.
+#[test]
+fn a_refused_fork_releases_the_ids_it_reserved() {
+    use k7d_vmm::daemon::api::{CreateArgs, ForkArgs};
+    let d = TestDaemon::start("forklong");
+    let mut c = d.client();
+    let id = "s".repeat(60); // "<id>-f9" is 63 bytes, "<id>-f10" is 64
+    c.call(&Request::Create(CreateArgs {
+        config: idle(&id),
+        start: true,
+    }))
+    .unwrap();
+    let e = c
+        .call(&Request::Fork(ForkArgs {
+            id: id.clone(),
+            count: 10,
+        }))
+        .unwrap_err();
+    assert_eq!(e.code, ErrorCode::InvalidArgument);
+    assert!(e.message.contains("too long to name its children"), "{}", e.message);
+    let r = c
+        .call(&Request::Fork(ForkArgs {
+            id: id.clone(),
+            count: 9,
+        }))
+        .unwrap();
+    assert_eq!(r["children"].as_array().unwrap().len(), 9);
+    assert_eq!(r["children"][0]["id"], format!("{id}-f1"));
+    assert_eq!(d.record_files().len(), 10);
+}
+
+/// `with_paused` (snapshot and fork): the VM is resumed after a failed
+/// operation; when the resume fails too, the error says both; when only the
+/// resume fails, that is the error.
+#[test]
+fn with_paused_resumes_after_a_failure_and_reports_both_errors() {
+    use k7d_vmm::StopReason;
+    use k7d_vmm::daemon::api::ApiError;
+    use k7d_vmm::daemon::with_paused;
+    let dir = k7d_tests::TempDir::new("withpaused");
+    let cfg = k7d_tests::builtin("memwriter", 1, 16, &[4, 2097152, 0]);
+    let counter = |vm: &k7d_vmm::Vm| k7d_tests::read_u32(vm, RESULTS_ADDR + result::LOOP_COUNTER);
+
+    // The operation fails, the resume works: the operation's error, and the guest runs on.
+    let vm = k7d_tests::boot("wp1", &cfg, &dir.0.join("wp1.log"));
+    assert!(wait_for(Duration::from_secs(10), || counter(&vm) > 1000));
+    let e = with_paused(&vm, |vm, _| -> Result<(), ApiError> {
+        assert_eq!(vm.state(), k7d_vmm::VmState::Paused);
+        Err(ApiError::new(ErrorCode::Internal, "the operation failed"))
+    })
+    .unwrap_err();
+    assert_eq!(e, ApiError::new(ErrorCode::Internal, "the operation failed"));
+    assert_eq!(vm.state(), k7d_vmm::VmState::Running);
+    let a = counter(&vm);
+    assert!(wait_for(Duration::from_secs(5), || counter(&vm) > a), "not resumed");
+    drop(vm);
+
+    // Both fail: one error naming both, with the operation's code.
+    let vm = k7d_tests::boot("wp2", &cfg, &dir.0.join("wp2.log"));
+    let e = with_paused(&vm, |vm, _| -> Result<(), ApiError> {
+        vm.control().request_stop(StopReason::Requested);
+        Err(ApiError::new(ErrorCode::Conflict, "the operation failed"))
+    })
+    .unwrap_err();
+    assert_eq!(e.code, ErrorCode::Conflict);
+    assert!(
+        e.message
+            .starts_with("the operation failed; resuming vm wp2 afterwards failed too: vm wp2"),
+        "{}",
+        e.message
+    );
+    drop(vm);
+
+    // Only the resume fails: its error, not the operation's result.
+    let vm = k7d_tests::boot("wp3", &cfg, &dir.0.join("wp3.log"));
+    let e = with_paused(&vm, |vm, paused| {
+        vm.control().request_stop(StopReason::Requested);
+        Ok(paused)
+    })
+    .unwrap_err();
+    assert!(e.message.contains("vm wp3"), "{}", e.message);
 }

@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use k7d_tests::{TestDaemon, open_fds, thread_count, wait_for};
-use k7d_vmm::daemon::api::Request;
+use k7d_vmm::daemon::api::{CreateArgs, Request};
 
 const N: usize = 50;
 
@@ -18,10 +18,10 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
     // are in the baseline rather than counted as a leak.
     {
         let mut c = d.client();
-        c.call(&Request::Create {
+        c.call(&Request::Create(CreateArgs {
             config: k7d_tests::builtin("idle", 1, 8, &[]),
             start: true,
-        })
+        }))
         .unwrap();
         let id = c.call(&Request::List).unwrap()["vms"][0]["id"]
             .as_str()
@@ -45,10 +45,10 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
                 let mut c = k7d_vmm::daemon::client::Client::connect(&sock).unwrap();
                 let mut cfg = k7d_tests::builtin("idle", 1, 8, &[]);
                 cfg.id = Some(format!("vm{i:02}"));
-                c.call(&Request::Create {
+                c.call(&Request::Create(CreateArgs {
                     config: cfg,
                     start: true,
-                })
+                }))
                 .unwrap()
             })
         })

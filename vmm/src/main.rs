@@ -7,13 +7,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, anyhow};
 use clap::{Args, Parser, Subcommand};
-use serde_json::{Value, json};
+use serde_json::json;
 
 use k7d_vmm::config::{
     DevicesConfig, DiskConfig, GuestSpec, NicConfig, NodeConfig, SerialConfig, VmConfig, VsockConfig,
 };
 use k7d_vmm::daemon::Daemon;
-use k7d_vmm::daemon::api::{ApiError, Request};
+use k7d_vmm::daemon::api::{
+    ApiError, CreateArgs, ForkArgs, PeekArgs, Reply, Request, RestoreArgs, SnapshotArgs, VmInfo, VmList,
+};
 use k7d_vmm::daemon::client::Client;
 use k7d_vmm::daemon::server::Server;
 use k7d_vmm::netcli::NetCmd;
@@ -236,6 +238,22 @@ enum Cmd {
         #[arg(long)]
         node_config: Option<PathBuf>,
     },
+    #[command(flatten)]
+    Api(ApiCmd),
+    /// Report whether this host can run k7d.
+    Check,
+    /// Pod policy and drop counters of a VM's datapath NICs.
+    Net {
+        #[command(subcommand)]
+        cmd: NetCmd,
+    },
+}
+
+/// The verbs that are requests to the daemon.
+// Parsed once per process: `create`'s flags may make it the big one.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+enum ApiCmd {
     /// Create a VM in the daemon.
     Create {
         /// VM id (generated when absent).
@@ -290,13 +308,6 @@ enum Cmd {
     },
     /// List VMs.
     List,
-    /// Report whether this host can run k7d.
-    Check,
-    /// Pod policy and drop counters of a VM's datapath NICs.
-    Net {
-        #[command(subcommand)]
-        cmd: NetCmd,
-    },
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -386,86 +397,91 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 ExitCode::SUCCESS
             })
         }
-        cmd => {
+        Cmd::Api(cmd) => {
             init_logs("warn");
-            let req = match cmd {
-                Cmd::Create {
-                    id,
-                    guest,
-                    config,
-                    start,
-                } => {
-                    let config = match config {
-                        Some(path) => {
-                            let text = std::fs::read_to_string(&path)
-                                .with_context(|| format!("cannot read the config file {}", path.display()))?;
-                            let mut c: VmConfig = serde_json::from_str(&text)
-                                .with_context(|| format!("the config file {} is invalid", path.display()))?;
-                            if id.is_some() {
-                                c.id = id;
-                            }
-                            c
-                        }
-                        None => guest.config(id, false)?,
-                    };
-                    Request::Create { config, start }
-                }
-                Cmd::Start { id } => Request::Start(id),
-                Cmd::Pause { id } => Request::Pause(id),
-                Cmd::Resume { id } => Request::Resume(id),
-                Cmd::Stop { id } => Request::Stop(id),
-                Cmd::Delete { id } => Request::Delete(id),
-                Cmd::Info { id } => Request::Info(id),
-                Cmd::Snapshot { id, dir } => Request::Snapshot {
-                    id,
-                    dir: std::path::absolute(&dir).unwrap_or(dir),
-                },
-                Cmd::Restore { dir, id } => Request::Restore {
-                    dir: std::path::absolute(&dir).unwrap_or(dir),
-                    id,
-                },
-                Cmd::Peek { id, addr, count } => Request::Peek { id, addr, count },
-                Cmd::Fork { id, count } => Request::Fork { id, count },
-                Cmd::List => Request::List,
-                _ => unreachable!("handled above"),
-            };
-            let list = matches!(req, Request::List);
-            let result = Client::connect(&cli.socket)
-                .and_then(|mut c| c.call(&req))
-                .map_err(|e: ApiError| anyhow!("{e}"))?;
+            let req = api_request(cmd)?;
+            let mut client = Client::connect(&cli.socket).map_err(|e: ApiError| anyhow!("{e}"))?;
+            let result = client.call(&req).map_err(|e| anyhow!("{e}"))?;
+            // The result is read as the type its op defines; --json prints
+            // it as the daemon wrote it.
+            let reply = Reply::from_result(&req, result.clone())
+                .with_context(|| format!("the daemon's answer to `{}` is not its result", req.op()))?;
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&result)?);
-            } else if list {
-                print_list(&result);
-            } else if let Some(words) = result.get("words").and_then(|w| w.as_array()) {
-                let words: Vec<String> = words.iter().map(|w| w.to_string()).collect();
-                println!("{}", words.join(" "));
-            } else if let Some(children) = result.get("children").and_then(|c| c.as_array()) {
-                for c in children {
-                    println!(
-                        "vm {}: {} (forked in {:.2} ms)",
-                        c["id"].as_str().unwrap_or("?"),
-                        c["status"].as_str().unwrap_or("?"),
-                        c["fork_ms"].as_f64().unwrap_or(0.0)
-                    );
-                }
-                println!(
-                    "source {} paused for {:.2} ms",
-                    result["id"].as_str().unwrap_or("?"),
-                    result["source_paused_ms"].as_f64().unwrap_or(0.0)
-                );
-            } else if result.get("snapshot_ms").is_some() {
-                println!(
-                    "vm {}: snapshot written to {} in {:.1} ms",
-                    result["id"].as_str().unwrap_or("?"),
-                    result["dir"].as_str().unwrap_or("?"),
-                    result["snapshot_ms"].as_f64().unwrap_or(0.0)
-                );
             } else {
-                print_vm(&result);
+                print_reply(&reply);
             }
             Ok(ExitCode::SUCCESS)
         }
+    }
+}
+
+/// The request a daemon verb sends.
+fn api_request(cmd: ApiCmd) -> Result<Request> {
+    Ok(match cmd {
+        ApiCmd::Create {
+            id,
+            guest,
+            config,
+            start,
+        } => {
+            let config = match config {
+                Some(path) => {
+                    let text = std::fs::read_to_string(&path)
+                        .with_context(|| format!("cannot read the config file {}", path.display()))?;
+                    let mut c: VmConfig = serde_json::from_str(&text)
+                        .with_context(|| format!("the config file {} is invalid", path.display()))?;
+                    if id.is_some() {
+                        c.id = id;
+                    }
+                    c
+                }
+                None => guest.config(id, false)?,
+            };
+            Request::Create(CreateArgs { config, start })
+        }
+        ApiCmd::Start { id } => Request::Start(id),
+        ApiCmd::Pause { id } => Request::Pause(id),
+        ApiCmd::Resume { id } => Request::Resume(id),
+        ApiCmd::Stop { id } => Request::Stop(id),
+        ApiCmd::Delete { id } => Request::Delete(id),
+        ApiCmd::Info { id } => Request::Info(id),
+        ApiCmd::Snapshot { id, dir } => Request::Snapshot(SnapshotArgs {
+            id,
+            dir: std::path::absolute(&dir).unwrap_or(dir),
+        }),
+        ApiCmd::Restore { dir, id } => Request::Restore(RestoreArgs {
+            dir: std::path::absolute(&dir).unwrap_or(dir),
+            id,
+        }),
+        ApiCmd::Peek { id, addr, count } => Request::Peek(PeekArgs { id, addr, count }),
+        ApiCmd::Fork { id, count } => Request::Fork(ForkArgs { id, count }),
+        ApiCmd::List => Request::List,
+    })
+}
+
+fn print_reply(reply: &Reply) {
+    match reply {
+        Reply::Vm(vm) => print_vm(vm),
+        Reply::Deleted(d) => println!("vm {} deleted", d.id),
+        Reply::Snapshot(s) => println!(
+            "vm {}: snapshot written to {} in {:.1} ms",
+            s.id,
+            s.dir.display(),
+            s.snapshot_ms
+        ),
+        Reply::Forked(f) => {
+            for c in &f.children {
+                println!("vm {}: {} (forked in {:.2} ms)", c.info.id, c.info.status, c.fork_ms);
+            }
+            println!("source {} paused for {:.2} ms", f.id, f.source_paused_ms);
+        }
+        Reply::Peek(p) => {
+            let words: Vec<String> = p.words.iter().map(|w| w.to_string()).collect();
+            println!("{}", words.join(" "));
+        }
+        Reply::List(l) => print_list(l),
+        Reply::Version(v) => println!("k7d daemon {} (API version {}, pid {})", v.k7d, v.api_version, v.pid),
     }
 }
 
@@ -477,46 +493,24 @@ fn parse_u64(s: &str) -> Result<u64, String> {
     r.map_err(|e| format!("`{s}` is not a number: {e}"))
 }
 
-fn print_list(v: &Value) {
-    let vms = v["vms"].as_array().cloned().unwrap_or_default();
+fn print_list(l: &VmList) {
     println!("{:<24} {:<5} {:>8}  {:<18} STATUS", "ID", "VCPUS", "MEM(MiB)", "GUEST");
-    for vm in vms {
+    for vm in &l.vms {
         println!(
             "{:<24} {:<5} {:>8}  {:<18} {}",
-            vm["id"].as_str().unwrap_or("?"),
-            vm["vcpus"],
-            vm["memory_mib"],
-            vm["guest"].as_str().unwrap_or("?"),
-            vm["status"].as_str().unwrap_or("?")
+            vm.id, vm.vcpus, vm.memory_mib, vm.guest, vm.status
         );
     }
 }
 
-fn print_vm(v: &Value) {
-    if v.get("deleted").is_some() {
-        println!("vm {} deleted", v["id"].as_str().unwrap_or("?"));
-        return;
+fn print_vm(vm: &VmInfo) {
+    println!("vm {}: {}", vm.id, vm.status);
+    println!("  vcpus: {}, memory: {} MiB", vm.config.vcpus, vm.config.memory_mib);
+    for d in &vm.devices {
+        println!("  device {}: {} ({})", d.kind, d.location, d.detail);
     }
-    println!(
-        "vm {}: {}",
-        v["id"].as_str().unwrap_or("?"),
-        v["status"].as_str().unwrap_or("?")
-    );
-    if let Some(c) = v.get("config") {
-        println!("  vcpus: {}, memory: {} MiB", c["vcpus"], c["memory_mib"]);
-    }
-    if let Some(devs) = v["devices"].as_array() {
-        for d in devs {
-            println!(
-                "  device {}: {} ({})",
-                d["kind"].as_str().unwrap_or("?"),
-                d["location"].as_str().unwrap_or("?"),
-                d["detail"].as_str().unwrap_or("?")
-            );
-        }
-    }
-    if let Some(p) = v["serial_log"].as_str() {
-        println!("  serial log: {p}");
+    if let Some(p) = &vm.serial_log {
+        println!("  serial log: {}", p.display());
     }
 }
 

@@ -405,3 +405,69 @@ fn fork_makes_running_children_that_continue_from_the_source() {
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
     let _ = d.stderr_after_exit();
 }
+
+/// The text the CLI prints comes from the op's result type: `list`'s numbers
+/// sit in their columns under the header (they were printed as JSON values,
+/// which ignore widths), and a snapshot path that JSON cannot carry (not
+/// UTF-8) is one sentence and exit 1, not a panic.
+#[test]
+fn list_columns_line_up_and_a_non_utf8_path_is_one_sentence() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = Scratch::new("typed");
+    let (d, _) = DaemonProc::start(&dir.0);
+    let o = cli(
+        &dir.0,
+        &[
+            "create",
+            "--id",
+            "w",
+            "--builtin",
+            "idle",
+            "--memory",
+            "8",
+            "--vcpus",
+            "2",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let o = cli(&dir.0, &["list"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    let mut lines = out.lines();
+    let header = lines.next().unwrap();
+    let row = lines.next().unwrap();
+    let end = |l: &str, what: &str| {
+        l.find(what)
+            .map(|i| i + what.len())
+            .unwrap_or_else(|| panic!("{what} in {l:?}"))
+    };
+    assert_eq!(
+        end(row, " 8 "),
+        end(header, "MEM(MiB) "),
+        "memory is not under its header:\n{out}"
+    );
+    assert_eq!(
+        row.find("2 "),
+        header.find("VCPUS"),
+        "vcpus are not under their header:\n{out}"
+    );
+    assert_eq!(row.find("builtin:idle"), header.find("GUEST"), "{out}");
+
+    let bad = dir.0.join(std::ffi::OsStr::from_bytes(b"snap-\xff"));
+    let o = Command::new(K7D)
+        .arg("--socket")
+        .arg(dir.0.join("k7d.sock"))
+        .arg("snapshot")
+        .arg("w")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("cannot be written as JSON"), "{err}");
+    assert!(!bad.exists());
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    let _ = d.stderr_after_exit();
+}

@@ -1,78 +1,211 @@
-//! The daemon's JSON API, version 1.
+//! The daemon's JSON API, version 1: every request and every result as a
+//! serde type, shared by the daemon (which parses requests and writes
+//! results) and the CLI (which writes requests and reads results).
 //!
 //! Transport: a unix stream socket; one request per line, one response line
-//! per request. A request is `{"v":1,"op":"<verb>","args":{...}}`; a response
-//! is `{"v":1,"ok":true,"result":...}` or
-//! `{"v":1,"ok":false,"error":{"code":"...","message":"..."}}`.
-//! Unknown fields anywhere are refused, so a typo never silently does less.
+//! per request. A request is `{"v":1,"op":"<verb>","args":{...}}` ([`Request`]
+//! is the `op`/`args` part); a response is `{"v":1,"ok":true,"result":...}`
+//! or `{"v":1,"ok":false,"error":{"code":"...","message":"..."}}`, and the
+//! result of each op has one type ([`Reply::from_result`] names it).
+//! Unknown fields in a request are refused, so a typo never silently does
+//! less.
+
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::config::VmConfig;
+use crate::vstate::vm::{DeviceInfo, VmState};
 
 /// Most children one `fork` request makes.
 pub const MAX_FORKS: u32 = 64;
 
+/// Most words one `peek` request reads.
+pub const MAX_PEEK_WORDS: u32 = 1024;
+
 /// The API version this daemon speaks.
 pub const API_VERSION: u32 = 1;
 
-/// A parsed request.
-#[derive(Debug, Clone, PartialEq)]
+/// A request: its `op` and its `args`, as they travel.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", content = "args", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Request {
     /// Build a VM (and start it when `start`).
-    Create {
-        /// The VM.
-        config: VmConfig,
-        /// Start it right away.
-        start: bool,
-    },
+    Create(CreateArgs),
     /// Start a created VM.
-    Start(String),
+    Start(#[serde(with = "id_args")] String),
     /// Park a running VM's vCPUs.
-    Pause(String),
+    Pause(#[serde(with = "id_args")] String),
     /// Unpark them.
-    Resume(String),
+    Resume(#[serde(with = "id_args")] String),
     /// Stop the vCPUs (the VM stays listed until deleted).
-    Stop(String),
+    Stop(#[serde(with = "id_args")] String),
     /// Stop if needed and remove the VM and its record.
-    Delete(String),
+    Delete(#[serde(with = "id_args")] String),
     /// One VM's record and live state.
-    Info(String),
+    Info(#[serde(with = "id_args")] String),
     /// Pause a VM if needed, write a cold snapshot to a directory, resume it.
-    Snapshot {
-        /// VM.
-        id: String,
-        /// Target directory (created).
-        dir: std::path::PathBuf,
-    },
+    Snapshot(SnapshotArgs),
     /// Build and start a VM from a snapshot directory.
-    Restore {
-        /// Snapshot directory.
-        dir: std::path::PathBuf,
-        /// Id of the new VM (generated when absent).
-        id: Option<String>,
-    },
+    Restore(RestoreArgs),
     /// Fork a VM `count` times copy-on-write; the children start running.
-    Fork {
-        /// Source VM.
-        id: String,
-        /// Number of children (1..=64).
-        count: u32,
-    },
+    Fork(ForkArgs),
     /// Read `count` little-endian u32 words of guest RAM at `addr` (debugging, tests).
-    Peek {
-        /// VM.
-        id: String,
-        /// Guest physical address.
-        addr: u64,
-        /// Words to read (1..=1024).
-        count: u32,
-    },
+    Peek(PeekArgs),
     /// Every VM.
     List,
     /// Daemon and API version.
     Version,
+}
+
+/// `create`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateArgs {
+    /// The VM.
+    pub config: VmConfig,
+    /// Start it right away.
+    #[serde(default)]
+    pub start: bool,
+}
+
+/// `snapshot`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotArgs {
+    /// VM.
+    pub id: String,
+    /// Target directory (created).
+    pub dir: PathBuf,
+}
+
+/// `restore`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreArgs {
+    /// Snapshot directory.
+    pub dir: PathBuf,
+    /// Id of the new VM (generated when absent).
+    #[serde(default)]
+    pub id: Option<String>,
+}
+
+/// `fork`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkArgs {
+    /// Source VM.
+    pub id: String,
+    /// Number of children (1 to [`MAX_FORKS`]).
+    #[serde(default = "one")]
+    pub count: u32,
+}
+
+/// `peek`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeekArgs {
+    /// VM.
+    pub id: String,
+    /// Guest physical address.
+    pub addr: u64,
+    /// Words to read (1 to [`MAX_PEEK_WORDS`]).
+    #[serde(default = "one")]
+    pub count: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// The `{"id": ...}` arguments of the ops that name one VM, carried as a
+/// plain `String` in [`Request`].
+mod id_args {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct IdArgs {
+        id: String,
+    }
+
+    pub fn serialize<S: Serializer>(id: &str, s: S) -> Result<S::Ok, S::Error> {
+        IdArgs { id: id.to_string() }.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+        IdArgs::deserialize(d).map(|a| a.id)
+    }
+}
+
+impl Request {
+    /// Every op, as named on the wire.
+    pub const OPS: [&'static str; 13] = [
+        "create", "start", "pause", "resume", "stop", "delete", "info", "snapshot", "restore", "fork", "peek", "list",
+        "version",
+    ];
+
+    /// This request's op, as named on the wire.
+    pub fn op(&self) -> &'static str {
+        match self {
+            Self::Create(_) => "create",
+            Self::Start(_) => "start",
+            Self::Pause(_) => "pause",
+            Self::Resume(_) => "resume",
+            Self::Stop(_) => "stop",
+            Self::Delete(_) => "delete",
+            Self::Info(_) => "info",
+            Self::Snapshot(_) => "snapshot",
+            Self::Restore(_) => "restore",
+            Self::Fork(_) => "fork",
+            Self::Peek(_) => "peek",
+            Self::List => "list",
+            Self::Version => "version",
+        }
+    }
+
+    /// Checks what the types alone cannot: VM ids and counts. (A `create`'s
+    /// config is validated by the daemon, which knows the host.)
+    pub fn validate(&self) -> Result<(), ApiError> {
+        let id = |id: &str| {
+            crate::config::validate_id(id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))
+        };
+        match self {
+            Self::Create(_) | Self::List | Self::Version => Ok(()),
+            Self::Start(v) | Self::Pause(v) | Self::Resume(v) | Self::Stop(v) | Self::Delete(v) | Self::Info(v) => {
+                id(v)
+            }
+            Self::Snapshot(a) => id(&a.id),
+            Self::Restore(a) => a.id.as_deref().map_or(Ok(()), id),
+            Self::Fork(a) => {
+                id(&a.id)?;
+                if a.count == 0 || a.count > MAX_FORKS {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "count = {} is out of range: fork makes 1 to {MAX_FORKS} children at a time",
+                            a.count
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+            Self::Peek(a) => {
+                id(&a.id)?;
+                if a.count == 0 || a.count > MAX_PEEK_WORDS {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "count = {} is out of range: peek reads 1 to {MAX_PEEK_WORDS} words",
+                            a.count
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 /// Machine-readable error class.
@@ -121,6 +254,164 @@ impl std::fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
+/// A VM as `create`, `start`, `pause`, `resume`, `stop`, `info` and
+/// `restore` answer it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VmInfo {
+    /// VM id.
+    pub id: String,
+    /// The state in words (`running`, `stopped (guest reboot)`, ...).
+    pub status: String,
+    /// The state.
+    pub state: VmState,
+    /// The config as accepted.
+    pub config: VmConfig,
+    /// Devices as wired.
+    pub devices: Vec<DeviceInfo>,
+    /// The serial log (from the record).
+    pub serial_log: Option<PathBuf>,
+    /// pid of the daemon.
+    pub daemon_pid: u32,
+    /// Seconds since the epoch at creation (from the record).
+    pub created_unix: Option<u64>,
+    /// Milliseconds since `start`.
+    pub ms_since_start: Option<u64>,
+    /// When the first vCPU exit came, in microseconds after `start`.
+    pub first_exit_us_after_start: Option<u64>,
+    /// vCPU exits so far.
+    pub exits: u32,
+}
+
+/// `delete`'s result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deleted {
+    /// VM id.
+    pub id: String,
+    /// Always true.
+    pub deleted: bool,
+}
+
+/// `snapshot`'s result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotWritten {
+    /// VM id.
+    pub id: String,
+    /// The snapshot directory.
+    pub dir: PathBuf,
+    /// How long writing it took (the VM was paused for this and the pause).
+    pub snapshot_ms: f64,
+}
+
+/// One child of a fork.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ForkedChild {
+    /// The child, as `info` shows it.
+    #[serde(flatten)]
+    pub info: VmInfo,
+    /// How long building it took.
+    pub fork_ms: f64,
+}
+
+/// `fork`'s result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Forked {
+    /// The source VM.
+    pub id: String,
+    /// The children, running.
+    pub children: Vec<ForkedChild>,
+    /// How long parking the source took.
+    pub pause_ms: f64,
+    /// How long the source stood still (pause and every child).
+    pub source_paused_ms: f64,
+}
+
+/// `peek`'s result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Peeked {
+    /// VM id.
+    pub id: String,
+    /// Guest physical address of the first word.
+    pub addr: u64,
+    /// The words read.
+    pub words: Vec<u32>,
+}
+
+/// One VM as `list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmSummary {
+    /// VM id.
+    pub id: String,
+    /// The state in words.
+    pub status: String,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// The guest in words (`builtin:idle`, `linux:/boot/vmlinuz`, ...).
+    pub guest: String,
+}
+
+/// `list`'s result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmList {
+    /// Every VM, by id.
+    pub vms: Vec<VmSummary>,
+}
+
+/// `version`'s result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VersionInfo {
+    /// The API version.
+    pub api_version: u32,
+    /// The daemon's version.
+    pub k7d: String,
+    /// The daemon's pid.
+    pub pid: u32,
+}
+
+/// A result: the one type its request's op defines. On the wire it is the
+/// bare result object (no tag): the reader knows the op it asked for.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub enum Reply {
+    /// `create`, `start`, `pause`, `resume`, `stop`, `info`, `restore`.
+    Vm(Box<VmInfo>),
+    /// `delete`.
+    Deleted(Deleted),
+    /// `snapshot`.
+    Snapshot(SnapshotWritten),
+    /// `fork`.
+    Forked(Forked),
+    /// `peek`.
+    Peek(Peeked),
+    /// `list`.
+    List(VmList),
+    /// `version`.
+    Version(VersionInfo),
+}
+
+impl Reply {
+    /// Reads `result` as the type `req`'s op defines.
+    pub fn from_result(req: &Request, result: Value) -> Result<Self, serde_json::Error> {
+        use serde_json::from_value;
+        Ok(match req {
+            Request::Create(_)
+            | Request::Start(_)
+            | Request::Pause(_)
+            | Request::Resume(_)
+            | Request::Stop(_)
+            | Request::Info(_)
+            | Request::Restore(_) => Self::Vm(Box::new(from_value(result)?)),
+            Request::Delete(_) => Self::Deleted(from_value(result)?),
+            Request::Snapshot(_) => Self::Snapshot(from_value(result)?),
+            Request::Fork(_) => Self::Forked(from_value(result)?),
+            Request::Peek(_) => Self::Peek(from_value(result)?),
+            Request::List => Self::List(from_value(result)?),
+            Request::Version => Self::Version(from_value(result)?),
+        })
+    }
+}
+
 /// A response line.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,7 +420,7 @@ pub struct Response {
     pub v: u32,
     /// Success?
     pub ok: bool,
-    /// The result on success.
+    /// The result on success (a [`Reply`]; its type is the op's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub result: Option<Value>,
     /// The error on failure.
@@ -139,12 +430,18 @@ pub struct Response {
 
 impl Response {
     /// A success.
-    pub fn ok(result: Value) -> Self {
-        Self {
-            v: API_VERSION,
-            ok: true,
-            result: Some(result),
-            error: None,
+    pub fn ok(reply: &Reply) -> Self {
+        match serde_json::to_value(reply) {
+            Ok(result) => Self {
+                v: API_VERSION,
+                ok: true,
+                result: Some(result),
+                error: None,
+            },
+            Err(e) => Self::err(ApiError::new(
+                ErrorCode::Internal,
+                format!("the result cannot be written as JSON: {e}"),
+            )),
         }
     }
 
@@ -156,6 +453,12 @@ impl Response {
             result: None,
             error: Some(e),
         }
+    }
+
+    /// The response line (without its newline).
+    pub fn to_line(&self) -> String {
+        // A Value and an ApiError always serialize; the fallback is never sent.
+        serde_json::to_string(self).unwrap_or_else(|_| r#"{"v":1,"ok":false}"#.into())
     }
 
     /// Into a Result.
@@ -171,6 +474,7 @@ impl Response {
     }
 }
 
+/// The outside of a request line, read before the op is known.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Envelope {
@@ -180,61 +484,11 @@ struct Envelope {
     args: Option<Value>,
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CreateArgs {
-    config: VmConfig,
-    #[serde(default)]
-    start: bool,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct IdArgs {
-    id: String,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SnapshotArgs {
-    id: String,
-    dir: std::path::PathBuf,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RestoreArgs {
-    dir: std::path::PathBuf,
-    #[serde(default)]
-    id: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ForkArgs {
-    id: String,
-    #[serde(default = "one")]
-    count: u32,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PeekArgs {
-    id: String,
-    addr: u64,
-    #[serde(default = "one")]
-    count: u32,
-}
-
-fn one() -> u32 {
-    1
-}
-
 fn bad(msg: impl Into<String>) -> ApiError {
     ApiError::new(ErrorCode::BadRequest, msg)
 }
 
-/// Parses one request line.
+/// Parses and validates one request line.
 pub fn parse_request(line: &str) -> Result<Request, ApiError> {
     let env: Envelope =
         serde_json::from_str(line).map_err(|e| bad(format!("the request is not a valid API envelope: {e}")))?;
@@ -247,148 +501,537 @@ pub fn parse_request(line: &str) -> Result<Request, ApiError> {
             ),
         ));
     }
-    let args = env.args.unwrap_or(Value::Object(Default::default()));
     let op = env.op.as_str();
-    let parse_err = |e: serde_json::Error| {
+    if !Request::OPS.contains(&op) {
+        return Err(bad(format!(
+            "unknown operation `{op}` (known: {})",
+            Request::OPS.join(", ")
+        )));
+    }
+    let args = env.args.unwrap_or_else(|| Value::Object(Map::new()));
+    let tagged = |args: Option<Value>| {
+        let mut m = Map::new();
+        m.insert("op".into(), Value::String(op.to_string()));
+        if let Some(a) = args {
+            m.insert("args".into(), a);
+        }
+        Value::Object(m)
+    };
+    // An op without arguments is a unit variant: its name alone parses.
+    if let Ok(req) = serde_json::from_value::<Request>(tagged(None)) {
+        if args.as_object().is_some_and(|o| !o.is_empty()) {
+            return Err(ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!("`{op}` takes no arguments"),
+            ));
+        }
+        return Ok(req);
+    }
+    let req: Request = serde_json::from_value(tagged(Some(args))).map_err(|e| {
         let code = if e.classify() == serde_json::error::Category::Data {
             ErrorCode::InvalidArgument
         } else {
             ErrorCode::BadRequest
         };
         ApiError::new(code, format!("invalid arguments for `{op}`: {e}"))
-    };
-    let id = |args: Value| -> Result<String, ApiError> {
-        let a: IdArgs = serde_json::from_value(args).map_err(parse_err)?;
-        crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
-        Ok(a.id)
-    };
-    Ok(match op {
-        "create" => {
-            let a: CreateArgs = serde_json::from_value(args).map_err(parse_err)?;
-            Request::Create {
-                config: a.config,
-                start: a.start,
-            }
-        }
-        "start" => Request::Start(id(args)?),
-        "pause" => Request::Pause(id(args)?),
-        "resume" => Request::Resume(id(args)?),
-        "stop" => Request::Stop(id(args)?),
-        "delete" => Request::Delete(id(args)?),
-        "info" => Request::Info(id(args)?),
-        "snapshot" => {
-            let a: SnapshotArgs = serde_json::from_value(args).map_err(parse_err)?;
-            crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
-            Request::Snapshot { id: a.id, dir: a.dir }
-        }
-        "restore" => {
-            let a: RestoreArgs = serde_json::from_value(args).map_err(parse_err)?;
-            if let Some(id) = &a.id {
-                crate::config::validate_id(id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
-            }
-            Request::Restore { dir: a.dir, id: a.id }
-        }
-        "fork" => {
-            let a: ForkArgs = serde_json::from_value(args).map_err(parse_err)?;
-            crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
-            if a.count == 0 || a.count > MAX_FORKS {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidArgument,
-                    format!(
-                        "count = {} is out of range: fork makes 1 to {MAX_FORKS} children at a time",
-                        a.count
-                    ),
-                ));
-            }
-            Request::Fork {
-                id: a.id,
-                count: a.count,
-            }
-        }
-        "peek" => {
-            let a: PeekArgs = serde_json::from_value(args).map_err(parse_err)?;
-            crate::config::validate_id(&a.id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
-            if a.count == 0 || a.count > 1024 {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidArgument,
-                    format!("count = {} is out of range: peek reads 1 to 1024 words", a.count),
-                ));
-            }
-            Request::Peek {
-                id: a.id,
-                addr: a.addr,
-                count: a.count,
-            }
-        }
-        "list" | "version" => {
-            if args.as_object().is_some_and(|o| !o.is_empty()) {
-                return Err(ApiError::new(
-                    ErrorCode::InvalidArgument,
-                    format!("`{op}` takes no arguments"),
-                ));
-            }
-            if op == "list" { Request::List } else { Request::Version }
-        }
-        other => {
-            return Err(bad(format!(
-                "unknown operation `{other}` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)"
-            )));
-        }
-    })
+    })?;
+    req.validate()?;
+    Ok(req)
 }
 
-/// Serializes a request into its wire line (for the client).
-pub fn request_line(req: &Request) -> String {
-    let (op, args) = match req {
-        Request::Create { config, start } => ("create", serde_json::json!({"config": config, "start": start})),
-        Request::Start(id) => ("start", serde_json::json!({"id": id})),
-        Request::Pause(id) => ("pause", serde_json::json!({"id": id})),
-        Request::Resume(id) => ("resume", serde_json::json!({"id": id})),
-        Request::Stop(id) => ("stop", serde_json::json!({"id": id})),
-        Request::Delete(id) => ("delete", serde_json::json!({"id": id})),
-        Request::Info(id) => ("info", serde_json::json!({"id": id})),
-        Request::Snapshot { id, dir } => ("snapshot", serde_json::json!({"id": id, "dir": dir})),
-        Request::Restore { dir, id } => ("restore", serde_json::json!({"dir": dir, "id": id})),
-        Request::Fork { id, count } => ("fork", serde_json::json!({"id": id, "count": count})),
-        Request::Peek { id, addr, count } => ("peek", serde_json::json!({"id": id, "addr": addr, "count": count})),
-        Request::List => ("list", serde_json::json!({})),
-        Request::Version => ("version", serde_json::json!({})),
-    };
-    serde_json::json!({"v": API_VERSION, "op": op, "args": args}).to_string()
+/// Writes a request as its wire line (for the client): `args` is always
+/// there (`{}` for ops without arguments) and keys are in sorted order, as
+/// version 1 clients have always written them.
+pub fn request_line(req: &Request) -> Result<String, serde_json::Error> {
+    let mut line = serde_json::to_value(req)?;
+    if let Value::Object(m) = &mut line {
+        m.entry("args").or_insert_with(|| Value::Object(Map::new()));
+        m.insert("v".into(), Value::from(API_VERSION));
+    }
+    Ok(line.to_string())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{
+        DatapathNicConfig, DevicesConfig, DiskConfig, GuestSpec, NicConfig, SerialConfig, VsockConfig,
+    };
+    use crate::vstate::control::StopReason;
+
+    /// A config that uses every field.
+    fn rich_config() -> VmConfig {
+        VmConfig {
+            id: Some("web".into()),
+            vcpus: 2,
+            memory_mib: 256,
+            guest: GuestSpec::Linux {
+                kernel: "/boot/vmlinuz".into(),
+                initrd: Some("/boot/initrd.img".into()),
+                cmdline: Some("console=ttyS0 quiet".into()),
+            },
+            serial: SerialConfig { console: false },
+            devices: DevicesConfig {
+                rng: true,
+                disks: vec![DiskConfig {
+                    path: "/var/lib/k7d/a.img".into(),
+                    read_only: true,
+                }],
+                nics: vec![
+                    NicConfig {
+                        tap: Some("tap0".into()),
+                        queues: Some(2),
+                        vhost: Some(true),
+                        mac: Some("52:54:00:12:34:56".into()),
+                        datapath: None,
+                    },
+                    NicConfig {
+                        datapath: Some(DatapathNicConfig {
+                            mode: "direct".into(),
+                            netns: "/run/netns/pod".into(),
+                            pod_if: "eth0".into(),
+                            pod_uid: Some("uid-1".into()),
+                        }),
+                        ..Default::default()
+                    },
+                ],
+                vsock: Some(VsockConfig {
+                    cid: 3,
+                    uds: "/run/k7d/v.sock".into(),
+                }),
+            },
+        }
+    }
+
+    /// One request of every op (the match makes a new op fail to compile
+    /// until it is added here).
+    fn every_request() -> Vec<Request> {
+        let all = vec![
+            Request::Create(CreateArgs {
+                config: rich_config(),
+                start: true,
+            }),
+            Request::Create(CreateArgs {
+                config: VmConfig::default(),
+                start: false,
+            }),
+            Request::Start("web".into()),
+            Request::Pause("web".into()),
+            Request::Resume("web".into()),
+            Request::Stop("web".into()),
+            Request::Delete("web".into()),
+            Request::Info("web".into()),
+            Request::Snapshot(SnapshotArgs {
+                id: "web".into(),
+                dir: "/tmp/web.snap".into(),
+            }),
+            Request::Restore(RestoreArgs {
+                dir: "/tmp/web.snap".into(),
+                id: Some("web2".into()),
+            }),
+            Request::Restore(RestoreArgs {
+                dir: "/tmp/web.snap".into(),
+                id: None,
+            }),
+            Request::Fork(ForkArgs {
+                id: "web".into(),
+                count: 3,
+            }),
+            Request::Peek(PeekArgs {
+                id: "web".into(),
+                addr: 0x600,
+                count: 2,
+            }),
+            Request::List,
+            Request::Version,
+        ];
+        let mut seen: Vec<&str> = Vec::new();
+        for r in &all {
+            match r {
+                Request::Create(_)
+                | Request::Start(_)
+                | Request::Pause(_)
+                | Request::Resume(_)
+                | Request::Stop(_)
+                | Request::Delete(_)
+                | Request::Info(_)
+                | Request::Snapshot(_)
+                | Request::Restore(_)
+                | Request::Fork(_)
+                | Request::Peek(_)
+                | Request::List
+                | Request::Version => {}
+            }
+            if !seen.contains(&r.op()) {
+                seen.push(r.op());
+            }
+        }
+        assert_eq!(seen, Request::OPS, "every op once, in OPS order");
+        all
+    }
+
+    /// The lines the hand-written `request_line` of version 1 wrote for
+    /// `every_request()` (captured from it before requests became serde
+    /// types), in the same order.
+    const V1_LINES: [&str; 15] = [
+        r#"{"args":{"config":{"devices":{"disks":[{"path":"/var/lib/k7d/a.img","read_only":true}],"nics":[{"datapath":null,"mac":"52:54:00:12:34:56","queues":2,"tap":"tap0","vhost":true},{"datapath":{"mode":"direct","netns":"/run/netns/pod","pod_if":"eth0","pod_uid":"uid-1"},"mac":null,"queues":null,"tap":null,"vhost":null}],"rng":true,"vsock":{"cid":3,"uds":"/run/k7d/v.sock"}},"guest":{"cmdline":"console=ttyS0 quiet","initrd":"/boot/initrd.img","kernel":"/boot/vmlinuz","kind":"linux"},"id":"web","memory_mib":256,"serial":{"console":false},"vcpus":2},"start":true},"op":"create","v":1}"#,
+        r#"{"args":{"config":{"devices":{"disks":[],"nics":[],"rng":false,"vsock":null},"guest":{"args":[],"kind":"builtin","name":"hello"},"id":null,"memory_mib":64,"serial":{"console":false},"vcpus":1},"start":false},"op":"create","v":1}"#,
+        r#"{"args":{"id":"web"},"op":"start","v":1}"#,
+        r#"{"args":{"id":"web"},"op":"pause","v":1}"#,
+        r#"{"args":{"id":"web"},"op":"resume","v":1}"#,
+        r#"{"args":{"id":"web"},"op":"stop","v":1}"#,
+        r#"{"args":{"id":"web"},"op":"delete","v":1}"#,
+        r#"{"args":{"id":"web"},"op":"info","v":1}"#,
+        r#"{"args":{"dir":"/tmp/web.snap","id":"web"},"op":"snapshot","v":1}"#,
+        r#"{"args":{"dir":"/tmp/web.snap","id":"web2"},"op":"restore","v":1}"#,
+        r#"{"args":{"dir":"/tmp/web.snap","id":null},"op":"restore","v":1}"#,
+        r#"{"args":{"count":3,"id":"web"},"op":"fork","v":1}"#,
+        r#"{"args":{"addr":1536,"count":2,"id":"web"},"op":"peek","v":1}"#,
+        r#"{"args":{},"op":"list","v":1}"#,
+        r#"{"args":{},"op":"version","v":1}"#,
+    ];
 
     #[test]
-    fn round_trip() {
-        for r in [
-            Request::List,
-            Request::Info("a".into()),
-            Request::Create {
-                config: VmConfig::default(),
-                start: true,
-            },
-        ] {
-            assert_eq!(parse_request(&request_line(&r)).unwrap(), r);
+    fn every_op_round_trips_through_its_line() {
+        for r in every_request() {
+            let line = request_line(&r).unwrap();
+            assert_eq!(parse_request(&line).unwrap(), r, "{line}");
+            let v: Value = serde_json::from_str(&line).unwrap();
+            assert_eq!(v["op"], r.op(), "{line}");
+            assert_eq!(v["v"], API_VERSION, "{line}");
+            assert!(v["args"].is_object(), "{line}");
         }
     }
 
     #[test]
-    fn refusals() {
+    fn version_1_lines_are_written_and_read_as_before() {
+        for (r, old) in every_request().into_iter().zip(V1_LINES) {
+            assert_eq!(request_line(&r).unwrap(), old, "the line of `{}` changed", r.op());
+            assert_eq!(parse_request(old).unwrap(), r, "{old}");
+        }
+        // What other v1 clients write: fields in any order, defaults left out.
+        let short = [
+            (r#"{"v":1,"op":"list"}"#, Request::List),
+            (r#"{"v":1,"op":"version","args":null}"#, Request::Version),
+            (
+                r#"{"v":1,"op":"create","args":{"config":{"id":"a","memory_mib":8}}}"#,
+                Request::Create(CreateArgs {
+                    config: VmConfig {
+                        id: Some("a".into()),
+                        memory_mib: 8,
+                        ..Default::default()
+                    },
+                    start: false,
+                }),
+            ),
+            (
+                r#"{"op":"fork","v":1,"args":{"id":"s"}}"#,
+                Request::Fork(ForkArgs {
+                    id: "s".into(),
+                    count: 1,
+                }),
+            ),
+            (
+                r#"{"v":1,"op":"peek","args":{"addr":4096,"id":"s"}}"#,
+                Request::Peek(PeekArgs {
+                    id: "s".into(),
+                    addr: 4096,
+                    count: 1,
+                }),
+            ),
+            (
+                r#"{"v":1,"op":"restore","args":{"dir":"/s"}}"#,
+                Request::Restore(RestoreArgs {
+                    dir: "/s".into(),
+                    id: None,
+                }),
+            ),
+        ];
+        for (line, r) in short {
+            assert_eq!(parse_request(line).unwrap(), r, "{line}");
+        }
+    }
+
+    /// (request line, code, message) as the hand-written parser of version 1
+    /// answered them (captured from it).
+    const V1_REFUSALS: [(&str, ErrorCode, &str); 22] = [
+        (
+            r#"{"v":1,"op":"explode"}"#,
+            ErrorCode::BadRequest,
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)",
+        ),
+        (
+            r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
+            ErrorCode::BadRequest,
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)",
+        ),
+        (
+            r#"{"v":2,"op":"list"}"#,
+            ErrorCode::UnsupportedVersion,
+            "API version 2 is not supported; this daemon speaks version 1",
+        ),
+        (
+            r#"{"v":1,"op":"list","args":{"a":1}}"#,
+            ErrorCode::InvalidArgument,
+            "`list` takes no arguments",
+        ),
+        (
+            r#"{"v":1,"op":"info","args":{"id":"../x"}}"#,
+            ErrorCode::InvalidArgument,
+            "vm id `../x` is invalid: use 1-63 letters, digits, `_`, `.` or `-`, starting with a letter or digit and without `..`",
+        ),
+        (
+            r#"{"v":1,"op":"info","args":{"id":"a","b":1}}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `info`: unknown field `b`, expected `id`",
+        ),
+        (
+            r#"{"v":1,"op":"info","args":5}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `info`: invalid type: integer `5`, expected struct IdArgs",
+        ),
+        (
+            r#"{"v":1,"op":"info"}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `info`: missing field `id`",
+        ),
+        (
+            r#"{"v":1,"op":"create","args":5}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `create`: invalid type: integer `5`, expected struct CreateArgs",
+        ),
+        (
+            r#"{"v":1,"op":"create"}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `create`: missing field `config`",
+        ),
+        (
+            r#"{"v":1,"op":"create","args":{"config":{"colour":"red"}}}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `create`: unknown field `colour`, expected one of `id`, `vcpus`, `memory_mib`, `guest`, `serial`, `devices`",
+        ),
+        (
+            r#"{"v":1,"op":"create","args":{"config":{}, "start": "yes"}}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `create`: invalid type: string \"yes\", expected a boolean",
+        ),
+        (
+            r#"{"v":1,"op":"fork","args":{"id":"web","count":65}}"#,
+            ErrorCode::InvalidArgument,
+            "count = 65 is out of range: fork makes 1 to 64 children at a time",
+        ),
+        (
+            r#"{"v":1,"op":"fork","args":{"id":"web","count":0}}"#,
+            ErrorCode::InvalidArgument,
+            "count = 0 is out of range: fork makes 1 to 64 children at a time",
+        ),
+        (
+            r#"{"v":1,"op":"fork","args":{"id":"../x","count":0}}"#,
+            ErrorCode::InvalidArgument,
+            "vm id `../x` is invalid: use 1-63 letters, digits, `_`, `.` or `-`, starting with a letter or digit and without `..`",
+        ),
+        (
+            r#"{"v":1,"op":"peek","args":{"id":"web","addr":0,"count":1025}}"#,
+            ErrorCode::InvalidArgument,
+            "count = 1025 is out of range: peek reads 1 to 1024 words",
+        ),
+        (
+            r#"{"v":1,"op":"peek","args":{"id":"web","addr":-1}}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `peek`: invalid value: integer `-1`, expected u64",
+        ),
+        (
+            r#"{"v":1,"op":"restore","args":{"dir":"/nonexistent","id":"a/b"}}"#,
+            ErrorCode::InvalidArgument,
+            "vm id `a/b` is invalid: use 1-63 letters, digits, `_`, `.` or `-`, starting with a letter or digit and without `..`",
+        ),
+        (
+            r#"{"v":1,"op":5}"#,
+            ErrorCode::BadRequest,
+            "the request is not a valid API envelope: invalid type: integer `5`, expected a string at line 1 column 13",
+        ),
+        (
+            r#"{"v":"1","op":"list"}"#,
+            ErrorCode::BadRequest,
+            "the request is not a valid API envelope: invalid type: string \"1\", expected u32 at line 1 column 8",
+        ),
+        (
+            r#"{"op":"list"}"#,
+            ErrorCode::BadRequest,
+            "the request is not a valid API envelope: missing field `v` at line 1 column 13",
+        ),
+        (
+            r#"[1,2]"#,
+            ErrorCode::BadRequest,
+            "the request is not a valid API envelope: invalid type: integer `2`, expected a string at line 1 column 4",
+        ),
+    ];
+
+    #[test]
+    fn refusals_keep_their_code_and_sentence() {
+        for (line, code, message) in V1_REFUSALS {
+            assert_eq!(parse_request(line), Err(ApiError::new(code, message)), "{line}");
+        }
         let code = |l: &str| parse_request(l).unwrap_err().code;
         assert_eq!(code("{nope"), ErrorCode::BadRequest);
-        assert_eq!(code(r#"{"v":2,"op":"list"}"#), ErrorCode::UnsupportedVersion);
         assert_eq!(code(r#"{"v":1,"op":"list","extra":1}"#), ErrorCode::BadRequest);
+        // Version 1 took a list/version argument that is not an object as none.
+        assert_eq!(parse_request(r#"{"v":1,"op":"list","args":5}"#), Ok(Request::List));
+    }
+
+    fn info(id: &str) -> VmInfo {
+        VmInfo {
+            id: id.into(),
+            status: "stopped (stop requested)".into(),
+            state: VmState::Stopped {
+                reason: StopReason::Requested,
+            },
+            config: rich_config(),
+            devices: vec![DeviceInfo {
+                kind: "serial".into(),
+                location: "ttyS0 port 0x3f8 irq 4".into(),
+                detail: "/tmp/serial.log".into(),
+            }],
+            serial_log: Some("/tmp/serial.log".into()),
+            daemon_pid: 42,
+            created_unix: Some(1_796_135_691),
+            ms_since_start: None,
+            first_exit_us_after_start: Some(187),
+            exits: 5,
+        }
+    }
+
+    /// A reply for `req` with every field set.
+    fn reply_for(req: &Request) -> Reply {
+        match req {
+            Request::Create(_)
+            | Request::Start(_)
+            | Request::Pause(_)
+            | Request::Resume(_)
+            | Request::Stop(_)
+            | Request::Info(_)
+            | Request::Restore(_) => Reply::Vm(Box::new(info("web"))),
+            Request::Delete(_) => Reply::Deleted(Deleted {
+                id: "web".into(),
+                deleted: true,
+            }),
+            Request::Snapshot(_) => Reply::Snapshot(SnapshotWritten {
+                id: "web".into(),
+                dir: "/tmp/web.snap".into(),
+                snapshot_ms: 8.406401,
+            }),
+            Request::Fork(_) => Reply::Forked(Forked {
+                id: "web".into(),
+                children: vec![
+                    ForkedChild {
+                        info: info("web-f1"),
+                        fork_ms: 3.259828,
+                    },
+                    ForkedChild {
+                        info: info("web-f2"),
+                        fork_ms: 0.1,
+                    },
+                ],
+                pause_ms: 0.25,
+                source_paused_ms: 3.5,
+            }),
+            Request::Peek(_) => Reply::Peek(Peeked {
+                id: "web".into(),
+                addr: 1536,
+                words: vec![0, 7, u32::MAX],
+            }),
+            Request::List => Reply::List(VmList {
+                vms: vec![VmSummary {
+                    id: "web".into(),
+                    status: "running".into(),
+                    vcpus: 1,
+                    memory_mib: 8,
+                    guest: "builtin:idle".into(),
+                }],
+            }),
+            Request::Version => Reply::Version(VersionInfo {
+                api_version: API_VERSION,
+                k7d: "0.1.0".into(),
+                pid: 42,
+            }),
+        }
+    }
+
+    #[test]
+    fn every_reply_round_trips_through_its_line() {
+        for req in every_request() {
+            let reply = reply_for(&req);
+            let line = Response::ok(&reply).to_line();
+            let resp: Response = serde_json::from_str(&line).unwrap();
+            let result = resp.into_result().unwrap();
+            assert_eq!(Reply::from_result(&req, result).unwrap(), reply, "{line}");
+        }
+        let e = ApiError::new(ErrorCode::Conflict, "vm r is running, cannot start");
+        let line = Response::err(e.clone()).to_line();
         assert_eq!(
-            code(r#"{"v":1,"op":"info","args":{"id":"../x"}}"#),
-            ErrorCode::InvalidArgument
+            line,
+            r#"{"v":1,"ok":false,"error":{"code":"conflict","message":"vm r is running, cannot start"}}"#
         );
-        assert_eq!(
-            code(r#"{"v":1,"op":"info","args":{"id":"a","b":1}}"#),
-            ErrorCode::InvalidArgument
-        );
-        assert_eq!(code(r#"{"v":1,"op":"explode"}"#), ErrorCode::BadRequest);
+        let resp: Response = serde_json::from_str(&line).unwrap();
+        assert_eq!(resp.into_result(), Err(e));
+    }
+
+    /// Result lines a version 1 daemon sent (captured from it, byte for
+    /// byte), one per result type, with the request that asked.
+    const V1_RESULTS: [(&str, &str); 7] = [
+        (
+            r#"{"v":1,"op":"stop","args":{"id":"c"}}"#,
+            r#"{"v":1,"ok":true,"result":{"config":{"devices":{"disks":[],"nics":[],"rng":false,"vsock":null},"guest":{"args":[],"kind":"builtin","name":"idle"},"id":"c","memory_mib":8,"serial":{"console":false},"vcpus":1},"created_unix":1796135691,"daemon_pid":24860,"devices":[{"detail":"/tmp/k7d-test-capture-24860-0/state/vms/c/serial.log","kind":"serial","location":"ttyS0 port 0x3f8 irq 4"},{"detail":"reset stops the VM","kind":"i8042","location":"ports 0x60-0x64"}],"exits":5,"first_exit_us_after_start":187,"id":"c","ms_since_start":1,"serial_log":"/tmp/k7d-test-capture-24860-0/state/vms/c/serial.log","state":{"reason":{"kind":"requested"},"state":"stopped"},"status":"stopped (stop requested)"}}"#,
+        ),
+        (
+            r#"{"v":1,"op":"delete","args":{"id":"c"}}"#,
+            r#"{"v":1,"ok":true,"result":{"deleted":true,"id":"c"}}"#,
+        ),
+        (
+            r#"{"args":{"dir":"/tmp/k7d-test-capture-24860-0/snap","id":"web"},"op":"snapshot","v":1}"#,
+            r#"{"v":1,"ok":true,"result":{"dir":"/tmp/k7d-test-capture-24860-0/snap","id":"web","snapshot_ms":8.406401}}"#,
+        ),
+        (
+            r#"{"v":1,"op":"fork","args":{"id":"web","count":2}}"#,
+            r#"{"v":1,"ok":true,"result":{"children":[{"config":{"devices":{"disks":[],"nics":[],"rng":false,"vsock":null},"guest":{"args":[],"kind":"builtin","name":"idle"},"id":"web-f1","memory_mib":8,"serial":{"console":false},"vcpus":1},"created_unix":1796135691,"daemon_pid":24860,"devices":[{"detail":"/tmp/k7d-test-capture-24860-0/state/vms/web-f1/serial.log","kind":"serial","location":"ttyS0 port 0x3f8 irq 4"},{"detail":"reset stops the VM","kind":"i8042","location":"ports 0x60-0x64"}],"exits":0,"first_exit_us_after_start":null,"fork_ms":3.259828,"id":"web-f1","ms_since_start":0,"serial_log":"/tmp/k7d-test-capture-24860-0/state/vms/web-f1/serial.log","state":{"state":"running"},"status":"running"},{"config":{"devices":{"disks":[],"nics":[],"rng":false,"vsock":null},"guest":{"args":[],"kind":"builtin","name":"idle"},"id":"web-f2","memory_mib":8,"serial":{"console":false},"vcpus":1},"created_unix":1796135691,"daemon_pid":24860,"devices":[{"detail":"/tmp/k7d-test-capture-24860-0/state/vms/web-f2/serial.log","kind":"serial","location":"ttyS0 port 0x3f8 irq 4"},{"detail":"reset stops the VM","kind":"i8042","location":"ports 0x60-0x64"}],"exits":0,"first_exit_us_after_start":null,"fork_ms":4.0160350000000005,"id":"web-f2","ms_since_start":0,"serial_log":"/tmp/k7d-test-capture-24860-0/state/vms/web-f2/serial.log","state":{"state":"running"},"status":"running"}],"id":"web","pause_ms":0.15857,"source_paused_ms":7.477421}}"#,
+        ),
+        (
+            r#"{"v":1,"op":"peek","args":{"id":"web","addr":1536,"count":2}}"#,
+            r#"{"v":1,"ok":true,"result":{"addr":1536,"id":"web","words":[0,0]}}"#,
+        ),
+        (
+            r#"{"v":1,"op":"list"}"#,
+            r#"{"v":1,"ok":true,"result":{"vms":[{"guest":"builtin:idle","id":"c","memory_mib":8,"status":"stopped (stop requested)","vcpus":1},{"guest":"builtin:idle","id":"r","memory_mib":8,"status":"running","vcpus":1},{"guest":"builtin:idle","id":"web","memory_mib":8,"status":"running","vcpus":1},{"guest":"builtin:idle","id":"web-f1","memory_mib":8,"status":"running","vcpus":1},{"guest":"builtin:idle","id":"web-f2","memory_mib":8,"status":"running","vcpus":1}]}}"#,
+        ),
+        (
+            r#"{"v":1,"op":"version"}"#,
+            r#"{"v":1,"ok":true,"result":{"api_version":1,"k7d":"0.1.0","pid":24860}}"#,
+        ),
+    ];
+
+    #[test]
+    fn version_1_results_are_read_as_their_ops_type_and_written_back_the_same() {
+        for (req, line) in V1_RESULTS {
+            let req = parse_request(req).unwrap();
+            let resp: Response = serde_json::from_str(line).unwrap();
+            let reply = Reply::from_result(&req, resp.into_result().unwrap())
+                .unwrap_or_else(|e| panic!("`{}`: {e}: {line}", req.op()));
+            let want = match req {
+                Request::Stop(_) => matches!(reply, Reply::Vm(_)),
+                Request::Delete(_) => matches!(reply, Reply::Deleted(_)),
+                Request::Snapshot(_) => matches!(reply, Reply::Snapshot(_)),
+                Request::Fork(_) => matches!(reply, Reply::Forked(_)),
+                Request::Peek(_) => matches!(reply, Reply::Peek(_)),
+                Request::List => matches!(reply, Reply::List(_)),
+                Request::Version => matches!(reply, Reply::Version(_)),
+                _ => false,
+            };
+            assert!(want, "`{}` was read as {reply:?}", req.op());
+            // The daemon writes the same result the same way, byte for byte.
+            assert_eq!(Response::ok(&reply).to_line(), line);
+        }
+        // A result of the wrong type is an error, not a guess.
+        let deleted = serde_json::json!({"deleted": true, "id": "c"});
+        assert!(Reply::from_result(&Request::Info("c".into()), deleted).is_err());
     }
 }

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::api::{self, ApiError, ErrorCode, Request, Response};
+use super::api::{self, ApiError, ErrorCode, Reply, Request, Response};
 
 /// A connection to a daemon.
 pub struct Client {
@@ -35,9 +35,26 @@ impl Client {
         })
     }
 
-    /// Sends one request and waits for its response.
+    /// Sends one request and returns its result as the daemon wrote it.
     pub fn call(&mut self, req: &Request) -> Result<Value, ApiError> {
-        self.call_raw(&api::request_line(req))?.into_result()
+        let line = api::request_line(req).map_err(|e| {
+            ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!("the `{}` request cannot be written as JSON: {e}", req.op()),
+            )
+        })?;
+        self.call_raw(&line)?.into_result()
+    }
+
+    /// Sends one request and reads its result as the type its op defines.
+    pub fn request(&mut self, req: &Request) -> Result<Reply, ApiError> {
+        let result = self.call(req)?;
+        Reply::from_result(req, result).map_err(|e| {
+            ApiError::new(
+                ErrorCode::Internal,
+                format!("the daemon's answer to `{}` is not its result: {e}", req.op()),
+            )
+        })
     }
 
     /// Sends a raw line (tests use this for malformed input).

@@ -1,8 +1,9 @@
 //! The daemon: many VMs in one process, their records, and the API.
 //!
-//! Forks (a later issue) happen in-process, so every VM lives in this one
-//! process. [`Daemon`] executes API requests; [`server`] carries them over a
-//! unix socket; [`client`] is the CLI side.
+//! Every VM lives in this one process (forks happen in-process).
+//! [`Daemon`] executes API requests; [`api`] holds the request and result
+//! types the daemon and the CLI share; [`server`] carries them over a unix
+//! socket; [`client`] is the CLI side.
 
 pub mod api;
 pub mod client;
@@ -12,21 +13,21 @@ pub mod store;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use serde::Serialize;
-use serde_json::{Value, json};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::config::VmConfig;
 use crate::vstate::vm::{Vm, VmError, VmOptions, VmState};
-use api::{ApiError, ErrorCode, Request, Response};
+use api::{
+    ApiError, Deleted, ErrorCode, Forked, ForkedChild, Peeked, Reply, Request, Response, SnapshotWritten, VersionInfo,
+    VmInfo, VmList, VmSummary,
+};
 use store::{RecordStore, StoreError, VmRecord};
 
 /// How long `pause` waits for every vCPU to park.
 pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// A record found at start whose VM no longer exists.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reconciled {
     /// VM id.
     pub id: String,
@@ -57,7 +58,7 @@ pub enum DaemonError {
 }
 
 enum Slot {
-    /// An id taken by a create still in progress.
+    /// An id taken by a create, restore or fork still in progress.
     Reserved,
     Vm(Arc<Mutex<Vm>>),
 }
@@ -66,9 +67,52 @@ enum Slot {
 pub struct Daemon {
     store: Arc<RecordStore>,
     vms: Mutex<HashMap<String, Slot>>,
-    state_dir: PathBuf,
     node: crate::config::NodeConfig,
     _lock: crate::sys::FileLock,
+}
+
+/// Ids reserved in the map for VMs being built. Dropping it releases every
+/// id it still holds, with whatever files the build left under it; so every
+/// early return of a create, restore or fork leaves nothing behind.
+/// [`Reservation::fill`] hands the ids to the VMs built for them.
+struct Reservation<'a> {
+    daemon: &'a Daemon,
+    ids: Vec<String>,
+}
+
+impl Reservation<'_> {
+    fn ids(&self) -> &[String] {
+        &self.ids
+    }
+
+    /// Puts `vms` in the map under the reserved ids, in order; those ids are
+    /// theirs from now on. (Ids left without a VM are released.)
+    fn fill(mut self, vms: Vec<Arc<Mutex<Vm>>>) {
+        let n = vms.len().min(self.ids.len());
+        let filled: Vec<String> = self.ids.drain(..n).collect();
+        let mut map = self.daemon.vms();
+        for (id, vm) in filled.into_iter().zip(vms) {
+            map.insert(id, Slot::Vm(vm));
+        }
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        // Files first, then the ids: once an id is free, a new VM may take it
+        // and write files of its own.
+        for id in &self.ids {
+            if let Err(e) = self.daemon.store.remove(id) {
+                tracing::error!(vm = %id, error = %internal(&e), "rolling back a VM that was not built left files behind");
+            }
+        }
+        let mut map = self.daemon.vms();
+        for id in &self.ids {
+            if matches!(map.get(id), Some(Slot::Reserved)) {
+                map.remove(id);
+            }
+        }
+    }
 }
 
 fn internal(e: impl std::error::Error) -> ApiError {
@@ -99,6 +143,36 @@ fn now_unix() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Runs `op` on `vm` with its vCPUs parked: a running VM is paused first and
+/// resumed after, also when `op` failed; other states run `op` as they are.
+/// `op` learns how long the pause took (zero without one). A failed resume
+/// is an error even after `op` succeeded; after a failed `op` the error
+/// names both failures.
+pub fn with_paused<R>(vm: &Vm, op: impl FnOnce(&Vm, Duration) -> Result<R, ApiError>) -> Result<R, ApiError> {
+    if !matches!(vm.state(), VmState::Running) {
+        return op(vm, Duration::ZERO);
+    }
+    let t = Instant::now();
+    vm.pause(PAUSE_TIMEOUT).map_err(vm_error)?;
+    let res = op(vm, t.elapsed());
+    match (res, vm.resume()) {
+        (res, Ok(())) => res,
+        (Ok(_), Err(resume)) => Err(vm_error(resume)),
+        (Err(e), Err(resume)) => Err(ApiError::new(
+            e.code,
+            format!(
+                "{e}; resuming vm {} afterwards failed too: {}",
+                vm.id(),
+                vm_error(resume)
+            ),
+        )),
+    }
 }
 
 impl Daemon {
@@ -142,7 +216,6 @@ impl Daemon {
             Self {
                 store,
                 vms: Mutex::new(HashMap::new()),
-                state_dir: state_dir.to_path_buf(),
                 node: crate::config::NodeConfig::default(),
                 _lock: lock,
             },
@@ -154,11 +227,6 @@ impl Daemon {
     pub fn with_node_config(mut self, node: crate::config::NodeConfig) -> Self {
         self.node = node;
         self
-    }
-
-    /// The state directory.
-    pub fn state_dir(&self) -> &Path {
-        &self.state_dir
     }
 
     fn vms(&self) -> MutexGuard<'_, HashMap<String, Slot>> {
@@ -176,7 +244,7 @@ impl Daemon {
         }
     }
 
-    /// Runs `f` on a VM (in-process users: tests, the fork path).
+    /// Runs `f` on a VM (in-process users: tests).
     pub fn with_vm<R>(&self, id: &str, f: impl FnOnce(&Vm) -> R) -> Result<R, ApiError> {
         let vm = self.get(id)?;
         let g = lock_vm(&vm);
@@ -185,111 +253,114 @@ impl Daemon {
 
     /// Executes one request line and returns the response line.
     pub fn handle_line(&self, line: &str) -> String {
-        let resp = match api::parse_request(line) {
-            Ok(req) => match self.handle(req) {
-                Ok(v) => Response::ok(v),
-                Err(e) => Response::err(e),
-            },
+        let resp = match api::parse_request(line).and_then(|req| self.handle(req)) {
+            Ok(reply) => Response::ok(&reply),
             Err(e) => Response::err(e),
         };
-        serde_json::to_string(&resp).unwrap_or_else(|_| r#"{"v":1,"ok":false}"#.into())
+        resp.to_line()
     }
 
-    /// Executes a request.
-    pub fn handle(&self, req: Request) -> Result<Value, ApiError> {
-        match req {
-            Request::Create { config, start } => self.create(config, start),
-            Request::Start(id) => self.transition(&id, "running", |vm| vm.start()),
-            Request::Pause(id) => self.transition(&id, "paused", |vm| vm.pause(PAUSE_TIMEOUT)),
-            Request::Resume(id) => self.transition(&id, "running", |vm| vm.resume()),
-            Request::Stop(id) => {
-                let vm = self.get(&id)?;
-                let mut g = lock_vm(&vm);
-                if matches!(g.state(), VmState::Stopped { .. }) {
-                    return Err(ApiError::new(
-                        ErrorCode::Conflict,
-                        format!("vm {id} is already {}", g.state()),
-                    ));
-                }
-                g.stop();
-                self.persist(&g)?;
-                Ok(self.info_of(&g))
-            }
-            Request::Delete(id) => self.delete(&id),
+    /// Executes a request; the reply is the type its op defines.
+    pub fn handle(&self, req: Request) -> Result<Reply, ApiError> {
+        req.validate()?;
+        Ok(match req {
+            Request::Create(a) => Reply::Vm(Box::new(self.create(a.config, a.start)?)),
+            Request::Start(id) => Reply::Vm(Box::new(self.transition(&id, |vm| vm.start())?)),
+            Request::Pause(id) => Reply::Vm(Box::new(self.transition(&id, |vm| vm.pause(PAUSE_TIMEOUT))?)),
+            Request::Resume(id) => Reply::Vm(Box::new(self.transition(&id, |vm| vm.resume())?)),
+            Request::Stop(id) => Reply::Vm(Box::new(self.stop(&id)?)),
+            Request::Delete(id) => Reply::Deleted(self.delete(&id)?),
             Request::Info(id) => {
                 let vm = self.get(&id)?;
                 let g = lock_vm(&vm);
-                Ok(self.info_of(&g))
+                Reply::Vm(Box::new(self.info_of(&g)))
             }
-            Request::Snapshot { id, dir } => self.snapshot(&id, &dir),
-            Request::Fork { id, count } => self.fork(&id, count),
-            Request::Restore { dir, id } => self.restore(&dir, id),
-            Request::Peek { id, addr, count } => {
-                use vm_memory::{Bytes, GuestAddress};
-                let vm = self.get(&id)?;
-                let g = lock_vm(&vm);
-                let mut words = Vec::with_capacity(count as usize);
-                for i in 0..u64::from(count) {
-                    let a = addr.checked_add(i * 4).ok_or_else(|| {
-                        ApiError::new(
-                            ErrorCode::InvalidArgument,
-                            format!("address {addr:#x} + {count} words overflows"),
-                        )
-                    })?;
-                    let w: u32 = g.memory().read_obj(GuestAddress(a)).map_err(|_| {
-                        ApiError::new(
-                            ErrorCode::InvalidArgument,
-                            format!("address {a:#x} is not guest RAM of vm {id}"),
-                        )
-                    })?;
-                    words.push(w);
-                }
-                Ok(json!({ "id": id, "addr": addr, "words": words }))
-            }
-            Request::List => {
-                let vms: Vec<_> = self
-                    .vms()
-                    .values()
-                    .filter_map(|s| match s {
-                        Slot::Vm(v) => Some(v.clone()),
-                        Slot::Reserved => None,
-                    })
-                    .collect();
-                let mut out: Vec<Value> = vms
-                    .iter()
-                    .map(|v| {
-                        let g = lock_vm(v);
-                        json!({
-                            "id": g.id(),
-                            "status": g.state().to_string(),
-                            "vcpus": g.config().vcpus,
-                            "memory_mib": g.config().memory_mib,
-                            "guest": g.config().guest.describe(),
-                        })
-                    })
-                    .collect();
-                out.sort_by(|a, b| a["id"].as_str().cmp(&b["id"].as_str()));
-                Ok(json!({ "vms": out }))
-            }
-            Request::Version => Ok(json!({
-                "api_version": api::API_VERSION,
-                "k7d": env!("CARGO_PKG_VERSION"),
-                "pid": std::process::id(),
-            })),
-        }
+            Request::Snapshot(a) => Reply::Snapshot(self.snapshot(&a.id, &a.dir)?),
+            Request::Restore(a) => Reply::Vm(Box::new(self.restore(&a.dir, a.id)?)),
+            Request::Fork(a) => Reply::Forked(self.fork(&a.id, a.count)?),
+            Request::Peek(a) => Reply::Peek(self.peek(&a.id, a.addr, a.count)?),
+            Request::List => Reply::List(self.list()),
+            Request::Version => Reply::Version(VersionInfo {
+                api_version: api::API_VERSION,
+                k7d: env!("CARGO_PKG_VERSION").into(),
+                pid: std::process::id(),
+            }),
+        })
     }
 
-    fn transition(
-        &self,
-        id: &str,
-        _to: &str,
-        f: impl FnOnce(&mut Vm) -> Result<(), VmError>,
-    ) -> Result<Value, ApiError> {
+    fn transition(&self, id: &str, f: impl FnOnce(&mut Vm) -> Result<(), VmError>) -> Result<VmInfo, ApiError> {
         let vm = self.get(id)?;
         let mut g = lock_vm(&vm);
         f(&mut g).map_err(vm_error)?;
         self.persist(&g)?;
         Ok(self.info_of(&g))
+    }
+
+    fn stop(&self, id: &str) -> Result<VmInfo, ApiError> {
+        let vm = self.get(id)?;
+        let mut g = lock_vm(&vm);
+        if matches!(g.state(), VmState::Stopped { .. }) {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("vm {id} is already {}", g.state()),
+            ));
+        }
+        g.stop();
+        self.persist(&g)?;
+        Ok(self.info_of(&g))
+    }
+
+    fn peek(&self, id: &str, addr: u64, count: u32) -> Result<Peeked, ApiError> {
+        use vm_memory::{Bytes, GuestAddress};
+        let vm = self.get(id)?;
+        let g = lock_vm(&vm);
+        let mut words = Vec::with_capacity(count as usize);
+        for i in 0..u64::from(count) {
+            let a = addr.checked_add(i * 4).ok_or_else(|| {
+                ApiError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("address {addr:#x} + {count} words overflows"),
+                )
+            })?;
+            let w: u32 = g.memory().read_obj(GuestAddress(a)).map_err(|_| {
+                ApiError::new(
+                    ErrorCode::InvalidArgument,
+                    format!("address {a:#x} is not guest RAM of vm {id}"),
+                )
+            })?;
+            words.push(w);
+        }
+        Ok(Peeked {
+            id: id.to_string(),
+            addr,
+            words,
+        })
+    }
+
+    fn list(&self) -> VmList {
+        let vms: Vec<_> = self
+            .vms()
+            .values()
+            .filter_map(|s| match s {
+                Slot::Vm(v) => Some(v.clone()),
+                Slot::Reserved => None,
+            })
+            .collect();
+        let mut vms: Vec<VmSummary> = vms
+            .iter()
+            .map(|v| {
+                let g = lock_vm(v);
+                VmSummary {
+                    id: g.id().to_string(),
+                    status: g.state().to_string(),
+                    vcpus: g.config().vcpus,
+                    memory_mib: g.config().memory_mib,
+                    guest: g.config().guest.describe(),
+                }
+            })
+            .collect();
+        vms.sort_by(|a, b| a.id.cmp(&b.id));
+        VmList { vms }
     }
 
     fn persist(&self, vm: &Vm) -> Result<(), ApiError> {
@@ -300,27 +371,34 @@ impl Daemon {
             .map_err(internal)
     }
 
-    fn info_of(&self, vm: &Vm) -> Value {
+    fn info_of(&self, vm: &Vm) -> VmInfo {
         let rec = self.store.load(vm.id()).ok().flatten();
         let state = vm.state();
-        let since_start = vm.started_at().map(|s| s.elapsed().as_millis() as u64);
-        let first_exit_us = match (vm.started_at(), vm.control().first_exit()) {
+        let ms_since_start = vm.started_at().map(|s| s.elapsed().as_millis() as u64);
+        let first_exit_us_after_start = match (vm.started_at(), vm.control().first_exit()) {
             (Some(s), Some(f)) => Some(f.saturating_duration_since(s).as_micros() as u64),
             _ => None,
         };
-        json!({
-            "id": vm.id(),
-            "status": state.to_string(),
-            "state": state,
-            "config": vm.config(),
-            "devices": vm.devices(),
-            "serial_log": rec.as_ref().map(|r| r.serial_log.clone()),
-            "daemon_pid": std::process::id(),
-            "created_unix": rec.as_ref().map(|r| r.created_unix),
-            "ms_since_start": since_start,
-            "first_exit_us_after_start": first_exit_us,
-            "exits": vm.control().exit_count(),
-        })
+        VmInfo {
+            id: vm.id().to_string(),
+            status: state.to_string(),
+            state,
+            config: vm.config().clone(),
+            devices: vm.devices().to_vec(),
+            serial_log: rec.as_ref().map(|r| r.serial_log.clone()),
+            daemon_pid: std::process::id(),
+            created_unix: rec.as_ref().map(|r| r.created_unix),
+            ms_since_start,
+            first_exit_us_after_start,
+            exits: vm.control().exit_count(),
+        }
+    }
+
+    fn options(&self, serial_log: &Path) -> VmOptions {
+        VmOptions {
+            serial_log: Some(serial_log.to_path_buf()),
+            node: self.node,
+        }
     }
 
     fn new_id(&self) -> String {
@@ -334,75 +412,108 @@ impl Daemon {
         format!("vm-{:08x}", (t ^ n.rotate_left(16) ^ std::process::id().rotate_left(8)))
     }
 
-    fn create(&self, mut config: VmConfig, start: bool) -> Result<Value, ApiError> {
+    /// Reserves `id`, or a generated id when there is none.
+    fn reserve(&self, id: Option<String>) -> Result<(Reservation<'_>, String), ApiError> {
+        let mut vms = self.vms();
+        let id = match id {
+            Some(id) if vms.contains_key(&id) => {
+                return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} already exists")));
+            }
+            Some(id) => id,
+            None => loop {
+                let id = self.new_id();
+                if !vms.contains_key(&id) {
+                    break id;
+                }
+            },
+        };
+        vms.insert(id.clone(), Slot::Reserved);
+        drop(vms);
+        let held = Reservation {
+            daemon: self,
+            ids: vec![id.clone()],
+        };
+        Ok((held, id))
+    }
+
+    /// Reserves `count` free child ids of `source`: `<source>-f<n>`, the
+    /// lowest `n` that neither a VM nor a record holds.
+    fn reserve_children(&self, source: &str, count: u32) -> Result<Reservation<'_>, ApiError> {
+        let mut ids = Vec::new();
+        let mut vms = self.vms();
+        let mut n = 0u32;
+        let complete = loop {
+            if ids.len() == count as usize {
+                break true;
+            }
+            n += 1;
+            let cid = format!("{source}-f{n}");
+            if cid.len() > 63 {
+                break false;
+            }
+            if !vms.contains_key(&cid) && self.store.load(&cid).ok().flatten().is_none() {
+                vms.insert(cid.clone(), Slot::Reserved);
+                ids.push(cid);
+            }
+        };
+        drop(vms);
+        // From here on, every return releases what was reserved.
+        let held = Reservation { daemon: self, ids };
+        if !complete {
+            return Err(ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!("vm id {source} is too long to name its children"),
+            ));
+        }
+        Ok(held)
+    }
+
+    /// Builds a VM under `id` (reserved here) with `build`, records it and
+    /// starts it when `start`; on any failure nothing of it remains.
+    fn install(
+        &self,
+        id: Option<String>,
+        start: bool,
+        build: impl FnOnce(&str, &VmOptions) -> Result<Vm, ApiError>,
+    ) -> Result<VmInfo, ApiError> {
+        let (held, id) = self.reserve(id)?;
+        let serial_log = self.store.runtime_dir(&id).map_err(internal)?.join("serial.log");
+        let vm = build(&id, &self.options(&serial_log))?;
+        let (vm, info) = self.adopt(&id, vm, serial_log, start)?;
+        held.fill(vec![vm]);
+        Ok(info)
+    }
+
+    fn create(&self, config: VmConfig, start: bool) -> Result<VmInfo, ApiError> {
         config
             .validate()
             .map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
-        let id = {
-            let mut vms = self.vms();
-            let id = match &config.id {
-                Some(id) => id.clone(),
-                None => loop {
-                    let id = self.new_id();
-                    if !vms.contains_key(&id) {
-                        break id;
-                    }
-                },
-            };
-            if vms.contains_key(&id) {
-                return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} already exists")));
-            }
-            vms.insert(id.clone(), Slot::Reserved);
-            id
-        };
-        config.id = Some(id.clone());
-        match self.build(&id, &config, start) {
-            Ok(info) => Ok(info),
-            Err(e) => {
-                // Roll back: nothing of this VM may remain.
-                self.vms().remove(&id);
-                if let Err(re) = self.store.remove(&id) {
-                    tracing::error!(vm = %id, error = %re, "rolling back a failed create left files behind");
-                }
-                Err(e)
-            }
-        }
+        self.install(config.id.clone(), start, move |id, opts| {
+            let mut config = config;
+            config.id = Some(id.to_string());
+            Vm::new(id, &config, opts).map_err(vm_error)
+        })
     }
 
-    fn build(&self, id: &str, config: &VmConfig, start: bool) -> Result<Value, ApiError> {
-        let serial_log = self.store.runtime_dir(id).map_err(internal)?.join("serial.log");
-        let vm = Vm::new(
-            id,
-            config,
-            &VmOptions {
-                serial_log: Some(serial_log.clone()),
-                node: self.node,
-            },
-        )
-        .map_err(vm_error)?;
-        self.adopt(id, vm, serial_log, start)
+    fn restore(&self, dir: &Path, id: Option<String>) -> Result<VmInfo, ApiError> {
+        self.install(id, true, |id, opts| {
+            Vm::restore_from(id, dir, opts).map_err(|e| match e {
+                VmError::Persist(_) | VmError::Io { .. } => ApiError::new(ErrorCode::InvalidArgument, e.to_string()),
+                other => vm_error(other),
+            })
+        })
     }
 
-    fn snapshot(&self, id: &str, dir: &Path) -> Result<Value, ApiError> {
-        let vm = self.get(id)?;
-        let g = lock_vm(&vm);
-        let was_running = matches!(g.state(), VmState::Running);
-        if was_running {
-            g.pause(PAUSE_TIMEOUT).map_err(vm_error)?;
-        }
-        let t = std::time::Instant::now();
-        let res = g.snapshot_to(dir);
-        let took = t.elapsed();
-        if was_running {
-            g.resume().map_err(vm_error)?;
-        }
-        res.map_err(vm_error)?;
-        Ok(json!({ "id": id, "dir": dir, "snapshot_ms": took.as_secs_f64() * 1000.0 }))
-    }
-
-    /// Registers a built VM (record, stop callback), starts it if asked, and
-    /// puts it in the map under its (already reserved) id.
-    fn adopt(&self, id: &str, mut vm: Vm, serial_log: PathBuf, start: bool) -> Result<Value, ApiError> {
+    /// Records a built VM under its reserved id (record, stop callback) and
+    /// starts it if asked. It joins the map when its reservation is filled;
+    /// until then, dropping it stops it.
+    fn adopt(
+        &self,
+        id: &str,
+        mut vm: Vm,
+        serial_log: PathBuf,
+        start: bool,
+    ) -> Result<(Arc<Mutex<Vm>>, VmInfo), ApiError> {
         let rec = VmRecord {
             version: store::RECORD_VERSION,
             id: id.to_string(),
@@ -429,142 +540,64 @@ impl Daemon {
             self.persist(&vm)?;
         }
         let info = self.info_of(&vm);
-        self.vms().insert(id.to_string(), Slot::Vm(Arc::new(Mutex::new(vm))));
-        Ok(info)
+        Ok((Arc::new(Mutex::new(vm)), info))
     }
 
-    fn fork(&self, id: &str, count: u32) -> Result<Value, ApiError> {
+    fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotWritten, ApiError> {
         let vm = self.get(id)?;
-        // Reserve the children's ids first.
-        let ids: Vec<String> = {
-            let mut vms = self.vms();
-            let mut ids = Vec::new();
-            let mut n = 0u32;
-            while ids.len() < count as usize {
-                n += 1;
-                let cid = format!("{id}-f{n}");
-                if cid.len() > 63 {
-                    return Err(ApiError::new(
-                        ErrorCode::InvalidArgument,
-                        format!("vm id {id} is too long to name its children"),
-                    ));
-                }
-                if !vms.contains_key(&cid) && self.store.load(&cid).ok().flatten().is_none() {
-                    vms.insert(cid.clone(), Slot::Reserved);
-                    ids.push(cid);
-                }
-            }
-            ids
-        };
-        let release = |from: usize| {
-            let mut vms = self.vms();
-            for cid in &ids[from..] {
-                vms.remove(cid);
-            }
-        };
         let g = lock_vm(&vm);
-        let was_running = matches!(g.state(), VmState::Running);
-        let t0 = std::time::Instant::now();
-        if was_running && let Err(e) = g.pause(PAUSE_TIMEOUT) {
-            release(0);
-            return Err(vm_error(e));
-        }
-        let paused = t0.elapsed();
-        let mut built = Vec::new();
-        let mut failure = None;
-        for cid in &ids {
-            let log = match self.store.runtime_dir(cid) {
-                Ok(d) => d.join("serial.log"),
-                Err(e) => {
-                    failure = Some(internal(e));
-                    break;
-                }
-            };
-            let t = std::time::Instant::now();
-            match g.fork(
-                cid,
-                &VmOptions {
-                    serial_log: Some(log.clone()),
-                    node: self.node,
-                },
-            ) {
-                Ok(child) => built.push((cid.clone(), child, log, t.elapsed())),
-                Err(e) => {
-                    failure = Some(vm_error(e));
-                    break;
-                }
-            }
-        }
-        let fork_total = t0.elapsed();
-        if was_running && let Err(e) = g.resume() {
-            tracing::error!(vm = %id, error = %e, "cannot resume the fork source");
-        }
-        drop(g);
-        if let Some(e) = failure {
-            // Roll back: no child of a failed fork survives.
-            for (cid, child, _, _) in built {
-                drop(child);
-                let _ = self.store.remove(&cid);
-            }
-            for cid in &ids {
-                let _ = self.store.remove(cid);
-            }
-            release(0);
-            return Err(e);
-        }
-        let mut children = Vec::new();
-        for (cid, child, log, took) in built {
-            let mut info = self.adopt(&cid, child, log, true)?;
-            info["fork_ms"] = json!(took.as_secs_f64() * 1000.0);
-            children.push(info);
-        }
-        Ok(json!({
-            "id": id,
-            "children": children,
-            "pause_ms": paused.as_secs_f64() * 1000.0,
-            "source_paused_ms": fork_total.as_secs_f64() * 1000.0,
-        }))
+        let took = with_paused(&g, |vm, _| {
+            let t = Instant::now();
+            vm.snapshot_to(dir).map_err(vm_error)?;
+            Ok(t.elapsed())
+        })?;
+        Ok(SnapshotWritten {
+            id: id.to_string(),
+            dir: dir.to_path_buf(),
+            snapshot_ms: ms(took),
+        })
     }
 
-    fn restore(&self, dir: &Path, id: Option<String>) -> Result<Value, ApiError> {
-        let id = {
-            let mut vms = self.vms();
-            let id = id.unwrap_or_else(|| self.new_id());
-            if vms.contains_key(&id) {
-                return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} already exists")));
-            }
-            vms.insert(id.clone(), Slot::Reserved);
-            id
+    fn fork(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
+        let source = self.get(id)?;
+        let held = self.reserve_children(id, count)?;
+        let (built, pause_ms, source_paused_ms) = {
+            let g = lock_vm(&source);
+            with_paused(&g, |vm, paused| {
+                let t0 = Instant::now();
+                let mut built = Vec::with_capacity(held.ids().len());
+                for cid in held.ids() {
+                    let serial_log = self.store.runtime_dir(cid).map_err(internal)?.join("serial.log");
+                    let t = Instant::now();
+                    let child = vm.fork(cid, &self.options(&serial_log)).map_err(vm_error)?;
+                    built.push((child, serial_log, t.elapsed()));
+                }
+                Ok((built, ms(paused), ms(paused + t0.elapsed())))
+            })?
         };
-        let res = (|| {
-            let serial_log = self.store.runtime_dir(&id).map_err(internal)?.join("serial.log");
-            let vm = Vm::restore_from(
-                &id,
-                dir,
-                &VmOptions {
-                    serial_log: Some(serial_log.clone()),
-                    node: self.node,
-                },
-            )
-            .map_err(|e| match e {
-                VmError::Persist(_) | VmError::Io { .. } => ApiError::new(ErrorCode::InvalidArgument, e.to_string()),
-                other => vm_error(other),
-            })?;
-            self.adopt(&id, vm, serial_log, true)
-        })();
-        match res {
-            Ok(info) => Ok(info),
-            Err(e) => {
-                self.vms().remove(&id);
-                if let Err(re) = self.store.remove(&id) {
-                    tracing::error!(vm = %id, error = %re, "rolling back a failed restore left files behind");
-                }
-                Err(e)
-            }
+        // Every child or none: when one cannot be recorded or started, the
+        // `?` drops the ones adopted before it (which stops them) and then
+        // `held`, which removes every child's files and frees its id.
+        let mut vms = Vec::with_capacity(built.len());
+        let mut children = Vec::with_capacity(built.len());
+        for ((child, serial_log, took), cid) in built.into_iter().zip(held.ids()) {
+            let (vm, info) = self.adopt(cid, child, serial_log, true)?;
+            vms.push(vm);
+            children.push(ForkedChild {
+                info,
+                fork_ms: ms(took),
+            });
         }
+        held.fill(vms);
+        Ok(Forked {
+            id: id.to_string(),
+            children,
+            pause_ms,
+            source_paused_ms,
+        })
     }
 
-    fn delete(&self, id: &str) -> Result<Value, ApiError> {
+    fn delete(&self, id: &str) -> Result<Deleted, ApiError> {
         let vm = self.get(id)?;
         {
             let mut g = lock_vm(&vm);
@@ -577,7 +610,10 @@ impl Daemon {
         // Dropping the last handle closes the vCPU fds, the VM fd and the memfd.
         drop(vm);
         self.store.remove(id).map_err(internal)?;
-        Ok(json!({ "id": id, "deleted": true }))
+        Ok(Deleted {
+            id: id.to_string(),
+            deleted: true,
+        })
     }
 
     /// Stops and deletes every VM (daemon exit).
@@ -589,5 +625,55 @@ impl Daemon {
                 tracing::error!(vm = %id, error = %e, "delete at daemon exit failed");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whole answers of a version 1 daemon (captured from it, byte for
+    /// byte) to requests that need no VM.
+    const V1_ANSWERS: [(&str, &str); 6] = [
+        (
+            r#"{"v":1,"op":"explode"}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)"}}"#,
+        ),
+        (
+            r#"{"v":2,"op":"list"}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"unsupported_version","message":"API version 2 is not supported; this daemon speaks version 1"}}"#,
+        ),
+        (
+            r#"{"v":1,"op":"peek","args":{"id":"web","addr":-1}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"invalid_argument","message":"invalid arguments for `peek`: invalid value: integer `-1`, expected u64"}}"#,
+        ),
+        (
+            r#"{"v":1,"op":"snapshot","args":{"id":"ghost","dir":"/tmp/x"}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"not_found","message":"vm ghost does not exist"}}"#,
+        ),
+        (
+            r#"{"args":{"id":"ghost"},"op":"delete","v":1}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"not_found","message":"vm ghost does not exist"}}"#,
+        ),
+        (
+            r#"{"args":{},"op":"list","v":1}"#,
+            r#"{"v":1,"ok":true,"result":{"vms":[]}}"#,
+        ),
+    ];
+
+    #[test]
+    fn answers_are_the_bytes_version_1_sent() {
+        let dir = std::env::temp_dir().join(format!("k7d-daemon-answers-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (d, reconciled) = Daemon::open(&dir).unwrap();
+        assert!(reconciled.is_empty());
+        for (line, answer) in V1_ANSWERS {
+            assert_eq!(d.handle_line(line), answer, "{line}");
+        }
+        // A refused request reserved nothing and wrote nothing.
+        assert!(d.vms().is_empty());
+        assert_eq!(std::fs::read_dir(dir.join("vms")).unwrap().count(), 0);
+        drop(d);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
+use super::api::{ApiError, ErrorCode, Response};
 use super::{Daemon, DaemonError};
 
 /// Longest request line accepted (a config is a few hundred bytes).
@@ -64,11 +65,6 @@ impl Server {
             stop,
             accept: Some(accept),
         })
-    }
-
-    /// The socket path.
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 
     /// Stops accepting, closes every connection, joins every thread, removes the socket.
@@ -150,11 +146,11 @@ fn serve_conn(stream: UnixStream, daemon: &Daemon) {
             Ok(n) => n,
             Err(e) => {
                 // Not UTF-8, or the peer went away.
-                let resp = super::api::Response::err(super::api::ApiError::new(
-                    super::api::ErrorCode::BadRequest,
+                let resp = Response::err(ApiError::new(
+                    ErrorCode::BadRequest,
                     format!("the request could not be read: {e}"),
                 ));
-                let _ = writeln!(out, "{}", serde_json::to_string(&resp).unwrap_or_default());
+                let _ = writeln!(out, "{}", resp.to_line());
                 return;
             }
         };
@@ -162,11 +158,11 @@ fn serve_conn(stream: UnixStream, daemon: &Daemon) {
             return;
         }
         if !line.ends_with('\n') && n as u64 >= MAX_REQUEST_BYTES {
-            let resp = super::api::Response::err(super::api::ApiError::new(
-                super::api::ErrorCode::BadRequest,
+            let resp = Response::err(ApiError::new(
+                ErrorCode::BadRequest,
                 format!("the request is longer than {MAX_REQUEST_BYTES} bytes"),
             ));
-            let _ = writeln!(out, "{}", serde_json::to_string(&resp).unwrap_or_default());
+            let _ = writeln!(out, "{}", resp.to_line());
             return;
         }
         if line.trim().is_empty() {

@@ -187,24 +187,28 @@ impl RecordStore {
         Ok(ids)
     }
 
-    /// Removes a record, its lock and its runtime directory.
+    /// Removes a record, its lock and its runtime directory; each of them
+    /// even when another could not be removed (the first failure is returned).
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
-        {
+        let res = {
             let _g = self.lock(id)?;
             let p = self.json(id);
-            match fs::remove_file(&p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(ioerr("remove", &p)(e)),
-            }
+            let record = match fs::remove_file(&p) {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(ioerr("remove", &p)(e)),
+            };
             let d = self.dir.join(id);
-            if d.exists() {
-                fs::remove_dir_all(&d).map_err(ioerr("remove", &d))?;
-            }
-        }
+            let runtime = if d.exists() {
+                fs::remove_dir_all(&d).map_err(ioerr("remove", &d))
+            } else {
+                Ok(())
+            };
+            record.and(runtime)
+        };
         let l = self.lock_path(id);
         let _ = fs::remove_file(&l);
-        Ok(())
+        res
     }
 
     /// Removes temp files a crashed writer left behind.
@@ -219,11 +223,6 @@ impl RecordStore {
             }
         }
         n
-    }
-
-    /// The records directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 }
 
@@ -283,7 +282,7 @@ mod tests {
         assert_eq!(store.ids().unwrap(), vec!["a".to_string()]);
         assert_eq!(store.sweep_temp_files(), 0, "a temp file was left behind");
         store.remove("a").unwrap();
-        assert_eq!(fs::read_dir(store.dir()).unwrap().count(), 0);
+        assert_eq!(fs::read_dir(dir.join("vms")).unwrap().count(), 0);
         fs::remove_dir_all(&dir).unwrap();
     }
 }

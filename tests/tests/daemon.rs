@@ -280,6 +280,7 @@ fn every_op_answers_with_the_type_its_op_defines() {
         Request::Snapshot(SnapshotArgs {
             id: "t".into(),
             dir: snap.clone(),
+            replace: false,
         }),
         Request::Restore(RestoreArgs {
             dir: snap.clone(),

@@ -281,7 +281,14 @@ enum ApiCmd {
     /// Show a VM.
     Info { id: String },
     /// Write a cold snapshot of a VM (state + memory) into a directory.
-    Snapshot { id: String, dir: PathBuf },
+    Snapshot {
+        id: String,
+        dir: PathBuf,
+        /// Replace an existing snapshot at DIR atomically (without it, an
+        /// existing DIR is refused and left as it is).
+        #[arg(long)]
+        replace: bool,
+    },
     /// Start a new VM from a snapshot directory.
     Restore {
         dir: PathBuf,
@@ -446,9 +453,10 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
         ApiCmd::Stop { id } => Request::Stop(id),
         ApiCmd::Delete { id } => Request::Delete(id),
         ApiCmd::Info { id } => Request::Info(id),
-        ApiCmd::Snapshot { id, dir } => Request::Snapshot(SnapshotArgs {
+        ApiCmd::Snapshot { id, dir, replace } => Request::Snapshot(SnapshotArgs {
             id,
             dir: std::path::absolute(&dir).unwrap_or(dir),
+            replace,
         }),
         ApiCmd::Restore { dir, id } => Request::Restore(RestoreArgs {
             dir: std::path::absolute(&dir).unwrap_or(dir),

@@ -312,6 +312,37 @@ fn snapshot_then_restore_in_a_new_daemon_resumes_the_guest() {
         .unwrap();
     let frozen = u32::from_le_bytes(b);
     assert!(frozen >= 200, "{frozen}");
+    // A second snapshot to the same place is refused and leaves the first
+    // one as it was; with --replace it replaces it as a whole.
+    let o = cli(&dir.0, &["snapshot", "t", snap.to_str().unwrap()]);
+    let (out, err) = text(&o);
+    assert!(
+        !o.status.success(),
+        "a second snapshot over the first was accepted: {out}"
+    );
+    assert!(err.contains("exists"), "{err}");
+    let mut again = [0u8; 4];
+    std::fs::File::open(snap.join("memory"))
+        .unwrap()
+        .read_exact_at(&mut again, TICKS)
+        .unwrap();
+    assert_eq!(
+        u32::from_le_bytes(again),
+        frozen,
+        "the refused snapshot changed the first one"
+    );
+    let o = cli(&dir.0, &["snapshot", "t", snap.to_str().unwrap(), "--replace"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "--replace: {out} {err}");
+    std::fs::File::open(snap.join("memory"))
+        .unwrap()
+        .read_exact_at(&mut b, TICKS)
+        .unwrap();
+    let frozen = u32::from_le_bytes(b);
+    assert!(
+        frozen > u32::from_le_bytes(again),
+        "--replace kept the old snapshot ({frozen} ticks)"
+    );
 
     // A new daemon process restores it: the guest goes on from `frozen`.
     // SAFETY: plain kill(2) of our own child.

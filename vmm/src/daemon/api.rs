@@ -76,8 +76,13 @@ pub struct CreateArgs {
 pub struct SnapshotArgs {
     /// VM.
     pub id: String,
-    /// Target directory (created).
+    /// Target directory (created; absolute).
     pub dir: PathBuf,
+    /// Replace an existing snapshot at `dir` atomically (otherwise it is
+    /// refused and left untouched). Left out of the line when false, so
+    /// version-1 lines are unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replace: bool,
 }
 
 /// `restore`'s arguments.
@@ -624,6 +629,7 @@ mod tests {
             Request::Snapshot(SnapshotArgs {
                 id: "web".into(),
                 dir: "/tmp/web.snap".into(),
+                replace: false,
             }),
             Request::Restore(RestoreArgs {
                 dir: "/tmp/web.snap".into(),
@@ -644,6 +650,14 @@ mod tests {
             }),
             Request::List,
             Request::Version,
+            // Newer than the version-1 capture below (V1_LINES pairs with
+            // the requests before this one): `replace` rides in the args only
+            // when true, so older lines are unchanged.
+            Request::Snapshot(SnapshotArgs {
+                id: "web".into(),
+                dir: "/tmp/web.snap".into(),
+                replace: true,
+            }),
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {

@@ -275,7 +275,7 @@ impl Daemon {
                 let g = lock_vm(&vm);
                 Reply::Vm(Box::new(self.info_of(&g)))
             }
-            Request::Snapshot(a) => Reply::Snapshot(self.snapshot(&a.id, &a.dir)?),
+            Request::Snapshot(a) => Reply::Snapshot(self.snapshot(&a.id, &a.dir, a.replace)?),
             Request::Restore(a) => Reply::Vm(Box::new(self.restore(&a.dir, a.id)?)),
             Request::Fork(a) => Reply::Forked(self.fork(&a.id, a.count)?),
             Request::Peek(a) => Reply::Peek(self.peek(&a.id, a.addr, a.count)?),
@@ -543,12 +543,12 @@ impl Daemon {
         Ok((Arc::new(Mutex::new(vm)), info))
     }
 
-    fn snapshot(&self, id: &str, dir: &Path) -> Result<SnapshotWritten, ApiError> {
+    fn snapshot(&self, id: &str, dir: &Path, replace: bool) -> Result<SnapshotWritten, ApiError> {
         let vm = self.get(id)?;
         let g = lock_vm(&vm);
         let took = with_paused(&g, |vm, _| {
             let t = Instant::now();
-            vm.snapshot_to(dir).map_err(vm_error)?;
+            vm.snapshot(dir, replace).map_err(vm_error)?;
             Ok(t.elapsed())
         })?;
         Ok(SnapshotWritten {

@@ -140,7 +140,14 @@ pub fn wait_signal(sig: i32) -> io::Result<()> {
 
 /// An exclusive `flock` held until drop.
 pub struct FileLock {
-    _file: File,
+    file: File,
+}
+
+impl FileLock {
+    /// The locked file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
 }
 
 /// Takes an exclusive lock on `file` (blocking or not).
@@ -150,7 +157,7 @@ pub fn flock(file: File, blocking: bool) -> io::Result<FileLock> {
         // SAFETY: flock on a valid, owned file descriptor.
         let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
         if rc == 0 {
-            return Ok(FileLock { _file: file });
+            return Ok(FileLock { file });
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
@@ -242,4 +249,144 @@ pub unsafe fn remap_private(addr: *mut u8, len: usize, fd: &File, offset: u64) -
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// This process's effective uid.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
+/// Who is at the other end of a unix socket, as the kernel recorded it when
+/// the peer connected (`SO_PEERCRED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    /// The peer's pid (in this process's pid namespace; 0 if it has none here).
+    pub pid: i32,
+    /// Its effective uid at `connect` time.
+    pub uid: u32,
+    /// Its effective gid at `connect` time.
+    pub gid: u32,
+}
+
+/// The credentials of the peer of the unix stream `sock`.
+pub fn peer_cred(sock: &impl AsRawFd) -> io::Result<PeerCred> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is a live, writable ucred and `len` holds its size; the
+    // kernel writes at most `len` bytes into it.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut cred).cast::<libc::c_void>(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(PeerCred {
+        pid: cred.pid,
+        uid: cred.uid,
+        gid: cred.gid,
+    })
+}
+
+/// Waits until one of `fds` is readable (or hung up), at most `timeout`
+/// (`None`: no limit); returns, for each fd, whether it is. An interrupted
+/// wait returns all false.
+pub fn poll_readable(fds: &[&dyn AsRawFd], timeout: Option<std::time::Duration>) -> io::Result<Vec<bool>> {
+    let mut pfds: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|fd| libc::pollfd {
+            fd: fd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = match timeout {
+        None => -1,
+        Some(t) => libc::c_int::try_from(t.as_millis()).unwrap_or(libc::c_int::MAX),
+    };
+    // SAFETY: `pfds` is a live array of `pfds.len()` pollfd structs; their
+    // fds belong to the objects `fds` borrows, open for the whole call.
+    let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
+    if rc < 0 {
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            return Ok(vec![false; pfds.len()]);
+        }
+        return Err(e);
+    }
+    Ok(pfds.iter().map(|p| p.revents != 0).collect())
+}
+
+/// Connects a unix stream socket to `path`, giving up after `timeout`: a
+/// listener whose backlog is full (nobody accepts) makes a plain `connect`
+/// block without limit; this one retries a non-blocking `connect` until the
+/// deadline and then fails with `TimedOut`. The stream it returns blocks.
+pub fn connect_unix(
+    path: &std::path::Path,
+    timeout: std::time::Duration,
+) -> io::Result<std::os::unix::net::UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: an all-zero sockaddr_un is a valid value (family set below).
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a unix socket path must be 1 to {} bytes without NUL",
+                addr.sun_path.len() - 1
+            ),
+        ));
+    }
+    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
+        *d = *s as libc::c_char;
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+    // SAFETY: socket(2) with constant, valid arguments.
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
+            0,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
+    let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        // SAFETY: `addr` is an initialized sockaddr_un of which the first
+        // `len` bytes are meaningful; `stream` owns an open socket.
+        let rc = unsafe { libc::connect(stream.as_raw_fd(), (&raw const addr).cast::<libc::sockaddr>(), len) };
+        if rc == 0 {
+            break;
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            // The listener's backlog is full: nobody has accepted yet.
+            Some(libc::EAGAIN) | Some(libc::EINPROGRESS) => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the listener accepted no connection in time (its backlog is full)",
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            Some(libc::EISCONN) => break,
+            _ => return Err(e),
+        }
+    }
+    stream.set_nonblocking(false)?;
+    Ok(stream)
 }

@@ -1,4 +1,4 @@
-use std::{fs::File, path::Path};
+use std::{os::unix::fs::OpenOptionsExt, path::Path};
 
 use crate::{NetError, sys};
 
@@ -12,7 +12,15 @@ where
     F: FnOnce() -> Result<T, NetError> + Send,
 {
     let ns = match netns {
-        Some(p) => Some(File::open(p).map_err(|e| NetError::os(format!("open netns {}", p.display()), e))?),
+        // O_NONBLOCK: a FIFO at `p` must not block the opener (setns then
+        // refuses it); a namespace file ignores the flag.
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+                .open(p)
+                .map_err(|e| NetError::os(format!("open netns {}", p.display()), e))?,
+        ),
         None => None,
     };
     std::thread::scope(|s| {
@@ -30,4 +38,31 @@ where
             })
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A FIFO given as a netns is refused at once (setns), never waited on.
+    #[test]
+    fn a_fifo_as_netns_does_not_block() {
+        let dir = std::env::temp_dir().join(format!("k7d-netns-fifo-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: mkfifo with a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let f = fifo.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(in_netns(Some(&f), || Ok(())).is_err());
+        });
+        let refused = rx
+            .recv_timeout(std::time::Duration::from_secs(5))
+            .expect("entering a FIFO as a netns blocked");
+        assert!(refused, "a FIFO was entered as a netns");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -483,3 +483,71 @@ fn with_paused_resumes_after_a_failure_and_reports_both_errors() {
     .unwrap_err();
     assert!(e.message.contains("vm wp3"), "{}", e.message);
 }
+
+/// An error with its sources, as the API reports it.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s.push_str(&format!(": {x}"));
+        src = x.source();
+    }
+    s
+}
+
+/// Runs `f` on a thread and waits at most 5 s for it: whether it returned.
+fn returns_in_time<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(5)).ok()
+}
+
+/// A FIFO put where a guest image, a kernel or a disk was (after the
+/// config was validated) is refused at once: opening it never waits for a
+/// writer that will not come.
+#[test]
+fn a_fifo_in_place_of_a_guest_file_is_refused_without_blocking() {
+    use k7d_vmm::config::GuestSpec;
+    let dir = k7d_tests::TempDir::new("fifo");
+    let fifo = dir.0.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: mkfifo with a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let opts = k7d_vmm::VmOptions {
+        serial_log: Some(dir.0.join("serial.log")),
+        ..Default::default()
+    };
+    for guest in [
+        GuestSpec::Raw {
+            path: fifo.clone(),
+            args: vec![],
+        },
+        GuestSpec::Linux {
+            kernel: fifo.clone(),
+            initrd: None,
+            cmdline: None,
+        },
+    ] {
+        let cfg = k7d_vmm::VmConfig {
+            memory_mib: 8,
+            guest: guest.clone(),
+            ..Default::default()
+        };
+        let opts = opts.clone();
+        let res = returns_in_time(move || k7d_vmm::Vm::new("fifo", &cfg, &opts).err().map(|e| chain(&e)))
+            .unwrap_or_else(|| panic!("building a VM from {guest:?} blocked on the FIFO"));
+        let e = res.expect("a FIFO was accepted as a guest file");
+        assert!(e.contains("not a regular file"), "{e}");
+    }
+    let f = fifo.clone();
+    let res = returns_in_time(move || {
+        k7d_devices::virtio::block::DiskImage::open(&f, true)
+            .err()
+            .map(|e| chain(&e))
+    })
+    .expect("opening a FIFO as a disk blocked");
+    let e = res.expect("a FIFO was accepted as a disk");
+    assert!(e.contains("neither a regular file nor a block device"), "{e}");
+}

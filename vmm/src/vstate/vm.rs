@@ -816,7 +816,8 @@ fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {
             .map(|b| b.image().to_vec())
             .map_err(|e| VmError::Guest(e.to_string())),
         GuestSpec::Raw { path, .. } => {
-            let img = std::fs::read(path).map_err(io(format!("cannot read guest image {}", path.display())))?;
+            let img = read_regular_file(path, crate::config::MAX_RAW_IMAGE)
+                .map_err(io(format!("cannot read guest image {}", path.display())))?;
             if img.is_empty() || img.len() as u64 > crate::config::MAX_RAW_IMAGE {
                 return Err(VmError::Guest(format!(
                     "{} is {} bytes, a real-mode image must be 1 to {} bytes",
@@ -1388,6 +1389,28 @@ fn derived_mac(vm_id: &str, idx: u16) -> [u8; 6] {
     }
     let b = h.to_le_bytes();
     [0x52, 0x54, 0x00, b[0], b[1], b[2]]
+}
+
+/// Reads up to `max + 1` bytes of the regular file at `path`. Opened with
+/// `O_NONBLOCK`, so a FIFO or a device in the file's place is refused at
+/// once instead of blocking the caller (the flag changes nothing for a
+/// regular file).
+fn read_regular_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "it is not a regular file",
+        ));
+    }
+    let mut data = Vec::new();
+    f.take(max.saturating_add(1)).read_to_end(&mut data)?;
+    Ok(data)
 }
 
 fn open_log(p: &Path) -> Result<File, VmError> {

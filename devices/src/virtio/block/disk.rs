@@ -76,14 +76,29 @@ impl DiskImage {
     /// advertises `VIRTIO_BLK_F_RO` and fails writes with IOERR).
     pub fn open(path: impl AsRef<std::path::Path>, read_only: bool) -> Result<Self, BlockError> {
         let p = path.as_ref();
+        let open_err = |source| BlockError::Open {
+            path: p.display().to_string(),
+            source,
+        };
+        // O_NONBLOCK: a FIFO in the image's place must not block the opener
+        // (it is refused below); for regular files and block devices the
+        // flag changes nothing.
         let file = OpenOptions::new()
             .read(true)
             .write(!read_only)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
             .open(p)
-            .map_err(|source| BlockError::Open {
-                path: p.display().to_string(),
-                source,
-            })?;
+            .map_err(open_err)?;
+        {
+            use std::os::unix::fs::FileTypeExt;
+            let ft = file.metadata().map_err(open_err)?.file_type();
+            if !ft.is_file() && !ft.is_block_device() {
+                return Err(open_err(std::io::Error::new(
+                    ErrorKind::InvalidInput,
+                    "it is neither a regular file nor a block device",
+                )));
+            }
+        }
         // A base frozen by a fork holds a shared lock for as long as any of
         // its VMs lives; writing it would change every child's disk.
         if !read_only && !flock(&file, libc::LOCK_EX | libc::LOCK_NB) {

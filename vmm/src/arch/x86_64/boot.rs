@@ -2,6 +2,7 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use linux_loader::configurator::linux::LinuxBootConfigurator;
@@ -90,7 +91,14 @@ fn open(path: &Path, what: &'static str) -> Result<(File, u64), BootError> {
         path: path.to_path_buf(),
         reason: e.to_string(),
     };
-    let f = File::open(path).map_err(unreadable)?;
+    // O_NONBLOCK: opening a FIFO (put in the file's place after the config
+    // was validated) must not wait for a writer; it is refused below. On a
+    // regular file the flag changes nothing.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(unreadable)?;
     let meta = f.metadata().map_err(unreadable)?;
     if !meta.is_file() {
         return Err(BootError::Unreadable {

@@ -484,6 +484,42 @@ fn with_paused_resumes_after_a_failure_and_reports_both_errors() {
     assert!(e.message.contains("vm wp3"), "{}", e.message);
 }
 
+/// Runtime directories and lock files without a record (a daemon died
+/// after making a VM's runtime directory and before writing its record, or
+/// while removing them) are swept when a daemon starts; a symbolic link is
+/// removed, not followed, and entries that are no VM's are left alone.
+#[test]
+fn runtime_files_without_a_record_are_swept_at_start() {
+    let dir = k7d_tests::TempDir::new("orphans");
+    let state = dir.0.join("state");
+    let vms = state.join("vms");
+    std::fs::create_dir_all(vms.join("ghost")).unwrap();
+    std::fs::write(vms.join("ghost/serial.log"), b"old").unwrap();
+    std::fs::write(vms.join("ghost.lock"), b"").unwrap();
+    std::fs::write(vms.join("other.lock"), b"").unwrap();
+    let outside = dir.0.join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("keep"), b"keep").unwrap();
+    std::os::unix::fs::symlink(&outside, vms.join("link")).unwrap();
+    // Not a VM's: a name no VM id can have.
+    std::fs::create_dir_all(vms.join("_not-an-id")).unwrap();
+    let (d, reconciled) = k7d_vmm::daemon::Daemon::open(&state).unwrap();
+    assert!(reconciled.is_empty(), "{reconciled:?}");
+    let mut left: Vec<String> = std::fs::read_dir(&vms)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["_not-an-id"], "orphans were not swept");
+    assert_eq!(
+        std::fs::read(outside.join("keep")).unwrap(),
+        b"keep",
+        "a link was followed"
+    );
+    drop(d);
+}
+
 /// An error with its sources, as the API reports it.
 fn chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();

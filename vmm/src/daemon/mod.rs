@@ -26,6 +26,11 @@ use store::{RecordStore, StoreError, VmRecord};
 /// How long `pause` waits for every vCPU to park.
 pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// How long a starting daemon waits for the state directory's lock: a daemon
+/// killed with `kill -9` holds it until the kernel has torn the process down
+/// (its guest RAM unmapped first), which can take a moment.
+pub const STATE_LOCK_WAIT: Duration = Duration::from_secs(5);
+
 /// A record found at start whose VM no longer exists.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reconciled {
@@ -41,8 +46,20 @@ pub struct Reconciled {
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     /// Another daemon holds the state directory.
-    #[error("another k7d daemon already uses the state directory {0}")]
-    Busy(PathBuf),
+    #[error(
+        "another k7d daemon already uses the state directory {}{}; waited {} s for it to let go",
+        dir.display(),
+        holder.map(|p| format!(" (pid {p})")).unwrap_or_default(),
+        waited.as_secs_f64()
+    )]
+    Busy {
+        /// The state directory.
+        dir: PathBuf,
+        /// The pid the holder wrote into the lock file, if it did.
+        holder: Option<u32>,
+        /// How long this daemon waited for the lock.
+        waited: Duration,
+    },
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
@@ -175,16 +192,80 @@ pub fn with_paused<R>(vm: &Vm, op: impl FnOnce(&Vm, Duration) -> Result<R, ApiEr
     }
 }
 
+/// Takes `<state_dir>/daemon.lock`, retrying for `wait` while another
+/// process holds it, and writes this process's pid into it (the next
+/// daemon's refusal names it).
+fn lock_state_dir(state_dir: &Path, wait: Duration) -> Result<crate::sys::FileLock, DaemonError> {
+    use std::io::{Read, Seek, Write};
+    let t = Instant::now();
+    let mut logged = false;
+    loop {
+        let file = store::open_daemon_lock(state_dir)?;
+        match crate::sys::flock(file, false) {
+            Ok(lock) => {
+                let mut f = lock.file();
+                let wrote = f
+                    .set_len(0)
+                    .and_then(|()| f.seek(std::io::SeekFrom::Start(0)))
+                    .and_then(|_| writeln!(f, "{}", std::process::id()));
+                if let Err(e) = wrote {
+                    tracing::warn!(error = %e, "cannot write this daemon's pid into the state directory's lock");
+                }
+                if logged {
+                    tracing::info!(
+                        waited_ms = t.elapsed().as_millis() as u64,
+                        "the state directory is free now"
+                    );
+                }
+                return Ok(lock);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(source) => {
+                return Err(DaemonError::Io {
+                    what: format!("cannot lock the state directory {}", state_dir.display()),
+                    source,
+                });
+            }
+        }
+        if t.elapsed() >= wait {
+            let mut text = String::new();
+            let holder = store::open_daemon_lock(state_dir)
+                .ok()
+                .and_then(|mut f| f.read_to_string(&mut text).ok())
+                .and_then(|_| text.trim().parse().ok());
+            return Err(DaemonError::Busy {
+                dir: state_dir.to_path_buf(),
+                holder,
+                waited: wait,
+            });
+        }
+        if !logged {
+            logged = true;
+            tracing::info!(
+                state_dir = %state_dir.display(),
+                wait_s = wait.as_secs_f64(),
+                "another daemon holds the state directory; waiting for it to let go"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 impl Daemon {
-    /// Takes the state directory (exclusively), sweeps leftovers, and
-    /// reconciles records whose VMs no longer exist.
+    /// Takes the state directory (exclusively, waiting up to
+    /// [`STATE_LOCK_WAIT`] for a daemon that is still going away), sweeps
+    /// leftovers, and reconciles records whose VMs no longer exist.
     pub fn open(state_dir: &Path) -> Result<(Self, Vec<Reconciled>), DaemonError> {
+        Self::open_waiting(state_dir, STATE_LOCK_WAIT)
+    }
+
+    /// [`Daemon::open`], waiting at most `lock_wait` for the state directory's lock.
+    pub fn open_waiting(state_dir: &Path, lock_wait: Duration) -> Result<(Self, Vec<Reconciled>), DaemonError> {
         std::fs::create_dir_all(state_dir).map_err(|source| DaemonError::Io {
             what: format!("cannot create the state directory {}", state_dir.display()),
             source,
         })?;
-        let lock_file = store::open_daemon_lock(state_dir)?;
-        let lock = crate::sys::flock(lock_file, false).map_err(|_| DaemonError::Busy(state_dir.to_path_buf()))?;
+        let lock = lock_state_dir(state_dir, lock_wait)?;
         let store = Arc::new(RecordStore::open(state_dir)?);
         let swept = store.sweep_temp_files();
         if swept > 0 {
@@ -211,6 +292,11 @@ impl Daemon {
             );
             store.remove(&id)?;
             reconciled.push(r);
+        }
+        // With every record gone, a runtime directory or lock file still here
+        // belonged to a VM whose record was never written or already removed.
+        for name in store.sweep_orphans() {
+            tracing::warn!(entry = %name, "removed a VM's runtime files that had no record");
         }
         Ok((
             Self {

@@ -211,6 +211,45 @@ impl RecordStore {
         res
     }
 
+    /// Removes the runtime directories (`<id>/`) and lock files (`<id>.lock`)
+    /// that have no record (`<id>.json`): a daemon that died between
+    /// creating a VM's runtime directory and writing its record, or while
+    /// removing them, leaves them. Returns the names removed. Only entries
+    /// named after a valid VM id are touched; a symbolic link is removed,
+    /// never followed.
+    pub fn sweep_orphans(&self) -> Vec<String> {
+        let mut removed = Vec::new();
+        let Ok(rd) = fs::read_dir(&self.dir) else {
+            return removed;
+        };
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Ok(md) = fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            let ft = md.file_type();
+            let orphan = |id: &str| crate::config::validate_id(id).is_ok() && !self.json(id).exists();
+            let res = if ft.is_dir() && orphan(&name) {
+                fs::remove_dir_all(e.path())
+            } else if (ft.is_file() || ft.is_symlink()) && name.strip_suffix(".lock").is_some_and(orphan) {
+                fs::remove_file(e.path())
+            } else if ft.is_symlink() && !name.ends_with(".json") && orphan(&name) {
+                // A link where a runtime directory would be.
+                fs::remove_file(e.path())
+            } else {
+                continue;
+            };
+            match res {
+                Ok(()) => removed.push(name),
+                Err(err) => {
+                    tracing::warn!(entry = %e.path().display(), error = %err, "cannot remove a VM's runtime files that have no record")
+                }
+            }
+        }
+        removed.sort();
+        removed
+    }
+
     /// Removes temp files a crashed writer left behind.
     pub fn sweep_temp_files(&self) -> usize {
         let mut n = 0;
@@ -232,6 +271,7 @@ pub fn open_daemon_lock(state_dir: &Path) -> Result<File, StoreError> {
     OpenOptions::new()
         .create(true)
         .truncate(false)
+        .read(true)
         .write(true)
         .open(&p)
         .map_err(ioerr("open", &p))

@@ -16,8 +16,8 @@ use k7d_vmm::daemon::Daemon;
 use k7d_vmm::daemon::api::{
     ApiError, CreateArgs, ForkArgs, PeekArgs, Reply, Request, RestoreArgs, SnapshotArgs, VmInfo, VmList,
 };
-use k7d_vmm::daemon::client::Client;
-use k7d_vmm::daemon::server::Server;
+use k7d_vmm::daemon::client::{self, Client};
+use k7d_vmm::daemon::server::{self, Access, Server, ServerConfig};
 use k7d_vmm::netcli::NetCmd;
 use k7d_vmm::{StopReason, Vm, VmOptions, check};
 
@@ -39,6 +39,11 @@ struct Cli {
     /// The daemon's API socket.
     #[arg(long, global = true, env = "K7D_SOCKET", default_value = DEFAULT_SOCKET)]
     socket: PathBuf,
+    /// How long a daemon verb waits for the daemon (connecting, then its
+    /// answer), in seconds; `create`, `fork`, `snapshot` and `restore` of big
+    /// VMs take a while.
+    #[arg(long, env = "K7D_TIMEOUT", default_value_t = client::DEFAULT_TIMEOUT.as_secs_f64(), value_parser = parse_secs)]
+    timeout: f64,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -237,6 +242,8 @@ enum Cmd {
         /// Node settings (JSON: max_net_queues, vhost_default).
         #[arg(long)]
         node_config: Option<PathBuf>,
+        #[command(flatten)]
+        limits: DaemonLimits,
     },
     #[command(flatten)]
     Api(ApiCmd),
@@ -247,6 +254,43 @@ enum Cmd {
         #[command(subcommand)]
         cmd: NetCmd,
     },
+}
+
+/// Who may use the daemon's API and how it bounds its clients (`docs/security.md`).
+#[derive(Args, Clone)]
+struct DaemonLimits {
+    /// Also serve this uid (repeatable). Root and the daemon's own uid are
+    /// always served; others are refused unless listed here or by gid.
+    #[arg(long = "allow-uid", value_name = "UID")]
+    allow_uids: Vec<u32>,
+    /// Also serve a client whose (effective, primary) gid is this (repeatable).
+    #[arg(long = "allow-gid", value_name = "GID")]
+    allow_gids: Vec<u32>,
+    /// Most API connections served at once; one more gets a refusal line.
+    #[arg(long, default_value_t = server::DEFAULT_MAX_CONNECTIONS as u32, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    max_connections: u32,
+    /// Seconds a client has to finish a request line it started (and to read an answer).
+    #[arg(long, default_value_t = server::DEFAULT_LINE_TIMEOUT.as_secs_f64(), value_parser = parse_secs)]
+    line_timeout: f64,
+    /// Seconds an API connection may stay open without a request.
+    #[arg(long, default_value_t = server::DEFAULT_IDLE_TIMEOUT.as_secs_f64(), value_parser = parse_secs)]
+    idle_timeout: f64,
+    /// Seconds the daemon takes at most to exit after SIGTERM or SIGINT,
+    /// whatever a request is doing.
+    #[arg(long, default_value_t = server::DEFAULT_SHUTDOWN_GRACE.as_secs_f64(), value_parser = parse_secs)]
+    shutdown_timeout: f64,
+}
+
+fn parse_secs(s: &str) -> Result<f64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|e| format!("`{s}` is not a number of seconds: {e}"))?;
+    if !(v.is_finite() && v > 0.0 && v <= 86_400.0 * 365.0) {
+        return Err(format!(
+            "`{s}` is out of range: use more than 0 and at most a year of seconds"
+        ));
+    }
+    Ok(v)
 }
 
 /// The verbs that are requests to the daemon.
@@ -370,10 +414,14 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             let node = load_node(&node_config)?;
             run_foreground(&guest, timeout, serial_log, quiet, cli.json, process_start, node)
         }
-        Cmd::Daemon { state_dir, node_config } => {
+        Cmd::Daemon {
+            state_dir,
+            node_config,
+            limits,
+        } => {
             init_logs("info");
             let node = load_node(&node_config)?;
-            daemon(&state_dir, &cli.socket, node)
+            daemon(&state_dir, &cli.socket, node, &limits)
         }
         Cmd::Net { cmd } => {
             init_logs("warn");
@@ -407,7 +455,8 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         Cmd::Api(cmd) => {
             init_logs("warn");
             let req = api_request(cmd)?;
-            let mut client = Client::connect(&cli.socket).map_err(|e: ApiError| anyhow!("{e}"))?;
+            let mut client = Client::connect_with_timeout(&cli.socket, Duration::from_secs_f64(cli.timeout))
+                .map_err(|e: ApiError| anyhow!("{e}"))?;
             let result = client.call(&req).map_err(|e| anyhow!("{e}"))?;
             // The result is read as the type its op defines; --json prints
             // it as the daemon wrote it.
@@ -522,7 +571,12 @@ fn print_vm(vm: &VmInfo) {
     }
 }
 
-fn daemon(state_dir: &std::path::Path, socket: &std::path::Path, node: NodeConfig) -> Result<ExitCode> {
+fn daemon(
+    state_dir: &std::path::Path,
+    socket: &std::path::Path,
+    node: NodeConfig,
+    limits: &DaemonLimits,
+) -> Result<ExitCode> {
     catch_signals()?;
     k7d_vmm::diag::install().context("cannot start the SIGUSR1 state dump thread")?;
     let (d, reconciled) = Daemon::open(state_dir)?;
@@ -533,16 +587,67 @@ fn daemon(state_dir: &std::path::Path, socket: &std::path::Path, node: NodeConfi
             r.id, r.state, r.daemon_pid
         );
     }
+    let mut access = Access::owner_only();
+    for &u in &limits.allow_uids {
+        if !access.uids.contains(&u) {
+            access.uids.push(u);
+        }
+    }
+    for &g in &limits.allow_gids {
+        if !access.gids.contains(&g) {
+            access.gids.push(g);
+        }
+    }
+    tracing::info!(
+        uids = ?access.uids,
+        gids = ?access.gids,
+        "API clients allowed: root and this daemon's own uid always (they own every VM already), and those given by --allow-uid/--allow-gid"
+    );
+    let cfg = ServerConfig {
+        max_connections: limits.max_connections as usize,
+        line_timeout: Duration::from_secs_f64(limits.line_timeout),
+        idle_timeout: Duration::from_secs_f64(limits.idle_timeout),
+        access,
+    };
     let d = std::sync::Arc::new(d);
-    let server = Server::start(d.clone(), socket)?;
+    let server = Server::start_with(d.clone(), socket, cfg)?;
     tracing::info!(state_dir = %state_dir.display(), pid = std::process::id(), "k7d daemon ready");
     while !INTERRUPTED.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
     }
-    tracing::info!("signal received: shutting down");
-    server.shutdown();
-    d.shutdown();
-    Ok(ExitCode::SUCCESS)
+    // Shut down on a thread of its own and wait for it a bounded time: a
+    // request that is still running (and may hold a VM) cannot keep the
+    // daemon from exiting.
+    let bound = Duration::from_secs_f64(limits.shutdown_timeout);
+    tracing::info!(bound_s = bound.as_secs_f64(), "signal received: shutting down");
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let socket_path = socket.to_path_buf();
+    let shutdown = std::thread::Builder::new()
+        .name("k7d-shutdown".into())
+        .spawn(move || {
+            // Half the bound for connections to finish their requests, the
+            // rest for stopping and deleting the VMs.
+            server.shutdown_within(bound / 2);
+            d.shutdown();
+            let _ = done_tx.send(());
+        })
+        .context("cannot spawn the shutdown thread")?;
+    match done_rx.recv_timeout(bound) {
+        Ok(()) => {
+            let _ = shutdown.join();
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(_) => {
+            tracing::error!(
+                bound_s = bound.as_secs_f64(),
+                "shutdown did not finish within the bound (a request is still running): exiting anyway; the VMs end with this process and their records are reconciled at the next start"
+            );
+            // The accept thread has stopped (it never waits on a client), so
+            // the socket can go; the server removes it too when it gets there.
+            let _ = std::fs::remove_file(&socket_path);
+            Ok(ExitCode::FAILURE)
+        }
+    }
 }
 
 fn ms(d: Duration) -> f64 {

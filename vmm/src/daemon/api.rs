@@ -229,6 +229,11 @@ pub enum ErrorCode {
     Conflict,
     /// The host failed (KVM, memory, files).
     Internal,
+    /// The daemon serves as many connections as it may; nothing was read
+    /// from this one (try again later).
+    Busy,
+    /// The connecting process's credentials are not allowed to use the API.
+    PermissionDenied,
 }
 
 /// An error as sent on the wire.

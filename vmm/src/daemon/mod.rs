@@ -63,6 +63,9 @@ pub enum DaemonError {
     /// The store failed.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The daemon will not start as asked (the sentence says why).
+    #[error("{0}")]
+    Refused(String),
     /// A socket or file operation failed.
     #[error("{what}")]
     Io {

@@ -13,32 +13,22 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const K7D: &str = env!("CARGO_BIN_EXE_k7d");
+mod common;
+use common::{K7D, Scratch, text};
 
 /// `nobody` on Debian: a uid and gid no test file belongs to.
 const NOBODY: u32 = 65534;
 
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("k7d-bounds-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        // Other uids (the peer-credential test) must reach the socket in it.
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        Self(p)
-    }
-
-    fn sock(&self) -> PathBuf {
-        self.0.join("k7d.sock")
-    }
+/// A scratch directory other uids can enter (the peer-credential test must
+/// reach the socket in it).
+fn scratch(tag: &str) -> Scratch {
+    let d = Scratch::new(&format!("bounds-{tag}"));
+    std::fs::set_permissions(&d.0, std::fs::Permissions::from_mode(0o755)).unwrap();
+    d
 }
 
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn sock(d: &Scratch) -> PathBuf {
+    d.0.join("k7d.sock")
 }
 
 struct DaemonProc {
@@ -178,13 +168,6 @@ fn output_within(cmd: &mut Command, limit: Duration) -> Output {
     c.wait_with_output().unwrap()
 }
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
 /// Reads one line (at most `limit`): `None` at EOF or when nothing came.
 fn read_line(s: &UnixStream, limit: Duration) -> Option<String> {
     s.set_read_timeout(Some(limit)).unwrap();
@@ -265,17 +248,17 @@ fn list_line() -> &'static [u8] {
 /// its timeout and then says so.
 #[test]
 fn a_connection_over_the_cap_gets_one_refusal_line_and_is_closed() {
-    let dir = Scratch::new("cap");
+    let dir = scratch("cap");
     let d = DaemonProc::start(&dir.0, &["--max-connections", "4"]);
     d.settle();
-    let held: Vec<UnixStream> = (0..4).map(|_| UnixStream::connect(dir.sock()).unwrap()).collect();
+    let held: Vec<UnixStream> = (0..4).map(|_| UnixStream::connect(sock(&dir)).unwrap()).collect();
     // Each held connection is served.
     for s in &held {
         (&*s).write_all(list_line()).unwrap();
         let line = read_line(s, Duration::from_secs(5)).expect("a held connection got no answer");
         assert!(line.contains("\"ok\":true"), "{line}");
     }
-    let over = UnixStream::connect(dir.sock()).unwrap();
+    let over = UnixStream::connect(sock(&dir)).unwrap();
     let line = read_line(&over, Duration::from_secs(5)).expect("no refusal line");
     let (code, msg) = error_of(&line);
     assert_eq!(code, "busy");
@@ -298,7 +281,7 @@ fn a_connection_over_the_cap_gets_one_refusal_line_and_is_closed() {
         err.trim(),
         format!(
             "k7d: the k7d daemon at {} kept refusing connections for 1 s (--timeout): the daemon already serves its maximum of 4 connections; try again later",
-            dir.sock().display()
+            sock(&dir).display()
         )
     );
     // A slot frees when a connection ends: the CLI gets in.
@@ -313,11 +296,11 @@ fn a_connection_over_the_cap_gets_one_refusal_line_and_is_closed() {
 /// `create` gets through within it.
 #[test]
 fn many_idle_connections_do_not_stop_a_new_create() {
-    let dir = Scratch::new("idleflood");
+    let dir = scratch("idleflood");
     let d = DaemonProc::start(&dir.0, &["--max-connections", "16", "--idle-timeout", "3"]);
     d.settle();
     let threads0 = d.threads().len();
-    let conns: Vec<UnixStream> = (0..340).map(|_| UnixStream::connect(dir.sock()).unwrap()).collect();
+    let conns: Vec<UnixStream> = (0..340).map(|_| UnixStream::connect(sock(&dir)).unwrap()).collect();
     let t_flood = Instant::now();
     std::thread::sleep(Duration::from_millis(500));
     let mut refused = 0;
@@ -376,12 +359,12 @@ fn many_idle_connections_do_not_stop_a_new_create() {
 /// `bad_request` line and the connection is closed, and nothing ran.
 #[test]
 fn a_partial_line_runs_nothing_and_is_dropped_after_the_line_timeout() {
-    let dir = Scratch::new("partial");
+    let dir = scratch("partial");
     let d = DaemonProc::start(&dir.0, &["--line-timeout", "3"]);
     let create = br#"{"v":1,"op":"create","args":{"config":{"id":"p","memory_mib":8,"guest":{"kind":"builtin","name":"idle"}},"start":false}}"#;
 
     // Completed in time: it runs once the newline arrives, not before.
-    let s = UnixStream::connect(dir.sock()).unwrap();
+    let s = UnixStream::connect(sock(&dir)).unwrap();
     (&s).write_all(&create[..40]).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     assert!(ids(&dir.0).is_empty(), "a partial line ran");
@@ -396,7 +379,7 @@ fn a_partial_line_runs_nothing_and_is_dropped_after_the_line_timeout() {
 
     // Never completed: refused after the line timeout, nothing ran.
     let q = String::from_utf8_lossy(create).replace("\"p\"", "\"q\"");
-    let s = UnixStream::connect(dir.sock()).unwrap();
+    let s = UnixStream::connect(sock(&dir)).unwrap();
     let t = Instant::now();
     (&s).write_all(&q.as_bytes()[..60]).unwrap();
     let line = read_line(&s, Duration::from_secs(8)).expect("the partial line was held without an answer");
@@ -411,7 +394,7 @@ fn a_partial_line_runs_nothing_and_is_dropped_after_the_line_timeout() {
     assert!(closed_within(&s, Duration::from_secs(2)));
 
     // Dribbled a byte every 200 ms: the timeout counts from the line's first byte.
-    let s = UnixStream::connect(dir.sock()).unwrap();
+    let s = UnixStream::connect(sock(&dir)).unwrap();
     let t = Instant::now();
     let mut cut = None;
     for b in q.as_bytes() {
@@ -434,10 +417,10 @@ fn a_partial_line_runs_nothing_and_is_dropped_after_the_line_timeout() {
 /// lines do not count as requests); one with requests is not.
 #[test]
 fn an_idle_connection_is_closed() {
-    let dir = Scratch::new("idle");
+    let dir = scratch("idle");
     let d = DaemonProc::start(&dir.0, &["--idle-timeout", "1"]);
     // Requests keep it open past the timeout.
-    let s = UnixStream::connect(dir.sock()).unwrap();
+    let s = UnixStream::connect(sock(&dir)).unwrap();
     for _ in 0..6 {
         (&s).write_all(list_line()).unwrap();
         assert!(read_line(&s, Duration::from_secs(5)).is_some(), "closed while in use");
@@ -452,7 +435,7 @@ fn an_idle_connection_is_closed() {
     let took = t.elapsed();
     assert!(took >= Duration::from_millis(500), "closed after {took:?}");
     // Blank lines are no requests.
-    let s = UnixStream::connect(dir.sock()).unwrap();
+    let s = UnixStream::connect(sock(&dir)).unwrap();
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(5) {
         if (&s).write_all(b"\n").is_err() {
@@ -471,9 +454,9 @@ fn an_idle_connection_is_closed() {
 /// with one line each, and the connection is closed.
 #[test]
 fn an_overlong_or_non_utf8_line_is_refused() {
-    let dir = Scratch::new("long");
+    let dir = scratch("long");
     let d = DaemonProc::start(&dir.0, &[]);
-    let s = UnixStream::connect(dir.sock()).unwrap();
+    let s = UnixStream::connect(sock(&dir)).unwrap();
     let writer = {
         let s = s.try_clone().unwrap();
         std::thread::spawn(move || {
@@ -499,7 +482,7 @@ fn an_overlong_or_non_utf8_line_is_refused() {
     assert!(closed_within(&s, Duration::from_secs(5)));
     writer.join().unwrap();
 
-    let s = UnixStream::connect(dir.sock()).unwrap();
+    let s = UnixStream::connect(sock(&dir)).unwrap();
     (&s).write_all(b"{\"v\":1,\"op\":\"l\xffst\"}\n").unwrap();
     let line = read_line(&s, Duration::from_secs(5)).expect("no refusal");
     assert_eq!(
@@ -517,8 +500,8 @@ fn an_overlong_or_non_utf8_line_is_refused() {
 /// for one that never accepts), then says what it waited for and where.
 #[test]
 fn the_cli_gives_up_on_a_listener_that_never_answers() {
-    let dir = Scratch::new("mute");
-    let sock = dir.sock();
+    let dir = scratch("mute");
+    let sock = sock(&dir);
     // Accepts, reads, never answers.
     let listener = UnixListener::bind(&sock).unwrap();
     let mute = std::thread::spawn(move || {
@@ -610,7 +593,7 @@ fn full_listener(path: &Path) -> (UnixListener, Vec<UnixStream>) {
 /// `--shutdown-timeout`, says why, and removes its socket.
 #[test]
 fn sigterm_with_a_request_in_flight_exits_within_the_bound() {
-    let dir = Scratch::new("term");
+    let dir = scratch("term");
     let d = DaemonProc::start(&dir.0, &["--shutdown-timeout", "2"]);
     let o = cli(
         &dir.0,
@@ -622,7 +605,7 @@ fn sigterm_with_a_request_in_flight_exits_within_the_bound() {
     // `pause` parks the VM, then waits for the record lock holding the VM.
     let mut pause = Command::new(K7D)
         .arg("--socket")
-        .arg(dir.sock())
+        .arg(sock(&dir))
         .args(["pause", "w"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -635,7 +618,7 @@ fn sigterm_with_a_request_in_flight_exits_within_the_bound() {
     assert!(took < Duration::from_millis(3500), "exit took {took:?}: {err}");
     assert_eq!(code, Some(1), "{err}");
     assert!(err.contains("shutdown did not finish within the bound"), "{err}");
-    assert!(!dir.sock().exists(), "the socket outlived the daemon");
+    assert!(!sock(&dir).exists(), "the socket outlived the daemon");
     drop(held);
     let _ = pause.wait();
 }
@@ -644,9 +627,9 @@ fn sigterm_with_a_request_in_flight_exits_within_the_bound() {
 /// socket file: a daemon whose socket was deleted still exits on SIGTERM.
 #[test]
 fn sigterm_exits_when_the_socket_file_is_gone() {
-    let dir = Scratch::new("nosock");
+    let dir = scratch("nosock");
     let d = DaemonProc::start(&dir.0, &[]);
-    std::fs::remove_file(dir.sock()).unwrap();
+    std::fs::remove_file(sock(&dir)).unwrap();
     d.signal(libc::SIGTERM);
     let (took, code, err) = d.wait_exit(Duration::from_secs(10));
     assert_eq!(code, Some(0), "{err}");
@@ -683,9 +666,9 @@ fn only_allowed_peers_are_served() {
         (c.wait_with_output().unwrap(), pid)
     };
     let as_user = |dir: &Path, uid: u32, gid: u32| as_user_pid(dir, uid, gid).0;
-    let dir = Scratch::new("peer");
+    let dir = scratch("peer");
     let d = DaemonProc::start(&dir.0, &[]);
-    let mode = std::fs::metadata(dir.sock()).unwrap().permissions().mode() & 0o777;
+    let mode = std::fs::metadata(sock(&dir)).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "the default socket is open to others");
     // The file mode stops other users first.
     let o = as_user(&dir.0, NOBODY, NOBODY);
@@ -694,12 +677,12 @@ fn only_allowed_peers_are_served() {
     assert!(
         err.contains(&format!(
             "this user may not open the k7d daemon's socket {}",
-            dir.sock().display()
+            sock(&dir).display()
         )),
         "{err}"
     );
     // Open the file to everyone: the peer check alone must refuse.
-    std::fs::set_permissions(dir.sock(), std::fs::Permissions::from_mode(0o666)).unwrap();
+    std::fs::set_permissions(sock(&dir), std::fs::Permissions::from_mode(0o666)).unwrap();
     let (o, pid) = as_user_pid(&dir.0, NOBODY, NOBODY);
     let (_, err) = text(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
@@ -718,7 +701,7 @@ fn only_allowed_peers_are_served() {
         assert!(refusal.contains(&field), "{field} missing in {refusal}");
     }
 
-    let dir = Scratch::new("peer-allowed");
+    let dir = scratch("peer-allowed");
     let d = DaemonProc::start(&dir.0, &["--allow-uid", "65534", "--allow-gid", "65533"]);
     let o = as_user(&dir.0, NOBODY, NOBODY);
     assert!(o.status.success(), "--allow-uid 65534 was refused: {:?}", text(&o));
@@ -753,8 +736,8 @@ fn only_a_stale_socket_is_replaced() {
         assert_eq!(st.code(), Some(1), "{err}");
         assert!(err.contains(needle), "{needle:?} not in {err}");
     };
-    let dir = Scratch::new("sockpath");
-    let sock = dir.sock();
+    let dir = scratch("sockpath");
+    let sock = sock(&dir);
     std::fs::write(&sock, b"precious").unwrap();
     refused(
         &dir.0,
@@ -788,7 +771,7 @@ fn only_a_stale_socket_is_replaced() {
 
     // A live daemon's socket: a second daemon (its own state dir) is refused
     // and the first one goes on serving.
-    let other = Scratch::new("sockpath-other");
+    let other = scratch("sockpath-other");
     let mut c = Command::new(K7D)
         .arg("daemon")
         .arg("--state-dir")
@@ -820,7 +803,7 @@ fn only_a_stale_socket_is_replaced() {
 /// holder's pid.
 #[test]
 fn a_restart_right_after_kill_9_waits_for_the_state_dir() {
-    let dir = Scratch::new("restart");
+    let dir = scratch("restart");
     let d = DaemonProc::start(&dir.0, &[]);
     // A VM with populated RAM makes the teardown of the killed daemon take a while.
     let o = cli(
@@ -873,7 +856,7 @@ fn a_restart_right_after_kill_9_waits_for_the_state_dir() {
         .arg("--state-dir")
         .arg(dir.0.join("state"))
         .arg("--socket")
-        .arg(dir.sock())
+        .arg(sock(&dir))
         .output()
         .unwrap();
     let took = t.elapsed();

@@ -2,11 +2,12 @@
 //! CLI verbs, including a real crash (`kill -9`) of the daemon and the
 //! reconcile on the next start.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const K7D: &str = env!("CARGO_BIN_EXE_k7d");
+mod common;
+use common::{K7D, Scratch, text};
 
 fn k7d(args: &[&str]) -> Output {
     Command::new(K7D)
@@ -14,30 +15,6 @@ fn k7d(args: &[&str]) -> Output {
         .env_remove("K7D_SOCKET")
         .output()
         .expect("run k7d")
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("k7d-cli-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 #[test]
@@ -176,7 +153,7 @@ fn cli(dir: &Path, args: &[&str]) -> Output {
 
 #[test]
 fn daemon_verbs_and_crash_reconcile() {
-    let dir = Scratch::new("daemon");
+    let dir = Scratch::new("cli-daemon");
     let (d, _) = DaemonProc::start(&dir.0);
     let o = cli(
         &dir.0,
@@ -236,7 +213,7 @@ fn daemon_verbs_and_crash_reconcile() {
 
 #[test]
 fn a_non_kernel_file_is_refused_before_any_vcpu_runs() {
-    let dir = Scratch::new("badkernel");
+    let dir = Scratch::new("cli-badkernel");
     let junk = dir.0.join("not-a-kernel");
     std::fs::write(&junk, vec![0x42u8; 8192]).unwrap();
     let o = k7d(&[
@@ -271,7 +248,7 @@ fn peek(dir: &Path, id: &str, addr: u64) -> u32 {
 fn snapshot_then_restore_in_a_new_daemon_resumes_the_guest() {
     use std::os::unix::fs::FileExt;
     const TICKS: u64 = 0x600; // k7d_guest::RESULTS_ADDR + result::BSP_TICKS
-    let dir = Scratch::new("snap");
+    let dir = Scratch::new("cli-snap");
     let snap = dir.0.join("snap");
     let (d, _) = DaemonProc::start(&dir.0);
     let o = cli(
@@ -382,7 +359,7 @@ fn snapshot_then_restore_in_a_new_daemon_resumes_the_guest() {
 #[test]
 fn fork_makes_running_children_that_continue_from_the_source() {
     const TICKS: u64 = 0x600; // k7d_guest::RESULTS_ADDR + result::BSP_TICKS
-    let dir = Scratch::new("fork");
+    let dir = Scratch::new("cli-fork");
     let (d, _) = DaemonProc::start(&dir.0);
     let o = cli(
         &dir.0,
@@ -444,7 +421,7 @@ fn fork_makes_running_children_that_continue_from_the_source() {
 #[test]
 fn list_columns_line_up_and_a_non_utf8_path_is_one_sentence() {
     use std::os::unix::ffi::OsStrExt;
-    let dir = Scratch::new("typed");
+    let dir = Scratch::new("cli-typed");
     let (d, _) = DaemonProc::start(&dir.0);
     let o = cli(
         &dir.0,

@@ -3,12 +3,13 @@
 //! (vCPUs, control state, serial port) and the guest runs on.
 
 use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const K7D: &str = env!("CARGO_BIN_EXE_k7d");
+mod common;
+use common::{K7D, Scratch};
 /// `k7d_guest::RESULTS_ADDR + result::BSP_TICKS`: the pit guest's tick counter.
 const TICKS: u64 = 0x600;
 
@@ -126,7 +127,7 @@ fn check_vm(block: &[String], vm: &str, vcpus: usize) {
 
 #[test]
 fn sigusr1_dumps_a_running_k7d_run_and_the_vm_runs_on() {
-    let dir = Scratch::new("run");
+    let dir = Scratch::new("diag-run");
     let copy = dir.0.join("dumps.txt");
     let mut child = Command::new(K7D)
         .args(["run", "--builtin", "smp", "--vcpus", "2", "--timeout", "3"])
@@ -179,23 +180,6 @@ fn sigusr1_dumps_a_running_k7d_run_and_the_vm_runs_on() {
     assert_eq!(copied, dumped);
 }
 
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("k7d-diag-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn cli(dir: &Path, args: &[&str]) -> (bool, String, String) {
     let o = Command::new(K7D)
         .arg("--socket")
@@ -220,7 +204,7 @@ fn ticks(dir: &Path, id: &str) -> u32 {
 
 #[test]
 fn sigusr1_dumps_every_daemon_vm_and_their_clocks_tick_on() {
-    let dir = Scratch::new("daemon");
+    let dir = Scratch::new("diag-daemon");
     let mut d = Command::new(K7D)
         .args(["daemon", "--state-dir"])
         .arg(dir.0.join("state"))

@@ -11,7 +11,7 @@ use std::ffi::CString;
 use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,35 +21,14 @@ use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 use sha2::{Digest, Sha256};
 
+mod common;
+use common::Scratch;
+
 const COUNTER: u64 = RESULTS_ADDR + result::LOOP_COUNTER;
 const DONE: u64 = RESULTS_ADDR + result::PATTERN_DONE;
 /// `memwriter` fills 64 pages from 2 MiB and then writes its counter into
 /// them in turn (ARG2 = 1).
 const PATTERN_AT: u64 = 0x20_0000;
-
-/// A scratch directory under the system temp dir, removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static N: AtomicU32 = AtomicU32::new(0);
-        let p = std::env::temp_dir().join(format!(
-            "k7d-snapfiles-{tag}-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        Self(p)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn builtin(name: &str, memory_mib: u64, args: &[u32]) -> VmConfig {
     VmConfig {
@@ -213,7 +192,7 @@ fn a_relative_snapshot_path_is_refused_in_one_sentence() {
 
 #[test]
 fn snapshot_files_are_0600_in_a_0700_directory_and_nothing_else_is_left() {
-    let s = Scratch::new("modes");
+    let s = Scratch::new("snapfiles-modes");
     let mut vm = memwriter("snf-modes", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -237,7 +216,7 @@ fn snapshot_files_are_0600_in_a_0700_directory_and_nothing_else_is_left() {
 
 #[test]
 fn an_existing_snapshot_is_left_untouched_unless_replacing_is_asked_for() {
-    let s = Scratch::new("replace");
+    let s = Scratch::new("snapfiles-replace");
     let mut vm = memwriter("snf-repl", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -290,7 +269,7 @@ fn an_existing_snapshot_is_left_untouched_unless_replacing_is_asked_for() {
 
 #[test]
 fn no_symbolic_link_in_or_above_a_snapshot_is_followed() {
-    let s = Scratch::new("links");
+    let s = Scratch::new("snapfiles-links");
     let mut vm = memwriter("snf-link", 16);
     pause(&vm);
     let victim = s.0.join("victim");
@@ -340,7 +319,7 @@ fn no_symbolic_link_in_or_above_a_snapshot_is_followed() {
 
 #[test]
 fn a_flipped_bit_is_refused_naming_the_file_and_its_byte_range() {
-    let s = Scratch::new("flip");
+    let s = Scratch::new("snapfiles-flip");
     let mut vm = memwriter("snf-flip", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -405,7 +384,7 @@ fn a_flipped_bit_is_refused_naming_the_file_and_its_byte_range() {
 
 #[test]
 fn an_unknown_format_version_is_refused() {
-    let s = Scratch::new("version");
+    let s = Scratch::new("snapfiles-version");
     let mut vm = memwriter("snf-ver", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -431,7 +410,7 @@ fn an_unknown_format_version_is_refused() {
 
 #[test]
 fn a_fifo_in_place_of_a_snapshot_file_is_refused_without_blocking() {
-    let s = Scratch::new("fifo");
+    let s = Scratch::new("snapfiles-fifo");
     let mut vm = memwriter("snf-fifo", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -471,7 +450,7 @@ fn a_fifo_in_place_of_a_snapshot_file_is_refused_without_blocking() {
 
 #[test]
 fn an_oversized_json_file_is_refused_without_being_read() {
-    let s = Scratch::new("big");
+    let s = Scratch::new("snapfiles-big");
     let mut vm = memwriter("snf-big", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -498,7 +477,7 @@ fn an_oversized_json_file_is_refused_without_being_read() {
 
 #[test]
 fn a_hand_edited_config_is_refused_by_create_s_validation() {
-    let s = Scratch::new("config");
+    let s = Scratch::new("snapfiles-config");
     let mut vm = memwriter("snf-cfg", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -547,7 +526,7 @@ fn a_hand_edited_config_is_refused_by_create_s_validation() {
 
 #[test]
 fn an_interrupted_snapshot_leaves_the_old_one_whole_and_is_cleaned_up() {
-    let s = Scratch::new("torn");
+    let s = Scratch::new("snapfiles-torn");
     let mut vm = memwriter("snf-torn", 16);
     pause(&vm);
     let dest = s.0.join("snap");
@@ -588,7 +567,7 @@ fn an_interrupted_snapshot_leaves_the_old_one_whole_and_is_cleaned_up() {
 
 #[test]
 fn an_idle_vm_snapshot_reads_and_writes_only_the_pages_it_populated() {
-    let s = Scratch::new("sparse");
+    let s = Scratch::new("snapfiles-sparse");
     let mut vm = boot("snf-idle", &builtin("idle", 256, &[]));
     std::thread::sleep(Duration::from_millis(100));
     pause(&vm);
@@ -621,7 +600,7 @@ fn an_idle_vm_snapshot_reads_and_writes_only_the_pages_it_populated() {
 
 #[test]
 fn restore_and_fork_never_reopen_the_guest_image() {
-    let s = Scratch::new("image");
+    let s = Scratch::new("snapfiles-image");
     let image = s.0.join("memwriter.bin");
     std::fs::write(&image, k7d_guest::Builtin::MemWriter.image()).unwrap();
     let mut cfg = builtin("memwriter", 16, &[64, PATTERN_AT as u32, 1]);
@@ -652,7 +631,7 @@ fn restore_and_fork_never_reopen_the_guest_image() {
 
 #[test]
 fn a_forked_vm_and_its_child_are_snapshotted_as_they_see_their_ram() {
-    let s = Scratch::new("forked");
+    let s = Scratch::new("snapfiles-forked");
     let mut src = memwriter("snf-fsrc", 16);
     pause(&src);
     let mut child = src.fork("snf-fchild", &VmOptions::default()).unwrap();
@@ -679,7 +658,7 @@ fn a_forked_vm_and_its_child_are_snapshotted_as_they_see_their_ram() {
 
 #[test]
 fn a_reader_racing_replaces_restores_one_whole_snapshot_or_is_refused() {
-    let s = Scratch::new("race");
+    let s = Scratch::new("snapfiles-race");
     let dest = s.0.join("snap");
     let seen = std::sync::Arc::new(std::sync::Mutex::new(HashSet::new()));
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -764,7 +743,7 @@ fn snapshot_writer_child() {
 #[test]
 fn kill_9_during_snapshots_leaves_exactly_one_complete_snapshot() {
     const KILLS: usize = 50;
-    let s = Scratch::new("kill");
+    let s = Scratch::new("snapfiles-kill");
     let dest = s.0.join("snap");
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -83,48 +83,23 @@ pub fn kick_thread(thread: libc::pthread_t) {
     }
 }
 
-/// The calling thread's OS thread id.
-pub fn gettid() -> u64 {
-    // SAFETY: gettid has no preconditions and cannot fail.
-    let tid = unsafe { libc::gettid() };
-    u64::try_from(tid).unwrap_or(0)
-}
-
-fn sigset_of(sig: i32) -> io::Result<libc::sigset_t> {
-    // SAFETY: an all-zero sigset_t is a valid value to hand to sigemptyset,
-    // which initializes it.
-    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a live, writable sigset_t.
-    let rc = unsafe { libc::sigemptyset(&mut set) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `set` was initialized by sigemptyset; sigaddset checks `sig`.
-    let rc = unsafe { libc::sigaddset(&mut set, sig) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(set)
-}
-
 /// Blocks `sig` in the calling thread; threads it spawns afterwards inherit
 /// the mask. With the signal blocked everywhere, a process-directed `sig`
 /// stays pending until [`wait_signal`] takes it: no handler runs, and no
 /// thread (vCPU, worker) is interrupted.
 pub fn block_signal(sig: i32) -> io::Result<()> {
-    let set = sigset_of(sig)?;
-    // SAFETY: `set` is an initialized sigset_t; a null old-set pointer is allowed.
-    let rc = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
-    if rc != 0 {
-        return Err(io::Error::from_raw_os_error(rc));
+    use vmm_sys_util::signal::Error;
+    match vmm_sys_util::signal::block_signal(sig) {
+        Ok(()) | Err(Error::SignalAlreadyBlocked(_)) => Ok(()),
+        Err(e) => Err(io::Error::other(format!("cannot block signal {sig}: {e}"))),
     }
-    Ok(())
 }
 
 /// Waits until `sig` (blocked in every thread, see [`block_signal`]) is
 /// delivered to this process, and consumes it.
 pub fn wait_signal(sig: i32) -> io::Result<()> {
-    let set = sigset_of(sig)?;
+    let set = vmm_sys_util::signal::create_sigset(&[sig])
+        .map_err(|e| io::Error::other(format!("cannot make a signal set of {sig}: {e}")))?;
     loop {
         // SAFETY: `set` is an initialized sigset_t; a null siginfo pointer is allowed.
         let rc = unsafe { libc::sigwaitinfo(&set, std::ptr::null_mut()) };

@@ -473,8 +473,10 @@ impl Acceptor {
         drop(conns);
         let (d, c, cfg) = (self.daemon.clone(), self.conns.clone(), self.cfg.clone());
         let spawned = std::thread::Builder::new().name("k7d-conn".into()).spawn(move || {
+            // Leaves the table (closing the clone kept for shutdown) however
+            // serve_conn ends, a panic included: a slot is never lost.
+            let _slot = ConnSlot(c, n);
             serve_conn(stream, &d, &cfg, peer);
-            c.lock().unwrap_or_else(|p| p.into_inner()).remove(&n);
         });
         match spawned {
             Ok(h) => Some(h),
@@ -484,6 +486,15 @@ impl Acceptor {
                 None
             }
         }
+    }
+}
+
+/// A connection's entry in the table of open connections, removed on drop.
+struct ConnSlot(Conns, u64);
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.1);
     }
 }
 
@@ -511,9 +522,14 @@ fn serve_conn(stream: UnixStream, daemon: &Daemon, cfg: &ServerConfig, peer: Pee
     // partial line in `buf` started.
     let mut idle_since = Instant::now();
     let mut line_started: Option<Instant> = None;
+    // How much of `buf` is known to hold no newline: each byte is looked at
+    // once, however slowly a long line trickles in.
+    let mut scanned = 0;
     loop {
         // Every complete line, in order.
-        while let Some(pos) = buf.iter().position(|&b| b == b'\n') {
+        while let Some(off) = buf[scanned..].iter().position(|&b| b == b'\n') {
+            let pos = scanned + off;
+            scanned = 0;
             let line: Vec<u8> = buf.drain(..=pos).collect();
             let now = match answer(&stream, daemon, &line) {
                 Answer::End => return,
@@ -526,6 +542,7 @@ fn serve_conn(stream: UnixStream, daemon: &Daemon, cfg: &ServerConfig, peer: Pee
             };
             line_started = (!buf.is_empty()).then_some(now);
         }
+        scanned = buf.len();
         if buf.len() as u64 >= MAX_REQUEST_BYTES {
             let _ = write_line(
                 &stream,

@@ -402,12 +402,15 @@ impl Target {
             .parent
             .open_dir(&self.name)
             .map_err(io_err(format!("cannot open {shown}")))?;
-        let is_snapshot = [MANIFEST, STATE]
-            .iter()
-            .any(|f| matches!(d.lstat(OsStr::new(f)), Ok(Some(st)) if st.st_mode & libc::S_IFMT == libc::S_IFREG));
+        let regular =
+            |f: &str| matches!(d.lstat(OsStr::new(f)), Ok(Some(st)) if st.st_mode & libc::S_IFMT == libc::S_IFREG);
+        // A snapshot of this format has its manifest; one of the format
+        // before it has both its state and its memory. Any other directory
+        // (one that merely holds a state.json) is never replaced.
+        let is_snapshot = regular(MANIFEST) || (regular(STATE) && regular(MEMORY));
         if !is_snapshot {
             return Err(refused(format!(
-                "{shown} exists and is not a k7d snapshot (it has no {MANIFEST}), so it is not replaced"
+                "{shown} exists and is not a k7d snapshot (it has neither {MANIFEST} nor both {STATE} and {MEMORY}), so it is not replaced"
             )));
         }
         Ok(true)
@@ -663,8 +666,17 @@ pub(crate) fn open(dir: &Path, id: &str) -> Result<Opened, SnapshotError> {
     check_size(&memory_f, &memory_entry, &path(MEMORY))?;
 
     let state_bytes = read_bounded(&state_f.0, state_f.1, &path(STATE))?;
-    for (c, chunk) in state_bytes.chunks(state_entry.chunk_bytes as usize).enumerate() {
-        if sha256_hex(chunk) != state_entry.sha256[c] {
+    let chunks = state_bytes.chunks(state_entry.chunk_bytes as usize);
+    if chunks.len() != state_entry.sha256.len() {
+        return Err(refused(format!(
+            "{} lists {} checksums for {STATE}, which has {} chunks",
+            path(MANIFEST).display(),
+            state_entry.sha256.len(),
+            chunks.len()
+        )));
+    }
+    for (c, (chunk, want)) in chunks.zip(&state_entry.sha256).enumerate() {
+        if sha256_hex(chunk) != *want {
             return Err(mismatch(
                 &path(STATE),
                 chunk_range(c, state_entry.chunk_bytes, state_entry.size),
@@ -823,11 +835,16 @@ fn read_bounded(f: &File, size: u64, shown: &Path) -> Result<Vec<u8>, SnapshotEr
         return Err(too_big(shown, size));
     }
     let mut bytes = Vec::with_capacity(size as usize);
-    f.take(MAX_JSON_BYTES + 1)
+    // One byte more than `fstat` said: a file that grew (or shrank) after it
+    // was checked is refused, never read past its checked size.
+    f.take(size + 1)
         .read_to_end(&mut bytes)
         .map_err(io_err(format!("cannot read {}", shown.display())))?;
-    if bytes.len() as u64 > MAX_JSON_BYTES {
-        return Err(too_big(shown, bytes.len() as u64));
+    if bytes.len() as u64 != size {
+        return Err(refused(format!(
+            "{} changed size while it was read ({size} bytes when checked)",
+            shown.display()
+        )));
     }
     Ok(bytes)
 }

@@ -349,7 +349,8 @@ pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buse
         .ok()
         .and_then(|i| diags.get(i))
         .unwrap_or(&NO_DIAG);
-    diag.tid.store(crate::sys::gettid(), Ordering::Relaxed);
+    diag.tid
+        .store(k7d_devices::virtio::diag::current_tid(), Ordering::Relaxed);
     diag.set(VcpuRunState::Vmm);
     let _exited = Exited(&ctl, diag);
     let ptr: *mut u8 = &mut lock_vcpu(&shared).get_kvm_run().immediate_exit;

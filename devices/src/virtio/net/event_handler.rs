@@ -124,10 +124,9 @@ impl PairWorker {
     /// clears it before restarting workers.
     pub(super) fn run(mut self) -> Self {
         self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
-        // SAFETY: gettid has no preconditions.
-        let tid = unsafe { libc::gettid() };
+        let tid = crate::virtio::diag::current_tid();
         if let Some(s) = self.stats.pairs.get(usize::from(self.pair)) {
-            s.worker_tid.store(tid as u64, Ordering::Release);
+            s.worker_tid.store(tid, Ordering::Release);
         }
         let diag = self.interrupt.diag().clone();
         let me = diag.worker(2 * self.pair);

@@ -29,8 +29,11 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-# The lab tests' output folder; each scenario adds a line to summary.tsv.
-LAB_OUT=$(pwd)/target/lab
+# The lab tests' output folder (as tests/tests/lab.rs picks it); each
+# scenario adds a line to summary.tsv, emptied first so no earlier run's
+# table is ever shown.
+LAB_OUT=${K7D_LAB_OUT:-${CARGO_TARGET_DIR:-$(pwd)/target}/lab}
+rm -f "$LAB_OUT/summary.tsv"
 # Skipped test bodies are appended here (k7d-test-skip) and counted at the end.
 export K7D_SKIP_LOG
 K7D_SKIP_LOG=$(mktemp /tmp/k7d-skips.XXXXXX)
@@ -112,7 +115,6 @@ fi
 
 if [ -z "${K7D_SKIP_LAB:-}" ]; then
   phase "nested lab (real Linux guests)"
-  rm -f "$LAB_OUT/summary.tsv"
   cargo test --release -p k7d-tests --test lab -- --ignored --test-threads=1 --nocapture
 else
   said_skip "nested lab (K7D_SKIP_LAB is set)"

@@ -55,9 +55,12 @@ if [[ -n $FETCH ]]; then
   mkdir -p "$CACHE"
   exec 9>"$CACHE/lock"
   flock -w 1800 9 || die "another lab run holds $CACHE/lock"
-  read -r _ L1_KREL <<<"$(kernel_tree linux-image-amd64)"
-  read -r L2_TREE L2_KREL <<<"$(kernel_tree linux-image-cloud-amd64)"
-  unpack busybox-static "$(pkg_version busybox-static)" >/dev/null
+  # (a die inside "<<<$(...)" would not stop the script: each step is checked)
+  t1=$(kernel_tree linux-image-amd64) && t2=$(kernel_tree linux-image-cloud-amd64) || die "fetching the lab's kernels failed"
+  read -r _ L1_KREL <<<"$t1"
+  read -r L2_TREE L2_KREL <<<"$t2"
+  [[ -n $L1_KREL && -n $L2_KREL && -d $L2_TREE ]] || die "fetching the lab's kernels gave no kernel ($t1 / $t2)"
+  bb=$(pkg_version busybox-static) && unpack busybox-static "$bb" >/dev/null || die "fetching busybox-static failed"
   log "fetched: L1 kernel $L1_KREL, L2 kernel $L2_KREL ($L2_TREE), busybox-static"
   exit 0
 fi

@@ -36,7 +36,7 @@ fn link_exists(name: &str) -> bool {
 fn a_child_gets_its_own_tap_with_the_sources_mac_and_loses_it_with_the_child() {
     if !k7d_tests::is_root()
         && skip(
-            "a_child_gets_its_own_tap_with_the_sources_mac",
+            "a_child_gets_its_own_tap_with_the_sources_mac_and_loses_it_with_the_child",
             "creating taps needs root",
         )
     {
@@ -136,7 +136,12 @@ fn a_forked_disk_freezes_its_image_until_the_last_vm_is_gone() {
 
 #[test]
 fn a_snapshot_keeps_the_nic_mac_when_restored_under_another_id() {
-    if !k7d_tests::is_root() && skip("a_snapshot_keeps_the_nic_mac", "creating taps needs root") {
+    if !k7d_tests::is_root()
+        && skip(
+            "a_snapshot_keeps_the_nic_mac_when_restored_under_another_id",
+            "creating taps needs root",
+        )
+    {
         return;
     }
     let dir = TempDir::new("snap-mac");

@@ -142,6 +142,16 @@ impl DaemonProc {
     }
 }
 
+/// A failed test never leaves its daemon (and its VMs) running.
+impl Drop for DaemonProc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 fn cli(dir: &Path, args: &[&str]) -> Output {
     Command::new(K7D)
         .arg("--socket")

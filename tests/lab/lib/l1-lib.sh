@@ -42,7 +42,8 @@ lab_run_l2() {
   _t0=$(lab_now)
   # Busybox timeout execs CMD in its own process (the watcher is a child), so
   # $! is the VMM's pid.
-  { timeout -s KILL "$_timeout" "$@" </dev/null 2>&1 & echo $! >/tmp/.l2-pid; wait $!; echo $? >/tmp/.l2-rc; } |
+  # fd 7 (L1's held-open ttyS1) is not the VMM's business: closed for it.
+  { timeout -s KILL "$_timeout" "$@" </dev/null 7>&- 2>&1 & echo $! >/tmp/.l2-pid; wait $!; echo $? >/tmp/.l2-rc; } |
     while IFS= read -r _line || [ -n "$_line" ]; do
       _line=${_line%"$_CR"}
       case $_line in *"LAB-GUEST init"*) lab_now >/tmp/.l2-init ;; esac

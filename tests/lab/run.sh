@@ -13,6 +13,8 @@ shopt -s inherit_errexit
 LAB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # shellcheck source=lib/host.sh
 . "$LAB/lib/host.sh"
+# shellcheck source=lib/watchdog.sh
+. "$LAB/lib/watchdog.sh"
 
 usage() { sed -n '6,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 # header FILE KEY [DEFAULT]: the value of "# lab: KEY=value" in a scenario.
@@ -97,6 +99,13 @@ command -v qemu-system-x86_64 >/dev/null || die "qemu-system-x86_64 missing: run
 read -ra L1_MODS <<<"irqbypass kvm ccp kvm-amd $(header "$SCRIPT" l1-modules)"
 read -ra L2_MODS <<<"$(header "$SCRIPT" guest-modules 'virtio_pci virtio-rng')"
 L2_CMDLINE=${LAB_CMDLINE:-console=ttyS0 panic=-1 quiet}
+# The L1 watchdog's limits (lib/watchdog.sh): L1's heartbeat silent this long
+# means L1 froze; the L1 console and the L2 serial both silent this long (the
+# heartbeat going on) means the scenario is stuck. "expect=stall:KIND" makes a
+# scenario the watchdog's self-test: it passes only if the watchdog fires so.
+L1_STALL_S=${K7D_LAB_L1_STALL_S:-$(header "$SCRIPT" l1-stall-s 90)}
+SILENT_S=${K7D_LAB_SILENT_S:-$(header "$SCRIPT" silent-s 180)}
+EXPECT=$(header "$SCRIPT" expect)
 
 # --- cached images ------------------------------------------------------------
 build_base() {  # STAGE INIT TREE KREL MOD...: busybox, /init, modules
@@ -196,20 +205,37 @@ L0_QEMU=("${K7D_LAB_QEMU:-qemu-system-x86_64}")
 L1_SMP=${K7D_LAB_L1_SMP:-$(header "$SCRIPT" l1-smp 1)}
 [[ -z ${K7D_LAB_QEMU_DATA:-} ]] || L0_QEMU+=(-L "$K7D_LAB_QEMU_DATA")
 : >"$OUT/l2.log"
+: >"$OUT/l1.log"
+: >"$OUT/l1-hb.log"
+# The L1 watchdog (lib/watchdog.sh) reads QEMU's monitor through two FIFOs.
+mkfifo "$OUT/work/mon.in" "$OUT/work/mon.out"
+WATCH_KIND=$OUT/work/stall-kind WATCH_WHY=$OUT/work/stall-why
+l1_watchdog "$OUT" "$L1_STALL_S" "$SILENT_S" "$EXPECT" &
+watchdog=$!
 set +e
 timeout -k 10 "$TIMEOUT" "${L0_QEMU[@]}" -accel "tcg,thread=${K7D_LAB_TCG_THREAD:-multi}" -cpu "${K7D_LAB_L1_CPU:-EPYC,+svm}" -smp "$L1_SMP" -m 3072 \
-  -nic none -nographic -monitor none -serial stdio -serial "file:$OUT/l2.log" -no-reboot \
+  -nic none -nographic -monitor none -serial stdio -serial "file:$OUT/l2.log" -serial "file:$OUT/l1-hb.log" -no-reboot \
+  -chardev "pipe,id=mon0,path=$OUT/work/mon" -mon chardev=mon0,mode=readline -pidfile "$OUT/work/qemu.pid" \
   -kernel "$L1_TREE/boot/vmlinuz-$L1_KREL" -initrd "$OUT/work/l1-initrd.cpio" \
   -append "console=ttyS0 panic=-1 quiet ${K7D_LAB_L1_APPEND:-}" </dev/null 2>&1 |
   if [[ -n ${K7D_LAB_QUIET:-} ]]; then cat >"$OUT/l1.log"; else tee "$OUT/l1.log"; fi
 qemu_rc=${PIPESTATUS[0]}
+: >"$OUT/work/qemu.done"
+wait "$watchdog"
 set -e
 t_end=$(date +%s.%N)
 
 # --- verdict ----------------------------------------------------------------------
 tr -d '\r' <"$OUT/l1.log" >"$OUT/l1.log.tmp" && mv "$OUT/l1.log.tmp" "$OUT/l1.log"
 reason=
-if [[ $qemu_rc -eq 124 || $qemu_rc -eq 137 ]]; then reason="L1 killed after ${TIMEOUT}s (global timeout)"
+if [[ -s $WATCH_KIND || -n $EXPECT ]]; then
+  # The watchdog fired (or a self-test expected it to): its verdict rules.
+  reason=$(l1_watchdog_verdict "$OUT" "$EXPECT")
+  if [[ -z $reason && -s $WATCH_KIND ]]; then
+    echo "LAB-METRIC watchdog.fired_after $(cat "$OUT/work/stall-after") s" >>"$OUT/l1.log"
+    echo "LAB-PASS the L1 watchdog fired as expected ($(cat "$WATCH_KIND")) with its evidence" >>"$OUT/l1.log"
+  fi
+elif [[ $qemu_rc -eq 124 || $qemu_rc -eq 137 ]]; then reason="L1 killed after ${TIMEOUT}s (global timeout)"
 elif grep -q '^LAB-FAIL' "$OUT/l1.log"; then reason=$(grep -m1 '^LAB-FAIL' "$OUT/l1.log" | sed 's/^LAB-FAIL *//')
 elif ! grep -q '^LAB-END rc=0' "$OUT/l1.log"; then reason="scenario did not end with rc=0 ($(grep -m1 '^LAB-END' "$OUT/l1.log" || echo 'no LAB-END line'); qemu rc=$qemu_rc)"
 elif ! grep -q '^LAB-PASS' "$OUT/l1.log"; then reason="no LAB-PASS line"
@@ -249,5 +275,6 @@ grep -E '^LAB-(METRIC|NOTE)' "$OUT/l1.log" | sed 's/^/     /' || true
 if [[ $status == fail ]]; then
   echo "---- L1 console ($OUT/l1.log) ----"; cat "$OUT/l1.log"
   echo "---- L2 serial ($OUT/l2.log) ----"; cat "$OUT/l2.log"
+  [[ ! -s $OUT/l1-stall.log ]] || { echo "---- the L1 watchdog's evidence ($OUT/l1-stall.log) ----"; cat "$OUT/l1-stall.log"; }
   exit 1
 fi

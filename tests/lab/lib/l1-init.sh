@@ -43,6 +43,31 @@ stty -F /dev/ttyS1 raw -echo 2>/dev/null
 # lost transmit interrupt, which would block the relay and so the VMM's
 # console writes and the guest.
 exec 7>/dev/ttyS1
+# L1's heartbeat, for the host's watchdog (tests/lab/run.sh): a line every 5 s
+# on the third serial port (l1-hb.log on the host), and every 15 s each user
+# process's state and wait channel. The heartbeat stopping means L1 itself
+# (its kernel or the emulator under it) froze; the heartbeat going on while
+# the scenario prints nothing means the scenario is stuck, and the last
+# process table says where.
+stty -F /dev/ttyS2 raw -echo 2>/dev/null
+(
+  exec >/dev/ttyS2 2>&1 </dev/null 7>&-
+  i=0
+  while :; do
+    read -r hup _ </proc/uptime
+    echo "LAB-L1 hb $i uptime=$hup loadavg=$(cut -d' ' -f1-4 /proc/loadavg)"
+    if [ $((i % 3)) -eq 1 ]; then
+      for p in /proc/[0-9]*; do
+        # (proc files have size 0: a kernel thread is one with an empty cmdline)
+        c=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null | cut -c1-100)
+        [ -n "$c" ] || continue
+        echo "LAB-L1 hb $i   ${p#/proc/} $(cat "$p/comm" 2>/dev/null) state $(sed 's/^.*) //' "$p/stat" 2>/dev/null | cut -d' ' -f1) wchan $(cat "$p/wchan" 2>/dev/null) $c"
+      done
+    fi
+    i=$((i + 1))
+    sleep 5
+  done
+) &
 read -r up _ </proc/uptime
 echo "LAB-L1 ready uptime=$up modules=$(tr '\n' ' ' </lab/modules.order) cpus=$(nproc) halt_poll_ns=$(cat /sys/module/kvm/parameters/halt_poll_ns 2>/dev/null) thp-shmem=$(cat /sys/kernel/mm/transparent_hugepage/shmem_enabled 2>/dev/null)"
 

@@ -133,7 +133,8 @@ lab_diag() {
   # (this shell's read loop, writing to /dev/ttyS1) blocked in a tty write
   # would stall the VMM's console writes, and so the guest.
   for _p in /proc/[0-9]*; do
-    [ -s "$_p/cmdline" ] || continue
+    # (proc files have size 0: a kernel thread is one with an empty cmdline)
+    [ -n "$(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null)" ] || continue
     _d "L1 process ${_p#/proc/} $(cat "$_p/comm" 2>/dev/null): state $(sed 's/^.*) //' "$_p/stat" 2>/dev/null | cut -d' ' -f1) wchan $(cat "$_p/wchan" 2>/dev/null)"
   done
   _d "the guest's last lines:"

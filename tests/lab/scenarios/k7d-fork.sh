@@ -54,8 +54,24 @@ SRC=src CH='' SRC_LOG='' CH_LOG='' dpid='' relayed=
 # kct SECS ARGS...: one k7d CLI call to this scenario's daemon, killed after SECS.
 kct() { _t=$1; shift; timeout -s KILL "$_t" "$LAB_BIN" --socket "$sock" "$@"; }
 kc() { kct 60 "$@"; }
-# fail REASON: relay what the guests printed so far to l2.log, then lab_fail.
+# fail REASON: the evidence (the daemon's threads and its SIGUSR1 dump of
+# every VM, unless the stall watchdog already gathered it), then what the
+# guests printed so far to l2.log, then lab_fail.
 fail() {
+  # k7d-fork-stall: the watchdog's self-test passes when the stall it
+  # provoked was seen, with the evidence.
+  if [ -n "${FORK_STALL_SELFTEST:-}" ] && [ -e "$W/stall" ]; then
+    for _want in "LAB-DIAG fork: VMM pid $dpid" "LAB-DIAG fork: thread " "LAB-DIAG fork: kvm counters t0+2s:" "LAB-DIAG fork: the guest's last lines:"; do
+      grep -qF "$_want" "$W/diag.txt" || lab_fail "the stall was seen but the evidence lacks '$_want'"
+    done
+    lab_pass "a stopped daemon was seen as a stall after ${LAB_STALL_S}s of silent guests, with the evidence; then: $*"
+  fi
+  if [ -e "$W/stall" ]; then
+    set -- "stalled: $(cat "$W/stall") (evidence: LAB-DIAG lines in l1.log); then: $*"
+  elif [ -n "$dpid" ] && daemon_alive; then
+    lab_diag fork "$dpid" "${CH_LOG:-$SRC_LOG}"
+  fi
+  touch "$W/watch.stop"
   relay_logs
   [ ! -s "$DLOG" ] || echo "lab: k7d daemon log (tail): $(tail -n 5 "$DLOG" | tr '\n' ' ')"
   lab_fail "$*"
@@ -152,7 +168,33 @@ vm_fds() {
 # daemon_alive: the daemon runs (an exited, unreaped child is a zombie: kill -0 still works on it).
 daemon_alive() { [ -e "/proc/$dpid" ] && [ "$(sed 's/.*) //' "/proc/$dpid/stat" 2>/dev/null | cut -d' ' -f1)" != Z ]; }
 
+# fork_watchdog: lab_run_l2's stall watchdog for the daemon's guests. While
+# they run, each prints a tick at least every ~1.5 s (and the heartbeat every
+# 5 s): if no serial log in the state dir grows for LAB_STALL_S (60 s), a
+# guest, its serial path or the daemon is stuck. It gathers the evidence
+# (lab_diag: threads, KVM counters, the daemon's dump of every VM), kills the
+# daemon (the scenario's next call then fails at once, saying "stalled") and
+# leaves the reason in $W/stall. Stops when $W/watch.stop exists.
+fork_watchdog() {
+  _last=-1 _still=0 _limit=${LAB_STALL_S:-60}
+  while [ ! -e "$W/watch.stop" ]; do
+    sleep 1
+    _sz=$(cat "$st"/vms/*/serial.log 2>/dev/null | wc -c)
+    if [ "$_sz" != "$_last" ]; then _last=$_sz _still=0; continue; fi
+    _still=$((_still + 1))
+    # (a booting guest's first line may take longer than a self-test's limit)
+    [ "$_still" -ge "$_limit" ] && { [ "$_sz" -gt 0 ] || [ "$_still" -ge 60 ]; } || continue
+    echo "no guest printed for $_still s (last: $(tail -q -n1 "$st"/vms/*/serial.log 2>/dev/null | tr -d '\r' | cut -c1-120 | tr '\n' '|'))" >"$W/stall"
+    echo "LAB-STALL fork: $(cat "$W/stall")"
+    lab_diag fork "$dpid" "$(ls -t "$st"/vms/*/serial.log 2>/dev/null | head -n1)" | tee "$W/diag.txt"
+    kill -KILL "$dpid" 2>/dev/null
+    return
+  done
+}
+
 # --- the daemon and the source VM --------------------------------------------
+# The daemon writes its SIGUSR1 dump (lab_diag) here as well as to its log.
+export K7D_DUMP_FILE=$W/k7d-dump
 "$LAB_BIN" daemon --state-dir "$st" --socket "$sock" 2>"$DLOG" &
 dpid=$!
 i=0
@@ -171,6 +213,7 @@ kc --json info "$SRC" >"$W/src-info.json" 2>&1 || fail "k7d --json info $SRC fai
 SRC_LOG=$(json_str serial_log "$W/src-info.json")
 [ -n "$SRC_LOG" ] || fail "k7d --json info $SRC reports no serial_log: $(tr '\n' ' ' <"$W/src-info.json")"
 lab_note "source: k7d create --id $SRC --vcpus 2 --memory 512 --disk (64 MiB raw) + start; serial log $SRC_LOG"
+fork_watchdog &
 
 # Until the guest loop has ticked 20 times (boot: ~7 s in the lab).
 i=0
@@ -182,10 +225,15 @@ until [ -f "$SRC_LOG" ] && [ "$(last_n "$SRC_LOG")" -ge 20 ]; do
       fail "source: not running before the fork: $(json_str status "$W/src-info.json"): $(tr -d '\r' <"$SRC_LOG" | tail -n3 | tr '\n' ' ')"
   fi
   [ -z "$(guest_error "$SRC_LOG")" ] || fail "source guest: $(guest_error "$SRC_LOG")"
+  [ ! -e "$W/stall" ] || fail "the source stopped printing before the fork"
   sleep 0.5
 done
 [ "$(tr -d '\r' <"$SRC_LOG" | sed -n 's/.*LAB-GUEST vda-sectors=\([0-9]*\).*/\1/p' | head -n1)" = 131072 ] ||
   fail "source: the guest's /dev/vda is not 131072 sectors (64 MiB): $(grep 'vda-sectors' "$SRC_LOG")"
+
+# k7d-fork-stall (the watchdog's self-test): the daemon stops, and with it
+# every vCPU; the fork call below hangs until the watchdog kills the daemon.
+[ -z "${FORK_STALL_SELFTEST:-}" ] || kill -STOP "$dpid"
 
 # --- 1. the fork ----------------------------------------------------------------
 n_before=$(last_n "$SRC_LOG")
@@ -250,6 +298,7 @@ while :; do
   i=$((i + 1))
   [ -z "$(guest_error "$CH_LOG")" ] || fail "child guest: $(guest_error "$CH_LOG")"
   [ -z "$(guest_error "$SRC_LOG")" ] || fail "source guest: $(guest_error "$SRC_LOG")"
+  [ ! -e "$W/stall" ] || fail "the guests stopped printing after the fork"
   [ "$i" -ge "$WATCH_S" ] && [ "$(summary C_ "$CH_LOG" | sed -n 's/^C_ticks=\([0-9]*\) .*/\1/p')" -ge 30 ] && break
   [ "$i" -lt 180 ] || break  # check 2 says what is missing
 done
@@ -260,7 +309,10 @@ $(last_tick "$CH_LOG")
 EOF
 src_end=$(last_n "$SRC_LOG") ch_end=$(last_n "$CH_LOG")
 
-# Stop both; keep their logs (delete removes the runtime dirs).
+# Stop both; keep their logs (delete removes the runtime dirs). The guests
+# stop printing now: the stall watchdog's job is done.
+touch "$W/watch.stop"
+[ ! -e "$W/stall" ] || fail "the guests stopped printing"
 kc --json stop "$CH" >"$W/stop-child.json" 2>&1 || fail "k7d stop $CH failed: $(cat "$W/stop-child.json")"
 kc --json stop "$SRC" >"$W/stop-src.json" 2>&1 || fail "k7d stop $SRC failed: $(cat "$W/stop-src.json")"
 grep -q '"status": "stopped' "$W/stop-child.json" || fail "k7d stop $CH: status $(json_str status "$W/stop-child.json")"

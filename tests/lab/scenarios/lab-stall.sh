@@ -25,7 +25,7 @@ took=$(lab_sub "$L2_WALL" "$init")
 awk -v t="$took" 'BEGIN {exit !(t < 45)}' || lab_fail "the stall took ${took} s after init to be detected (limit 10 s + evidence)"
 for want in "LAB-STALL stall: no output" "LAB-DIAG stall: VMM pid" "LAB-DIAG stall: kvm counters t0+2s: exits=" \
   "LAB-DIAG stall: thread cpu ticks" "LAB-DIAG stall: thread" "LAB-DIAG stall: k7d's own dump" \
-  "LAB-DIAG stall:   k7d-dump" "LAB-DIAG stall: the guest's last lines:" "LAB-DIAG stall:   LAB-GUEST going-silent"; do
+  "LAB-DIAG stall:   k7d-dump" "LAB-DIAG stall: L1 process" "LAB-DIAG stall: the guest's last lines:" "LAB-DIAG stall:   LAB-GUEST going-silent"; do
   grep -qF "$want" /tmp/stall.out || lab_fail "the evidence lacks '$want'"
 done
 pgrep -x k7d >/dev/null && lab_fail "k7d is still running after the watchdog"

@@ -1,0 +1,132 @@
+# shellcheck shell=bash
+# The host's L1 watchdog, sourced by tests/lab/run.sh (bash). It watches one
+# L1 run from outside and tells the three ways a scenario can hang apart:
+#   l1-froze  L1's heartbeat (l1-init.sh, every 5 s on its third serial port,
+#             l1-hb.log) stopped: L1's kernel or the emulator under it froze.
+#             Nothing inside L1 can see this, so only the host can bound it.
+#   silent    the heartbeat goes on but neither L1's console (l1.log) nor the
+#             L2 serial (l2.log) grew: the scenario, a VMM or a guest is stuck
+#             with L1 alive (scenarios bound their own waits; this is the net
+#             under them). The last heartbeat's process table says where.
+# Either way it gathers the evidence into $OUT/l1-stall.log (QEMU's threads and
+# their CPU use over 2 s, L1's vCPU state and registers twice 2 s apart through
+# QEMU's monitor, L1's last heartbeats, the last console and serial lines),
+# then stops QEMU: a stall costs its limit plus seconds, not the global timeout.
+# Inside L1, lab_run_l2's own watchdog (l1-lib.sh) covers a silent L2 guest.
+
+# _hmp OUT CMD: one human-monitor command; prints its answer (escapes and echo
+# stripped). The monitor's output FIFO is drained into work/monitor.log by
+# the watchdog for the whole run.
+_hmp() {
+  local out=$1 before
+  before=$(stat -c %s "$out/work/monitor.log" 2>/dev/null || echo 0)
+  printf '%s\n' "$2" >"$out/work/mon.in" || return 0
+  sleep 1
+  tail -c +"$((before + 1))" "$out/work/monitor.log" 2>/dev/null | tr -d '\r' |
+    sed -e 's/\x1b\[[0-9;]*[A-Za-z]//g' -e 's/\x1b[A-Za-z]//g' | grep -v '^(qemu)' | grep -vF -- "$2" | grep -v '^[[:space:]]*$' | head -n 60
+}
+
+# _qemu_threads PID: each thread's name, state, CPU ticks (user + system) and wait channel.
+_qemu_threads() {
+  local t
+  for t in /proc/"$1"/task/*; do
+    [[ -r $t/stat ]] || continue
+    # after "(comm) ": $1 state, $12 utime, $13 stime
+    printf '  thread %s %-16s %s\n' "${t##*/}" "$(cat "$t/comm" 2>/dev/null)" \
+      "$(sed 's/^.*) //' "$t/stat" 2>/dev/null | awk '{printf "state %s ticks %d", $1, $12 + $13}') wchan $(cat "$t/wchan" 2>/dev/null)"
+  done
+}
+
+# _l1_evidence OUT PID KIND WHY: the evidence file.
+_l1_evidence() {
+  local out=$1 pid=$2
+  {
+    echo "LAB-L1-STALL $3: $4"
+    echo "host: $(date -u +%FT%TZ) loadavg $(cat /proc/loadavg); QEMU pid $pid: $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-120)"
+    echo "QEMU's threads, t0:"
+    _qemu_threads "$pid"
+    echo "L1's machine state (QEMU monitor), t0:"
+    _hmp "$out" "info status" | sed 's/^/  /'
+    _hmp "$out" "info cpus" | sed 's/^/  /'
+    _hmp "$out" "info registers" | grep -E '^(RAX|RSI|R8 |R12|RIP|ES |CS |SS |CR0|EFER|HLT)' | sed 's/^/  /'
+    echo "QEMU's threads, t0+2s (ticks that grew: the emulator runs L1's code):"
+    _qemu_threads "$pid"
+    echo "L1's registers, t0+2s (a RIP that moves: L1 runs):"
+    _hmp "$out" "info registers" | grep -E '^(RIP|CS |CR0|HLT)' | sed 's/^/  /'
+    echo "L1's last heartbeats (l1-hb.log):"
+    tail -n 40 "$out/l1-hb.log" | tr -d '\r' | sed 's/^/  /'
+    echo "L1's console, last lines:"
+    tail -n 15 "$out/l1.log" | tr -d '\r' | sed 's/^/  /'
+    echo "the L2 serial, last lines:"
+    tail -n 15 "$out/l2.log" | tr -d '\r' | sed 's/^/  /'
+  } >"$out/l1-stall.log" 2>&1
+}
+
+# l1_watchdog OUT L1_STALL_S SILENT_S EXPECT: runs beside QEMU until
+# OUT/work/qemu.done exists. On a stall it writes work/stall-kind and
+# work/stall-why, the evidence file, and stops QEMU (TERM, then KILL).
+# A self-test (EXPECT=stall:l1-froze) may ask, with a "LAB-SELFTEST freeze-l1"
+# line on L1's console, that L1's CPUs be stopped through the monitor: a
+# real frozen machine, as an emulator hang would leave it.
+l1_watchdog() {
+  local out=$1 hb_limit=$2 silent_limit=$3 expect=$4
+  local pid='' hb=-1 hb_t=$SECONDS io=-1 io_t=$SECONDS s kind='' why='' froze='' after=''
+  cat "$out/work/mon.out" >"$out/work/monitor.log" 2>/dev/null &
+  local drain=$!
+  while [[ ! -e $out/work/qemu.done ]]; do
+    sleep 1
+    [[ -n $pid ]] || { pid=$(cat "$out/work/qemu.pid" 2>/dev/null) || pid=''; }
+    [[ -n $pid ]] || continue
+    if [[ -z $froze && $expect == stall:l1-froze ]] && grep -q '^LAB-SELFTEST freeze-l1' "$out/l1.log" 2>/dev/null; then
+      froze=1
+      _hmp "$out" stop >/dev/null
+    fi
+    s=$(stat -c %s "$out/l1-hb.log" 2>/dev/null || echo 0)
+    [[ $s == "$hb" ]] || { hb=$s hb_t=$SECONDS; }
+    s=$(($(stat -c %s "$out/l1.log" 2>/dev/null || echo 0) + $(stat -c %s "$out/l2.log" 2>/dev/null || echo 0)))
+    [[ $s == "$io" ]] || { io=$s io_t=$SECONDS; }
+    if ((SECONDS - hb_t >= hb_limit)); then
+      kind=l1-froze after=$((SECONDS - hb_t))
+      why="L1 froze: no heartbeat from it for $((SECONDS - hb_t)) s"
+      ((hb > 0)) || why="L1 never started its heartbeat within $hb_limit s"
+    elif ((SECONDS - io_t >= silent_limit)); then
+      kind=silent after=$((SECONDS - io_t))
+      why="the scenario went silent: no L1 console or L2 serial output for $((SECONDS - io_t)) s while L1's heartbeat went on"
+    else
+      continue
+    fi
+    echo "lab: L1 watchdog: $why; gathering evidence into $out/l1-stall.log and stopping L1" >&2
+    _l1_evidence "$out" "$pid" "$kind" "$why"
+    printf '%s\n' "$kind" >"$out/work/stall-kind"
+    printf '%s\n' "$why" >"$out/work/stall-why"
+    printf '%s\n' "$after" >"$out/work/stall-after"
+    kill -TERM "$pid" 2>/dev/null
+    for _ in 1 2 3 4 5; do [[ -e /proc/$pid ]] || break; sleep 1; done
+    kill -KILL "$pid" 2>/dev/null
+    break
+  done
+  kill "$drain" 2>/dev/null
+  wait "$drain" 2>/dev/null
+  return 0
+}
+
+# l1_watchdog_verdict OUT EXPECT: the failure reason ("" = pass) of a run the
+# watchdog fired in, or of a self-test (EXPECT=stall:KIND) whatever happened.
+l1_watchdog_verdict() {
+  local out=$1 expect=$2 kind why want
+  kind=$(cat "$out/work/stall-kind" 2>/dev/null) || kind=''
+  why=$(cat "$out/work/stall-why" 2>/dev/null) || why=''
+  if [[ -z $expect ]]; then
+    echo "$why (the L1 watchdog's evidence: $out/l1-stall.log)"
+    return
+  fi
+  [[ $expect == "stall:$kind" ]] || { echo "the L1 watchdog's self-test expected '$expect', got '${kind:-no stall}'${why:+ ($why)}"; return; }
+  # The evidence must hold what tells the emulator from the scenario.
+  for want in "LAB-L1-STALL $kind" "QEMU's threads, t0:" "  thread " "L1's machine state" "RIP=" "LAB-L1 hb"; do
+    grep -qF -- "$want" "$out/l1-stall.log" || { echo "the L1 watchdog's evidence lacks '$want'"; return; }
+  done
+  if [[ $kind == l1-froze ]]; then
+    grep -q 'VM status: paused' "$out/l1-stall.log" || { echo "the frozen L1 does not show as paused in the evidence"; return; }
+  fi
+  echo ""
+}

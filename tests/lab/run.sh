@@ -217,7 +217,7 @@ timeout -k 10 "$TIMEOUT" "${L0_QEMU[@]}" -accel "tcg,thread=${K7D_LAB_TCG_THREAD
   -nic none -nographic -monitor none -serial stdio -serial "file:$OUT/l2.log" -serial "file:$OUT/l1-hb.log" -no-reboot \
   -chardev "pipe,id=mon0,path=$OUT/work/mon" -mon chardev=mon0,mode=readline -pidfile "$OUT/work/qemu.pid" \
   -kernel "$L1_TREE/boot/vmlinuz-$L1_KREL" -initrd "$OUT/work/l1-initrd.cpio" \
-  -append "console=ttyS0 panic=-1 quiet ${K7D_LAB_L1_APPEND:-}" </dev/null 2>&1 |
+  -append "console=ttyS0 panic=-1 quiet nokaslr ${K7D_LAB_L1_APPEND:-}" </dev/null 2>&1 |
   if [[ -n ${K7D_LAB_QUIET:-} ]]; then cat >"$OUT/l1.log"; else tee "$OUT/l1.log"; fi
 qemu_rc=${PIPESTATUS[0]}
 : >"$OUT/work/qemu.done"

@@ -24,6 +24,7 @@ _hmp() {
   sleep 1
   tail -c +"$((before + 1))" "$out/work/monitor.log" 2>/dev/null | tr -d '\r' |
     sed -e 's/\x1b\[[0-9;]*[A-Za-z]//g' -e 's/\x1b[A-Za-z]//g' | grep -v '^(qemu)' | grep -vF -- "$2" | grep -v '^[[:space:]]*$' | head -n 60
+  return 0
 }
 
 # _qemu_threads PID: each thread's name, state, CPU ticks (user + system) and wait channel.
@@ -52,7 +53,17 @@ _l1_evidence() {
     echo "QEMU's threads, t0+2s (ticks that grew: the emulator runs L1's code):"
     _qemu_threads "$pid"
     echo "L1's registers, t0+2s (a RIP that moves: L1 runs):"
-    _hmp "$out" "info registers" | grep -E '^(RIP|CS |CR0|HLT)' | sed 's/^/  /'
+    _hmp "$out" "info registers" | grep -E '^(RIP|RSP|CS |CR0|HLT)' | sed 's/^/  /'
+    # Where L1 is: RIP sampled five times, and the code there. L1 boots with
+    # nokaslr, so a kernel RIP is the same address on every run of this
+    # kernel and resolves offline with the kernel's -dbg package.
+    echo "L1's RIP, 5 samples 0.5 s apart:"
+    for _ in 1 2 3 4 5; do
+      _hmp "$out" "info registers" | sed -n 's/^\(RIP=[0-9a-f]*\).*\(CPL=[0-9]\).*\(HLT=[0-9]\).*/  \1 \2 \3/p' | head -n1
+      sleep 0.5
+    done
+    echo "L1's code at RIP (x/12i \$pc):"
+    _hmp "$out" 'x/12i $pc' | sed 's/^/  /'
     echo "L1's last heartbeats (l1-hb.log):"
     tail -n 40 "$out/l1-hb.log" | tr -d '\r' | sed 's/^/  /'
     echo "L1's console, last lines:"
@@ -69,6 +80,10 @@ _l1_evidence() {
 # line on L1's console, that L1's CPUs be stopped through the monitor: a
 # real frozen machine, as an emulator hang would leave it.
 l1_watchdog() {
+  # A background job: run.sh's errexit and pipefail must not end it at the
+  # first grep that finds nothing (a self-test run once did: the watchdog
+  # died silently and the frozen L1 ran into the global timeout).
+  set +e +o pipefail
   local out=$1 hb_limit=$2 silent_limit=$3 expect=$4
   local pid='' hb=-1 hb_t=$SECONDS io=-1 io_t=$SECONDS s kind='' why='' froze='' after=''
   cat "$out/work/mon.out" >"$out/work/monitor.log" 2>/dev/null &

@@ -3,6 +3,7 @@
 # and fails on the first crash, leak, timeout or OOM, on a failing or empty
 # target list, and when no target ran.
 #   devices/fuzz/smoke.sh [seconds]
+#   K7D_FUZZ_DIR=vmm/fuzz devices/fuzz/smoke.sh [seconds]   # the daemon's parsers
 #
 # Works with the stable toolchain: cargo-fuzz passes `-Z` sanitizer flags, so
 # RUSTC_BOOTSTRAP=1 is set (nightly is not needed). Environment:
@@ -80,7 +81,10 @@ ran=0
 for t in $list; do
     echo "== fuzz smoke: $t for ${secs}s"
     mkdir -p "corpus/$t"
-    if ! "${cargo_fuzz[@]}" run "$t" --target-dir "$target_dir" "corpus/$t" -- \
+    # Committed seeds (seeds/<target>/, read only) join the working corpus.
+    dirs=("corpus/$t")
+    [ ! -d "seeds/$t" ] || dirs+=("seeds/$t")
+    if ! "${cargo_fuzz[@]}" run "$t" --target-dir "$target_dir" "${dirs[@]}" -- \
         -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1; then
         echo "fuzz smoke: $t failed (build error, or a crash, leak, timeout or OOM: see $PWD/artifacts/$t/)" >&2
         exit 1

@@ -201,6 +201,32 @@ pub(crate) fn write(
         )));
     }
     tmp.write_file(STATE, &state_json)?;
+    let manifest = manifest_bytes(config, &state_json, ram.size(), chunk, mem_digests)?;
+    tmp.write_file(MANIFEST, &manifest)?;
+    tmp.dir
+        .sync()
+        .map_err(io_err(format!("cannot sync {}", tmp.path("").display())))?;
+    tmp.commit(existing)?;
+    tracing::debug!(
+        dest = %dest.display(),
+        replaced = existing,
+        elapsed_us = t0.elapsed().as_micros() as u64,
+        "snapshot written"
+    );
+    Ok(())
+}
+
+/// `manifest.json`'s bytes for a snapshot of `config` whose `state.json` is
+/// `state_json` and whose memory file is `memory_size` bytes in chunks of
+/// `chunk` with these checksums. Public for the fuzz targets, which build
+/// well-formed manifests around arbitrary state files.
+pub fn manifest_bytes(
+    config: &VmConfig,
+    state_json: &[u8],
+    memory_size: u64,
+    chunk: u64,
+    memory_sha256: Vec<String>,
+) -> Result<Vec<u8>, SnapshotError> {
     let body = Body {
         config: config.clone(),
         files: vec![
@@ -212,9 +238,9 @@ pub(crate) fn write(
             },
             FileEntry {
                 name: MEMORY.into(),
-                size: ram.size(),
+                size: memory_size,
                 chunk_bytes: chunk,
-                sha256: mem_digests,
+                sha256: memory_sha256,
             },
         ],
     };
@@ -233,18 +259,22 @@ pub(crate) fn write(
             manifest.len()
         )));
     }
-    tmp.write_file(MANIFEST, &manifest)?;
-    tmp.dir
-        .sync()
-        .map_err(io_err(format!("cannot sync {}", tmp.path("").display())))?;
-    tmp.commit(existing)?;
-    tracing::debug!(
-        dest = %dest.display(),
-        replaced = existing,
-        elapsed_us = t0.elapsed().as_micros() as u64,
-        "snapshot written"
-    );
-    Ok(())
+    Ok(manifest)
+}
+
+/// The zero chunk's checksums for a memory file of `size` bytes in chunks of
+/// [`chunk_for`]`(size)`: what a never-written guest's snapshot lists.
+/// Public for the fuzz targets.
+pub fn zero_memory_digests(size: u64) -> (u64, Vec<String>) {
+    let chunk = chunk_for(size);
+    let n = size.div_ceil(chunk) as usize;
+    let digests = (0..n)
+        .map(|c| {
+            let r = chunk_range(c, chunk, size);
+            zero_digest((r.end - r.start) as usize)
+        })
+        .collect();
+    (chunk, digests)
 }
 
 /// The chunk size for a file of `size` bytes: 1 MiB, doubled until at most
@@ -637,8 +667,49 @@ pub(crate) fn open(dir: &Path, id: &str) -> Result<Opened, SnapshotError> {
     let manifest_f = open_regular(&d, dir, MANIFEST)?;
     let state_f = open_regular(&d, dir, STATE)?;
     let memory_f = open_regular(&d, dir, MEMORY)?;
+    if state_f.1 > MAX_JSON_BYTES {
+        return Err(too_big(&path(STATE), state_f.1));
+    }
+    let manifest_bytes = read_bounded(&manifest_f.0, manifest_f.1, &path(MANIFEST))?;
+    let state_bytes = read_bounded(&state_f.0, state_f.1, &path(STATE))?;
+    let v = verify(dir, id, &manifest_bytes, &state_bytes, memory_f.1)?;
+    Ok(Opened {
+        config: v.config,
+        state: v.state,
+        memory: memory_f.0,
+        memory_entry: v.memory_entry,
+        memory_path: path(MEMORY),
+    })
+}
 
-    let (mut config, mut entries) = read_manifest(&manifest_f, &path(MANIFEST))?;
+/// What [`verify`] found good.
+struct Verified {
+    config: VmConfig,
+    state: MachineState,
+    memory_entry: FileEntry,
+}
+
+/// [`open`]'s checks on bytes alone (`memory_len`: the memory file's size),
+/// for the fuzz targets: `Ok` only for a snapshot `open` would accept.
+pub fn verify_bytes(dir: &Path, id: &str, manifest: &[u8], state: &[u8], memory_len: u64) -> Result<(), SnapshotError> {
+    verify(dir, id, manifest, state, memory_len).map(|_| ())
+}
+
+/// What [`open`] checks of a snapshot in `dir` once its JSON files are read:
+/// the manifest (format, version, its checksum, its entries), the config as
+/// create checks it (with `id`), each size against the manifest, `state.json`
+/// against its checksums, its format and version, and the state against the
+/// config. Nothing here touches a file: the fuzz target
+/// `snapshot_verify` drives it through [`verify_bytes`].
+fn verify(
+    dir: &Path,
+    id: &str,
+    manifest: &[u8],
+    state_bytes: &[u8],
+    memory_len: u64,
+) -> Result<Verified, SnapshotError> {
+    let path = |f: &str| dir.join(f);
+    let (mut config, mut entries) = parse_manifest(manifest, &path(MANIFEST))?;
     let state_entry = entries
         .remove(STATE)
         .ok_or_else(|| refused(format!("{} lists no {STATE}", path(MANIFEST).display())))?;
@@ -659,13 +730,9 @@ pub(crate) fn open(dir: &Path, id: &str) -> Result<Opened, SnapshotError> {
             config.memory_bytes()
         )));
     }
-    if state_f.1 > MAX_JSON_BYTES {
-        return Err(too_big(&path(STATE), state_f.1));
-    }
-    check_size(&state_f, &state_entry, &path(STATE))?;
-    check_size(&memory_f, &memory_entry, &path(MEMORY))?;
+    check_size(state_bytes.len() as u64, &state_entry, &path(STATE))?;
+    check_size(memory_len, &memory_entry, &path(MEMORY))?;
 
-    let state_bytes = read_bounded(&state_f.0, state_f.1, &path(STATE))?;
     let chunks = state_bytes.chunks(state_entry.chunk_bytes as usize);
     if chunks.len() != state_entry.sha256.len() {
         return Err(refused(format!(
@@ -683,7 +750,7 @@ pub(crate) fn open(dir: &Path, id: &str) -> Result<Opened, SnapshotError> {
             ));
         }
     }
-    let state: StateIn = serde_json::from_slice(&state_bytes)
+    let state: StateIn = serde_json::from_slice(state_bytes)
         .map_err(|e| refused(format!("{} is not a k7d snapshot state: {e}", path(STATE).display())))?;
     if state.format != FORMAT || state.version != persist::STATE_VERSION {
         return Err(refused(format!(
@@ -696,12 +763,10 @@ pub(crate) fn open(dir: &Path, id: &str) -> Result<Opened, SnapshotError> {
     }
     persist::check_fits(&config, &state.state)
         .map_err(|e| refused(format!("{} does not fit its config: {e}", path(STATE).display())))?;
-    Ok(Opened {
+    Ok(Verified {
         config,
         state: state.state,
-        memory: memory_f.0,
         memory_entry,
-        memory_path: path(MEMORY),
     })
 }
 
@@ -753,17 +818,16 @@ fn mismatch(file: &Path, r: Range<u64>) -> SnapshotError {
     ))
 }
 
-/// Reads and checks `manifest.json`: size bound, format, version, its body's
+/// Checks `manifest.json`'s bytes: format, version, its body's
 /// checksum, the body, and each file entry's shape. Returns the config and
 /// the entries by name.
-fn read_manifest(
-    f: &(File, u64),
+fn parse_manifest(
+    bytes: &[u8],
     shown: &Path,
 ) -> Result<(VmConfig, std::collections::HashMap<String, FileEntry>), SnapshotError> {
     let s = shown.display();
-    let bytes = read_bounded(&f.0, f.1, shown)?;
     let head: Head =
-        serde_json::from_slice(&bytes).map_err(|e| refused(format!("{s} is not a k7d snapshot manifest: {e}")))?;
+        serde_json::from_slice(bytes).map_err(|e| refused(format!("{s} is not a k7d snapshot manifest: {e}")))?;
     if head.format != FORMAT {
         return Err(refused(format!("{s} has format `{}`, not `{FORMAT}`", head.format)));
     }
@@ -773,7 +837,7 @@ fn read_manifest(
             head.version
         )));
     }
-    let m: Manifest = serde_json::from_slice(&bytes).map_err(|e| refused(format!("{s} is damaged: {e}")))?;
+    let m: Manifest = serde_json::from_slice(bytes).map_err(|e| refused(format!("{s} is damaged: {e}")))?;
     if sha256_hex(m.body.get().as_bytes()) != m.body_sha256 {
         return Err(refused(format!(
             "{s} is damaged: its body does not match its own checksum"
@@ -816,12 +880,12 @@ fn read_manifest(
 }
 
 /// Refuses a file whose size is not the manifest's.
-fn check_size(f: &(File, u64), e: &FileEntry, shown: &Path) -> Result<(), SnapshotError> {
-    if f.1 != e.size {
+fn check_size(len: u64, e: &FileEntry, shown: &Path) -> Result<(), SnapshotError> {
+    if len != e.size {
         return Err(refused(format!(
             "{} is {} bytes, the manifest says {}",
             shown.display(),
-            f.1,
+            len,
             e.size
         )));
     }

@@ -11,4 +11,5 @@ pub mod bus;
 pub mod irq;
 pub mod legacy;
 pub mod pci;
+pub mod sandbox;
 pub mod virtio;

@@ -14,6 +14,7 @@ pub mod config;
 pub mod daemon;
 pub mod diag;
 pub mod netcli;
+pub mod seccomp;
 pub mod sys;
 pub mod vstate;
 

@@ -44,6 +44,10 @@ struct Cli {
     /// VMs take a while.
     #[arg(long, env = "K7D_TIMEOUT", default_value_t = client::DEFAULT_TIMEOUT.as_secs_f64(), value_parser = parse_secs)]
     timeout: f64,
+    /// Seccomp filters for `run` and `daemon`: enforce (deny what a thread
+    /// kind does not need), log (allow and audit it), or off.
+    #[arg(long, global = true, env = "K7D_SECCOMP", value_enum, default_value = "enforce")]
+    seccomp: k7d_vmm::seccomp::Mode,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -374,6 +378,21 @@ fn catch_signals() -> Result<()> {
     Ok(())
 }
 
+/// Least privilege for `run` and `daemon` (docs/security.md): the signal
+/// handling and the SIGUSR1 dump thread first (they block signals that every
+/// later thread inherits), then the seccomp filters on every thread, before
+/// any VM exists or the API accepts.
+fn confine(mode: k7d_vmm::seccomp::Mode) -> Result<()> {
+    if mode != k7d_vmm::seccomp::Mode::Off {
+        k7d_vmm::seccomp::limit_control_capabilities().context("cannot narrow k7d's capabilities")?;
+    }
+    catch_signals()?;
+    k7d_vmm::diag::install().context("cannot start the SIGUSR1 state dump thread")?;
+    k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
+    k7d_vmm::seccomp::init(mode).context("cannot confine k7d's threads")?;
+    Ok(())
+}
+
 fn init_logs(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("K7D_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
@@ -412,6 +431,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         } => {
             init_logs("warn");
             let node = load_node(&node_config)?;
+            confine(cli.seccomp)?;
             run_foreground(&guest, timeout, serial_log, quiet, cli.json, process_start, node)
         }
         Cmd::Daemon {
@@ -421,6 +441,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         } => {
             init_logs("info");
             let node = load_node(&node_config)?;
+            confine(cli.seccomp)?;
             daemon(&state_dir, &cli.socket, node, &limits)
         }
         Cmd::Net { cmd } => {
@@ -577,8 +598,6 @@ fn daemon(
     node: NodeConfig,
     limits: &DaemonLimits,
 ) -> Result<ExitCode> {
-    catch_signals()?;
-    k7d_vmm::diag::install().context("cannot start the SIGUSR1 state dump thread")?;
     let (d, reconciled) = Daemon::open(state_dir)?;
     let d = d.with_node_config(node);
     for r in &reconciled {
@@ -663,8 +682,6 @@ fn run_foreground(
     process_start: Instant,
     node: NodeConfig,
 ) -> Result<ExitCode> {
-    catch_signals()?;
-    k7d_vmm::diag::install().context("cannot start the SIGUSR1 state dump thread")?;
     let id = format!("run-{}", std::process::id());
     let console = !quiet && !json_out;
     let config = guest.config(Some(id.clone()), console)?;
@@ -747,6 +764,6 @@ fn run_foreground(
     Ok(match (&reason, timed_out) {
         (_, true) => ExitCode::from(2),
         (r, false) if r.is_clean() => ExitCode::SUCCESS,
-        (StopReason::VcpuError { .. }, _) | (_, false) => ExitCode::FAILURE,
+        (StopReason::VcpuError { .. } | StopReason::SeccompDenied { .. }, _) | (_, false) => ExitCode::FAILURE,
     })
 }

@@ -365,3 +365,168 @@ pub fn connect_unix(
     stream.set_nonblocking(false)?;
     Ok(stream)
 }
+
+/// A pipe whose write end is non-blocking (a full pipe drops a record rather
+/// than block a thread in a signal handler); both ends close-on-exec.
+/// Returns (read end, write end).
+pub fn pipe_nonblocking_writer() -> io::Result<(File, File)> {
+    let mut fds = [0 as libc::c_int; 2];
+    // SAFETY: pipe2 writes two fds into the array we own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created by pipe2 and are owned by nobody else.
+    let (rx, tx) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
+    // SAFETY: fcntl on an fd we own, with flags it defines.
+    if unsafe { libc::fcntl(tx.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((rx, tx))
+}
+
+/// The calling thread's id.
+pub fn gettid() -> i32 {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::gettid() }
+}
+
+/// Writes `rec`'s bytes to `fd` with one `write(2)`, ignoring the outcome:
+/// async-signal-safe (the SIGSYS report).
+pub fn write_record<T: Copy>(fd: i32, rec: &T) {
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: `rec` is a live value of `size_of::<T>()` bytes; write only reads them.
+    let _ = unsafe { libc::write(fd, (rec as *const T).cast(), std::mem::size_of::<T>()) };
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const CAP_VERSION_3: u32 = 0x2008_0522;
+
+/// The calling thread's permitted capabilities, as a 64-bit mask.
+pub fn permitted_capabilities() -> io::Result<u64> {
+    let mut hdr = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget writes two data structs into the array we own, laid out
+    // as the kernel's `__user_cap_data_struct`; the header is ours.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut hdr as *mut CapHeader, data.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(u64::from(data[0].permitted) | (u64::from(data[1].permitted) << 32))
+}
+
+/// Sets the calling thread's effective and permitted capabilities to `mask`
+/// (which must be within the permitted set) and its inheritable set to none.
+/// With `no_new_privs` and no exec, nothing can bring the others back.
+pub fn set_capabilities(mask: u64) -> io::Result<()> {
+    let mut hdr = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let lo = (mask & 0xffff_ffff) as u32;
+    let hi = (mask >> 32) as u32;
+    let data = [
+        CapData {
+            effective: lo,
+            permitted: lo,
+            inheritable: 0,
+        },
+        CapData {
+            effective: hi,
+            permitted: hi,
+            inheritable: 0,
+        },
+    ];
+    // SAFETY: capset reads the header and two data structs, all ours and laid
+    // out as the kernel's `__user_cap_header_struct`/`__user_cap_data_struct`.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut hdr as *mut CapHeader, data.as_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Drops every capability of the calling thread.
+pub fn drop_all_capabilities() -> io::Result<()> {
+    set_capabilities(0)
+}
+
+/// `siginfo_t` as the kernel fills it for SIGSYS on x86_64 (`_sigsys`).
+#[repr(C)]
+struct SigsysInfo {
+    signo: libc::c_int,
+    errno: libc::c_int,
+    code: libc::c_int,
+    _pad: libc::c_int,
+    call_addr: *mut libc::c_void,
+    syscall: libc::c_int,
+    arch: libc::c_uint,
+}
+
+/// `si_code` of a SIGSYS raised by a seccomp filter.
+const SYS_SECCOMP: libc::c_int = 1;
+
+static SIGSYS_HOOK: OnceLock<fn(i32)> = OnceLock::new();
+
+extern "C" fn on_sigsys(_num: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+    if info.is_null() {
+        return;
+    }
+    // SAFETY: the kernel passed a SIGSYS siginfo, whose layout is `SigsysInfo`.
+    let (code, nr) = unsafe {
+        let s = &*(info as *const SigsysInfo);
+        (s.code, s.syscall)
+    };
+    if code != SYS_SECCOMP {
+        return;
+    }
+    if !ctx.is_null() {
+        // SAFETY: with SA_SIGINFO the third argument is the interrupted
+        // thread's ucontext; setting RAX makes the denied call return -EPERM.
+        unsafe {
+            let uc = ctx as *mut libc::ucontext_t;
+            (*uc).uc_mcontext.gregs[libc::REG_RAX as usize] = -(libc::EPERM as i64);
+        }
+    }
+    if let Some(hook) = SIGSYS_HOOK.get() {
+        hook(nr);
+    }
+}
+
+/// Installs the process's SIGSYS handler: a call denied by a seccomp filter
+/// fails with `EPERM` and `hook` gets its number (in the signal handler:
+/// `hook` must be async-signal-safe).
+pub fn install_sigsys_handler(hook: fn(i32)) -> io::Result<()> {
+    let _ = SIGSYS_HOOK.set(hook);
+    vmm_sys_util::signal::register_signal_handler(libc::SIGSYS, on_sigsys)
+        .map_err(|e| io::Error::from_raw_os_error(e.errno()))
+}
+
+/// Fixes the number of malloc arenas glibc may create (its default: 8 per
+/// CPU) now, on the main thread. Otherwise glibc works the limit out the
+/// first time a thread needs a new arena, by opening
+/// `/sys/devices/system/cpu/online` and `/proc/stat` from that thread,
+/// which may be a device worker whose seccomp filter denies `openat`.
+pub fn fix_malloc_arenas() {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let arenas = libc::c_int::try_from(cpus.saturating_mul(8)).unwrap_or(libc::c_int::MAX);
+    // SAFETY: mallopt only sets a malloc parameter; any value is accepted.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
+}

@@ -49,9 +49,14 @@ impl<W: ParkableWorker> WorkerThread<W> {
 
     /// Starts `worker` on a thread; `stop` is the eventfd it watches.
     pub(crate) fn spawn(&mut self, stop: EventFd, worker: W, device: &'static str) -> Result<(), VirtioError> {
+        let token = crate::sandbox::capture();
+        let name = self.name;
         let handle = std::thread::Builder::new()
             .name(self.name.into())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                let _sandbox = crate::sandbox::enter(token, name);
+                worker.run()
+            })
             .map_err(|e| VirtioError::Spawn(device, e))?;
         self.running = Some((stop, handle));
         Ok(())

@@ -16,9 +16,16 @@ export PATH=/lab/bin:/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp TMPDIR=/tmp
 read -r up _ </proc/uptime
 echo "LAB-L1 up uptime=$up kernel=$(uname -r)"
 
-end() { echo "LAB-END rc=$1"; sync; poweroff -f; sleep 10; }
+end() {
+  # k7d --seccomp log (LAB_K7D_SECCOMP=log): what the filters would have
+  # denied, as the kernel audited it (docs/security.md).
+  dmesg 2>/dev/null | grep 'type=1326' | sed 's/^/LAB-SECCOMP-AUDIT /' | head -n 200
+  echo "LAB-END rc=$1"; sync; poweroff -f; sleep 10
+}
 
 . /lab/env
+# The seccomp mode of every k7d the scenario runs (default: enforce).
+[ -z "${LAB_K7D_SECCOMP:-}" ] || export K7D_SECCOMP="$LAB_K7D_SECCOMP"
 for m in $(cat /lab/modules.order); do
   # Module options from LAB_MODOPTS_<name> (dashes as underscores), e.g.
   # LAB_MODOPTS_kvm_amd="npt=0".

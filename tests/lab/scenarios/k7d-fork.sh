@@ -303,6 +303,23 @@ while :; do
   [ "$i" -lt 180 ] || break  # check 2 says what is missing
 done
 run_threads=$(vm_threads) run_fds=$(vm_fds)
+# Least privilege (docs/security.md), with both VMs running: every thread
+# of the daemon is filtered with no_new_privs; vCPU and device threads hold
+# no capability.
+if [ "${K7D_SECCOMP:-enforce}" != off ]; then
+  sc_n=0 sc_names=
+  for t in /proc/"$dpid"/task/*; do
+    n=$(cat "$t/comm" 2>/dev/null) || continue
+    sc=$(sed -n 's/^Seccomp:[[:space:]]*//p' "$t/status") nnp=$(sed -n 's/^NoNewPrivs:[[:space:]]*//p' "$t/status")
+    cap=$(sed -n 's/^CapEff:[[:space:]]*//p' "$t/status")
+    [ "$sc" = 2 ] && [ "$nnp" = 1 ] || fail "daemon thread $n: Seccomp $sc, NoNewPrivs $nnp (want 2 and 1)"
+    case $n in
+      vcpu* | k7d-virtio-blk | k7d-vnet-*) [ "$cap" = 0000000000000000 ] || fail "daemon thread $n holds capabilities $cap" ;;
+    esac
+    sc_n=$((sc_n + 1)) sc_names="$sc_names $n"
+  done
+  lab_note "seccomp: all $sc_n daemon threads filtered with no_new_privs, vCPU and device threads without capabilities:$sc_names"
+fi
 u_b=$(lab_now) t_b=$(date +%s)
 read -r b_n b_date b_up <<EOF
 $(last_tick "$CH_LOG")

@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod client;
+mod recorder;
 pub mod server;
 pub mod store;
 
@@ -88,6 +89,7 @@ pub struct Daemon {
     store: Arc<RecordStore>,
     vms: Mutex<HashMap<String, Slot>>,
     node: crate::config::NodeConfig,
+    recorder: recorder::Recorder,
     _lock: crate::sys::FileLock,
 }
 
@@ -301,11 +303,16 @@ impl Daemon {
         for name in store.sweep_orphans() {
             tracing::warn!(entry = %name, "removed a VM's runtime files that had no record");
         }
+        let recorder = recorder::Recorder::start(store.clone()).map_err(|source| DaemonError::Io {
+            what: "cannot start the thread that records VM stops".into(),
+            source,
+        })?;
         Ok((
             Self {
                 store,
                 vms: Mutex::new(HashMap::new()),
                 node: crate::config::NodeConfig::default(),
+                recorder,
                 _lock: lock,
             },
             reconciled,
@@ -615,15 +622,9 @@ impl Daemon {
         };
         self.store.save(&rec).map_err(internal)?;
         // The last vCPU thread to leave records why the VM stopped, also
-        // when the guest stops it on its own.
-        let store = self.store.clone();
-        let vm_id = id.to_string();
-        vm.control().set_on_stopped(Box::new(move |reason| {
-            let reason = reason.clone();
-            if let Err(e) = store.update(&vm_id, |r| r.state = VmState::Stopped { reason }) {
-                tracing::error!(vm = %vm_id, error = %e, "cannot record the VM's stop");
-            }
-        }));
+        // when the guest stops it on its own (through the record thread: a
+        // vCPU thread touches no files).
+        vm.control().set_on_stopped(self.recorder.on_stopped(id));
         if start {
             vm.start().map_err(vm_error)?;
             self.persist(&vm)?;

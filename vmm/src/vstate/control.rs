@@ -32,6 +32,16 @@ pub enum StopReason {
         /// One sentence naming the VM, the vCPU and the exit.
         message: String,
     },
+    /// A thread of the VM (a vCPU or a device worker) made a system call its
+    /// seccomp filter denies.
+    SeccompDenied {
+        /// The thread's name.
+        thread: String,
+        /// The call's number (x86_64).
+        syscall: i64,
+        /// One sentence naming the VM, the thread and the call.
+        message: String,
+    },
 }
 
 impl std::fmt::Display for StopReason {
@@ -40,7 +50,7 @@ impl std::fmt::Display for StopReason {
             Self::GuestReset => f.write_str("guest reboot"),
             Self::GuestPoweroff => f.write_str("guest poweroff"),
             Self::Requested => f.write_str("stop requested"),
-            Self::VcpuError { message, .. } => f.write_str(message),
+            Self::VcpuError { message, .. } | Self::SeccompDenied { message, .. } => f.write_str(message),
         }
     }
 }
@@ -48,7 +58,7 @@ impl std::fmt::Display for StopReason {
 impl StopReason {
     /// Whether the guest ended on its own terms (exit status 0 for `k7d run`).
     pub fn is_clean(&self) -> bool {
-        !matches!(self, Self::VcpuError { .. })
+        !matches!(self, Self::VcpuError { .. } | Self::SeccompDenied { .. })
     }
 }
 

@@ -353,6 +353,26 @@ pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buse
         .store(k7d_devices::virtio::diag::current_tid(), Ordering::Relaxed);
     diag.set(VcpuRunState::Vmm);
     let _exited = Exited(&ctl, diag);
+    // Confined before the guest runs a single instruction: no capabilities,
+    // the vCPU filter (docs/security.md). A vCPU that cannot be confined
+    // does not run.
+    let _confined = match crate::seccomp::enter(
+        crate::seccomp::ThreadKind::Vcpu,
+        &format!("vcpu{index}"),
+        Some(Arc::downgrade(&ctl)),
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            let message = format!("vm {} vcpu {index}: cannot confine the vCPU thread: {e}", ctl.vm_id());
+            tracing::error!("{message}");
+            ctl.request_stop(StopReason::VcpuError {
+                vcpu: index,
+                exit: "seccomp".into(),
+                message,
+            });
+            return;
+        }
+    };
     let ptr: *mut u8 = &mut lock_vcpu(&shared).get_kvm_run().immediate_exit;
     // SAFETY: `ptr` points into the vCPU's kvm_run mapping, which lives as long
     // as the VcpuFd; `shared` keeps that alive until the end of this function,

@@ -565,6 +565,9 @@ impl Vm {
             return Err(self.state_error("start"));
         }
         crate::sys::install_kick_handler().map_err(io("cannot install the vCPU kick signal handler"))?;
+        // Device workers spawned from here on work for this VM (their
+        // seccomp reports name it).
+        let _scope = crate::seccomp::vm_scope(&self.control);
         // Restored devices go live first: the vCPUs find them as they were.
         // If one cannot, the ones already started are stopped again and the
         // VM is done for (its devices no longer match its RAM).
@@ -659,6 +662,7 @@ impl Vm {
         if self.started.is_none() || self.control.stopped().is_some() {
             return Err(self.state_error("resume"));
         }
+        let _scope = crate::seccomp::vm_scope(&self.control);
         for d in &self.virtio {
             let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
             dev.resume().map_err(|e| {

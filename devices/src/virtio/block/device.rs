@@ -171,9 +171,13 @@ impl Block {
 
     fn spawn(&mut self, worker: BlockWorker) -> Result<(), VirtioError> {
         let stop = worker.stop.try_clone().map_err(VirtioError::EventFd)?;
+        let token = crate::sandbox::capture();
         let handle = std::thread::Builder::new()
             .name("k7d-virtio-blk".into())
-            .spawn(move || worker.run())
+            .spawn(move || {
+                let _sandbox = crate::sandbox::enter(token, "k7d-virtio-blk");
+                worker.run()
+            })
             .map_err(|e| VirtioError::Spawn("blk", e))?;
         self.state = State::Running(Running { stop, handle });
         Ok(())

@@ -284,9 +284,13 @@ impl Net {
             Some(k) => format!("k7d-vnet-q{k}"),
             None => "k7d-vnet-ctrl".into(),
         };
+        let token = crate::sandbox::capture();
         std::thread::Builder::new()
-            .name(name)
-            .spawn(move || worker.run())
+            .name(name.clone())
+            .spawn(move || {
+                let _sandbox = crate::sandbox::enter(token, &name);
+                worker.run()
+            })
             .map_err(|e| VirtioError::Spawn("net", e))
     }
 

@@ -587,3 +587,43 @@ fn a_fifo_in_place_of_a_guest_file_is_refused_without_blocking() {
     let e = res.expect("a FIFO was accepted as a disk");
     assert!(e.contains("neither a regular file nor a block device"), "{e}");
 }
+
+/// A delete racing a create of the same id never removes the new VM's
+/// files: until the old VM's record and runtime dir are gone, the id is
+/// taken ("being deleted"); once the create gets it, its record stays.
+#[test]
+fn a_create_racing_a_delete_of_its_id_keeps_its_record() {
+    use k7d_vmm::daemon::api::CreateArgs;
+    let d = TestDaemon::start("delete-race");
+    let sock = d.dir.0.join("k7d.sock");
+    for round in 0..60 {
+        let mut c = d.client();
+        c.call(&Request::Create(CreateArgs {
+            config: idle("x"),
+            start: true,
+        }))
+        .unwrap();
+        let sock2 = sock.clone();
+        let creator = std::thread::spawn(move || {
+            let mut c = k7d_vmm::daemon::client::Client::connect(&sock2).unwrap();
+            for _ in 0..20_000 {
+                match c.call(&Request::Create(CreateArgs {
+                    config: idle("x"),
+                    start: false,
+                })) {
+                    Ok(_) => return true,
+                    Err(e) if e.code == ErrorCode::Conflict => std::thread::yield_now(),
+                    Err(e) => panic!("create during a delete: {e:?}"),
+                }
+            }
+            false
+        });
+        c.call(&Request::Delete("x".into())).unwrap();
+        assert!(creator.join().unwrap(), "round {round}: the create never got the id");
+        // The new VM's record and runtime dir are there, and it answers.
+        let rec = d.dir.0.join("state/vms/x.json");
+        assert!(rec.exists(), "round {round}: the delete removed the new VM's record");
+        c.call(&Request::Info("x".into())).unwrap();
+        c.call(&Request::Delete("x".into())).unwrap();
+    }
+}

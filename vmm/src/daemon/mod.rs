@@ -81,6 +81,9 @@ pub enum DaemonError {
 enum Slot {
     /// An id taken by a create, restore or fork still in progress.
     Reserved,
+    /// An id whose VM is gone but whose files are still being removed: a
+    /// new VM may not take it yet (the removal would take its files).
+    Deleting,
     Vm(Arc<Mutex<Vm>>),
 }
 
@@ -336,6 +339,7 @@ impl Daemon {
                 ErrorCode::Conflict,
                 format!("vm {id} is still being created"),
             )),
+            Some(Slot::Deleting) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} is being deleted"))),
             None => Err(ApiError::new(ErrorCode::NotFound, format!("vm {id} does not exist"))),
         }
     }
@@ -439,7 +443,7 @@ impl Daemon {
             .values()
             .filter_map(|s| match s {
                 Slot::Vm(v) => Some(v.clone()),
-                Slot::Reserved => None,
+                Slot::Reserved | Slot::Deleting => None,
             })
             .collect();
         let mut vms: Vec<VmSummary> = vms
@@ -512,6 +516,9 @@ impl Daemon {
     fn reserve(&self, id: Option<String>) -> Result<(Reservation<'_>, String), ApiError> {
         let mut vms = self.vms();
         let id = match id {
+            Some(id) if matches!(vms.get(&id), Some(Slot::Deleting)) => {
+                return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} is being deleted")));
+            }
             Some(id) if vms.contains_key(&id) => {
                 return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} already exists")));
             }
@@ -695,11 +702,21 @@ impl Daemon {
                 g.stop();
             }
         }
-        // Take it out of the map first: no request can reach it any more.
-        self.vms().remove(id);
+        // Out of reach first: no request can reach the VM any more, and no
+        // new VM can take the id until its files are gone (the removal
+        // below would take the new VM's files).
+        self.vms().insert(id.to_string(), Slot::Deleting);
         // Dropping the last handle closes the vCPU fds, the VM fd and the memfd.
         drop(vm);
-        self.store.remove(id).map_err(internal)?;
+        let removed = self.store.remove(id).map_err(internal);
+        // The id is free again, whether or not the files went.
+        {
+            let mut vms = self.vms();
+            if matches!(vms.get(id), Some(Slot::Deleting)) {
+                vms.remove(id);
+            }
+        }
+        removed?;
         Ok(Deleted {
             id: id.to_string(),
             deleted: true,

@@ -389,7 +389,9 @@ fn confine(mode: k7d_vmm::seccomp::Mode) -> Result<()> {
     catch_signals()?;
     k7d_vmm::diag::install().context("cannot start the SIGUSR1 state dump thread")?;
     k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
-    k7d_vmm::seccomp::init(mode).context("cannot confine k7d's threads")?;
+    // Installed on a helper thread while the caller builds its first VM;
+    // `Vm::start` (and the daemon, before its API accepts) waits for it.
+    k7d_vmm::seccomp::start_init(mode).context("cannot confine k7d's threads")?;
     Ok(())
 }
 
@@ -598,6 +600,7 @@ fn daemon(
     node: NodeConfig,
     limits: &DaemonLimits,
 ) -> Result<ExitCode> {
+    k7d_vmm::seccomp::ready().context("cannot confine k7d's threads")?;
     let (d, reconciled) = Daemon::open(state_dir)?;
     let d = d.with_node_config(node);
     for r in &reconciled {

@@ -214,9 +214,55 @@ pub fn limit_control_capabilities() -> Result<(), SeccompError> {
     })
 }
 
-/// Sets the process up (see the module docs). Call once, on the main
-/// thread, before any VM is built; later calls do nothing.
+/// The set-up started by [`start_init`], until [`ready`] collects it.
+type Pending = std::thread::JoinHandle<Result<(), SeccompError>>;
+static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
+
+/// Sets the process up (see the module docs) and returns when it is done.
+/// Call once, before any VM is built; later calls do nothing.
 pub fn init(mode: Mode) -> Result<(), SeccompError> {
+    start_init(mode)?;
+    ready()
+}
+
+/// [`init`] on a helper thread, so that the main thread can build a VM
+/// meanwhile (the kernel's work of attaching a filter is most of the cost
+/// of confining `k7d run`; `benches/benches/seccomp.rs`). The control
+/// filter reaches every thread, the main one included, through TSYNC.
+/// [`ready`] (which [`crate::Vm::start`] calls) waits for it: no guest code
+/// runs before every filter is in place.
+pub fn start_init(mode: Mode) -> Result<(), SeccompError> {
+    let mut pending = PENDING.lock().unwrap_or_else(|p| p.into_inner());
+    if STATE.get().is_some() || pending.is_some() {
+        return Ok(());
+    }
+    let handle = std::thread::Builder::new()
+        .name("k7d-confine".into())
+        .spawn(move || init_now(mode))
+        .map_err(|source| SeccompError::Os {
+            what: "cannot start the thread that installs the seccomp filters",
+            source,
+        })?;
+    *pending = Some(handle);
+    Ok(())
+}
+
+/// Waits for [`start_init`]'s work; its error, once. Returns at once when
+/// nothing is pending.
+pub fn ready() -> Result<(), SeccompError> {
+    let handle = PENDING.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match handle {
+        None => Ok(()),
+        Some(h) => h.join().unwrap_or_else(|_| {
+            Err(SeccompError::Os {
+                what: "the thread that installs the seccomp filters panicked",
+                source: std::io::Error::other("panic"),
+            })
+        }),
+    }
+}
+
+fn init_now(mode: Mode) -> Result<(), SeccompError> {
     if STATE.get().is_some() {
         return Ok(());
     }
@@ -225,6 +271,7 @@ pub fn init(mode: Mode) -> Result<(), SeccompError> {
         tracing::warn!("seccomp filters are off (--seccomp off): no thread is confined");
         return Ok(());
     }
+    let t0 = std::time::Instant::now();
     // Before any filter: glibc would otherwise open files from whichever
     // thread first needs a new malloc arena (CHALLENGES.md).
     crate::sys::fix_malloc_arenas();
@@ -234,10 +281,12 @@ pub fn init(mode: Mode) -> Result<(), SeccompError> {
         None,
         mode,
     )?;
+    let t_control = t0.elapsed();
     let filters = Filters {
         vcpu: program("vCPU", &[lists::WORKER, lists::VCPU_EXTRA], None, mode)?,
         worker: program("device worker", &[lists::WORKER], Some(lists::WORKER_IOCTLS), mode)?,
     };
+    let t_compiled = t0.elapsed();
     let (rx, tx) = crate::sys::pipe_nonblocking_writer().map_err(|source| SeccompError::Os {
         what: "cannot create the seccomp report pipe",
         source,
@@ -249,6 +298,7 @@ pub fn init(mode: Mode) -> Result<(), SeccompError> {
             what: "cannot start the seccomp report thread",
             source,
         })?;
+    let t_thread = t0.elapsed();
     REPORT_FD.store(std::os::fd::IntoRawFd::into_raw_fd(tx), Ordering::SeqCst);
     crate::sys::install_sigsys_handler(on_sigsys).map_err(|source| SeccompError::Os {
         what: "cannot install the SIGSYS handler",
@@ -260,11 +310,21 @@ pub fn init(mode: Mode) -> Result<(), SeccompError> {
         filters: Some(filters),
     });
     KIND.with(|k| k.store(ThreadKind::Control as u8, Ordering::Relaxed));
+    let t_before_apply = t0.elapsed();
     seccompiler::apply_filter_all_threads(&control).map_err(|source| SeccompError::Install {
         kind: "control",
         source,
     })?;
-    tracing::debug!(?mode, "seccomp filters installed");
+    tracing::debug!(
+        ?mode,
+        control_compiled_us = t_control.as_micros() as u64,
+        compiled_us = t_compiled.as_micros() as u64,
+        thread_us = t_thread.as_micros() as u64,
+        before_apply_us = t_before_apply.as_micros() as u64,
+        elapsed_us = t0.elapsed().as_micros() as u64,
+        control_insns = control.len(),
+        "seccomp filters installed"
+    );
     Ok(())
 }
 

@@ -97,6 +97,15 @@ pub enum VmError {
     /// Saving or restoring machine state failed.
     #[error(transparent)]
     Persist(#[from] PersistError),
+    /// The threads could not be confined (seccomp), so the VM does not start.
+    #[error("vm {id} cannot start: {source}")]
+    Confine {
+        /// VM id.
+        id: String,
+        /// Cause.
+        #[source]
+        source: crate::seccomp::SeccompError,
+    },
     /// Pause/resume control.
     #[error("vm {id}: {source}")]
     Control {
@@ -565,6 +574,11 @@ impl Vm {
             return Err(self.state_error("start"));
         }
         crate::sys::install_kick_handler().map_err(io("cannot install the vCPU kick signal handler"))?;
+        // No guest code before every seccomp filter is in place.
+        crate::seccomp::ready().map_err(|source| VmError::Confine {
+            id: self.id.clone(),
+            source,
+        })?;
         // Device workers spawned from here on work for this VM (their
         // seccomp reports name it).
         let _scope = crate::seccomp::vm_scope(&self.control);

@@ -103,7 +103,7 @@ L2_CMDLINE=${LAB_CMDLINE:-console=ttyS0 panic=-1 quiet}
 # means L1 froze; the L1 console and the L2 serial both silent this long (the
 # heartbeat going on) means the scenario is stuck. "expect=stall:KIND" makes a
 # scenario the watchdog's self-test: it passes only if the watchdog fires so.
-L1_STALL_S=${K7D_LAB_L1_STALL_S:-$(header "$SCRIPT" l1-stall-s 90)}
+L1_STALL_S=${K7D_LAB_L1_STALL_S:-$(header "$SCRIPT" l1-stall-s 60)}
 SILENT_S=${K7D_LAB_SILENT_S:-$(header "$SCRIPT" silent-s 180)}
 EXPECT=$(header "$SCRIPT" expect)
 

@@ -62,7 +62,17 @@ _l1_evidence() {
       _hmp "$out" "info registers" | sed -n 's/^\(RIP=[0-9a-f]*\).*\(CPL=[0-9]\).*\(HLT=[0-9]\).*/  \1 \2 \3/p' | head -n1
       sleep 0.5
     done
-    echo "L1's code at RIP (x/12i \$pc):"
+    # L1 boots with nokaslr: its kernel text is at 0xffffffff81000000 and
+    # up (some 30 MiB). A CPL 0 RIP elsewhere is a nested guest's (L2's)
+    # kernel: the emulated CPU is running L2 and L1 never gets it back.
+    rip=$(_hmp "$out" "info registers" | sed -n 's/^RIP=\([0-9a-f]*\).*CPL=\([0-9]\).*/\1 \2/p' | head -n1)
+    case $rip in
+      ffffffff8[1-3]*" 0") echo "where: RIP ${rip% *} is L1's kernel (its text, nokaslr)" ;;
+      *" 0") echo "where: RIP ${rip% *} at CPL 0 is outside L1's kernel text: the CPU runs a nested guest (L2) kernel and L1 never gets it back" ;;
+      *" 3") echo "where: RIP ${rip% *} at CPL 3: user code (L1's or L2's)" ;;
+      *) echo "where: RIP unknown (${rip:-no answer})" ;;
+    esac
+    echo "L1's code at RIP (x/12i \$pc; unreadable while the CPU runs L2, whose page tables the monitor cannot follow):"
     _hmp "$out" 'x/12i $pc' | sed 's/^/  /'
     echo "L1's last heartbeats (l1-hb.log):"
     tail -n 40 "$out/l1-hb.log" | tr -d '\r' | sed 's/^/  /'

@@ -519,14 +519,34 @@ pub fn install_sigsys_handler(hook: fn(i32)) -> io::Result<()> {
         .map_err(|e| io::Error::from_raw_os_error(e.errno()))
 }
 
-/// Fixes the number of malloc arenas glibc may create (its default: 8 per
-/// CPU) now, on the main thread. Otherwise glibc works the limit out the
-/// first time a thread needs a new arena, by opening
-/// `/sys/devices/system/cpu/online` and `/proc/stat` from that thread,
-/// which may be a device worker whose seccomp filter denies `openat`.
-pub fn fix_malloc_arenas() {
+/// Makes glibc's malloc read, now, the two files it otherwise reads lazily
+/// from whichever thread first needs them (which may be a vCPU or device
+/// worker whose seccomp filter denies `openat`; CHALLENGES.md):
+/// - the arena limit: fixed with `M_ARENA_MAX` (glibc's default, 8 per CPU),
+///   so `/sys/devices/system/cpu/online` and `/proc/stat` are never read;
+/// - whether a thread's heap may shrink (`/proc/sys/vm/overcommit_memory`,
+///   read once, the first time a non-main arena gives memory back): a helper
+///   thread, whose allocations get an arena of its own, frees 512 KiB of
+///   small blocks, which makes glibc trim that arena and cache the answer.
+///
+/// Call before any seccomp filter. Returns whether the helper ran.
+pub fn prepare_malloc() -> bool {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let arenas = libc::c_int::try_from(cpus.saturating_mul(8)).unwrap_or(libc::c_int::MAX);
     // SAFETY: mallopt only sets a malloc parameter; any value is accepted.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
+    std::thread::Builder::new()
+        .name("k7d-malloc".into())
+        .spawn(|| {
+            // Small blocks (below the mmap threshold) come from the arena's
+            // heap; freed from the last, they leave a top chunk above the
+            // trim threshold (128 KiB), and glibc shrinks the heap.
+            let blocks: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 8 << 10]).collect();
+            std::hint::black_box(&blocks);
+            for b in blocks.into_iter().rev() {
+                drop(b);
+            }
+        })
+        .and_then(|h| h.join().map_err(|_| io::Error::other("panic")))
+        .is_ok()
 }

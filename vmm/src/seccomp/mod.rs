@@ -273,8 +273,10 @@ fn init_now(mode: Mode) -> Result<(), SeccompError> {
     }
     let t0 = std::time::Instant::now();
     // Before any filter: glibc would otherwise open files from whichever
-    // thread first needs a new malloc arena (CHALLENGES.md).
-    crate::sys::fix_malloc_arenas();
+    // thread first needs a new malloc arena or trims one (CHALLENGES.md).
+    if !crate::sys::prepare_malloc() {
+        tracing::warn!("could not prepare malloc before the seccomp filters; a denied openat from glibc may follow");
+    }
     let control = program(
         "control",
         &[lists::WORKER, lists::VCPU_EXTRA, lists::CONTROL_EXTRA],

@@ -51,24 +51,31 @@ stty -F /dev/ttyS1 raw -echo 2>/dev/null
 # console writes and the guest.
 exec 7>/dev/ttyS1
 # L1's heartbeat, for the host's watchdog (tests/lab/run.sh): a line every 5 s
-# on the third serial port (l1-hb.log on the host), and every 15 s each user
-# process's state and wait channel. The heartbeat stopping means L1 itself
-# (its kernel or the emulator under it) froze; the heartbeat going on while
-# the scenario prints nothing means the scenario is stuck, and the last
-# process table says where.
+# on the third serial port (l1-hb.log on the host), made with shell builtins
+# only, and every 60 s each user process's state and wait channel. The
+# heartbeat stopping means L1 itself (its kernel or the emulator under it)
+# froze; the heartbeat going on while the scenario prints nothing means the
+# scenario is stuck, and the last process table says where. It must cost
+# L1 next to nothing: every fork here is a chance to preempt an L2 vCPU
+# that holds a lock its sibling spins on, which on this emulator can freeze
+# L1 (CHALLENGES.md, "The lab's stalls"); the first version, with a process
+# table every 15 s, froze k7d-direct in most runs.
 stty -F /dev/ttyS2 raw -echo 2>/dev/null
 (
   exec >/dev/ttyS2 2>&1 </dev/null 7>&-
   i=0
   while :; do
     read -r hup _ </proc/uptime
-    echo "LAB-L1 hb $i uptime=$hup loadavg=$(cut -d' ' -f1-4 /proc/loadavg)"
-    if [ $((i % 3)) -eq 1 ]; then
+    read -r l1 l5 l15 lr _ </proc/loadavg
+    echo "LAB-L1 hb $i uptime=$hup loadavg=$l1 $l5 $l15 $lr"
+    if [ $((i % 12)) -eq 1 ]; then
       for p in /proc/[0-9]*; do
         # (proc files have size 0: a kernel thread is one with an empty cmdline)
         c=$(tr '\0' ' ' <"$p/cmdline" 2>/dev/null | cut -c1-100)
         [ -n "$c" ] || continue
-        echo "LAB-L1 hb $i   ${p#/proc/} $(cat "$p/comm" 2>/dev/null) state $(sed 's/^.*) //' "$p/stat" 2>/dev/null | cut -d' ' -f1) wchan $(cat "$p/wchan" 2>/dev/null) $c"
+        read -r comm 2>/dev/null <"$p/comm"
+        read -r wchan 2>/dev/null <"$p/wchan"
+        echo "LAB-L1 hb $i   ${p#/proc/} $comm wchan $wchan $c"
       done
     fi
     i=$((i + 1))

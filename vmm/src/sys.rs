@@ -525,28 +525,25 @@ pub fn install_sigsys_handler(hook: fn(i32)) -> io::Result<()> {
 /// - the arena limit: fixed with `M_ARENA_MAX` (glibc's default, 8 per CPU),
 ///   so `/sys/devices/system/cpu/online` and `/proc/stat` are never read;
 /// - whether a thread's heap may shrink (`/proc/sys/vm/overcommit_memory`,
-///   read once, the first time a non-main arena gives memory back): a helper
-///   thread, whose allocations get an arena of its own, frees 512 KiB of
-///   small blocks, which makes glibc trim that arena and cache the answer.
+///   read once per process, the first time a non-main arena gives memory
+///   back): the calling thread grows its arena's heap by 360 KiB and frees
+///   it, which makes glibc trim that heap and cache the answer. The blocks
+///   are allocated, never written: a handful of pages are touched, not 90
+///   (a page fault is dear on these hosts; `benches/benches/seccomp.rs`).
 ///
-/// Call before any seccomp filter. Returns whether the helper ran.
-pub fn prepare_malloc() -> bool {
+/// Call before any seccomp filter, on a thread other than the main one (the
+/// main thread's arena trims without reading the file).
+pub fn prepare_malloc() {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     let arenas = libc::c_int::try_from(cpus.saturating_mul(8)).unwrap_or(libc::c_int::MAX);
     // SAFETY: mallopt only sets a malloc parameter; any value is accepted.
     unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
-    std::thread::Builder::new()
-        .name("k7d-malloc".into())
-        .spawn(|| {
-            // Small blocks (below the mmap threshold) come from the arena's
-            // heap; freed from the last, they leave a top chunk above the
-            // trim threshold (128 KiB), and glibc shrinks the heap.
-            let blocks: Vec<Vec<u8>> = (0..64).map(|i| vec![i as u8; 8 << 10]).collect();
-            std::hint::black_box(&blocks);
-            for b in blocks.into_iter().rev() {
-                drop(b);
-            }
-        })
-        .and_then(|h| h.join().map_err(|_| io::Error::other("panic")))
-        .is_ok()
+    // Below the mmap threshold (128 KiB), so they come from the arena's heap;
+    // freed from the last, they leave a top chunk above the trim threshold
+    // and the top pad (128 KiB each), and glibc shrinks the heap.
+    let blocks: Vec<Vec<u8>> = (0..3).map(|_| Vec::with_capacity(120 << 10)).collect();
+    std::hint::black_box(&blocks);
+    for b in blocks.into_iter().rev() {
+        drop(b);
+    }
 }

@@ -1,5 +1,6 @@
 //! Least privilege per thread (issue 12): a seccomp filter per thread kind,
-//! built with `seccompiler` from the lists in [`lists`], `no_new_privs`, and
+//! compiled by [`tree`] (argument rules by `seccompiler`) from the lists in
+//! [`lists`], `no_new_privs`, and
 //! no capabilities at all in vCPU and device threads.
 //!
 //! - [`init`] (the main thread of `k7d run` and `k7d daemon`, before any VM
@@ -19,6 +20,7 @@
 //! `--seccomp log` allows and audits what the filters would deny.
 
 mod lists;
+mod tree;
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -26,9 +28,7 @@ use std::io::Read;
 use std::sync::atomic::{AtomicI32, AtomicU8, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use seccompiler::{
-    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
-};
+use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
 
 use crate::vstate::control::{StopReason, VmControl};
 
@@ -86,6 +86,14 @@ pub enum SeccompError {
         kind: &'static str,
         /// Why.
         source: seccompiler::BackendError,
+    },
+    /// A filter's program could not be built (a bug in the lists).
+    #[error("the {kind} seccomp filter cannot be compiled: {source}")]
+    Compile {
+        /// Which.
+        kind: &'static str,
+        /// Why.
+        source: tree::TreeError,
     },
     /// The kernel refused a filter.
     #[error("the {kind} seccomp filter cannot be installed: {source}")]
@@ -177,8 +185,7 @@ fn program(
         Mode::Log => SeccompAction::Log,
         _ => SeccompAction::Trap,
     };
-    let filter = SeccompFilter::new(rules, mismatch, SeccompAction::Allow, TargetArch::x86_64).map_err(build)?;
-    BpfProgram::try_from(filter).map_err(build)
+    tree::compile(rules, mismatch, SeccompAction::Allow).map_err(|source| SeccompError::Compile { kind, source })
 }
 
 /// The capabilities control threads keep (bit numbers from
@@ -272,11 +279,11 @@ fn init_now(mode: Mode) -> Result<(), SeccompError> {
         return Ok(());
     }
     let t0 = std::time::Instant::now();
-    // Before any filter: glibc would otherwise open files from whichever
-    // thread first needs a new malloc arena or trims one (CHALLENGES.md).
-    if !crate::sys::prepare_malloc() {
-        tracing::warn!("could not prepare malloc before the seccomp filters; a denied openat from glibc may follow");
-    }
+    // Before any filter, on this helper thread: glibc would otherwise open
+    // files from whichever thread first needs a new malloc arena or trims one
+    // (CHALLENGES.md).
+    crate::sys::prepare_malloc();
+    let t_malloc = t0.elapsed();
     let control = program(
         "control",
         &[lists::WORKER, lists::VCPU_EXTRA, lists::CONTROL_EXTRA],
@@ -319,6 +326,7 @@ fn init_now(mode: Mode) -> Result<(), SeccompError> {
     })?;
     tracing::debug!(
         ?mode,
+        malloc_us = t_malloc.as_micros() as u64,
         control_compiled_us = t_control.as_micros() as u64,
         compiled_us = t_compiled.as_micros() as u64,
         thread_us = t_thread.as_micros() as u64,

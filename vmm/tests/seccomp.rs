@@ -69,7 +69,7 @@ impl Daemon {
     }
 
     /// (thread name, Seccomp, NoNewPrivs, CapEff) of every thread.
-    fn threads(&self) -> Vec<(String, u32, u32, u64)> {
+    fn threads(&self) -> Vec<ThreadStatus> {
         let mut out = Vec::new();
         for t in std::fs::read_dir(format!("/proc/{}/task", self.child.id()))
             .unwrap()
@@ -105,6 +105,9 @@ impl Drop for Daemon {
         let _ = self.child.wait();
     }
 }
+
+/// A thread's name, `Seccomp`, `NoNewPrivs` and `CapEff` (from /proc).
+type ThreadStatus = (String, u32, u32, u64);
 
 #[test]
 fn every_thread_of_a_daemon_with_running_vms_is_confined() {
@@ -145,6 +148,46 @@ fn every_thread_of_a_daemon_with_running_vms_is_confined() {
     d.ok(&["delete", "a-f1"]);
     let info = d.cli(&["info", "a"]);
     assert!(text(&info).0.contains("running"), "{:?}", text(&info));
+
+    // A VM built and not started already has its vCPU threads, which
+    // confine themselves while the VM is built (asynchronously: polled);
+    // its delete ends them.
+    let vcpus = |t: &[ThreadStatus]| t.iter().filter(|t| t.0.starts_with("vcpu")).count();
+    let confined = |t: &[ThreadStatus]| {
+        t.iter()
+            .filter(|t| t.0.starts_with("vcpu") && t.1 == 2 && t.3 == 0)
+            .count()
+    };
+    let before = vcpus(&d.threads());
+    d.ok(&[
+        "create",
+        "--id",
+        "c",
+        "--builtin",
+        "idle",
+        "--vcpus",
+        "2",
+        "--memory",
+        "8",
+    ]);
+    let until = |what: &str, done: &dyn Fn(&[ThreadStatus]) -> bool| {
+        let t = Instant::now();
+        loop {
+            let threads = d.threads();
+            if done(&threads) {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(5), "{what}: {threads:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    until("the unstarted VM's 2 vCPU threads are not there, all confined", &|t| {
+        vcpus(t) == before + 2 && confined(t) == before + 2
+    });
+    d.ok(&["delete", "c"]);
+    until("the unstarted VM's vCPU threads outlived its delete", &|t| {
+        vcpus(t) == before
+    });
 }
 
 #[test]

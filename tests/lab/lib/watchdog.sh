@@ -66,12 +66,27 @@ _l1_evidence() {
     # up (some 30 MiB). A CPL 0 RIP elsewhere is a nested guest's (L2's)
     # kernel: the emulated CPU is running L2 and L1 never gets it back.
     rip=$(_hmp "$out" "info registers" | sed -n 's/^RIP=\([0-9a-f]*\).*CPL=\([0-9]\).*/\1 \2/p' | head -n1)
+    local regs halted=''
+    regs=$(_hmp "$out" "info registers" | grep -m1 '^RIP=')
+    if [[ $regs == *HLT=1* && $regs =~ RFL=([0-9a-f]+) ]] && (( 0x${BASH_REMATCH[1]} & 0x200 )); then
+      halted=1
+    fi
+    if _hmp "$out" "info status" | grep -q paused; then
+      rip="$rip paused"
+    fi
     case $rip in
-      ffffffff8[1-3]*" 0") echo "where: RIP ${rip% *} is L1's kernel (its text, nokaslr)" ;;
+      *paused) echo "where: the emulated machine is stopped (VM status: paused), RIP ${rip%% *}" ;;
+      ffffffff8[1-3]*" 0") if [[ -n $halted ]]; then
+          echo "where: RIP ${rip% *} is L1's kernel, halted (HLT=1) with interrupts enabled (IF=1): L1 waits for an interrupt (its timer at least) that the emulator never delivers; see its local APIC below"
+        else
+          echo "where: RIP ${rip% *} is L1's kernel (its text, nokaslr)"
+        fi ;;
       *" 0") echo "where: RIP ${rip% *} at CPL 0 is outside L1's kernel text: the CPU runs a nested guest (L2) kernel and L1 never gets it back" ;;
       *" 3") echo "where: RIP ${rip% *} at CPL 3: user code (L1's or L2's)" ;;
       *) echo "where: RIP unknown (${rip:-no answer})" ;;
     esac
+    echo "L1's local APIC (info lapic: a vector in IRR, or an armed timer, on a halted CPU is an interrupt never delivered):"
+    _hmp "$out" "info lapic" | sed 's/^/  /'
     echo "L1's code at RIP (x/12i \$pc; unreadable while the CPU runs L2, whose page tables the monitor cannot follow):"
     _hmp "$out" 'x/12i $pc' | sed 's/^/  /'
     echo "L1's last heartbeats (l1-hb.log):"

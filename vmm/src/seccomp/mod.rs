@@ -224,6 +224,29 @@ pub fn limit_control_capabilities() -> Result<(), SeccompError> {
 /// The set-up started by [`start_init`], until [`ready`] collects it.
 type Pending = std::thread::JoinHandle<Result<(), SeccompError>>;
 static PENDING: Mutex<Option<Pending>> = Mutex::new(None);
+/// Whether that set-up is under way, for [`wait_set_up`].
+static SETTING_UP: (Mutex<bool>, std::sync::Condvar) = (Mutex::new(false), std::sync::Condvar::new());
+
+/// Marks the set-up done when dropped (whatever its outcome).
+struct SetUpDone;
+
+impl Drop for SetUpDone {
+    fn drop(&mut self) {
+        *SETTING_UP.0.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        SETTING_UP.1.notify_all();
+    }
+}
+
+/// Returns once [`start_init`]'s work is over, successful or not (at once
+/// when none was started). Unlike [`ready`] it neither collects nor reports
+/// the outcome: standby vCPU threads wait here before they [`enter`], and
+/// `Vm::start` calls [`ready`] before it hands them a vCPU.
+pub fn wait_set_up() {
+    let mut busy = SETTING_UP.0.lock().unwrap_or_else(|p| p.into_inner());
+    while *busy {
+        busy = SETTING_UP.1.wait(busy).unwrap_or_else(|p| p.into_inner());
+    }
+}
 
 /// Sets the process up (see the module docs) and returns when it is done.
 /// Call once, before any VM is built; later calls do nothing.
@@ -243,15 +266,24 @@ pub fn start_init(mode: Mode) -> Result<(), SeccompError> {
     if STATE.get().is_some() || pending.is_some() {
         return Ok(());
     }
-    let handle = std::thread::Builder::new()
-        .name("k7d-confine".into())
-        .spawn(move || init_now(mode))
-        .map_err(|source| SeccompError::Os {
-            what: "cannot start the thread that installs the seccomp filters",
-            source,
-        })?;
-    *pending = Some(handle);
-    Ok(())
+    *SETTING_UP.0.lock().unwrap_or_else(|p| p.into_inner()) = true;
+    let spawned = std::thread::Builder::new().name("k7d-confine".into()).spawn(move || {
+        let _done = SetUpDone;
+        init_now(mode)
+    });
+    match spawned {
+        Ok(handle) => {
+            *pending = Some(handle);
+            Ok(())
+        }
+        Err(source) => {
+            drop(SetUpDone);
+            Err(SeccompError::Os {
+                what: "cannot start the thread that installs the seccomp filters",
+                source,
+            })
+        }
+    }
 }
 
 /// Waits for [`start_init`]'s work; its error, once. Returns at once when

@@ -5,5 +5,6 @@ pub mod irq;
 pub mod memory;
 pub mod persist;
 pub mod snapshot;
+mod standby;
 pub mod vcpu;
 pub mod vm;

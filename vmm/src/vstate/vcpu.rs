@@ -327,7 +327,16 @@ pub fn lock_vcpu(v: &SharedVcpu) -> std::sync::MutexGuard<'_, VcpuFd> {
     v.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buses: Arc<Buses>, diags: Arc<[VcpuDiag]>) {
+/// `confined` is the thread's confinement, done before it was handed the
+/// vCPU (`standby.rs`): a vCPU that could not be confined does not run.
+pub(crate) fn run_loop(
+    shared: SharedVcpu,
+    index: u32,
+    ctl: Arc<VmControl>,
+    buses: Arc<Buses>,
+    diags: Arc<[VcpuDiag]>,
+    confined: Result<Option<crate::seccomp::Entered>, crate::seccomp::SeccompError>,
+) {
     // Whatever happens below, tell the control block this thread is gone.
     struct Exited<'a>(&'a VmControl, &'a VcpuDiag);
     impl Drop for Exited<'_> {
@@ -354,13 +363,8 @@ pub(crate) fn run_loop(shared: SharedVcpu, index: u32, ctl: Arc<VmControl>, buse
     diag.set(VcpuRunState::Vmm);
     let _exited = Exited(&ctl, diag);
     // Confined before the guest runs a single instruction: no capabilities,
-    // the vCPU filter (docs/security.md). A vCPU that cannot be confined
-    // does not run.
-    let _confined = match crate::seccomp::enter(
-        crate::seccomp::ThreadKind::Vcpu,
-        &format!("vcpu{index}"),
-        Some(Arc::downgrade(&ctl)),
-    ) {
+    // the vCPU filter (docs/security.md).
+    let _confined = match confined {
         Ok(c) => c,
         Err(e) => {
             let message = format!("vm {} vcpu {index}: cannot confine the vCPU thread: {e}", ctl.vm_id());

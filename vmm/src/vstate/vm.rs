@@ -188,6 +188,8 @@ pub struct Vm {
     id: String,
     config: VmConfig,
     control: Arc<VmControl>,
+    /// The vCPU threads until `start` hands them their vCPUs.
+    standby: Option<super::standby::Standby>,
     threads: Vec<JoinHandle<()>>,
     vcpus: Vec<vcpu::SharedVcpu>,
     buses: Arc<Buses>,
@@ -334,6 +336,10 @@ impl Vm {
             }
             (other, None) => Some(load_image(other)?),
         };
+        // The vCPU threads confine themselves while the machine is built.
+        let control = Arc::new(VmControl::new(id));
+        let standby = super::standby::Standby::spawn(u32::from(config.vcpus), &control)
+            .map_err(io("cannot spawn the vCPU threads"))?;
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
         if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
@@ -394,7 +400,6 @@ impl Vm {
             persist::restore_vm(&vm_fd, &st.vm)?;
         }
 
-        let control = Arc::new(VmControl::new(id));
         let serial_state = state.map(|st| &st.serial);
         let mut net_cleanups = Vec::new();
         let mut virtio = Vec::new();
@@ -472,6 +477,7 @@ impl Vm {
             id: id.to_string(),
             config: config.clone(),
             control,
+            standby: Some(standby),
             threads: Vec::new(),
             vcpus: pending,
             buses: Arc::new(buses),
@@ -598,35 +604,40 @@ impl Vm {
                 return Err(VmError::DeviceState(format!("vm {} cannot start: {e}", self.id)));
             }
         }
-        let vcpus = self.vcpus.clone();
-        self.control.set_threads(vcpus.len());
+        let Some(standby) = self.standby.take() else {
+            return Err(self.state_error("start"));
+        };
+        let n = self.vcpus.len();
+        self.control.set_threads(n);
         self.started = Some(Instant::now());
-        let n = vcpus.len();
-        for (i, v) in vcpus.into_iter().enumerate() {
-            let (ctl, buses, diag) = (self.control.clone(), self.buses.clone(), self.vcpu_diag.clone());
-            let spawned = std::thread::Builder::new()
-                .name(format!("vcpu{i}"))
-                .spawn(move || vcpu::run_loop(v, i as u32, ctl, buses, diag));
-            match spawned {
-                Ok(h) => {
-                    use std::os::unix::thread::JoinHandleExt;
-                    self.control.add_thread(h.as_pthread_t());
-                    self.threads.push(h);
-                }
-                Err(e) => {
-                    // Roll back: the threads already running leave, and the
-                    // ones never spawned count as gone.
-                    for _ in self.threads.len()..n {
-                        self.control.vcpu_exited();
-                    }
-                    self.control.request_stop(StopReason::Requested);
-                    self.join();
-                    return Err(VmError::Io {
-                        what: format!("cannot spawn the thread of vCPU {i}"),
-                        source: e,
-                    });
-                }
+        let jobs = self
+            .vcpus
+            .iter()
+            .map(|v| super::standby::Job {
+                vcpu: v.clone(),
+                control: self.control.clone(),
+                buses: self.buses.clone(),
+                diags: self.vcpu_diag.clone(),
+            })
+            .collect();
+        let (handles, failed) = standby.start(jobs);
+        for h in handles {
+            use std::os::unix::thread::JoinHandleExt;
+            self.control.add_thread(h.as_pthread_t());
+            self.threads.push(h);
+        }
+        if let Some(i) = failed {
+            // Roll back: the threads already running leave, and the ones
+            // that never ran count as gone.
+            for _ in i..n {
+                self.control.vcpu_exited();
             }
+            self.control.request_stop(StopReason::Requested);
+            self.join();
+            return Err(VmError::Io {
+                what: format!("cannot start the thread of vCPU {i}"),
+                source: std::io::Error::other("it ended before it was handed its vCPU"),
+            });
         }
         Ok(())
     }

@@ -13,7 +13,12 @@
 # kernel's dirty log on (VHOST_F_LOG_ALL from the resume on), and the child
 # gets its own tap on vhost-net with the source's MAC.
 # By hand: tests/lab/run.sh --bin target/release/k7d k7d-fork-vhost
+# One vCPU here (k7d-fork forks a 2-vCPU guest): with two, L2's IPI waits
+# (smp_call_function_many_cond) on L1's one emulated CPU were where QEMU's
+# nested SVM froze most often (CHALLENGES.md, "The lab's stalls").
 # shellcheck disable=SC2034  # read by the sourced scenario
 FORK_NIC=vhost=on
+# shellcheck disable=SC2034  # read by the sourced scenario
+FORK_VCPUS=1
 # shellcheck source=k7d-fork.sh
 . /lab/files/k7d-fork.sh

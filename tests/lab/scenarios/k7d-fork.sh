@@ -12,7 +12,7 @@
 #
 # Through the daemon (k7d daemon / create / start / fork / pause / resume /
 # info / stop / delete / list), with a 64 MiB sparse raw image as /dev/vda,
-# 2 vCPUs and 512 MiB, this proves:
+# 2 vCPUs (FORK_VCPUS) and 512 MiB, this proves:
 #  1. `k7d --json fork src --count 1` succeeds and names one child and its
 #     fork_ms (metric fork.ms); the child is running.
 #  2. the child keeps printing: >= 20 complete tick lines.
@@ -206,13 +206,13 @@ done
 # FORK_NIC (k7d-fork-vhost): a NIC too, e.g. "vhost=on" (its data plane is
 # checked in the source and the child below).
 kc create --id "$SRC" --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" --cmdline "$LAB_CMDLINE" \
-  --vcpus 2 --memory 512 --disk "$IMG" ${FORK_NIC:+--nic "$FORK_NIC"} >"$W/create.out" 2>&1 ||
+  --vcpus "${FORK_VCPUS:-2}" --memory 512 --disk "$IMG" ${FORK_NIC:+--nic "$FORK_NIC"} >"$W/create.out" 2>&1 ||
   fail "k7d create failed: $(cat "$W/create.out")"
 kc start "$SRC" >"$W/start.out" 2>&1 || fail "k7d start $SRC failed: $(cat "$W/start.out")"
 kc --json info "$SRC" >"$W/src-info.json" 2>&1 || fail "k7d --json info $SRC failed: $(cat "$W/src-info.json")"
 SRC_LOG=$(json_str serial_log "$W/src-info.json")
 [ -n "$SRC_LOG" ] || fail "k7d --json info $SRC reports no serial_log: $(tr '\n' ' ' <"$W/src-info.json")"
-lab_note "source: k7d create --id $SRC --vcpus 2 --memory 512 --disk (64 MiB raw) + start; serial log $SRC_LOG"
+lab_note "source: k7d create --id $SRC --vcpus ${FORK_VCPUS:-2} --memory 512 --disk (64 MiB raw) + start; serial log $SRC_LOG"
 fork_watchdog &
 
 # Until the guest loop has ticked 20 times (boot: ~7 s in the lab).

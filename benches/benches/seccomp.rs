@@ -98,7 +98,7 @@ fn main() -> Result<()> {
     }
     // Each round alternates which mode goes first: whatever the first of a
     // pair pays (a cold cache, a timer tick) falls on both alike.
-    let order = |round: usize| if round % 2 == 0 { [0, 1] } else { [1, 0] };
+    let order = |round: usize| if round.is_multiple_of(2) { [0, 1] } else { [1, 0] };
     for round in 0..runs {
         for i in order(round) {
             let m = MODES[i];

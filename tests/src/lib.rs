@@ -33,6 +33,52 @@ impl Drop for TempDir {
     }
 }
 
+/// The Debian cloud kernel the lab unpacked (`$K7D_LAB_CACHE/pkgs`, by
+/// default `/var/cache/k7d-lab`); `.ci/run` fetches it
+/// (`tests/lab/run.sh --fetch`) before the tests.
+pub fn cached_cloud_kernel() -> Option<PathBuf> {
+    let cache = std::env::var_os("K7D_LAB_CACHE").map_or_else(|| PathBuf::from("/var/cache/k7d-lab"), PathBuf::from);
+    for pkg in std::fs::read_dir(cache.join("pkgs")).ok()?.flatten() {
+        for f in std::fs::read_dir(pkg.path().join("boot"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = f.file_name().to_string_lossy().into_owned();
+            if name.starts_with("vmlinuz-") && name.ends_with("-cloud-amd64") {
+                return Some(f.path());
+            }
+        }
+    }
+    None
+}
+
+/// The Linux VM whose build `benches/benches/vm_build.rs` times and the
+/// `vm_build_linux` budget bounds: `kernel` and `initrd`, 2 vCPUs,
+/// 256 MiB, virtio-pci blk (`disk`), net (its own tap) and rng.
+pub fn linux_build_config(kernel: &std::path::Path, initrd: &std::path::Path, disk: &std::path::Path) -> VmConfig {
+    use k7d_vmm::config::{DevicesConfig, DiskConfig, NicConfig};
+    VmConfig {
+        vcpus: 2,
+        memory_mib: 256,
+        guest: GuestSpec::Linux {
+            kernel: kernel.to_path_buf(),
+            initrd: Some(initrd.to_path_buf()),
+            cmdline: None,
+        },
+        devices: DevicesConfig {
+            rng: true,
+            disks: vec![DiskConfig {
+                path: disk.to_path_buf(),
+                read_only: false,
+            }],
+            nics: vec![NicConfig::default()],
+            vsock: None,
+        },
+        ..Default::default()
+    }
+}
+
 /// A config for a built-in guest.
 pub fn builtin(name: &str, vcpus: u8, memory_mib: u64, args: &[u32]) -> VmConfig {
     VmConfig {

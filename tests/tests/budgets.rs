@@ -80,6 +80,42 @@ fn vm_boot_to_first_exit_is_within_budget() {
     debug_assertions,
     ignore = "latency budgets are for release builds: cargo test --release"
 )]
+fn vm_build_linux_is_within_budget() {
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let Some(kernel) = k7d_tests::cached_cloud_kernel() else {
+        k7d_test_skip::skip(
+            "vm_build_linux_is_within_budget",
+            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
+        );
+        return;
+    };
+    let dir = TempDir::new("budget-build");
+    let initrd = dir.0.join("initrd");
+    std::fs::write(&initrd, vec![0x5au8; 2 << 20]).unwrap();
+    let disk = dir.0.join("disk.raw");
+    std::fs::File::create(&disk).unwrap().set_len(64 << 20).unwrap();
+    let cfg = k7d_tests::linux_build_config(&kernel, &initrd, &disk);
+    cfg.validate().unwrap();
+    let measure = || {
+        (0..11)
+            .map(|i| {
+                let t = Instant::now();
+                let vm = Vm::new(&format!("lb{i}"), &cfg, &VmOptions::default()).unwrap();
+                let d = t.elapsed();
+                // What was timed is what the bench breaks down.
+                assert!(vm.build_steps().iter().any(|(s, _)| s.starts_with("Linux loaded")));
+                d
+            })
+            .collect()
+    };
+    check(budgets::VM_BUILD_LINUX, measure);
+}
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "latency budgets are for release builds: cargo test --release"
+)]
 fn pause_and_resume_are_within_budget() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let dir = TempDir::new("budget-pause");

@@ -205,7 +205,35 @@ pub struct Vm {
     vm_fd: Arc<VmFd>,
     ram: GuestRam,
     created: Instant,
+    /// How long each step of the build took (`build_steps`).
+    build_steps: BuildSteps,
     started: Option<Instant>,
+}
+
+/// The steps of a VM's build, in order, with how long each took: what the
+/// VMM does before the guest runs (issue 13; `benches/benches/vm_build.rs`).
+pub type BuildSteps = Vec<(&'static str, Duration)>;
+
+/// Times the steps of a build as they end.
+struct StepClock {
+    last: Instant,
+    steps: BuildSteps,
+}
+
+impl StepClock {
+    fn new() -> Self {
+        Self {
+            last: Instant::now(),
+            steps: Vec::with_capacity(10),
+        }
+    }
+
+    /// Ends step `name` (begun when the previous one ended).
+    fn done(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.steps.push((name, now - self.last));
+        self.last = now;
+    }
 }
 
 impl Vm {
@@ -321,6 +349,7 @@ impl Vm {
         forked_disks: Option<Vec<k7d_devices::virtio::block::DiskImage>>,
     ) -> Result<Self, VmError> {
         let created = Instant::now();
+        let mut clock = StepClock::new();
         let (state, ram_source) = match restore {
             Some((st, src)) => (Some(st), Some(src)),
             None => (None, None),
@@ -336,10 +365,12 @@ impl Vm {
             }
             (other, None) => Some(load_image(other)?),
         };
+        clock.done("guest files checked");
         // The vCPU threads confine themselves while the machine is built.
         let control = Arc::new(VmControl::new(id));
         let standby = super::standby::Standby::spawn(u32::from(config.vcpus), &control)
             .map_err(io("cannot spawn the vCPU threads"))?;
+        clock.done("vCPU threads spawned");
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
         if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
@@ -358,7 +389,9 @@ impl Vm {
                 (ram, true)
             }
         };
+        clock.done("KVM VM and guest RAM");
         ram.register(&vm_fd, dirty_log)?;
+        clock.done("memslot");
         let is_linux = matches!(config.guest, GuestSpec::Linux { .. });
         // A restored guest's RAM already holds its kernel, tables and state.
         let linux = match (&config.guest, state) {
@@ -388,6 +421,9 @@ impl Vm {
             }
             _ => None,
         };
+        if linux.is_some() {
+            clock.done("Linux loaded (kernel, initrd, boot params, e820, ACPI, page tables)");
+        }
         vm_fd
             .create_irq_chip()
             .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
@@ -399,6 +435,7 @@ impl Vm {
         if let Some(st) = state {
             persist::restore_vm(&vm_fd, &st.vm)?;
         }
+        clock.done("irqchip and PIT");
 
         let serial_state = state.map(|st| &st.serial);
         let mut net_cleanups = Vec::new();
@@ -419,6 +456,7 @@ impl Vm {
             };
             add_linux_platform(&vm_fd, &ram, &control, config, opts, out, forked_disks)?;
         }
+        clock.done("devices");
 
         let n = u32::from(config.vcpus);
         let mut pending = Vec::with_capacity(config.vcpus.into());
@@ -448,10 +486,12 @@ impl Vm {
             }
             pending.push(Arc::new(Mutex::new(v)));
         }
+        clock.done("vCPUs");
         if let Some(st) = state {
             // After the vCPUs: a restored device may signal at once, and an
             // interrupt needs the restored LAPICs to land in.
             restore_virtio(id, &virtio, &st.virtio)?;
+            clock.done("devices restored");
         }
         if let (Some(image), None) = (image, state) {
             let tsc_khz = vcpu::lock_vcpu(&pending[0]).get_tsc_khz().unwrap_or_else(|e| {
@@ -459,6 +499,7 @@ impl Vm {
                 1_000_000
             });
             write_guest(ram.memory(), &image, tsc_khz, config.guest.args())?;
+            clock.done("guest image");
         }
         tracing::debug!(vm = id, elapsed_us = created.elapsed().as_micros() as u64, "vm built");
         let vcpu_diag: Arc<[vcpu::VcpuDiag]> = (0..config.vcpus).map(|_| vcpu::VcpuDiag::default()).collect();
@@ -489,6 +530,7 @@ impl Vm {
             vm_fd,
             ram,
             created,
+            build_steps: clock.steps,
             started: None,
         })
     }
@@ -553,6 +595,11 @@ impl Vm {
     /// When `new` began.
     pub fn created_at(&self) -> Instant {
         self.created
+    }
+
+    /// The steps of this VM's build and how long each took.
+    pub fn build_steps(&self) -> &[(&'static str, Duration)] {
+        &self.build_steps
     }
 
     /// When `start` ran.

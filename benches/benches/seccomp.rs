@@ -12,62 +12,16 @@
 //! Run: `cargo build --release --bin k7d && cargo bench -p k7d-benches --bench seccomp`
 //! (root, /dev/kvm). `K7D_BENCH_RUNS` sets the runs per cell (default 31).
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
+use k7d_benches::daemon::Daemon;
 use k7d_benches::{env_num, k7d_bin, median, time_to_first_stdout_byte};
 use k7d_vmm::config::{GuestSpec, VmConfig};
 use k7d_vmm::daemon::api::{CreateArgs, ForkArgs, Request};
-use k7d_vmm::daemon::client::Client;
 
 const MODES: [&str; 2] = ["enforce", "off"];
-
-struct Daemon {
-    child: Child,
-    socket: PathBuf,
-    dir: PathBuf,
-}
-
-impl Daemon {
-    fn start(k7d: &Path, mode: &str) -> Result<Self> {
-        let dir = std::env::temp_dir().join(format!("k7d-bench-seccomp-{mode}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        let socket = dir.join("k7d.sock");
-        let child = Command::new(k7d)
-            .args(["--seccomp", mode, "daemon", "--state-dir"])
-            .arg(dir.join("state"))
-            .arg("--socket")
-            .arg(&socket)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let d = Self { child, socket, dir };
-        let t = Instant::now();
-        while d.client().and_then(|mut c| Ok(c.call(&Request::Version)?)).is_err() {
-            if t.elapsed() > Duration::from_secs(10) {
-                bail!("the {mode} daemon did not come up");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(d)
-    }
-
-    fn client(&self) -> Result<Client> {
-        Ok(Client::connect(&self.socket)?)
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child, not yet reaped.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 fn time(f: impl FnOnce() -> Result<()>) -> Result<f64> {
     let t = Instant::now();
@@ -107,7 +61,10 @@ fn main() -> Result<()> {
         }
     }
 
-    let daemons = [Daemon::start(&k7d, MODES[0])?, Daemon::start(&k7d, MODES[1])?];
+    let daemons = [
+        Daemon::start(&k7d, "seccomp-enforce", &["--seccomp", MODES[0]])?,
+        Daemon::start(&k7d, "seccomp-off", &["--seccomp", MODES[1]])?,
+    ];
     let config = VmConfig {
         id: Some("src".into()),
         memory_mib: 64,

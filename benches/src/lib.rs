@@ -69,6 +69,7 @@ pub fn ms(d: Duration) -> String {
     format!("{:.2} ms", d.as_secs_f64() * 1000.0)
 }
 
+pub mod daemon;
 pub mod qemu_fork;
 pub mod ring;
 

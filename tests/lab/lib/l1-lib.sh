@@ -183,6 +183,12 @@ lab_boot_series() {
       echo "$_up" >>"/tmp/lab-series/$_n.guest_init_uptime"
       echo "$L2_INIT_WALL" >>"/tmp/lab-series/$_n.spawn_to_init"
       echo "$L2_WALL" >>"/tmp/lab-series/$_n.wall"
+      # The waterfall's inputs: before the guest's clock (VMM, firmware,
+      # decompression: spawn to init minus the guest's uptime at init), then
+      # the phases the guest printed from its kernel log.
+      lab_sub "$L2_INIT_WALL" "$_up" >>"/tmp/lab-series/$_n.phase.0-before-guest-clock"
+      sed -n 's/.*LAB-GUEST phase \([0-9a-z-]*\)=\([0-9.]*\).*/\1 \2/p' "/tmp/l2-$_n-$_i.log" | tr -d '\r' |
+        while read -r _ph _t; do echo "$_t" >>"/tmp/lab-series/$_n.phase.$_ph"; done
     done
     _i=$((_i + 1))
   done
@@ -195,6 +201,23 @@ lab_boot_series() {
     done
   done
   lab_note "figures of an emulated machine (L1 is QEMU TCG, L2 runs on nested SVM): compare VMMs within one run; they are not absolute performance"
+}
+
+# lab_waterfall NAME...: after lab_boot_series, each phase of the boot side
+# by side, medians in seconds: the time before the guest's clock starts
+# (VMM start, firmware, decompression), then the guest's own timestamps of
+# the lines that end each phase (kernel log), then init.
+lab_waterfall() {
+  lab_note "boot waterfall, medians in s (0: spawn to the guest's clock start; 1-6: the guest's clock when each phase ended):"
+  for _f in /tmp/lab-series/"$1".phase.*; do
+    [ -e "$_f" ] || continue
+    _ph=${_f##*.phase.} _row=""
+    for _n in "$@"; do
+      _v=$(cat "/tmp/lab-series/$_n.phase.$_ph" 2>/dev/null)
+      _row="$_row $_n $([ -n "$_v" ] && lab_median $_v || echo -)"
+    done
+    lab_note "  $_ph:$_row"
+  done
 }
 
 # lab_ratio A B METRIC: metric A_vs_B.METRIC = median(A) / median(B) from the

@@ -22,5 +22,6 @@ lab_vmm microvm 'qemu-system-x86_64 -M microvm -accel kvm -cpu host -smp 2 -m 25
   -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE"
   -device virtio-rng-device'
 lab_boot_series "${LAB_RUNS:-3}" k7d qemu microvm
+lab_waterfall k7d qemu microvm
 for m in spawn_to_init guest_init_uptime wall; do lab_ratio k7d qemu "$m"; lab_ratio k7d microvm "$m"; done
 lab_pass "boot-compare: ${LAB_RUNS:-3} boots each"

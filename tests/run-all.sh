@@ -42,7 +42,7 @@ said_skip() { SKIPS_SAID+=("$1"); echo "SKIPPED: $1"; }
 
 # ---- summary: printed at the end, and also when a step fails ------------------
 summary() {
-  local rc=$? retried=0 skipped name verdict attempts wall prep l1 lab_total=0 s
+  local rc=$? retried=0 rescued=0 skipped name verdict attempts wall prep l1 lab_total=0 s
   phase ""
   log "summary"
   printf '%s\n' "${PHASES[@]}"
@@ -52,6 +52,7 @@ summary() {
     while IFS=$'\t' read -r name verdict attempts wall prep l1; do
       printf '%-16s %-16s %8s %10s %10s %8s\n' "$name" "$verdict" "$attempts" "$wall" "$prep" "$l1"
       [[ $verdict != "passed on retry" ]] || retried=$((retried + 1))
+      [[ $verdict != "pass, rescued" ]] || rescued=$((rescued + 1))
       lab_total=$(awk -v a="$lab_total" -v b="$wall" 'BEGIN {printf "%.1f", a + b}')
     done <"$LAB_OUT/summary.tsv"
     echo "lab total: ${lab_total} s over $(wc -l <"$LAB_OUT/summary.tsv") scenarios"
@@ -61,6 +62,7 @@ summary() {
   echo "skipped test bodies: $((skipped + ${#SKIPS_SAID[@]}))"
   sort -u "$K7D_SKIP_LOG" | sed 's/^/  /'
   for s in "${SKIPS_SAID[@]}"; do echo "  $s"; done
+  echo "lab scenarios that passed after the L1 watchdog woke a frozen L1 (rescued): $rescued"
   echo "lab scenarios that passed only on retry: $retried"
   rm -f "$K7D_SKIP_LOG"
   if [ "$rc" -eq 0 ]; then log "all tests passed in $(( $(date +%s) - T0 )) s"; else log "FAILED (rc $rc) after $(( $(date +%s) - T0 )) s"; fi

@@ -207,6 +207,7 @@ L1_SMP=${K7D_LAB_L1_SMP:-$(header "$SCRIPT" l1-smp 1)}
 : >"$OUT/l2.log"
 : >"$OUT/l1.log"
 : >"$OUT/l1-hb.log"
+rm -f "$OUT/rescues.log"
 # The L1 watchdog (lib/watchdog.sh) reads QEMU's monitor through two FIFOs.
 mkfifo "$OUT/work/mon.in" "$OUT/work/mon.out"
 WATCH_KIND=$OUT/work/stall-kind WATCH_WHY=$OUT/work/stall-why
@@ -227,6 +228,11 @@ t_end=$(date +%s.%N)
 
 # --- verdict ----------------------------------------------------------------------
 tr -d '\r' <"$OUT/l1.log" >"$OUT/l1.log.tmp" && mv "$OUT/l1.log.tmp" "$OUT/l1.log"
+# The watchdog's rescues of a frozen L1 (lib/watchdog.sh): in the result.
+if [[ -s $OUT/rescues.log ]]; then
+  sed 's/^/LAB-NOTE L1 watchdog /' "$OUT/rescues.log" >>"$OUT/l1.log"
+  echo "LAB-METRIC lab.rescues $(grep -c '^rescue [0-9]*:' "$OUT/rescues.log")" >>"$OUT/l1.log"
+fi
 reason=
 if [[ -s $WATCH_KIND || -n $EXPECT ]]; then
   # The watchdog fired (or a self-test expected it to): its verdict rules.

@@ -55,7 +55,7 @@ fn run_scenario_with(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>
     let t0 = Instant::now();
     let first = match run_scenario_once(scenario, bin, test_bin) {
         Ok(r) => {
-            summary(scenario, "pass", 1, t0.elapsed(), &r);
+            summary(scenario, pass_verdict(&r), 1, t0.elapsed(), &r);
             return Ok(r);
         }
         Err(first) => first,
@@ -102,6 +102,16 @@ fn run_scenario_with(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>
                 "{scenario} failed 3 times (L1 froze in the first two: {kept_note})"
             )))
         }
+    }
+}
+
+/// "pass", or "pass, rescued" when the L1 watchdog had to wake a frozen L1
+/// (its `lab.rescues` metric; `tests/lab/lib/watchdog.sh`).
+fn pass_verdict(r: &Value) -> &'static str {
+    if r["metrics"]["lab.rescues"]["value"].as_f64().unwrap_or(0.0) > 0.0 {
+        "pass, rescued"
+    } else {
+        "pass"
     }
 }
 

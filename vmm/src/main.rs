@@ -21,6 +21,22 @@ use k7d_vmm::daemon::server::{self, Access, Server, ServerConfig};
 use k7d_vmm::netcli::NetCmd;
 use k7d_vmm::{StopReason, Vm, VmOptions, check};
 
+/// `println!` for the CLI's output: a reader that went away (`k7d info x |
+/// grep -q ...`) ends the command quietly, as it ends a C tool, where
+/// `println!` would panic; any other failure to write says so.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout().lock(), $($arg)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(0);
+            }
+            eprintln!("k7d: cannot write to standard output: {e}");
+            std::process::exit(1);
+        }
+    }};
+}
+
 /// Default API socket.
 const DEFAULT_SOCKET: &str = "/run/k7d/k7d.sock";
 /// Default state directory.
@@ -413,7 +429,7 @@ fn main() -> ExitCode {
         Err(e) => {
             let msg = format!("{e:#}");
             if json_out {
-                println!("{}", json!({"ok": false, "error": {"message": msg}}));
+                out!("{}", json!({"ok": false, "error": {"message": msg}}));
             } else {
                 eprintln!("k7d: {msg}");
             }
@@ -454,7 +470,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             init_logs("warn");
             let items = check::run();
             if cli.json {
-                println!(
+                out!(
                     "{}",
                     serde_json::to_string_pretty(&json!({"items": items, "ready": !check::failed(&items)}))?
                 );
@@ -466,7 +482,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                         check::Level::Fail => "FAIL",
                         check::Level::Info => "info",
                     };
-                    println!("{tag} {:<15} {}", i.name, i.detail);
+                    out!("{tag} {:<15} {}", i.name, i.detail);
                 }
             }
             Ok(if check::failed(&items) {
@@ -486,7 +502,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             let reply = Reply::from_result(&req, result.clone())
                 .with_context(|| format!("the daemon's answer to `{}` is not its result", req.op()))?;
             if cli.json {
-                println!("{}", serde_json::to_string_pretty(&result)?);
+                out!("{}", serde_json::to_string_pretty(&result)?);
             } else {
                 print_reply(&reply);
             }
@@ -543,8 +559,8 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
 fn print_reply(reply: &Reply) {
     match reply {
         Reply::Vm(vm) => print_vm(vm),
-        Reply::Deleted(d) => println!("vm {} deleted", d.id),
-        Reply::Snapshot(s) => println!(
+        Reply::Deleted(d) => out!("vm {} deleted", d.id),
+        Reply::Snapshot(s) => out!(
             "vm {}: snapshot written to {} in {:.1} ms",
             s.id,
             s.dir.display(),
@@ -552,16 +568,16 @@ fn print_reply(reply: &Reply) {
         ),
         Reply::Forked(f) => {
             for c in &f.children {
-                println!("vm {}: {} (forked in {:.2} ms)", c.info.id, c.info.status, c.fork_ms);
+                out!("vm {}: {} (forked in {:.2} ms)", c.info.id, c.info.status, c.fork_ms);
             }
-            println!("source {} paused for {:.2} ms", f.id, f.source_paused_ms);
+            out!("source {} paused for {:.2} ms", f.id, f.source_paused_ms);
         }
         Reply::Peek(p) => {
             let words: Vec<String> = p.words.iter().map(|w| w.to_string()).collect();
-            println!("{}", words.join(" "));
+            out!("{}", words.join(" "));
         }
         Reply::List(l) => print_list(l),
-        Reply::Version(v) => println!("k7d daemon {} (API version {}, pid {})", v.k7d, v.api_version, v.pid),
+        Reply::Version(v) => out!("k7d daemon {} (API version {}, pid {})", v.k7d, v.api_version, v.pid),
     }
 }
 
@@ -574,23 +590,27 @@ fn parse_u64(s: &str) -> Result<u64, String> {
 }
 
 fn print_list(l: &VmList) {
-    println!("{:<24} {:<5} {:>8}  {:<18} STATUS", "ID", "VCPUS", "MEM(MiB)", "GUEST");
+    out!("{:<24} {:<5} {:>8}  {:<18} STATUS", "ID", "VCPUS", "MEM(MiB)", "GUEST");
     for vm in &l.vms {
-        println!(
+        out!(
             "{:<24} {:<5} {:>8}  {:<18} {}",
-            vm.id, vm.vcpus, vm.memory_mib, vm.guest, vm.status
+            vm.id,
+            vm.vcpus,
+            vm.memory_mib,
+            vm.guest,
+            vm.status
         );
     }
 }
 
 fn print_vm(vm: &VmInfo) {
-    println!("vm {}: {}", vm.id, vm.status);
-    println!("  vcpus: {}, memory: {} MiB", vm.config.vcpus, vm.config.memory_mib);
+    out!("vm {}: {}", vm.id, vm.status);
+    out!("  vcpus: {}, memory: {} MiB", vm.config.vcpus, vm.config.memory_mib);
     for d in &vm.devices {
-        println!("  device {}: {} ({})", d.kind, d.location, d.detail);
+        out!("  device {}: {} ({})", d.kind, d.location, d.detail);
     }
     if let Some(p) = &vm.serial_log {
-        println!("  serial log: {}", p.display());
+        out!("  serial log: {}", p.display());
     }
 }
 
@@ -732,7 +752,7 @@ fn run_foreground(
         s
     });
     if json_out {
-        println!(
+        out!(
             "{}",
             serde_json::to_string_pretty(&json!({
                 "ok": reason.is_clean() && !timed_out,

@@ -489,3 +489,22 @@ fn list_columns_line_up_and_a_non_utf8_path_is_one_sentence() {
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
     let _ = d.stderr_after_exit();
 }
+
+/// `k7d info x | grep -q ...`: a reader that goes away ends the CLI quietly
+/// (exit 0, nothing on stderr), where `println!` used to panic.
+#[test]
+fn a_reader_that_goes_away_ends_the_cli_quietly() {
+    let mut child = Command::new(K7D)
+        .arg("check")
+        .env_remove("K7D_SOCKET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run k7d");
+    // The read end closes before k7d writes its first line.
+    drop(child.stdout.take());
+    let o = child.wait_with_output().expect("wait for k7d");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(o.status.success(), "{:?}: {err}", o.status);
+}

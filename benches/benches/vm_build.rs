@@ -31,7 +31,7 @@ const MIB: u64 = 256;
 
 /// The lab cache's Debian cloud kernel and its newest initramfs.
 fn lab_files() -> Result<(PathBuf, PathBuf)> {
-    let cache = std::env::var_os("K7D_LAB_CACHE").map_or_else(|| PathBuf::from("/var/cache/k7d-lab"), PathBuf::from);
+    let cache = k7d_tests::lab_cache();
     let newest_cpio = std::fs::read_dir(cache.join("images"))
         .into_iter()
         .flatten()

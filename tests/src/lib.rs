@@ -33,12 +33,16 @@ impl Drop for TempDir {
     }
 }
 
+/// The lab's download cache (`$K7D_LAB_CACHE`, by default `/var/cache/k7d-lab`).
+pub fn lab_cache() -> PathBuf {
+    std::env::var_os("K7D_LAB_CACHE").map_or_else(|| PathBuf::from("/var/cache/k7d-lab"), PathBuf::from)
+}
+
 /// The Debian cloud kernel the lab unpacked (`$K7D_LAB_CACHE/pkgs`, by
 /// default `/var/cache/k7d-lab`); `.ci/run` fetches it
 /// (`tests/lab/run.sh --fetch`) before the tests.
 pub fn cached_cloud_kernel() -> Option<PathBuf> {
-    let cache = std::env::var_os("K7D_LAB_CACHE").map_or_else(|| PathBuf::from("/var/cache/k7d-lab"), PathBuf::from);
-    for pkg in std::fs::read_dir(cache.join("pkgs")).ok()?.flatten() {
+    for pkg in std::fs::read_dir(lab_cache().join("pkgs")).ok()?.flatten() {
         for f in std::fs::read_dir(pkg.path().join("boot"))
             .into_iter()
             .flatten()

@@ -21,9 +21,9 @@ pub use k7d_bpf::{
     AttachMethod, BpfError, Direction, DropCount, DropReason, ObjectSource, Peer, PodUid, Policy, pod_identity,
     tc_object_embedded, tc_object_missing_reason,
 };
+pub use k7d_sys::tap::{TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6};
 pub use names::{LINK_PREFIX, NicNames, nic_names, validate_vm_id, vm_tag};
 pub use netns::in_netns;
 pub use reconcile::{Inventory, ReconcileReport};
-pub use sys::{TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6};
 pub use tap::{Tap, create_tap, read_frame, wait_readable, write_frame};
 pub use uplink::{UPLINKS_DIR, Uplink, UplinkGuest, UplinkNic, UplinkRequest};

@@ -1,17 +1,8 @@
 use std::os::fd::OwnedFd;
 
-use crate::{NetError, netlink::Netlink, sys};
+pub use k7d_sys::tap::Tap;
 
-/// A tap device and one fd per queue (the VMM's side).
-#[derive(Debug)]
-pub struct Tap {
-    pub name: String,
-    pub ifindex: u32,
-    /// One fd per queue pair (`IFF_MULTI_QUEUE` when more than one).
-    pub queues: Vec<OwnedFd>,
-    /// Whether frames carry a 12-byte virtio-net header.
-    pub vnet_hdr: bool,
-}
+use crate::{NetError, netlink::Netlink};
 
 /// Creates tap `name` in the calling thread's netns with `queues` queues
 /// (`IFF_TAP|IFF_NO_PI`, `IFF_VNET_HDR` when `vnet_hdr`, `IFF_MULTI_QUEUE`
@@ -31,7 +22,7 @@ pub fn create_tap(nl: &mut Netlink, name: &str, queues: usize, vnet_hdr: bool) -
     let multi = queues > 1;
     let mut fds = Vec::with_capacity(queues);
     for q in 0..queues {
-        let fd = sys::open_tap_queue(name, vnet_hdr, multi)
+        let fd = k7d_sys::tap::open_queue(name, vnet_hdr, multi)
             .map_err(|e| NetError::os(format!("open queue {q} of tap {name}"), e))?;
         fds.push(fd);
     }
@@ -48,21 +39,10 @@ pub fn create_tap(nl: &mut Netlink, name: &str, queues: usize, vnet_hdr: bool) -
     })
 }
 
-impl Tap {
-    /// Tells the tap which offloads the guest accepted (`TUN_F_*` bits).
-    pub fn set_offload(&self, flags: u32) -> Result<(), NetError> {
-        for fd in &self.queues {
-            sys::set_tap_offload(fd, flags)
-                .map_err(|e| NetError::os(format!("set offloads of tap {}", self.name), e))?;
-        }
-        Ok(())
-    }
-}
-
 /// Reads one frame from a (non-blocking) tap queue; `Ok(None)` when none
 /// is waiting.
 pub fn read_frame(fd: &OwnedFd, buf: &mut [u8]) -> Result<Option<usize>, NetError> {
-    match sys::read_fd(fd, buf) {
+    match k7d_sys::fd::read(fd, buf) {
         Ok(n) => Ok(Some(n)),
         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
         Err(e) => Err(NetError::os("read a frame from a tap", e)),
@@ -71,7 +51,7 @@ pub fn read_frame(fd: &OwnedFd, buf: &mut [u8]) -> Result<Option<usize>, NetErro
 
 /// Writes one frame to a tap queue.
 pub fn write_frame(fd: &OwnedFd, frame: &[u8]) -> Result<(), NetError> {
-    match sys::write_fd(fd, frame) {
+    match k7d_sys::fd::write(fd, frame) {
         Ok(n) if n == frame.len() => Ok(()),
         Ok(n) => Err(NetError::os(
             "write a frame to a tap",
@@ -82,6 +62,8 @@ pub fn write_frame(fd: &OwnedFd, frame: &[u8]) -> Result<(), NetError> {
 }
 
 /// Waits up to `timeout_ms` for a frame on `fd`.
-pub fn wait_readable(fd: &OwnedFd, timeout_ms: i32) -> Result<bool, NetError> {
-    sys::poll_readable(fd, timeout_ms).map_err(|e| NetError::os("poll a tap", e))
+pub fn wait_readable(fd: &OwnedFd, timeout_ms: u64) -> Result<bool, NetError> {
+    k7d_sys::fd::poll_readable(&[fd], Some(std::time::Duration::from_millis(timeout_ms)))
+        .map(|r| r[0])
+        .map_err(|e| NetError::os("poll a tap", e))
 }

@@ -127,18 +127,8 @@ impl FileLock {
 
 /// Takes an exclusive lock on `file` (blocking or not).
 pub fn flock(file: File, blocking: bool) -> io::Result<FileLock> {
-    let op = libc::LOCK_EX | if blocking { 0 } else { libc::LOCK_NB };
-    loop {
-        // SAFETY: flock on a valid, owned file descriptor.
-        let rc = unsafe { libc::flock(file.as_raw_fd(), op) };
-        if rc == 0 {
-            return Ok(FileLock { file });
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
-        }
-    }
+    k7d_sys::file::flock(&file, k7d_sys::file::Lock::Exclusive, blocking)?;
+    Ok(FileLock { file })
 }
 
 /// Whether a process with this pid exists.
@@ -204,12 +194,7 @@ pub fn shmem_thp_policy() -> Option<String> {
     Some(text[start..end].to_string())
 }
 
-/// Host page size.
-pub fn page_size() -> usize {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(v).ok().filter(|&v| v > 0).unwrap_or(4096)
-}
+pub use k7d_sys::file::page_size;
 
 /// Replaces the mapping at `[addr, addr + len)` by a private (copy-on-write)
 /// mapping of `fd` at `offset`, at the same address (`MAP_FIXED`). Reads see
@@ -283,101 +268,16 @@ pub fn peer_cred(sock: &impl AsRawFd) -> io::Result<PeerCred> {
     })
 }
 
-/// Waits until one of `fds` is readable (or hung up), at most `timeout`
-/// (`None`: no limit); returns, for each fd, whether it is. An interrupted
-/// wait returns all false.
-pub fn poll_readable(fds: &[&dyn AsRawFd], timeout: Option<std::time::Duration>) -> io::Result<Vec<bool>> {
-    let mut pfds: Vec<libc::pollfd> = fds
-        .iter()
-        .map(|fd| libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        })
-        .collect();
-    let ms = match timeout {
-        None => -1,
-        Some(t) => libc::c_int::try_from(t.as_millis()).unwrap_or(libc::c_int::MAX),
-    };
-    // SAFETY: `pfds` is a live array of `pfds.len()` pollfd structs; their
-    // fds belong to the objects `fds` borrows, open for the whole call.
-    let rc = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, ms) };
-    if rc < 0 {
-        let e = io::Error::last_os_error();
-        if e.kind() == io::ErrorKind::Interrupted {
-            return Ok(vec![false; pfds.len()]);
-        }
-        return Err(e);
-    }
-    Ok(pfds.iter().map(|p| p.revents != 0).collect())
-}
+pub use k7d_sys::fd::poll_readable;
 
-/// Connects a unix stream socket to `path`, giving up after `timeout`: a
-/// listener whose backlog is full (nobody accepts) makes a plain `connect`
-/// block without limit; this one retries a non-blocking `connect` until the
-/// deadline and then fails with `TimedOut`. The stream it returns blocks.
+/// Connects a unix stream socket to `path`, giving up after `timeout` (a
+/// listener whose backlog is full fails with `TimedOut` rather than block
+/// without limit). The stream it returns blocks.
 pub fn connect_unix(
     path: &std::path::Path,
     timeout: std::time::Duration,
 ) -> io::Result<std::os::unix::net::UnixStream> {
-    use std::os::unix::ffi::OsStrExt;
-    // SAFETY: an all-zero sockaddr_un is a valid value (family set below).
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let bytes = path.as_os_str().as_bytes();
-    if bytes.is_empty() || bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!(
-                "a unix socket path must be 1 to {} bytes without NUL",
-                addr.sun_path.len() - 1
-            ),
-        ));
-    }
-    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
-    // SAFETY: socket(2) with constant, valid arguments.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just returned by socket(2) and is owned by nobody else.
-    let stream = unsafe { std::os::unix::net::UnixStream::from_raw_fd(fd) };
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        // SAFETY: `addr` is an initialized sockaddr_un of which the first
-        // `len` bytes are meaningful; `stream` owns an open socket.
-        let rc = unsafe { libc::connect(stream.as_raw_fd(), (&raw const addr).cast::<libc::sockaddr>(), len) };
-        if rc == 0 {
-            break;
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => continue,
-            // The listener's backlog is full: nobody has accepted yet.
-            Some(libc::EAGAIN) | Some(libc::EINPROGRESS) => {
-                if std::time::Instant::now() >= deadline {
-                    return Err(io::Error::new(
-                        io::ErrorKind::TimedOut,
-                        "the listener accepted no connection in time (its backlog is full)",
-                    ));
-                }
-                std::thread::sleep(std::time::Duration::from_millis(10));
-            }
-            Some(libc::EISCONN) => break,
-            _ => return Err(e),
-        }
-    }
-    stream.set_nonblocking(false)?;
-    Ok(stream)
+    k7d_sys::socket::connect_with_timeout(path, timeout)
 }
 
 /// A pipe whose write end is non-blocking (a full pipe drops a record rather
@@ -398,11 +298,7 @@ pub fn pipe_nonblocking_writer() -> io::Result<(File, File)> {
     Ok((rx, tx))
 }
 
-/// The calling thread's id.
-pub fn gettid() -> i32 {
-    // SAFETY: gettid has no arguments and cannot fail.
-    unsafe { libc::gettid() }
-}
+pub use k7d_sys::thread::gettid;
 
 /// Writes `rec`'s bytes to `fd` with one `write(2)`, ignoring the outcome:
 /// async-signal-safe (the SIGSYS report).

@@ -30,9 +30,7 @@ pub fn seconds_ago(since_ns: u64) -> Option<f64> {
 
 /// The OS thread id of the calling thread.
 pub fn current_tid() -> u64 {
-    // SAFETY: gettid has no preconditions and cannot fail.
-    let tid = unsafe { libc::gettid() };
-    u64::try_from(tid).unwrap_or(0)
+    u64::try_from(k7d_sys::thread::gettid()).unwrap_or(0)
 }
 
 const UNKNOWN: u32 = u32::MAX;

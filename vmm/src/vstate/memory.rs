@@ -420,39 +420,17 @@ pub struct DataExtents<'a> {
     off: u64,
 }
 
-impl DataExtents<'_> {
-    /// `lseek(off, whence)`; `None`: no data at or after `off` (`ENXIO`).
-    fn seek(&self, off: u64, whence: i32) -> Option<u64> {
-        let Ok(o) = i64::try_from(off) else { return Some(off) };
-        // SAFETY: lseek on an open file we borrow; it touches no memory (it
-        // moves the file offset, which nothing here relies on: every read
-        // and write of these files is positioned).
-        let r = unsafe { libc::lseek(self.file.as_raw_fd(), o, whence) };
-        match u64::try_from(r) {
-            Ok(v) => Some(v),
-            Err(_) if std::io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) => None,
-            Err(_) if whence == libc::SEEK_HOLE => Some(self.len),
-            Err(_) => Some(off),
-        }
-    }
-}
-
 impl Iterator for DataExtents<'_> {
     type Item = std::ops::Range<u64>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        if self.off >= self.len {
-            return None;
-        }
-        let start = self.seek(self.off, libc::SEEK_DATA)?.max(self.off);
-        if start >= self.len {
-            self.off = self.len;
-            return None;
-        }
-        let end = self.seek(start, libc::SEEK_HOLE).unwrap_or(self.len).min(self.len);
-        let end = end.max(start + 1).min(self.len);
-        self.off = end;
-        Some(start..end)
+        // A file system that fails the walk reports the rest as one extent.
+        let r = k7d_sys::file::next_data(self.file, self.off, self.len).unwrap_or_else(|e| {
+            tracing::debug!(error = %e, "SEEK_DATA/SEEK_HOLE failed; treating the rest as data");
+            Some(self.off..self.len)
+        })?;
+        self.off = r.end;
+        Some(r)
     }
 }
 

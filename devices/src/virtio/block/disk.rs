@@ -28,11 +28,11 @@
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
+use k7d_sys::file::{Fallocate, Lock, copy_file_range, fallocate, flock, next_data};
 use tracing::{info, warn};
 use vm_memory::VolatileMemoryError;
 use vm_memory::VolatileSlice;
@@ -65,12 +65,6 @@ pub struct DiskImage {
     overlay: OnceLock<Overlay>,
 }
 
-/// `flock(2)` on `file`; whether it was granted.
-fn flock(file: &File, op: i32) -> bool {
-    // SAFETY: flock on an fd owned by `file`; it touches no memory.
-    unsafe { libc::flock(file.as_raw_fd(), op) == 0 }
-}
-
 impl DiskImage {
     /// Opens `path`: `O_RDWR`, or `O_RDONLY` when `read_only` (the device then
     /// advertises `VIRTIO_BLK_F_RO` and fails writes with IOERR).
@@ -101,11 +95,11 @@ impl DiskImage {
         }
         // A base frozen by a fork holds a shared lock for as long as any of
         // its VMs lives; writing it would change every child's disk.
-        if !read_only && !flock(&file, libc::LOCK_EX | libc::LOCK_NB) {
+        if !read_only && flock(&file, Lock::Exclusive, false).is_err() {
             return Err(BlockError::FrozenBase(p.display().to_string()));
         }
         if !read_only {
-            flock(&file, libc::LOCK_UN);
+            let _ = flock(&file, Lock::Unlock, false);
         }
         let mut disk = Self::from_file(file, read_only, p.display().to_string())?;
         disk.overlay_dir = Some(match p.parent() {
@@ -237,7 +231,7 @@ impl DiskImage {
                     // Frozen: a shared lock (held by this open file, which
                     // every child's descriptor shares) makes a read-write
                     // `open` of the base fail until the last VM is gone.
-                    if !flock(&self.file, libc::LOCK_SH | libc::LOCK_NB) {
+                    if flock(&self.file, Lock::Shared, false).is_err() {
                         warn!(
                             path = self.path,
                             "could not lock the frozen base image; a read-write open elsewhere is not refused"
@@ -286,12 +280,7 @@ impl DiskImage {
         if let Some(o) = self.overlay.get() {
             return o.write(&self.file, offset, len, &Zeros { punch: true });
         }
-        match fallocate(
-            &self.file,
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            offset,
-            len,
-        ) {
+        match fallocate(&self.file, Fallocate::PunchHole, offset, len) {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(()),
             r => r,
         }
@@ -650,78 +639,34 @@ fn read_full_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()>
 fn copy_data(src: &File, dst: &File, start: u64, end: u64) -> std::io::Result<()> {
     let mut pos = start;
     while pos < end {
-        let Some((data, data_end)) = next_data(src, pos, end)? else {
+        let Some(data) = next_data(src, pos, end)? else {
             break;
         };
-        copy_range(src, dst, data, data_end)?;
-        pos = data_end;
+        copy_range(src, dst, data.start, data.end)?;
+        pos = data.end;
     }
     Ok(())
-}
-
-/// The next extent holding data in `[pos, end)` (`SEEK_DATA`/`SEEK_HOLE`;
-/// all of it where the filesystem cannot tell).
-fn next_data(file: &File, pos: u64, end: u64) -> std::io::Result<Option<(u64, u64)>> {
-    let seek = |at: u64, whence: libc::c_int| -> std::io::Result<Option<u64>> {
-        let at = libc::off_t::try_from(at).map_err(|_| std::io::Error::from(ErrorKind::InvalidInput))?;
-        // SAFETY: lseek on a descriptor we own, with plain integer
-        // arguments; it moves the file position, which nothing else uses
-        // (all I/O on it is positioned).
-        let r = unsafe { libc::lseek(file.as_raw_fd(), at, whence) };
-        if r >= 0 {
-            return Ok(Some(r as u64));
-        }
-        let e = std::io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::ENXIO) => Ok(None),
-            _ => Err(e),
-        }
-    };
-    let data = match seek(pos, libc::SEEK_DATA) {
-        Ok(Some(d)) => d,
-        // No data from `pos` to the end of the file.
-        Ok(None) => return Ok(None),
-        Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP)) => return Ok(Some((pos, end))),
-        Err(e) => return Err(e),
-    };
-    if data >= end {
-        return Ok(None);
-    }
-    let hole = match seek(data, libc::SEEK_HOLE) {
-        Ok(Some(h)) => h,
-        _ => end,
-    };
-    Ok(Some((data, hole.min(end))))
 }
 
 /// Copies `[pos, end)` of `src` to `dst` with `copy_file_range`, falling
 /// back to reads and writes where the kernel cannot.
 fn copy_range(src: &File, dst: &File, mut pos: u64, end: u64) -> std::io::Result<()> {
     while pos < end {
-        let Ok(off) = i64::try_from(pos) else {
-            return Err(ErrorKind::InvalidInput.into());
-        };
-        let (mut off_in, mut off_out) = (off, off);
         let want = usize::try_from(end - pos).unwrap_or(usize::MAX).min(1 << 30);
-        // SAFETY: both descriptors are ours; the kernel reads and updates the
-        // two offsets, which live on this stack frame for the call.
-        let n = unsafe { libc::copy_file_range(src.as_raw_fd(), &mut off_in, dst.as_raw_fd(), &mut off_out, want, 0) };
-        if n > 0 {
-            pos += n as u64;
-            continue;
-        }
-        if n == 0 {
+        match copy_file_range(src, dst, pos, want) {
             // The source ended early: the rest stays a hole (zeros), which is
             // what the source reads there too.
-            return Ok(());
-        }
-        let e = std::io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => {}
-            Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL) => {
+            Ok(0) => return Ok(()),
+            Ok(n) => pos += n as u64,
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL)
+                ) =>
+            {
                 return copy_by_reading(src, dst, pos, end);
             }
-            _ => return Err(e),
+            Err(e) => return Err(e),
         }
     }
     Ok(())
@@ -747,9 +692,9 @@ fn copy_by_reading(src: &File, dst: &File, mut pos: u64, end: u64) -> std::io::R
 /// else `FALLOC_FL_ZERO_RANGE`, falling back to writing zeros.
 fn zero_range(file: &File, offset: u64, len: u64, punch: bool) -> std::io::Result<()> {
     let mode = if punch {
-        libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE
+        Fallocate::PunchHole
     } else {
-        libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE
+        Fallocate::ZeroRange
     };
     match fallocate(file, mode, offset, len) {
         Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
@@ -766,24 +711,6 @@ fn zero_range(file: &File, offset: u64, len: u64, punch: bool) -> std::io::Resul
             Ok(())
         }
         r => r,
-    }
-}
-
-fn fallocate(file: &File, mode: i32, offset: u64, len: u64) -> std::io::Result<()> {
-    let (Ok(off), Ok(l)) = (i64::try_from(offset), i64::try_from(len)) else {
-        return Err(std::io::Error::from(ErrorKind::InvalidInput));
-    };
-    loop {
-        // SAFETY: fallocate on an fd we own with plain integer arguments;
-        // it touches no memory of this process.
-        let r = unsafe { libc::fallocate(file.as_raw_fd(), mode, off, l) };
-        if r == 0 {
-            return Ok(());
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != ErrorKind::Interrupted {
-            return Err(e);
-        }
     }
 }
 
@@ -854,85 +781,27 @@ pub struct FileAt<'a> {
 
 impl ReadVolatile for FileAt<'_> {
     fn read_volatile<B: BitmapSlice>(&mut self, buf: &mut VolatileSlice<B>) -> Result<usize, VolatileMemoryError> {
-        let guard = buf.ptr_guard_mut();
-        let mut done = 0usize;
-        let result = loop {
-            if done == buf.len() {
-                break Ok(done);
-            }
-            let Ok(off) = i64::try_from(self.offset) else {
-                break Err(VolatileMemoryError::IOError(ErrorKind::InvalidInput.into()));
-            };
-            // SAFETY: `guard` pins a VolatileSlice of `buf.len()` bytes of
-            // mapped guest memory that is valid for writes while the guard
-            // lives; we write at most `buf.len() - done` bytes from `done`.
-            let n = unsafe {
-                libc::pread64(
-                    self.file.as_raw_fd(),
-                    guard.as_ptr().add(done).cast::<libc::c_void>(),
-                    buf.len() - done,
-                    off,
-                )
-            };
-            match n {
-                0 => break Ok(done),
-                n if n > 0 => {
-                    done += n as usize;
-                    self.offset += n as u64;
-                }
-                _ => {
-                    let e = std::io::Error::last_os_error();
-                    if e.kind() == ErrorKind::Interrupted {
-                        continue;
-                    }
-                    break Err(VolatileMemoryError::IOError(e));
-                }
-            }
-        };
+        let result = k7d_sys::fd::pread_volatile(self.file, buf, self.offset);
         // The write into guest memory bypassed `Bytes`, so mark it here:
         // everything on error (a partial read may have happened), else what
         // was read. Marking after the copy is the order that cannot lose a
         // write to a concurrent harvest.
         match &result {
-            Ok(n) => buf.bitmap().mark_dirty(0, *n),
+            Ok(n) => {
+                buf.bitmap().mark_dirty(0, *n);
+                self.offset += *n as u64;
+            }
             Err(_) => buf.bitmap().mark_dirty(0, buf.len()),
         }
-        result
+        result.map_err(VolatileMemoryError::IOError)
     }
 }
 
 impl WriteVolatile for FileAt<'_> {
     fn write_volatile<B: BitmapSlice>(&mut self, buf: &VolatileSlice<B>) -> Result<usize, VolatileMemoryError> {
-        let guard = buf.ptr_guard();
-        let mut done = 0usize;
-        while done < buf.len() {
-            let Ok(off) = i64::try_from(self.offset) else {
-                return Err(VolatileMemoryError::IOError(ErrorKind::InvalidInput.into()));
-            };
-            // SAFETY: `guard` pins `buf.len()` readable bytes of mapped guest
-            // memory; we read at most `buf.len() - done` bytes from `done`.
-            let n = unsafe {
-                libc::pwrite64(
-                    self.file.as_raw_fd(),
-                    guard.as_ptr().add(done).cast::<libc::c_void>(),
-                    buf.len() - done,
-                    off,
-                )
-            };
-            if n < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(VolatileMemoryError::IOError(e));
-            }
-            if n == 0 {
-                return Err(VolatileMemoryError::IOError(ErrorKind::WriteZero.into()));
-            }
-            done += n as usize;
-            self.offset += n as u64;
-        }
-        Ok(done)
+        let n = k7d_sys::fd::pwrite_volatile(self.file, buf, self.offset).map_err(VolatileMemoryError::IOError)?;
+        self.offset += n as u64;
+        Ok(n)
     }
 }
 

@@ -55,9 +55,7 @@ pub unsafe fn device_view(mem: &GuestMemoryTracked) -> Result<GuestMemoryTracked
 
 /// The page size `AtomicBitmap::with_len` uses (one bit per host page).
 fn host_page_size() -> u64 {
-    // SAFETY: sysconf has no memory-safety preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    u64::try_from(p).ok().filter(|p| *p > 0).unwrap_or(4096)
+    k7d_sys::file::page_size() as u64
 }
 
 /// Dirty bits of one region.

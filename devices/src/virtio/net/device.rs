@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 
-use k7d_net::Tap;
+use k7d_sys::tap::Tap;
 use tracing::{error, info};
 use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
@@ -170,10 +170,10 @@ impl Net {
             return Err(NetError::NoVnetHdr(tap.name.clone()));
         }
         // Until the guest negotiates offloads, the tap hands us plain frames.
-        tap.set_offload(0).map_err(|e| NetError::Tap {
+        tap.set_offload(0).map_err(|source| NetError::Tap {
             tap: tap.name.clone(),
             what: "clearing offloads".into(),
-            source: std::io::Error::other(e),
+            source,
         })?;
         Ok(Self {
             tap: Arc::new(tap),
@@ -309,7 +309,7 @@ impl Net {
     ) -> Result<(), VirtioError> {
         let hdr = vhost::vnet_hdr_len(acked);
         for fd in &self.tap.queues {
-            tap_queue::set_vnet_hdr_size(fd, hdr).map_err(|e| self.bad_tap("TUNSETVNETHDRSZ", e))?;
+            k7d_sys::tap::set_vnet_hdr_size(fd, hdr).map_err(|e| self.bad_tap("TUNSETVNETHDRSZ", e))?;
         }
         let mut rings = Vec::with_capacity(2 * usize::from(pairs));
         for i in 0..2 * pairs {
@@ -466,12 +466,12 @@ impl VirtioDevice for Net {
         let offloads = tap_queue::offload_flags(acked);
         self.tap
             .set_offload(offloads)
-            .map_err(|e| self.bad_tap("TUNSETOFFLOAD", std::io::Error::other(e)))?;
+            .map_err(|e| self.bad_tap("TUNSETOFFLOAD", e))?;
         // Until VQ_PAIRS_SET the guest uses pair 0 only (virtio 1.x §5.1.6.5.5):
         // the kernel must not steer frames to queues nobody reads.
         if self.tap.queues.len() > 1 {
             for (k, fd) in self.tap.queues.iter().enumerate() {
-                tap_queue::set_attached(fd, k == 0).map_err(|e| self.bad_tap("TUNSETQUEUE", e))?;
+                k7d_sys::tap::set_attached(fd, k == 0).map_err(|e| self.bad_tap("TUNSETQUEUE", e))?;
             }
         }
         self.stats.active_pairs.store(1, Ordering::Release);

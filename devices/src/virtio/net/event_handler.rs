@@ -17,7 +17,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use k7d_net::Tap;
+use k7d_sys::tap::Tap;
 use tracing::{debug, error, warn};
 use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
@@ -26,7 +26,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::ctrl::{self, CtrlCommand};
 use super::device::NetStats;
-use super::{BATCH, MAX_FRAME_LEN, VNET_HDR_LEN, tap_queue};
+use super::{BATCH, MAX_FRAME_LEN, VNET_HDR_LEN};
 use crate::virtio::diag::WorkerDiag;
 use crate::virtio::{ActiveQueue, GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
@@ -366,7 +366,7 @@ impl PairWorker {
         }
         // The pointers are into mmap'd guest RAM, which `self.mem` keeps
         // mapped (the region map never changes); writev only reads them.
-        let r = tap_queue::writev(&self.tap.queues[usize::from(self.pair)], &self.iov);
+        let r = k7d_sys::fd::writev(&self.tap.queues[usize::from(self.pair)], &self.iov);
         self.iov.clear();
         match r {
             Ok(n) => TxOutcome::Sent(n),
@@ -474,7 +474,7 @@ impl PairWorker {
     /// the queue is detached).
     fn read_frame(&mut self) -> Option<usize> {
         loop {
-            let r = tap_queue::read(&self.tap.queues[usize::from(self.pair)], &mut self.bounce);
+            let r = k7d_sys::fd::read(&self.tap.queues[usize::from(self.pair)], &mut self.bounce);
             match r {
                 Ok(n) if n < VNET_HDR_LEN + 14 => {
                     if let Some(s) = self.pair_stats() {
@@ -601,13 +601,13 @@ pub(super) fn set_pairs(tap: &Tap, stats: &NetStats, n: u16) -> bool {
     if queues.len() > 1 {
         // Attach first so at least one queue is attached throughout.
         for fd in queues.iter().take(usize::from(n)) {
-            if let Err(e) = tap_queue::set_attached(fd, true) {
+            if let Err(e) = k7d_sys::tap::set_attached(fd, true) {
                 warn!(tap = %tap.name, error = %e, "attaching a tap queue failed");
                 return false;
             }
         }
         for fd in queues.iter().skip(usize::from(n)) {
-            if let Err(e) = tap_queue::set_attached(fd, false) {
+            if let Err(e) = k7d_sys::tap::set_attached(fd, false) {
                 warn!(tap = %tap.name, error = %e, "detaching a tap queue failed");
                 return false;
             }

@@ -4,7 +4,7 @@
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use k7d_net::Tap;
+use k7d_sys::tap::Tap;
 use virtio_queue::Queue;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 

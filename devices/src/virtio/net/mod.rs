@@ -23,7 +23,7 @@
 //!   a panic; the device keeps serving.
 //! - The tap is created by the VMM (`k7d_net::create_tap` with the name from
 //!   `k7d_net::nic_names`, `vnet_hdr = true`, one queue per pair); the device
-//!   takes the [`k7d_net::Tap`].
+//!   takes the [`k7d_sys::tap::Tap`].
 //! - Or the kernel vhost-net data plane ([`Net::new_vhost`], [`vhost`]): one
 //!   `/dev/vhost-net` per pair serves the rings; the control queue stays in
 //!   a small userspace worker.

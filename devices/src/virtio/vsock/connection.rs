@@ -2,7 +2,6 @@
 
 use std::io::{ErrorKind, Write};
 use std::num::Wrapping;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -122,36 +121,5 @@ impl Connection {
 /// Connects to a unix socket without ever blocking: a listener whose backlog
 /// is full (EAGAIN) counts as refusing, like one that does not exist.
 pub(super) fn connect_nonblocking(path: &Path) -> std::io::Result<UnixStream> {
-    use std::os::unix::ffi::OsStrExt;
-    let bytes = path.as_os_str().as_bytes();
-    // SAFETY: sockaddr_un is plain old data; all-zero is a valid value.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
-        return Err(ErrorKind::InvalidInput.into());
-    }
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
-        *d = *s as libc::c_char;
-    }
-    // SAFETY: socket() takes no pointers; the result is checked below.
-    let fd = unsafe {
-        libc::socket(
-            libc::AF_UNIX,
-            libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is a fresh socket this function owns from here on.
-    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
-    // SAFETY: `addr` is a valid sockaddr_un that outlives the call and `len`
-    // does not exceed its size.
-    let rc = unsafe { libc::connect(owned.as_raw_fd(), (&raw const addr).cast::<libc::sockaddr>(), len) };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(UnixStream::from(owned))
+    k7d_sys::socket::connect_nonblocking(path)
 }

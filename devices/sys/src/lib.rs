@@ -1,0 +1,23 @@
+//! The system-call wrappers that more than one k7d crate needs, each written
+//! once: every `unsafe` block behind them lives in this crate, next to its
+//! `// SAFETY:` argument, and callers see safe functions returning
+//! [`std::io::Result`] (`EINTR` retried where a call can be retried).
+//!
+//! - [`fd`]: raw `read`/`write`/`writev`, positioned reads and writes
+//!   between files and guest memory (vm-memory's `VolatileSlice`), `poll`.
+//! - [`file`]: `flock`, the page size, data extents (`SEEK_DATA` /
+//!   `SEEK_HOLE`), `copy_file_range`, `fallocate`.
+//! - [`socket`]: connecting unix stream sockets without blocking.
+//! - [`thread`]: the calling thread's id.
+//! - [`tap`]: tap queues (`TUNSETIFF`, `TUNSETOFFLOAD`, `TUNSETVNETHDRSZ`,
+//!   `TUNSETQUEUE`) and the [`tap::Tap`] a virtio-net device takes.
+//!
+//! Crate-specific calls stay in their crate's own sys module (`vmm/src/sys.rs`
+//! for KVM-adjacent and process-wide calls, `net/src/sys.rs` for setns and
+//! bpffs).
+
+pub mod fd;
+pub mod file;
+pub mod socket;
+pub mod tap;
+pub mod thread;

@@ -2,11 +2,10 @@
 //! start/stop, pause/resume.
 
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
-use tracing::{error, info};
+use crate::virtio::worker::WorkerThread;
+use tracing::info;
 use virtio_queue::{Queue, QueueT};
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::disk::DiskImage;
 use super::event_handler::{BlockStats, BlockWorker, RequestHandler};
@@ -27,24 +26,13 @@ pub struct QueueIndexes {
     pub next_used: u16,
 }
 
-struct Running {
-    stop: EventFd,
-    handle: JoinHandle<BlockWorker>,
-}
-
-enum State {
-    Idle,
-    Running(Running),
-    Paused(Box<BlockWorker>),
-}
-
 /// A virtio-blk device over a raw image.
 pub struct Block {
     disk: Arc<DiskImage>,
     serial: [u8; ID_BYTES],
     queue_sizes: [u16; 1],
     config: [u8; CONFIG_LEN],
-    state: State,
+    worker: WorkerThread<BlockWorker>,
     last_stats: BlockStats,
 }
 
@@ -73,7 +61,7 @@ impl Block {
             serial: id,
             queue_sizes: [QUEUE_SIZE],
             config: [0; CONFIG_LEN],
-            state: State::Idle,
+            worker: WorkerThread::new("k7d-virtio-blk"),
             last_stats: BlockStats::default(),
         };
         dev.config = dev.build_config();
@@ -114,12 +102,12 @@ impl Block {
 
     /// Whether a worker thread is running (paused counts as not running).
     pub fn is_active(&self) -> bool {
-        matches!(self.state, State::Running(_))
+        self.worker.is_running()
     }
 
     /// Whether the device is paused (worker parked, queue held).
     pub fn is_paused(&self) -> bool {
-        matches!(self.state, State::Paused(_))
+        self.worker.is_parked()
     }
 
     /// Capacity in sectors.
@@ -152,54 +140,17 @@ impl Block {
 
     /// The queue indexes while paused (`None` otherwise).
     pub fn paused_queue_indexes(&self) -> Option<QueueIndexes> {
-        match &self.state {
-            State::Paused(w) => Some(QueueIndexes {
-                next_avail: w.queue.next_avail(),
-                next_used: w.queue.next_used(),
-            }),
-            _ => None,
-        }
+        self.worker.parked().map(|w| QueueIndexes {
+            next_avail: w.queue.next_avail(),
+            next_used: w.queue.next_used(),
+        })
     }
 
     /// Counters of the last worker that stopped (pause or reset).
     pub fn stats(&self) -> BlockStats {
-        match &self.state {
-            State::Paused(w) => w.handler.stats(),
-            _ => self.last_stats,
-        }
-    }
-
-    fn spawn(&mut self, worker: BlockWorker) -> Result<(), VirtioError> {
-        let stop = worker.stop.try_clone().map_err(VirtioError::EventFd)?;
-        let token = crate::sandbox::capture();
-        let handle = std::thread::Builder::new()
-            .name("k7d-virtio-blk".into())
-            .spawn(move || {
-                let _sandbox = crate::sandbox::enter(token, "k7d-virtio-blk");
-                worker.run()
-            })
-            .map_err(|e| VirtioError::Spawn("blk", e))?;
-        self.state = State::Running(Running { stop, handle });
-        Ok(())
-    }
-
-    /// Stops the worker after its current batch and joins it.
-    fn stop_worker(&mut self) -> Option<BlockWorker> {
-        match std::mem::replace(&mut self.state, State::Idle) {
-            State::Idle => None,
-            State::Paused(w) => Some(*w),
-            State::Running(r) => {
-                if let Err(e) = r.stop.write(1) {
-                    error!(error = %e, "could not signal the blk worker to stop");
-                }
-                match r.handle.join() {
-                    Ok(w) => Some(w),
-                    Err(_) => {
-                        error!("the blk worker panicked; its queue is lost");
-                        None
-                    }
-                }
-            }
+        match self.worker.parked() {
+            Some(w) => w.handler.stats(),
+            None => self.last_stats,
         }
     }
 }
@@ -254,7 +205,7 @@ impl VirtioDevice for Block {
     }
 
     fn activate(&mut self, ctx: ActivateContext) -> Result<(), VirtioError> {
-        if !matches!(self.state, State::Idle) {
+        if self.worker.is_active() {
             return Err(VirtioError::AlreadyActive(self.name()));
         }
         let got = ctx.queues.len();
@@ -273,12 +224,11 @@ impl VirtioDevice for Block {
             queue: q.queue,
             index: q.index,
             notify: q.notify,
-            stop: EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?,
             interrupt: ctx.interrupt,
             handler: RequestHandler::new(self.disk.clone(), self.serial, limits),
             broken: false,
         };
-        self.spawn(worker)?;
+        self.worker.spawn(worker)?;
         info!(
             features = ctx.acked_features,
             path = self.disk.path(),
@@ -288,7 +238,7 @@ impl VirtioDevice for Block {
     }
 
     fn reset(&mut self) -> Vec<Queue> {
-        let w = self.stop_worker();
+        let w = self.worker.stop();
         if let Some(w) = &w {
             self.last_stats = w.handler.stats();
         }
@@ -298,27 +248,14 @@ impl VirtioDevice for Block {
     /// Stops the worker once its current batch is done (I/O is synchronous,
     /// so every popped chain has been completed and returned) and parks the
     /// queue. When this returns, the device writes no guest memory.
+    /// Idle or already paused: nothing writes guest memory, nothing to do.
     fn pause(&mut self) -> Result<(), VirtioError> {
-        match self.state {
-            State::Running(_) => {
-                if let Some(w) = self.stop_worker() {
-                    self.state = State::Paused(Box::new(w));
-                }
-                Ok(())
-            }
-            // Idle or already paused: nothing writes guest memory.
-            _ => Ok(()),
-        }
+        self.worker.park();
+        Ok(())
     }
 
     fn resume(&mut self) -> Result<(), VirtioError> {
-        match std::mem::replace(&mut self.state, State::Idle) {
-            State::Paused(w) => self.spawn(*w),
-            other => {
-                self.state = other;
-                Ok(())
-            }
-        }
+        self.worker.unpark()
     }
 
     fn debug_state(&self) -> Vec<String> {
@@ -327,13 +264,7 @@ impl VirtioDevice for Block {
             "backend path={} read_only={} worker={} completed={} ok={} errors={} dropped={} counters=as_of_last_pause_or_reset",
             self.disk.path(),
             self.disk.read_only(),
-            if self.is_active() {
-                "running"
-            } else if self.is_paused() {
-                "parked"
-            } else {
-                "none"
-            },
+            self.worker.state_word(),
             st.completed,
             st.ok,
             st.errors,
@@ -347,11 +278,5 @@ impl VirtioDevice for Block {
 
     fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
         persist::restore(self, state)
-    }
-}
-
-impl Drop for Block {
-    fn drop(&mut self) {
-        self.stop_worker();
     }
 }

@@ -1,19 +1,20 @@
 //! The virtio-blk request path ([`RequestHandler`]) and the I/O worker loop.
 
-use std::io::ErrorKind;
 use std::sync::Arc;
 
+use std::os::fd::AsRawFd;
 use tracing::{debug, error, warn};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::Bytes;
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::disk::{DiskAt, DiskImage};
 use super::request::{Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
 use super::{ID_BYTES, MAX_DESCRIPTORS, SECTOR_SHIFT, status};
-use crate::virtio::diag::WorkerDiag;
+use crate::virtio::worker::{EpollWorker, Registrar};
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
 /// How long the worker watches the ring after a batch before sleeping.
@@ -23,7 +24,6 @@ const POLL_AFTER_BATCH: std::time::Duration = std::time::Duration::from_micros(3
 const POLL_ROUNDS: usize = 64;
 
 const TOKEN_QUEUE: u64 = 0;
-const TOKEN_STOP: u64 = 1;
 
 /// Counters of one device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -248,87 +248,52 @@ fn write_gather(mem: &GuestMemoryTracked, segs: &[Segment], bytes: &[u8]) -> Res
     Ok(())
 }
 
-/// One device's I/O worker: the queue, its notify eventfd, the stop eventfd.
+/// One device's I/O worker: the queue and its notify eventfd (the worker
+/// framework adds the stop eventfd).
 pub(super) struct BlockWorker {
     pub(super) mem: GuestMemoryHandle,
     pub(super) queue: Queue,
     pub(super) index: u16,
     pub(super) notify: EventFd,
-    pub(super) stop: EventFd,
     pub(super) interrupt: Interrupt,
     pub(super) handler: RequestHandler,
     /// Set once the ring proved unusable; the worker idles until reset.
     pub(super) broken: bool,
 }
 
-impl BlockWorker {
-    /// Runs until the stop eventfd fires, finishing the batch in hand first
-    /// (I/O is synchronous, so nothing is in flight when this returns).
-    /// Returns itself so the device can resume it or take its queue back.
-    pub(super) fn run(self) -> Self {
-        let diag = self.interrupt.diag().clone();
-        let me = diag.worker(self.index);
-        me.started();
-        let this = self.serve(me);
-        me.parked();
-        this
+/// A stop is seen between batches: I/O is synchronous, so nothing is in
+/// flight when the worker parks.
+impl EpollWorker for BlockWorker {
+    const DEVICE: &'static str = "blk";
+
+    fn interrupt(&self) -> &Interrupt {
+        &self.interrupt
     }
 
-    fn serve(mut self, me: &WorkerDiag) -> Self {
-        let epoll = match self.epoll() {
-            Ok(e) => e,
-            Err(e) => {
-                error!(error = %e, "blk worker cannot set up epoll; device is dead until reset");
-                return self;
-            }
-        };
-        // Buffers posted before activation / while paused.
+    fn diag_slot(&self) -> u16 {
+        self.index
+    }
+
+    fn register(&mut self, fds: &Registrar<'_>) -> std::io::Result<()> {
+        fds.add(self.notify.as_raw_fd(), EventSet::IN, TOKEN_QUEUE)
+    }
+
+    /// Buffers posted before activation / while paused.
+    fn on_start(&mut self) {
         self.process();
-        let mut events = [EpollEvent::default(); 2];
-        loop {
-            me.waiting();
-            let waited = epoll.wait(-1, &mut events);
-            me.woke();
-            let n = match waited {
-                Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    error!(error = %e, "blk worker epoll failed; device is dead until reset");
-                    return self;
-                }
-            };
-            if events[..n].iter().any(|ev| ev.data() == TOKEN_STOP) {
-                // Consume the stop so a resumed worker does not exit at once.
-                let _ = self.stop.read();
-                return self;
-            }
-            for ev in &events[..n] {
-                if ev.data() == TOKEN_QUEUE {
-                    // Non-blocking; EAGAIN only means another wakeup consumed it.
-                    self.interrupt.diag().queue(self.index).note_kick(self.notify.read());
-                    self.process();
-                    self.poll_briefly();
-                }
-            }
+    }
+
+    fn handle_event(&mut self, token: u64, _: EventSet) {
+        if token == TOKEN_QUEUE {
+            // Non-blocking; EAGAIN only means another wakeup consumed it.
+            self.interrupt.diag().queue(self.index).note_kick(self.notify.read());
+            self.process();
+            self.poll_briefly();
         }
     }
+}
 
-    fn epoll(&self) -> std::io::Result<Epoll> {
-        use std::os::fd::AsRawFd;
-        let epoll = Epoll::new()?;
-        epoll.ctl(
-            ControlOperation::Add,
-            self.notify.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_QUEUE),
-        )?;
-        epoll.ctl(
-            ControlOperation::Add,
-            self.stop.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_STOP),
-        )?;
-        Ok(epoll)
-    }
-
+impl BlockWorker {
     /// After a batch, watches the avail ring for up to [`POLL_AFTER_BATCH`]
     /// before going back to sleep: a driver that keeps the queue busy posts
     /// its next requests within microseconds, and picking them up here saves

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
-use std::thread::JoinHandle;
 
 use k7d_sys::tap::Tap;
 use tracing::{error, info};
@@ -14,11 +13,11 @@ use virtio_bindings::virtio_net::{
     VIRTIO_NET_S_LINK_UP,
 };
 use virtio_queue::Queue;
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::event_handler::{CtrlQueue, CtrlWorker, PairWorker, Worker};
 use super::vhost::{self, VhostDirtyLog, VhostNetBackend, VhostOptions};
 use super::{MAX_QUEUE_PAIRS, NetError, QUEUE_SIZE, persist, tap_queue};
+use crate::virtio::worker::{WorkerThread, park_all};
 use crate::virtio::{
     ActivateContext, ActiveQueue, GuestMemoryHandle, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
     VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice, VirtioError,
@@ -103,8 +102,8 @@ impl NetStats {
 }
 
 struct Running {
-    stop: EventFd,
-    workers: Vec<JoinHandle<Worker>>,
+    /// One slot per queue pair (or the control queue's, with vhost).
+    workers: Vec<WorkerThread<Worker>>,
     /// Queues the driver enabled that no worker uses (returned on reset).
     spare: Vec<ActiveQueue>,
     /// Rings handed to the kernel (vhost): RX 0, TX 0, RX 1, ...
@@ -117,8 +116,8 @@ struct Running {
 /// A paused device: workers joined with all their state, vhost rings
 /// detached from the kernel with their positions read back.
 struct Paused {
-    stop: EventFd,
-    workers: Vec<Worker>,
+    /// The slots, their workers parked.
+    workers: Vec<WorkerThread<Worker>>,
     spare: Vec<ActiveQueue>,
     vhost_rings: Vec<ActiveQueue>,
     acked: u64,
@@ -239,24 +238,14 @@ impl Net {
     /// Stops the workers after what each is serving (every popped chain is
     /// completed before a worker looks at its stop) and detaches vhost.
     fn park(&mut self) -> Option<Paused> {
-        let r = self.running.take()?;
-        if let Err(e) = r.stop.write(1) {
-            error!(error = %e, "could not signal the net workers to stop");
-        }
-        let mut workers = Vec::with_capacity(r.workers.len());
-        for w in r.workers {
-            match w.join() {
-                Ok(w) => workers.push(w),
-                Err(_) => error!("a net worker panicked; its queues are lost"),
-            }
-        }
+        let mut r = self.running.take()?;
+        park_all(&mut r.workers);
         let mut rings = r.vhost_rings;
         if let Some(v) = self.vhost.as_mut() {
             v.stop(&mut rings);
         }
         Some(Paused {
-            stop: r.stop,
-            workers,
+            workers: r.workers,
             spare: r.spare,
             vhost_rings: rings,
             acked: r.acked,
@@ -270,8 +259,8 @@ impl Net {
             return Vec::new();
         };
         let mut queues: Vec<ActiveQueue> = p.spare;
-        for w in p.workers {
-            queues.extend(w.into_queues());
+        for mut slot in p.workers {
+            queues.extend(slot.stop().into_iter().flat_map(Worker::into_queues));
         }
         queues.extend(p.vhost_rings);
         queues.sort_by_key(|q| q.index);
@@ -279,19 +268,14 @@ impl Net {
         queues.into_iter().map(|q| q.queue).collect()
     }
 
-    fn spawn_worker(&self, k: Option<u16>, worker: Worker) -> Result<JoinHandle<Worker>, VirtioError> {
-        let name = match k {
+    /// A started worker: pair `k`'s (`Some(k)`) or the control queue's.
+    fn spawn_worker(k: Option<u16>, worker: Worker) -> Result<WorkerThread<Worker>, VirtioError> {
+        let mut slot = WorkerThread::new(match k {
             Some(k) => format!("k7d-vnet-q{k}"),
             None => "k7d-vnet-ctrl".into(),
-        };
-        let token = crate::sandbox::capture();
-        std::thread::Builder::new()
-            .name(name.clone())
-            .spawn(move || {
-                let _sandbox = crate::sandbox::enter(token, &name);
-                worker.run()
-            })
-            .map_err(|e| VirtioError::Spawn("net", e))
+        });
+        slot.spawn(worker)?;
+        Ok(slot)
     }
 
     /// The vhost half of `activate`: rings of pairs `0..pairs` to the
@@ -304,7 +288,6 @@ impl Net {
         interrupt: crate::virtio::Interrupt,
         mut by_index: BTreeMap<u16, ActiveQueue>,
         ctrl: Option<CtrlQueue>,
-        stop: EventFd,
         pairs: u16,
     ) -> Result<(), VirtioError> {
         let hdr = vhost::vnet_hdr_len(acked);
@@ -344,11 +327,11 @@ impl Net {
                 mem,
                 ctrl,
                 tap: self.tap.clone(),
-                stop: stop.try_clone().map_err(VirtioError::EventFd)?,
                 interrupt: interrupt.clone(),
                 stats: self.stats.clone(),
+                broken: false,
             };
-            match self.spawn_worker(None, Worker::Ctrl(Box::new(worker))) {
+            match Self::spawn_worker(None, Worker::Ctrl(Box::new(worker))) {
                 Ok(h) => workers.push(h),
                 Err(e) => {
                     if let Some(b) = self.vhost.as_mut() {
@@ -359,7 +342,6 @@ impl Net {
             }
         }
         self.running = Some(Running {
-            stop,
             workers,
             spare: by_index.into_values().collect(),
             vhost_rings: rings,
@@ -486,13 +468,12 @@ impl VirtioDevice for Net {
             ));
         }
 
-        let stop = EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?;
         let mut ctrl = ctrl_index.and_then(|i| by_index.remove(&i)).map(|q| CtrlQueue {
             queue: q,
             max_pairs: pairs,
         });
         if self.vhost.is_some() {
-            return self.activate_vhost(ctx.mem, acked, ctx.interrupt, by_index, ctrl, stop, pairs);
+            return self.activate_vhost(ctx.mem, acked, ctx.interrupt, by_index, ctrl, pairs);
         }
         let mut workers = Vec::with_capacity(usize::from(pairs));
         for k in 0..pairs {
@@ -511,24 +492,19 @@ impl VirtioDevice for Net {
                 tx,
                 if k == 0 { ctrl.take() } else { None },
                 self.tap.clone(),
-                stop.try_clone().map_err(VirtioError::EventFd)?,
                 ctx.interrupt.clone(),
                 self.stats.clone(),
             );
-            match self.spawn_worker(Some(k), Worker::Pair(Box::new(worker))) {
-                Ok(h) => workers.push(h),
+            match Self::spawn_worker(Some(k), Worker::Pair(Box::new(worker))) {
+                Ok(slot) => workers.push(slot),
                 Err(e) => {
                     // Stop the ones already started before failing.
-                    let _ = stop.write(1);
-                    for w in workers {
-                        let _ = w.join();
-                    }
+                    park_all(&mut workers);
                     return Err(e);
                 }
             }
         }
         self.running = Some(Running {
-            stop,
             workers,
             spare: by_index.into_values().collect(),
             vhost_rings: Vec::new(),
@@ -566,8 +542,6 @@ impl VirtioDevice for Net {
         let Some(p) = self.paused.take() else {
             return Ok(());
         };
-        // Clear the stop that parked them, or the new threads leave at once.
-        let _ = p.stop.read();
         let mut rings = p.vhost_rings;
         if let Some(v) = self.vhost.as_mut()
             && !rings.is_empty()
@@ -584,38 +558,24 @@ impl VirtioDevice for Net {
                 source: std::io::Error::other(e),
             });
         }
-        let mut handles = Vec::with_capacity(p.workers.len());
-        let mut left = p.workers.into_iter();
-        while let Some(w) = left.next() {
-            let k = match &w {
-                Worker::Pair(pw) => Some(pw.pair()),
-                Worker::Ctrl(_) => None,
-            };
-            match self.spawn_worker(k, w) {
-                Ok(h) => handles.push(h),
-                Err(e) => {
-                    // Put back what runs: the device stays paused as a whole.
-                    let _ = p.stop.write(1);
-                    let mut workers: Vec<Worker> = handles.into_iter().filter_map(|h| h.join().ok()).collect();
-                    workers.extend(left);
-                    if let Some(v) = self.vhost.as_mut() {
-                        v.stop(&mut rings);
-                    }
-                    self.paused = Some(Paused {
-                        stop: p.stop,
-                        workers,
-                        spare: p.spare,
-                        vhost_rings: rings,
-                        acked: p.acked,
-                        interrupt: p.interrupt,
-                    });
-                    return Err(e);
-                }
+        let mut workers = p.workers;
+        if let Err(e) = workers.iter_mut().try_for_each(WorkerThread::unpark) {
+            // Put back what runs: the device stays paused as a whole.
+            park_all(&mut workers);
+            if let Some(v) = self.vhost.as_mut() {
+                v.stop(&mut rings);
             }
+            self.paused = Some(Paused {
+                workers,
+                spare: p.spare,
+                vhost_rings: rings,
+                acked: p.acked,
+                interrupt: p.interrupt,
+            });
+            return Err(e);
         }
         self.running = Some(Running {
-            stop: p.stop,
-            workers: handles,
+            workers,
             spare: p.spare,
             vhost_rings: rings,
             acked: p.acked,

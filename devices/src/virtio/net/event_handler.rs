@@ -1,6 +1,7 @@
-//! One virtio-net worker per queue pair: waits on the pair's RX and TX notify
-//! eventfds, its tap queue fd (edge-triggered) and the stop eventfd; worker 0
-//! also serves the control queue.
+//! One virtio-net worker per queue pair, on the worker framework: waits on
+//! the pair's RX and TX notify eventfds and its tap queue fd
+//! (edge-triggered); worker 0 also serves the control queue. With vhost-net
+//! one worker serves only the control queue.
 //!
 //! TX: pop chains, check them, `writev` the device-readable descriptors
 //! straight from guest memory into the tap (no copy; reads of guest memory
@@ -21,20 +22,18 @@ use k7d_sys::tap::Tap;
 use tracing::{debug, error, warn};
 use virtio_queue::{DescriptorChain, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
-use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::epoll::EventSet;
 
 use super::ctrl::{self, CtrlCommand};
 use super::device::NetStats;
 use super::{BATCH, MAX_FRAME_LEN, VNET_HDR_LEN};
-use crate::virtio::diag::WorkerDiag;
+use crate::virtio::worker::{EpollWorker, Registrar};
 use crate::virtio::{ActiveQueue, GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
 const TOKEN_RX: u64 = 0;
 const TOKEN_TX: u64 = 1;
 const TOKEN_TAP: u64 = 2;
 const TOKEN_CTRL: u64 = 3;
-const TOKEN_STOP: u64 = 4;
 
 /// Most iovecs in one TX frame (`UIO_MAXIOV`).
 const MAX_IOV: usize = 1024;
@@ -54,7 +53,6 @@ pub(super) struct PairWorker {
     tx: ActiveQueue,
     ctrl: Option<CtrlQueue>,
     tap: Arc<Tap>,
-    stop: EventFd,
     interrupt: Interrupt,
     stats: Arc<NetStats>,
     /// One frame from the tap, header first.
@@ -79,6 +77,81 @@ enum TxOutcome {
     Refused(std::io::Error),
 }
 
+/// A queue pair's worker (`k7d-vnet-q<k>`); pair 0 also serves the control
+/// queue.
+impl EpollWorker for PairWorker {
+    const DEVICE: &'static str = "net";
+
+    fn interrupt(&self) -> &Interrupt {
+        &self.interrupt
+    }
+
+    fn diag_slot(&self) -> u16 {
+        2 * self.pair
+    }
+
+    fn register(&mut self, fds: &Registrar<'_>) -> std::io::Result<()> {
+        fds.add(self.rx.notify.as_raw_fd(), EventSet::IN, TOKEN_RX)?;
+        fds.add(self.tx.notify.as_raw_fd(), EventSet::IN, TOKEN_TX)?;
+        fds.add(
+            self.fd().as_raw_fd(),
+            EventSet::IN | EventSet::EDGE_TRIGGERED,
+            TOKEN_TAP,
+        )?;
+        if let Some(c) = &self.ctrl {
+            fds.add(c.queue.notify.as_raw_fd(), EventSet::IN, TOKEN_CTRL)?;
+        }
+        Ok(())
+    }
+
+    fn on_thread_start(&mut self) {
+        self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
+        let tid = crate::virtio::diag::current_tid();
+        if let Some(s) = self.stats.pairs.get(usize::from(self.pair)) {
+            s.worker_tid.store(tid, Ordering::Release);
+        }
+    }
+
+    /// Work posted before activation or while parked.
+    fn on_start(&mut self) {
+        self.process_tx();
+        self.process_rx();
+        self.process_ctrl();
+    }
+
+    fn handle_event(&mut self, token: u64, _: EventSet) {
+        let diag = self.interrupt.diag();
+        match token {
+            TOKEN_TX => {
+                // Non-blocking; EAGAIN only means another wakeup consumed it.
+                diag.queue(self.tx.index).note_kick(self.tx.notify.read());
+                self.process_tx();
+            }
+            TOKEN_RX => {
+                diag.queue(self.rx.index).note_kick(self.rx.notify.read());
+                self.process_rx();
+            }
+            TOKEN_TAP => {
+                if let Some(s) = self.pair_stats() {
+                    s.tap_wakeups.fetch_add(1, Ordering::Relaxed);
+                }
+                self.process_rx();
+            }
+            TOKEN_CTRL => {
+                if let Some(c) = &self.ctrl {
+                    diag.queue(c.queue.index).note_kick(c.queue.notify.read());
+                }
+                self.process_ctrl();
+            }
+            other => warn!(token = other, "net worker got an unknown epoll token"),
+        }
+    }
+
+    fn on_thread_end(&mut self) {
+        self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl PairWorker {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
@@ -88,7 +161,6 @@ impl PairWorker {
         tx: ActiveQueue,
         ctrl: Option<CtrlQueue>,
         tap: Arc<Tap>,
-        stop: EventFd,
         interrupt: Interrupt,
         stats: Arc<NetStats>,
     ) -> Self {
@@ -99,7 +171,6 @@ impl PairWorker {
             tx,
             ctrl,
             tap,
-            stop,
             interrupt,
             stats,
             bounce: vec![0u8; VNET_HDR_LEN + MAX_FRAME_LEN],
@@ -109,35 +180,8 @@ impl PairWorker {
         }
     }
 
-    /// The queue pair this worker serves.
-    pub(super) fn pair(&self) -> u16 {
-        self.pair
-    }
-
     fn fd(&self) -> &OwnedFd {
         &self.tap.queues[usize::from(self.pair)]
-    }
-
-    /// Runs until the stop eventfd fires; returns itself (queues, a frame
-    /// still waiting for a buffer, broken flags), so the device can resume it
-    /// after a pause or take its queues back. The stop stays set: the device
-    /// clears it before restarting workers.
-    pub(super) fn run(mut self) -> Self {
-        self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
-        let tid = crate::virtio::diag::current_tid();
-        if let Some(s) = self.stats.pairs.get(usize::from(self.pair)) {
-            s.worker_tid.store(tid, Ordering::Release);
-        }
-        let diag = self.interrupt.diag().clone();
-        let me = diag.worker(2 * self.pair);
-        me.started();
-        match self.epoll() {
-            Ok(epoll) => self.event_loop(&epoll, me),
-            Err(e) => error!(pair = self.pair, error = %e, "net worker cannot set up epoll; pair is dead until reset"),
-        }
-        me.parked();
-        self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
-        self
     }
 
     /// The queues (RX, TX, control if it had it).
@@ -145,74 +189,6 @@ impl PairWorker {
         let mut out = vec![self.rx, self.tx];
         out.extend(self.ctrl.map(|c| c.queue));
         out
-    }
-
-    fn epoll(&self) -> std::io::Result<Epoll> {
-        let epoll = Epoll::new()?;
-        let add = |fd: i32, events: EventSet, token: u64| {
-            epoll.ctl(ControlOperation::Add, fd, EpollEvent::new(events, token))
-        };
-        add(self.rx.notify.as_raw_fd(), EventSet::IN, TOKEN_RX)?;
-        add(self.tx.notify.as_raw_fd(), EventSet::IN, TOKEN_TX)?;
-        add(
-            self.fd().as_raw_fd(),
-            EventSet::IN | EventSet::EDGE_TRIGGERED,
-            TOKEN_TAP,
-        )?;
-        add(self.stop.as_raw_fd(), EventSet::IN, TOKEN_STOP)?;
-        if let Some(c) = &self.ctrl {
-            add(c.queue.notify.as_raw_fd(), EventSet::IN, TOKEN_CTRL)?;
-        }
-        Ok(epoll)
-    }
-
-    fn event_loop(&mut self, epoll: &Epoll, me: &WorkerDiag) {
-        let diag = self.interrupt.diag().clone();
-        // Work posted before activation.
-        self.process_tx();
-        self.process_rx();
-        self.process_ctrl();
-        let mut events = [EpollEvent::default(); 8];
-        loop {
-            me.waiting();
-            let waited = epoll.wait(-1, &mut events);
-            me.woke();
-            let n = match waited {
-                Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    error!(pair = self.pair, error = %e, "net worker epoll failed; pair is dead until reset");
-                    return;
-                }
-            };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => return,
-                    TOKEN_TX => {
-                        // Non-blocking; EAGAIN only means another wakeup consumed it.
-                        diag.queue(self.tx.index).note_kick(self.tx.notify.read());
-                        self.process_tx();
-                    }
-                    TOKEN_RX => {
-                        diag.queue(self.rx.index).note_kick(self.rx.notify.read());
-                        self.process_rx();
-                    }
-                    TOKEN_TAP => {
-                        if let Some(s) = self.pair_stats() {
-                            s.tap_wakeups.fetch_add(1, Ordering::Relaxed);
-                        }
-                        self.process_rx();
-                    }
-                    TOKEN_CTRL => {
-                        if let Some(c) = &self.ctrl {
-                            diag.queue(c.queue.index).note_kick(c.queue.notify.read());
-                        }
-                        self.process_ctrl();
-                    }
-                    other => warn!(token = other, "net worker got an unknown epoll token"),
-                }
-            }
-        }
     }
 
     fn signal(&mut self, which: usize) {
@@ -624,73 +600,57 @@ pub(super) struct CtrlWorker {
     pub(super) mem: GuestMemoryHandle,
     pub(super) ctrl: CtrlQueue,
     pub(super) tap: Arc<Tap>,
-    pub(super) stop: EventFd,
     pub(super) interrupt: Interrupt,
     pub(super) stats: Arc<NetStats>,
+    /// The ring broke in this run of the thread: commands are not served.
+    pub(super) broken: bool,
+}
+
+impl EpollWorker for CtrlWorker {
+    const DEVICE: &'static str = "net";
+
+    fn interrupt(&self) -> &Interrupt {
+        &self.interrupt
+    }
+
+    fn diag_slot(&self) -> u16 {
+        self.ctrl.queue.index
+    }
+
+    fn register(&mut self, fds: &Registrar<'_>) -> std::io::Result<()> {
+        fds.add(self.ctrl.queue.notify.as_raw_fd(), EventSet::IN, TOKEN_CTRL)
+    }
+
+    fn on_thread_start(&mut self) {
+        self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Commands posted before activation or while parked.
+    fn on_start(&mut self) {
+        self.broken = !self.serve();
+    }
+
+    fn handle_event(&mut self, token: u64, _: EventSet) {
+        match token {
+            TOKEN_CTRL => {
+                self.interrupt
+                    .diag()
+                    .queue(self.ctrl.queue.index)
+                    .note_kick(self.ctrl.queue.notify.read());
+                if !self.broken {
+                    self.broken = !self.serve();
+                }
+            }
+            other => warn!(token = other, "net control worker got an unknown epoll token"),
+        }
+    }
+
+    fn on_thread_end(&mut self) {
+        self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl CtrlWorker {
-    /// Runs until the stop eventfd fires; returns itself (see
-    /// [`PairWorker::run`]).
-    pub(super) fn run(mut self) -> Self {
-        let epoll = Epoll::new().and_then(|ep| {
-            ep.ctl(
-                ControlOperation::Add,
-                self.ctrl.queue.notify.as_raw_fd(),
-                EpollEvent::new(EventSet::IN, TOKEN_CTRL),
-            )?;
-            ep.ctl(
-                ControlOperation::Add,
-                self.stop.as_raw_fd(),
-                EpollEvent::new(EventSet::IN, TOKEN_STOP),
-            )?;
-            Ok(ep)
-        });
-        let epoll = match epoll {
-            Ok(ep) => ep,
-            Err(e) => {
-                error!(error = %e, "net control worker cannot set up epoll; control queue is dead until reset");
-                return self;
-            }
-        };
-        self.stats.workers_running.fetch_add(1, Ordering::AcqRel);
-        let diag = self.interrupt.diag().clone();
-        let me = diag.worker(self.ctrl.queue.index);
-        me.started();
-        let mut events = [EpollEvent::default(); 4];
-        // Commands posted before activation.
-        let mut broken = !self.serve();
-        'outer: loop {
-            me.waiting();
-            let waited = epoll.wait(-1, &mut events);
-            me.woke();
-            let n = match waited {
-                Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    error!(error = %e, "net control worker epoll failed; control queue is dead until reset");
-                    break;
-                }
-            };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => break 'outer,
-                    TOKEN_CTRL => {
-                        diag.queue(self.ctrl.queue.index)
-                            .note_kick(self.ctrl.queue.notify.read());
-                        if !broken {
-                            broken = !self.serve();
-                        }
-                    }
-                    other => warn!(token = other, "net control worker got an unknown epoll token"),
-                }
-            }
-        }
-        me.parked();
-        self.stats.workers_running.fetch_sub(1, Ordering::AcqRel);
-        self
-    }
-
     /// The control queue.
     pub(super) fn into_queues(self) -> Vec<ActiveQueue> {
         vec![self.ctrl.queue]
@@ -732,15 +692,60 @@ pub(super) enum Worker {
     Ctrl(Box<CtrlWorker>),
 }
 
-impl Worker {
-    /// Runs until the stop eventfd fires.
-    pub(super) fn run(self) -> Self {
+impl EpollWorker for Worker {
+    const DEVICE: &'static str = "net";
+
+    fn interrupt(&self) -> &Interrupt {
         match self {
-            Self::Pair(w) => Self::Pair(Box::new(w.run())),
-            Self::Ctrl(w) => Self::Ctrl(Box::new(w.run())),
+            Self::Pair(w) => w.interrupt(),
+            Self::Ctrl(w) => w.interrupt(),
         }
     }
 
+    fn diag_slot(&self) -> u16 {
+        match self {
+            Self::Pair(w) => w.diag_slot(),
+            Self::Ctrl(w) => w.diag_slot(),
+        }
+    }
+
+    fn register(&mut self, fds: &Registrar<'_>) -> std::io::Result<()> {
+        match self {
+            Self::Pair(w) => w.register(fds),
+            Self::Ctrl(w) => w.register(fds),
+        }
+    }
+
+    fn on_thread_start(&mut self) {
+        match self {
+            Self::Pair(w) => w.on_thread_start(),
+            Self::Ctrl(w) => w.on_thread_start(),
+        }
+    }
+
+    fn on_start(&mut self) {
+        match self {
+            Self::Pair(w) => w.on_start(),
+            Self::Ctrl(w) => w.on_start(),
+        }
+    }
+
+    fn handle_event(&mut self, token: u64, events: EventSet) {
+        match self {
+            Self::Pair(w) => w.handle_event(token, events),
+            Self::Ctrl(w) => w.handle_event(token, events),
+        }
+    }
+
+    fn on_thread_end(&mut self) {
+        match self {
+            Self::Pair(w) => w.on_thread_end(),
+            Self::Ctrl(w) => w.on_thread_end(),
+        }
+    }
+}
+
+impl Worker {
     pub(super) fn into_queues(self) -> Vec<ActiveQueue> {
         match self {
             Self::Pair(w) => w.into_queues(),

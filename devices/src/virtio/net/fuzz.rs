@@ -73,7 +73,6 @@ impl PairHarness {
             active(1, tx)?,
             ctrl,
             Arc::new(tap),
-            EventFd::new(EFD_NONBLOCK)?,
             interrupt,
             stats.clone(),
         );

@@ -4,7 +4,6 @@ use std::fs::File;
 
 use tracing::info;
 use virtio_queue::Queue;
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::event_handler::RngWorker;
 use super::{ENTROPY_SOURCE, QUEUE_SIZE};
@@ -92,13 +91,11 @@ impl VirtioDevice for Rng {
                 got,
             });
         };
-        let stop = EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?;
         let worker = RngWorker {
             mem: ctx.mem,
             queue: q.queue,
             index: q.index,
             notify: q.notify,
-            stop: stop.try_clone().map_err(VirtioError::EventFd)?,
             interrupt: ctx.interrupt,
             source: self.source.try_clone().map_err(|source| VirtioError::Open {
                 path: ENTROPY_SOURCE.into(),
@@ -106,7 +103,7 @@ impl VirtioDevice for Rng {
             })?,
             malformed: 0,
         };
-        self.worker.spawn(stop, worker, "rng")?;
+        self.worker.spawn(worker)?;
         info!(features = ctx.acked_features, "virtio-rng activated");
         Ok(())
     }
@@ -125,20 +122,11 @@ impl VirtioDevice for Rng {
 
     /// Restarts a paused worker where it stopped (queue indexes kept).
     fn resume(&mut self) -> Result<(), VirtioError> {
-        self.worker.unpark("rng")
+        self.worker.unpark()
     }
 
     fn debug_state(&self) -> Vec<String> {
-        vec![format!(
-            "backend worker={}",
-            if self.worker.is_running() {
-                "running"
-            } else if self.worker.is_parked() {
-                "parked"
-            } else {
-                "none"
-            }
-        )]
+        vec![format!("backend worker={}", self.worker.state_word())]
     }
 
     /// rng keeps nothing beyond its queue, which the transport carries.

@@ -1,101 +1,67 @@
-//! The virtio-rng worker: waits on the queue's notify eventfd and the stop
-//! eventfd, and serves requests.
+//! The virtio-rng worker: waits on the queue's notify eventfd (the worker
+//! framework adds the stop eventfd) and serves requests.
 
 use std::fs::File;
-use std::io::ErrorKind;
 
+use std::os::fd::AsRawFd;
 use tracing::{debug, error, warn};
 use virtio_queue::{DescriptorChain, Queue, QueueT};
 use vm_memory::{Bytes, GuestMemoryBackend};
-use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+
+use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::MAX_BYTES_PER_CHAIN;
-use crate::virtio::diag::WorkerDiag;
+use crate::virtio::worker::{EpollWorker, Registrar};
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
 const TOKEN_QUEUE: u64 = 0;
-const TOKEN_STOP: u64 = 1;
 
 pub(super) struct RngWorker {
     pub(super) mem: GuestMemoryHandle,
     pub(super) queue: Queue,
     pub(super) index: u16,
     pub(super) notify: EventFd,
-    pub(super) stop: EventFd,
     pub(super) interrupt: Interrupt,
     pub(super) source: File,
     pub(super) malformed: u64,
 }
 
-impl RngWorker {
-    /// Runs until the stop eventfd fires; returns itself (queue state and
-    /// all), so the device can resume it or take its queue back. The stop is
-    /// left set: whoever restarts the worker clears it.
-    pub(super) fn run(self) -> Self {
-        let diag = self.interrupt.diag().clone();
-        let me = diag.worker(self.index);
-        me.started();
-        let this = self.serve(me);
-        me.parked();
-        this
+impl EpollWorker for RngWorker {
+    const DEVICE: &'static str = "rng";
+
+    fn interrupt(&self) -> &Interrupt {
+        &self.interrupt
     }
 
-    fn serve(mut self, me: &WorkerDiag) -> Self {
-        let epoll = match self.epoll() {
-            Ok(e) => e,
-            Err(e) => {
-                error!(error = %e, "rng worker cannot set up epoll; device is dead until reset");
-                return self;
-            }
-        };
-        // Buffers posted before activation (their notify is in the eventfd too,
-        // but serving them now costs nothing).
+    fn diag_slot(&self) -> u16 {
+        self.index
+    }
+
+    fn register(&mut self, fds: &Registrar<'_>) -> std::io::Result<()> {
+        fds.add(self.notify.as_raw_fd(), EventSet::IN, TOKEN_QUEUE)
+    }
+
+    /// Buffers posted before activation or while parked (their notify is in
+    /// the eventfd too, but serving them now costs nothing).
+    fn on_start(&mut self) {
         self.process_queue();
-        let mut events = [EpollEvent::default(); 2];
-        loop {
-            me.waiting();
-            let waited = epoll.wait(-1, &mut events);
-            me.woke();
-            let n = match waited {
-                Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    error!(error = %e, "rng worker epoll failed; device is dead until reset");
-                    return self;
-                }
-            };
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => return self,
-                    TOKEN_QUEUE => {
-                        // Non-blocking; EAGAIN only means another wakeup consumed it.
-                        self.interrupt.diag().queue(self.index).note_kick(self.notify.read());
-                        self.process_queue();
-                        self.interrupt.diag().queue(self.index).note_position(&self.queue);
-                    }
-                    other => warn!(token = other, "rng worker got an unknown epoll token"),
-                }
+    }
+
+    fn handle_event(&mut self, token: u64, _: EventSet) {
+        match token {
+            TOKEN_QUEUE => {
+                // Non-blocking; EAGAIN only means another wakeup consumed it.
+                self.interrupt.diag().queue(self.index).note_kick(self.notify.read());
+                self.process_queue();
+                self.interrupt.diag().queue(self.index).note_position(&self.queue);
             }
+            other => warn!(token = other, "rng worker got an unknown epoll token"),
         }
     }
+}
 
-    fn epoll(&self) -> std::io::Result<Epoll> {
-        use std::os::fd::AsRawFd;
-        let epoll = Epoll::new()?;
-        epoll.ctl(
-            ControlOperation::Add,
-            self.notify.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_QUEUE),
-        )?;
-        epoll.ctl(
-            ControlOperation::Add,
-            self.stop.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_STOP),
-        )?;
-        Ok(epoll)
-    }
-
+impl RngWorker {
     /// Drains the available ring, re-checking after re-enabling notifications
     /// so a buffer posted in between is not missed, then signals once.
     fn process_queue(&mut self) {
@@ -184,10 +150,4 @@ fn fill_chain(chain: DescriptorChain<&GuestMemoryTracked>, source: &mut File, ma
         }
     }
     total
-}
-
-impl crate::virtio::worker::ParkableWorker for RngWorker {
-    fn run(self) -> Self {
-        RngWorker::run(self)
-    }
 }

@@ -7,7 +7,6 @@ use std::path::{Path, PathBuf};
 use tracing::{error, info, warn};
 use virtio_queue::Queue;
 use vmm_sys_util::epoll::Epoll;
-use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::event_handler::VsockWorker;
 use super::muxer::Muxer;
@@ -144,21 +143,20 @@ impl VirtioDevice for Vsock {
         let listener = self.listener.try_clone().map_err(setup_err)?;
         let epoll = Epoll::new().map_err(setup_err)?;
         let muxer = Muxer::new(self.cid, &self.uds_path, listener, epoll).map_err(setup_err)?;
-        let stop = EventFd::new(EFD_NONBLOCK).map_err(VirtioError::EventFd)?;
         let (qs, notify) = queues.into_iter().map(|q| (q.queue, q.notify)).unzip();
         let worker = VsockWorker {
             mem: ctx.mem,
             queues: qs,
             notify,
-            stop: stop.try_clone().map_err(VirtioError::EventFd)?,
             interrupt: ctx.interrupt,
             muxer,
             malformed: 0,
             tx_stalled: false,
             buf: vec![0; MAX_PKT_BUF_SIZE as usize],
-            registered: false,
+            tx_kick: false,
+            mux_events: Vec::new(),
         };
-        self.worker.spawn(stop, worker, "vsock")?;
+        self.worker.spawn(worker)?;
         info!(cid = self.cid, features = ctx.acked_features, "virtio-vsock activated");
         Ok(())
     }
@@ -178,20 +176,11 @@ impl VirtioDevice for Vsock {
 
     /// Restarts a paused worker where it stopped.
     fn resume(&mut self) -> Result<(), VirtioError> {
-        self.worker.unpark("vsock")
+        self.worker.unpark()
     }
 
     fn debug_state(&self) -> Vec<String> {
-        vec![format!(
-            "backend worker={}",
-            if self.worker.is_running() {
-                "running"
-            } else if self.worker.is_parked() {
-                "parked"
-            } else {
-                "none"
-            }
-        )]
+        vec![format!("backend worker={}", self.worker.state_word())]
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

@@ -1,6 +1,6 @@
-//! The vsock worker: one thread, one epoll over the three queue notify
-//! eventfds, the stop eventfd, the listening unix socket and every host
-//! stream (edge-triggered). TX packets go to the muxer; whatever the muxer has
+//! The vsock worker: one thread on the worker framework, waiting on the
+//! three queue notify eventfds and the muxer's epoll (the listening unix
+//! socket and every host stream, edge-triggered), nested in the worker's. TX packets go to the muxer; whatever the muxer has
 //! for the guest (control packets, then stream data within the guest's
 //! credit) is written into RX buffers through vm-memory.
 
@@ -11,111 +11,109 @@ use tracing::{debug, error, warn};
 use virtio_queue::{Queue, QueueOwnedT, QueueT};
 use virtio_vsock::packet::{PKT_HEADER_SIZE, VsockPacket};
 use vm_memory::Bytes;
-use vmm_sys_util::epoll::{ControlOperation, EpollEvent, EventSet};
+use vmm_sys_util::epoll::{EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::muxer::{Hdr, MAX_CONTROL_BACKLOG, Muxer, TOKEN_LISTENER};
 use super::{EVQ, MAX_PKT_BUF_SIZE, RXQ, TXQ, op};
-use crate::virtio::diag::WorkerDiag;
+use crate::virtio::worker::{EpollWorker, Registrar};
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
-const TOKEN_STOP: u64 = 3;
-const _: () = assert!(TOKEN_STOP < TOKEN_LISTENER && (EVQ as u64) < TOKEN_STOP);
+/// The muxer's own epoll (the listener and every host stream), nested in
+/// the worker's: readable when one of them has an event.
+const TOKEN_MUXER: u64 = 3;
+const _: () = assert!(TOKEN_MUXER < TOKEN_LISTENER && (EVQ as u64) < TOKEN_MUXER);
 
 pub(super) struct VsockWorker {
     pub(super) mem: GuestMemoryHandle,
     /// rx, tx, event (by queue index).
     pub(super) queues: Vec<Queue>,
     pub(super) notify: Vec<EventFd>,
-    pub(super) stop: EventFd,
     pub(super) interrupt: Interrupt,
     pub(super) muxer: Muxer,
     pub(super) malformed: u64,
     /// TX processing paused because the muxer's control backlog is full.
     pub(super) tx_stalled: bool,
     pub(super) buf: Vec<u8>,
-    /// Whether the notify and stop fds are in the muxer's epoll (they stay
-    /// there across a pause: the epoll outlives the thread).
-    pub(super) registered: bool,
+    /// The guest kicked TX in the batch of events being handled.
+    pub(super) tx_kick: bool,
+    /// Events taken from the muxer's epoll.
+    pub(super) mux_events: Vec<EpollEvent>,
+}
+
+impl EpollWorker for VsockWorker {
+    const DEVICE: &'static str = "vsock";
+
+    fn interrupt(&self) -> &Interrupt {
+        &self.interrupt
+    }
+
+    fn diag_slot(&self) -> u16 {
+        0
+    }
+
+    fn register(&mut self, fds: &Registrar<'_>) -> std::io::Result<()> {
+        for (i, fd) in self.notify.iter().enumerate() {
+            fds.add(fd.as_raw_fd(), EventSet::IN, i as u64)?;
+        }
+        fds.add(self.muxer.epoll().as_raw_fd(), EventSet::IN, TOKEN_MUXER)
+    }
+
+    /// Buffers posted before activation or while parked.
+    fn on_start(&mut self) {
+        self.process_tx();
+        self.process_rx();
+    }
+
+    fn handle_event(&mut self, token: u64, _: EventSet) {
+        match token {
+            TOKEN_MUXER => self.drain_muxer(),
+            t => {
+                // Non-blocking; EAGAIN only means another wakeup consumed it.
+                if let Some(fd) = self.notify.get(t as usize) {
+                    self.interrupt.diag().queue(t as u16).note_kick(fd.read());
+                }
+                self.tx_kick |= t == u64::from(TXQ);
+            }
+        }
+    }
+
+    fn after_events(&mut self) {
+        if std::mem::take(&mut self.tx_kick) || self.tx_stalled {
+            self.process_tx();
+        }
+        self.muxer.request_credit_where_stalled();
+        self.process_rx();
+        let diag = self.interrupt.diag();
+        for (i, q) in self.queues.iter().enumerate() {
+            diag.queue(i as u16).note_position(q);
+        }
+    }
 }
 
 impl VsockWorker {
-    /// Runs until the stop eventfd fires; returns itself (queues, muxer and
-    /// connections), so the device can resume it after a pause or take the
-    /// queues (rx, tx, event) back. The stop stays set: the device clears it.
-    pub(super) fn run(self) -> Self {
-        let diag = self.interrupt.diag().clone();
-        let me = diag.worker(0);
-        me.started();
-        let this = self.serve(me);
-        me.parked();
-        this
-    }
-
-    fn serve(mut self, me: &WorkerDiag) -> Self {
-        if !self.registered {
-            if let Err(e) = self.register() {
-                error!(error = %e, "vsock worker cannot set up epoll; device is dead until reset");
-                return self;
-            }
-            self.registered = true;
+    /// Hands every ready event of the listener and the host streams to the
+    /// muxer (without waiting: the outer epoll said some are ready).
+    fn drain_muxer(&mut self) {
+        if self.mux_events.is_empty() {
+            self.mux_events = vec![EpollEvent::default(); 64];
         }
-        // Buffers posted before activation.
-        self.process_tx();
-        self.process_rx();
-        let mut events = vec![EpollEvent::default(); 64];
-        let diag = self.interrupt.diag().clone();
         loop {
-            me.waiting();
-            let waited = self.muxer.epoll().wait(-1, &mut events);
-            me.woke();
-            let n = match waited {
+            let n = match self.muxer.epoll().wait(0, &mut self.mux_events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    error!(error = %e, "vsock worker epoll failed; device is dead until reset");
-                    return self;
+                    error!(error = %e, "the vsock muxer's epoll failed");
+                    return;
                 }
             };
-            let mut tx_kick = false;
-            for ev in &events[..n] {
-                match ev.data() {
-                    TOKEN_STOP => return self,
-                    t if t < TOKEN_STOP => {
-                        // Non-blocking; EAGAIN only means another wakeup consumed it.
-                        if let Some(fd) = self.notify.get(t as usize) {
-                            diag.queue(t as u16).note_kick(fd.read());
-                        }
-                        tx_kick |= t == u64::from(TXQ);
-                    }
-                    t => self.muxer.handle_event(t, ev.event_set()),
-                }
+            for ev in &self.mux_events[..n] {
+                self.muxer.handle_event(ev.data(), ev.event_set());
             }
-            if tx_kick || self.tx_stalled {
-                self.process_tx();
-            }
-            self.muxer.request_credit_where_stalled();
-            self.process_rx();
-            for (i, q) in self.queues.iter().enumerate() {
-                diag.queue(i as u16).note_position(q);
+            if n < self.mux_events.len() {
+                return;
             }
         }
-    }
-
-    fn register(&self) -> std::io::Result<()> {
-        let epoll = self.muxer.epoll();
-        for (i, fd) in self.notify.iter().enumerate() {
-            epoll.ctl(
-                ControlOperation::Add,
-                fd.as_raw_fd(),
-                EpollEvent::new(EventSet::IN, i as u64),
-            )?;
-        }
-        epoll.ctl(
-            ControlOperation::Add,
-            self.stop.as_raw_fd(),
-            EpollEvent::new(EventSet::IN, TOKEN_STOP),
-        )
     }
 
     /// Takes packets from the guest until the TX ring is empty (or the muxer
@@ -303,10 +301,4 @@ fn write_packet<B: vm_memory::bitmap::BitmapSlice>(pkt: &mut VsockPacket<'_, B>,
         return 0;
     }
     (PKT_HEADER_SIZE + data.len()) as u32
-}
-
-impl crate::virtio::worker::ParkableWorker for VsockWorker {
-    fn run(self) -> Self {
-        VsockWorker::run(self)
-    }
 }

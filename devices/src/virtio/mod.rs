@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use thiserror::Error;
 use tracing::debug;
 use virtio_queue::Queue;
-use vm_memory::GuestMemoryMmap;
 use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::{GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::pci::{MsixError, MsixVectors};
@@ -97,6 +97,14 @@ pub const ISR_CONFIG: u8 = 2;
 /// Errors from virtio devices.
 #[derive(Debug, Error)]
 pub enum VirtioError {
+    /// The device cannot be carried into a fork's child.
+    #[error("its {device} device {why}")]
+    NotForkable {
+        /// Device name.
+        device: &'static str,
+        /// Why, as the end of a sentence ("cannot ...").
+        why: String,
+    },
     /// A lifecycle operation the device does not implement.
     #[error("the {device} device does not support {op}")]
     Unsupported {
@@ -300,6 +308,47 @@ pub struct ActivateContext {
     pub interrupt: Interrupt,
 }
 
+/// A record of the guest pages a device wrote that the VM's own bitmap
+/// and KVM's dirty log do not see (the fork seam: `docs/fork.md`).
+pub trait RamWriteLog: Send + Sync {
+    /// Calls `page` with the guest-physical address of each page written
+    /// since the last drain, and forgets them.
+    fn drain(&self, page: &mut dyn FnMut(GuestAddress));
+}
+
+/// What the child's twin of a device takes from its source at a fork
+/// ([`VirtioDevice::fork_backend`]), device-neutral: the VMM hands it to the
+/// code that builds that kind of device, which takes its own type out.
+#[derive(Default)]
+pub struct ForkBackend(Option<Box<dyn std::any::Any + Send>>);
+
+impl ForkBackend {
+    /// The child's device is built from the VM's config alone.
+    pub fn from_config() -> Self {
+        Self(None)
+    }
+
+    /// The child's device takes `backend`.
+    pub fn new<T: std::any::Any + Send>(backend: T) -> Self {
+        Self(Some(Box::new(backend)))
+    }
+
+    /// The backend, if it is a `T`.
+    pub fn take<T: std::any::Any>(self) -> Option<T> {
+        self.0?.downcast::<T>().ok().map(|b| *b)
+    }
+}
+
+impl std::fmt::Debug for ForkBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "ForkBackend(..)"
+        } else {
+            "ForkBackend(config)"
+        })
+    }
+}
+
 /// A virtio device, independent of its transport.
 ///
 /// `activate` starts the device's worker(s); `reset` stops them and returns
@@ -355,13 +404,32 @@ pub trait VirtioDevice: Send {
             op: "resume",
         })
     }
-    /// For a device whose backend writes guest RAM past the memory handle it
-    /// was activated with (a kernel backend: vhost), switch that backend's
-    /// own dirty log on and hand it over; the fork path merges it. Called
-    /// with the device paused. In-process devices write through the handle,
-    /// whose bitmap already records them: `None`.
-    fn kernel_dirty_log(&mut self) -> Result<Option<Arc<net::VhostDirtyLog>>, VirtioError> {
-        Ok(None)
+    /// Whether the paused device can be carried into a fork's child; asked
+    /// of every device before anything is frozen, so a refusal leaves the
+    /// source as it was. A device that has not thought about forks refuses.
+    fn can_fork(&self) -> Result<(), VirtioError> {
+        Err(VirtioError::NotForkable {
+            device: self.name(),
+            why: "does not support fork".into(),
+        })
+    }
+    /// The backend the child's twin of this device takes, once per child,
+    /// the device paused and the source frozen: a copy-on-write disk for
+    /// blk, nothing for a device rebuilt from the config alone (rng; net,
+    /// which gets its own tap). The default refuses.
+    fn fork_backend(&mut self) -> Result<ForkBackend, VirtioError> {
+        Err(VirtioError::NotForkable {
+            device: self.name(),
+            why: "does not support fork".into(),
+        })
+    }
+    /// The records this device keeps of the guest RAM it writes outside
+    /// the VM's own bitmap (blk's own view of guest memory; vhost's kernel
+    /// log, switched on here). Asked once, at the first fork, the device
+    /// paused; the fork path drains them with KVM's dirty log. A device
+    /// that writes only through the memory handle the VM gave it has none.
+    fn ram_write_logs(&mut self) -> Result<Vec<Arc<dyn RamWriteLog>>, VirtioError> {
+        Ok(Vec::new())
     }
     /// The device's own lines for the state dump (`SIGUSR1`): workers,
     /// counters, backend state; no prefix, no newline. Called on the dump

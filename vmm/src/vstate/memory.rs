@@ -7,7 +7,6 @@
 
 use std::fs::File;
 use std::num::NonZeroUsize;
-use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use kvm_bindings::{KVM_MEM_LOG_DIRTY_PAGES, kvm_userspace_memory_region};
@@ -364,11 +363,6 @@ impl GuestRam {
     /// RAM size in bytes.
     pub fn size(&self) -> u64 {
         self.size
-    }
-
-    /// The memfd's fd number (for diagnostics).
-    pub fn memfd_raw(&self) -> i32 {
-        self.memfd.as_raw_fd()
     }
 }
 

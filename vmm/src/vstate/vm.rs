@@ -6,6 +6,7 @@
 //! them; [`Vm::stop`] makes them leave and joins them. Dropping a `Vm` stops it
 //! and releases every fd, mapping and thread it created.
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -15,6 +16,7 @@ use std::time::{Duration, Instant};
 use k7d_devices::bus::{BusDevice, SharedDevice};
 use k7d_devices::irq::IrqLine;
 use k7d_devices::legacy::{I8042, Serial, SerialOutput};
+use k7d_devices::virtio::{ForkBackend, RamWriteLog};
 use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config};
 use kvm_ioctls::{Kvm, VmFd};
 use serde::{Deserialize, Serialize};
@@ -202,6 +204,8 @@ pub struct Vm {
     /// Writers of guest RAM the fork path must account for besides KVM's
     /// dirty log and the VM's own bitmap (see `docs/fork.md`); before `ram`.
     ram_writers: RamWriters,
+    /// Every disk, in config order (a snapshot refuses copy-on-write ones).
+    disks: Vec<Arc<k7d_devices::virtio::block::DiskImage>>,
     vm_fd: Arc<VmFd>,
     ram: GuestRam,
     created: Instant,
@@ -269,18 +273,18 @@ impl Vm {
         if !matches!(self.state(), VmState::Paused | VmState::Created) {
             return Err(self.state_error("fork"));
         }
-        // Refusals first, before the first fork freezes anything.
-        if self.config.devices.vsock.is_some() {
-            return Err(VmError::Refused(format!(
-                "vm {} cannot be forked: its vsock device's host connections cannot be carried into a child",
-                self.id
-            )));
-        }
+        // Refusals first, before the first fork freezes anything: the
+        // config's, then each device's own.
         if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
             return Err(VmError::Refused(format!(
                 "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",
                 self.id
             )));
+        }
+        for d in &self.virtio {
+            let dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            dev.can_fork()
+                .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id)))?;
         }
         if self.ram.is_frozen() {
             self.ram_writers.harvest_into(&self.ram);
@@ -289,24 +293,22 @@ impl Vm {
             // Dirty log on before the freeze, both while nothing runs: no
             // write can fall between them. What the devices wrote before the
             // freeze is in the base: their bitmaps start empty.
-            self.ram_writers.start_kernel_logs(&self.id, &self.virtio)?;
+            self.ram_writers.start(&self.id, &self.virtio)?;
             self.ram.set_dirty_log(&self.vm_fd, true)?;
             self.ram.freeze()?;
             self.ram_writers.clear();
             self.ram.harvest(&self.vm_fd)?;
         }
         let state = self.save_state()?;
-        // Each child gets a copy-on-write view of every writable disk as of
-        // now (the first fork freezes the source's image too); read-only
-        // images are shared.
-        let mut disks = Vec::with_capacity(self.ram_writers.disks.len());
-        for (i, d) in self.ram_writers.disks.iter().enumerate() {
-            disks.push(d.fork().map_err(|e| {
-                let cause = std::error::Error::source(&e)
-                    .map(|c| format!(": {c}"))
-                    .unwrap_or_default();
-                VmError::DeviceState(format!("disk {i} of vm {} could not be forked: {e}{cause}", self.id))
-            })?);
+        // Each device hands over what its twin in the child takes (blk: a
+        // copy-on-write view of its disk as of now), in bus order.
+        let mut backends = VecDeque::with_capacity(self.virtio.len());
+        for d in &self.virtio {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            backends.push_back(
+                dev.fork_backend()
+                    .map_err(|e| VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id)))?,
+            );
         }
         let mut config = self.config.clone();
         config.id = Some(child_id.to_string());
@@ -321,7 +323,7 @@ impl Vm {
             &config,
             opts,
             Some((&state, RamSource::ChildOf(&self.ram))),
-            Some(disks),
+            Some(backends),
         )
     }
 
@@ -339,14 +341,15 @@ impl Vm {
         Self::build_with_disks(id, config, opts, restore, None)
     }
 
-    /// As `build`; `forked_disks` (a fork child) replaces opening the
-    /// config's disk paths.
+    /// As `build`; `fork_backends` (a fork child) are the source devices'
+    /// backends, in bus order (a disk's copy-on-write view instead of
+    /// opening the config's path).
     fn build_with_disks(
         id: &str,
         config: &VmConfig,
         opts: &VmOptions,
         restore: Option<(&MachineState, RamSource<'_>)>,
-        forked_disks: Option<Vec<k7d_devices::virtio::block::DiskImage>>,
+        fork_backends: Option<VecDeque<ForkBackend>>,
     ) -> Result<Self, VmError> {
         let created = Instant::now();
         let mut clock = StepClock::new();
@@ -440,7 +443,7 @@ impl Vm {
         let serial_state = state.map(|st| &st.serial);
         let mut net_cleanups = Vec::new();
         let mut virtio = Vec::new();
-        let mut ram_writers = RamWriters::default();
+        let mut disks = Vec::new();
         let (mut buses, mut devices, serial) =
             build_devices(id, &vm_fd, &control, opts, config.serial.console, serial_state)?;
         // The real-mode test guests get the PCI platform only when a host
@@ -452,9 +455,9 @@ impl Vm {
                 devices: &mut devices,
                 net_cleanups: &mut net_cleanups,
                 virtio: &mut virtio,
-                ram_writers: &mut ram_writers,
+                disks: &mut disks,
             };
-            add_linux_platform(&vm_fd, &ram, &control, config, opts, out, forked_disks)?;
+            add_linux_platform(&vm_fd, &ram, &control, config, opts, out, fork_backends)?;
         }
         clock.done("devices");
 
@@ -526,7 +529,8 @@ impl Vm {
             _net_cleanups: net_cleanups,
             devices,
             virtio,
-            ram_writers,
+            ram_writers: RamWriters::default(),
+            disks,
             vm_fd,
             ram,
             created,
@@ -805,7 +809,7 @@ impl Vm {
     /// snapshot: then it is exchanged atomically with the new one and
     /// removed.
     pub fn snapshot(&self, dir: &Path, replace: bool) -> Result<(), VmError> {
-        if let Some(i) = self.ram_writers.disks.iter().position(|d| d.is_frozen()) {
+        if let Some(i) = self.disks.iter().position(|d| d.is_frozen()) {
             return Err(VmError::Refused(format!(
                 "vm {} cannot be snapshotted: its disk {i} is a copy-on-write view since a fork, and a snapshot would not carry what it wrote",
                 self.id
@@ -1009,14 +1013,14 @@ fn add_linux_platform(
     config: &VmConfig,
     opts: &VmOptions,
     out: Wiring<'_>,
-    forked_disks: Option<Vec<k7d_devices::virtio::block::DiskImage>>,
+    fork_backends: Option<VecDeque<ForkBackend>>,
 ) -> Result<(), VmError> {
     let Wiring {
         buses,
         devices,
         net_cleanups,
         virtio,
-        ram_writers,
+        disks,
     } = out;
     use k7d_devices::pci::{
         BarAllocator, ECAM_BUS_SIZE, PCI_CONFIG_IO_LEN, PCI_CONFIG_IO_PORT, PciConfigIo, PciConfigMmio, PciRoot,
@@ -1059,29 +1063,43 @@ fn add_linux_platform(
         devices,
         virtio,
     };
+    // A fork child's devices take their source's backends in bus order
+    // (the order of the `pci.add` calls below).
+    let mut fork_backends = fork_backends;
+    let mut from_source = |what: &'static str| -> Result<Option<ForkBackend>, VmError> {
+        match fork_backends.as_mut() {
+            None => Ok(None),
+            Some(b) => b.pop_front().map(Some).ok_or_else(|| VmError::Device {
+                what,
+                msg: "the fork source has fewer devices than the child".into(),
+            }),
+        }
+    };
     if config.devices.rng {
+        from_source("virtio-rng")?;
         let rng = k7d_devices::virtio::rng::Rng::new().map_err(|e| dev_err("virtio-rng")(&e))?;
         pci.add("virtio-rng", Box::new(rng), mem.clone(), String::new())?;
     }
-    let mut forked = forked_disks.map(Vec::into_iter);
     for (i, d) in config.devices.disks.iter().enumerate() {
-        let disk = match forked.as_mut() {
-            Some(it) => it.next().ok_or_else(|| VmError::Device {
-                what: "virtio-blk",
-                msg: format!("disk {i} has no copy-on-write view from the fork source"),
-            })?,
+        let disk = match from_source("virtio-blk")? {
+            Some(b) => b
+                .take::<k7d_devices::virtio::block::DiskImage>()
+                .ok_or_else(|| VmError::Device {
+                    what: "virtio-blk",
+                    msg: format!("disk {i} has no copy-on-write view from the fork source"),
+                })?,
             None => k7d_devices::virtio::block::DiskImage::open(&d.path, d.read_only)
                 .map_err(|e| dev_err("virtio-blk")(&e))?,
         };
         let serial = format!("k7d-disk{i}");
-        let blk = k7d_devices::virtio::block::Block::new(disk, &serial).map_err(|e| dev_err("virtio-blk")(&e))?;
-        ram_writers.disks.push(blk.disk().clone());
+        let mut blk = k7d_devices::virtio::block::Block::new(disk, &serial).map_err(|e| dev_err("virtio-blk")(&e))?;
+        disks.push(blk.disk().clone());
         // SAFETY: the view maps the VM's own RAM; the device (inside the
         // buses) is dropped before `ram` (see `Vm`'s field order), and no
         // device outlives its VM.
         let view =
             unsafe { k7d_devices::virtio::block::DeviceMemory::new(&mem) }.map_err(|e| dev_err("virtio-blk")(&e))?;
-        ram_writers.blk_views.push(view.clone());
+        blk.track_writes(view.clone());
         let detail = format!(
             "{} ({}), serial {serial}, own dirty bitmap",
             d.path.display(),
@@ -1214,6 +1232,8 @@ fn add_linux_platform(
                     .map_err(|e| dev_err("virtio-net")(&e))?
             };
             let mac_s = mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+            // A child's NIC is built from its config (its own tap).
+            from_source("virtio-net")?;
             pci.add(
                 "virtio-net",
                 Box::new(net),
@@ -1225,6 +1245,7 @@ fn add_linux_platform(
     if let Some(v) = &config.devices.vsock {
         let dev = k7d_devices::virtio::vsock::Vsock::new(v.cid, &v.uds).map_err(|e| dev_err("virtio-vsock")(&e))?;
         let detail = format!("cid {}, hybrid host socket {}", v.cid, v.uds.display());
+        from_source("virtio-vsock")?;
         pci.add("virtio-vsock", Box::new(dev), mem.clone(), detail)?;
     }
     let root = Arc::new(Mutex::new(root));
@@ -1270,62 +1291,50 @@ struct Wiring<'a> {
     devices: &'a mut Vec<DeviceInfo>,
     net_cleanups: &'a mut Vec<NetCleanup>,
     virtio: &'a mut Vec<VirtioHandle>,
-    ram_writers: &'a mut RamWriters,
+    disks: &'a mut Vec<Arc<k7d_devices::virtio::block::DiskImage>>,
 }
 
-/// The writers of guest RAM that keep their own record of what they wrote,
-/// and the disks a fork must give each child a view of.
+/// The records the devices keep of the guest RAM they write beside the VM's
+/// own bitmap and KVM's dirty log (`VirtioDevice::ram_write_logs`: blk's
+/// own view, vhost's kernel log), collected from every device at the first
+/// fork: the one seam through which the fork path learns every writer.
 #[derive(Default)]
 struct RamWriters {
-    /// virtio-blk's own views of guest RAM (their bitmaps see only blk).
-    blk_views: Vec<k7d_devices::virtio::block::DeviceMemory>,
-    /// The kernel's log of the pages vhost-net wrote (switched on by the
-    /// first fork).
-    vhost_logs: Mutex<Vec<Arc<k7d_devices::virtio::net::VhostDirtyLog>>>,
-    /// Every disk, in config order.
-    disks: Vec<Arc<k7d_devices::virtio::block::DiskImage>>,
+    logs: Mutex<Vec<Arc<dyn RamWriteLog>>>,
 }
 
 impl RamWriters {
     /// Folds what the devices wrote since the last call into `ram`'s
     /// diverged set. Every device is paused.
     fn harvest_into(&self, ram: &GuestRam) {
-        for v in &self.blk_views {
-            for region in v.take_dirty() {
-                ram.add_diverged_gpas(region.dirty_addrs().map(|a| a.0));
-            }
+        let mut pages = Vec::new();
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            log.drain(&mut |gpa| pages.push(gpa.0));
         }
-        for log in self.vhost_logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            let mut pages = Vec::new();
-            log.drain(|gpa| pages.push(gpa.0));
-            ram.add_diverged_gpas(pages.into_iter());
-        }
+        ram.add_diverged_gpas(pages.into_iter());
     }
 
-    /// Asks every device whose backend writes guest RAM from the kernel for
-    /// its dirty log (first fork, devices paused: logging starts at resume).
-    fn start_kernel_logs(&self, id: &str, virtio: &[VirtioHandle]) -> Result<(), VmError> {
-        let mut logs = self.vhost_logs.lock().unwrap_or_else(|p| p.into_inner());
+    /// Asks every device for its records (first fork, devices paused: a
+    /// kernel backend's log starts at resume).
+    fn start(&self, id: &str, virtio: &[VirtioHandle]) -> Result<(), VmError> {
+        let mut logs = self.logs.lock().unwrap_or_else(|p| p.into_inner());
         for d in virtio {
             let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            let log = dev.kernel_dirty_log().map_err(|e| {
+            let more = dev.ram_write_logs().map_err(|e| {
                 VmError::Refused(format!(
-                    "vm {id} cannot be forked: its {} device cannot log the pages its kernel backend writes: {e}",
+                    "vm {id} cannot be forked: its {} device cannot record the guest pages it writes: {e}",
                     dev.device_name()
                 ))
             })?;
-            logs.extend(log);
+            logs.extend(more);
         }
         Ok(())
     }
 
     /// Forgets what the devices wrote so far (it is in the frozen base).
     fn clear(&self) {
-        for v in &self.blk_views {
-            v.reset_dirty();
-        }
-        for log in self.vhost_logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            log.drain(|_| {});
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            log.drain(&mut |_| {});
         }
     }
 }

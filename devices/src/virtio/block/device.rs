@@ -9,12 +9,13 @@ use virtio_queue::{Queue, QueueT};
 
 use super::disk::DiskImage;
 use super::event_handler::{BlockStats, BlockWorker, RequestHandler};
+use super::memory::DeviceMemory;
 use super::persist;
 use super::request::Limits;
 use super::{BlockError, CONFIG_LEN, ID_BYTES, MAX_DISCARD_SECTORS, QUEUE_SIZE, SECTOR_SIZE, features};
 use crate::virtio::{
-    ActivateContext, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice,
-    VirtioError,
+    ActivateContext, ForkBackend, RamWriteLog, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+    VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice, VirtioError,
 };
 
 /// The queue indexes of a paused device (what a snapshot must carry).
@@ -34,6 +35,9 @@ pub struct Block {
     config: [u8; CONFIG_LEN],
     worker: WorkerThread<BlockWorker>,
     last_stats: BlockStats,
+    /// The device's own view of guest memory, when the VMM gave it one
+    /// ([`Block::track_writes`]): reported as its RAM write log at a fork.
+    view: Option<DeviceMemory>,
 }
 
 impl std::fmt::Debug for Block {
@@ -63,6 +67,7 @@ impl Block {
             config: [0; CONFIG_LEN],
             worker: WorkerThread::new("k7d-virtio-blk"),
             last_stats: BlockStats::default(),
+            view: None,
         };
         dev.config = dev.build_config();
         Ok(dev)
@@ -98,6 +103,13 @@ impl Block {
             c[56] = 1; // write_zeroes_may_unmap
         }
         c
+    }
+
+    /// Tells the device that `view` is the memory it will be activated with
+    /// (its own dirty bitmap, `DeviceMemory`): a fork drains it as this
+    /// device's record of the guest pages it wrote.
+    pub fn track_writes(&mut self, view: DeviceMemory) {
+        self.view = Some(view);
     }
 
     /// Whether a worker thread is running (paused counts as not running).
@@ -270,6 +282,33 @@ impl VirtioDevice for Block {
             st.errors,
             st.dropped,
         )]
+    }
+
+    /// A child gets a copy-on-write view of the disk as of the fork (the
+    /// first fork freezes a writable image); read-only images are shared.
+    fn can_fork(&self) -> Result<(), VirtioError> {
+        Ok(())
+    }
+
+    fn fork_backend(&mut self) -> Result<ForkBackend, VirtioError> {
+        let disk = self.fork_disk().map_err(|e| {
+            let cause = std::error::Error::source(&e)
+                .map(|c| format!(": {c}"))
+                .unwrap_or_default();
+            VirtioError::NotForkable {
+                device: "blk",
+                why: format!("could not give the child a copy-on-write disk: {e}{cause}"),
+            }
+        })?;
+        Ok(ForkBackend::new(disk))
+    }
+
+    fn ram_write_logs(&mut self) -> Result<Vec<Arc<dyn RamWriteLog>>, VirtioError> {
+        Ok(self
+            .view
+            .iter()
+            .map(|v| Arc::new(v.clone()) as Arc<dyn RamWriteLog>)
+            .collect())
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

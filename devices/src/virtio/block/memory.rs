@@ -155,3 +155,11 @@ impl DeviceMemory {
             .collect()
     }
 }
+
+impl crate::virtio::RamWriteLog for DeviceMemory {
+    fn drain(&self, page: &mut dyn FnMut(GuestAddress)) {
+        for region in self.take_dirty() {
+            region.dirty_addrs().for_each(&mut *page);
+        }
+    }
+}

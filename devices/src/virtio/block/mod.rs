@@ -12,7 +12,9 @@
 //!   costs what diverged, not the disk size; dropping a disk frees its
 //!   overlay. Read-only images are shared.
 //! - [`Block`] (`device.rs`): the [`crate::virtio::VirtioDevice`]: features,
-//!   config space, one I/O worker thread, pause/resume.
+//!   config space, one I/O worker on the worker framework, pause/resume, and
+//!   its side of the fork seam (a copy-on-write disk for each child, its own
+//!   view of guest memory as its record of the pages it wrote).
 //! - `request.rs`: request parsing with the spec's validation (virtio 1.2
 //!   §5.2.6). No crate on crates.io does this.
 //! - [`RequestHandler`] (`event_handler.rs`): drains the queue, executes
@@ -20,8 +22,9 @@
 //!   per batch; the worker loop around it.
 //! - [`DeviceMemory`] (`memory.rs`): the device's own view of guest memory,
 //!   whose dirty bitmap only this device marks.
-//! - `persist.rs`: snapshot/restore (not done: fails loudly), and seeding
-//!   queue indexes from the guest's used ring on restore.
+//! - `persist.rs`: snapshot/restore of the device's own state (the disk's
+//!   size and mode, checked on restore); the transport seeds the queue from
+//!   the guest's used ring.
 //!
 //! # Dirty tracking
 //!
@@ -136,9 +139,6 @@ pub enum BlockError {
     /// Building the device's view of guest memory failed.
     #[error("building the device's view of guest memory failed: {0}")]
     MemoryView(String),
-    /// The guest's ring could not be read while seeding queue indexes.
-    #[error("reading the guest's used ring failed: {0}")]
-    UsedRing(String),
     /// Duplicating the base image's descriptor for a fork failed.
     #[error("duplicating the descriptor of the disk image {path} for a fork failed")]
     ForkBase {
@@ -174,7 +174,4 @@ pub enum BlockError {
     /// The disk was to be forked while its device's worker was running.
     #[error("the disk {0} can only be forked while its device is paused")]
     ForkWhileRunning(String),
-    /// Snapshot/restore of blk state is not implemented.
-    #[error("virtio-blk {0} is not implemented yet")]
-    NotImplemented(&'static str),
 }

@@ -19,8 +19,8 @@ use super::vhost::{self, VhostDirtyLog, VhostNetBackend, VhostOptions};
 use super::{MAX_QUEUE_PAIRS, NetError, QUEUE_SIZE, persist, tap_queue};
 use crate::virtio::worker::{WorkerThread, park_all};
 use crate::virtio::{
-    ActivateContext, ActiveQueue, GuestMemoryHandle, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
-    VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice, VirtioError,
+    ActivateContext, ActiveQueue, ForkBackend, GuestMemoryHandle, RamWriteLog, VIRTIO_F_VERSION_1,
+    VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice, VirtioError,
 };
 
 /// Length of the config space: `mac[6]`, `status`, `max_virtqueue_pairs`, `mtu`.
@@ -632,14 +632,25 @@ impl VirtioDevice for Net {
     /// vhost writes guest RAM from the kernel, past the memory handle's
     /// bitmap: switch its dirty log on (the device is paused, so the kernel
     /// acks `VHOST_F_LOG_ALL` at resume) and hand it over.
-    fn kernel_dirty_log(&mut self) -> Result<Option<Arc<VhostDirtyLog>>, VirtioError> {
+    fn ram_write_logs(&mut self) -> Result<Vec<Arc<dyn RamWriteLog>>, VirtioError> {
         let Some(v) = self.vhost.as_mut() else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
-        v.enable_dirty_log().map(Some).map_err(|e| VirtioError::Open {
+        let log: Arc<VhostDirtyLog> = v.enable_dirty_log().map_err(|e| VirtioError::Open {
             path: format!("{} for tap {}", vhost::VHOST_NET_PATH, self.tap.name),
             source: std::io::Error::other(e),
-        })
+        })?;
+        Ok(vec![log])
+    }
+
+    /// A child gets its own tap (named after it) from its config, with the
+    /// source's MAC; nothing of this device's backend is shared.
+    fn can_fork(&self) -> Result<(), VirtioError> {
+        Ok(())
+    }
+
+    fn fork_backend(&mut self) -> Result<ForkBackend, VirtioError> {
+        Ok(ForkBackend::from_config())
     }
 
     fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {

@@ -165,6 +165,12 @@ impl std::fmt::Debug for VhostDirtyLog {
     }
 }
 
+impl crate::virtio::RamWriteLog for VhostDirtyLog {
+    fn drain(&self, page: &mut dyn FnMut(GuestAddress)) {
+        VhostDirtyLog::drain(self, page);
+    }
+}
+
 impl VhostDirtyLog {
     /// A clear log covering every page of `mem`.
     pub fn for_memory(mem: &GuestMemoryTracked) -> Self {

@@ -9,8 +9,8 @@ use super::event_handler::RngWorker;
 use super::{ENTROPY_SOURCE, QUEUE_SIZE};
 use crate::virtio::worker::WorkerThread;
 use crate::virtio::{
-    ActivateContext, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice,
-    VirtioError,
+    ActivateContext, ForkBackend, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC,
+    VirtioDevice, VirtioError,
 };
 
 /// A virtio entropy device.
@@ -127,6 +127,15 @@ impl VirtioDevice for Rng {
 
     fn debug_state(&self) -> Vec<String> {
         vec![format!("backend worker={}", self.worker.state_word())]
+    }
+
+    /// A child reads entropy from its own source; rng keeps no state.
+    fn can_fork(&self) -> Result<(), VirtioError> {
+        Ok(())
+    }
+
+    fn fork_backend(&mut self) -> Result<ForkBackend, VirtioError> {
+        Ok(ForkBackend::from_config())
     }
 
     /// rng keeps nothing beyond its queue, which the transport carries.

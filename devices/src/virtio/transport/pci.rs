@@ -316,9 +316,19 @@ impl VirtioPciDevice {
         Ok(())
     }
 
-    /// See [`VirtioDevice::kernel_dirty_log`].
-    pub fn kernel_dirty_log(&mut self) -> Result<Option<Arc<crate::virtio::net::VhostDirtyLog>>, VirtioError> {
-        self.device.kernel_dirty_log()
+    /// See [`VirtioDevice::can_fork`].
+    pub fn can_fork(&self) -> Result<(), VirtioError> {
+        self.device.can_fork()
+    }
+
+    /// See [`VirtioDevice::fork_backend`].
+    pub fn fork_backend(&mut self) -> Result<crate::virtio::ForkBackend, VirtioError> {
+        self.device.fork_backend()
+    }
+
+    /// See [`VirtioDevice::ram_write_logs`].
+    pub fn ram_write_logs(&mut self) -> Result<Vec<Arc<dyn crate::virtio::RamWriteLog>>, VirtioError> {
+        self.device.ram_write_logs()
     }
 
     /// Stops the device and returns the function to its reset state (as a

@@ -183,6 +183,13 @@ impl VirtioDevice for Vsock {
         vec![format!("backend worker={}", self.worker.state_word())]
     }
 
+    fn can_fork(&self) -> Result<(), VirtioError> {
+        Err(VirtioError::NotForkable {
+            device: "vsock",
+            why: "holds host connections, which cannot be carried into a child".into(),
+        })
+    }
+
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
         persist::save().map_err(|e| {
             error!(error = %e, "vsock snapshot refused");

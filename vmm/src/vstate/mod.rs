@@ -1,6 +1,9 @@
 //! The running machine: guest memory, vCPUs, their control block, the VM.
 
+mod builder;
 pub mod control;
+mod device_manager;
+mod fork;
 pub mod irq;
 pub mod memory;
 pub mod persist;

@@ -1189,6 +1189,90 @@ impl Dir {
     }
 }
 
+/// Snapshots of a whole VM: the glue between [`Vm`] and the file format
+/// above.
+mod vm_glue {
+    use std::path::Path;
+
+    use super::super::builder::BuildPlan;
+    use super::super::device_manager::pin_macs;
+    use super::super::vm::{Vm, VmError, VmOptions};
+    use super::*;
+    use crate::vstate::persist::PersistError;
+
+    impl Vm {
+        /// Writes a cold snapshot into `dir`, which must not exist: as
+        /// [`Vm::snapshot`] without replacing.
+        pub fn snapshot_to(&self, dir: &Path) -> Result<(), VmError> {
+            self.snapshot(dir, false)
+        }
+
+        /// Writes a cold snapshot of this paused VM into the directory `dir` (an
+        /// absolute path whose parent exists; see `docs/snapshots.md`):
+        /// `manifest.json` (format version, config, each file's size and
+        /// checksums), `state.json` (machine state) and `memory` (guest RAM,
+        /// sparse: only the pages the guest populated are read and written). It
+        /// is written beside `dir` and renamed into place, so `dir` is at every
+        /// instant absent, the old snapshot or the new one. An existing `dir` is
+        /// refused and left untouched unless `replace` is set and it is a
+        /// snapshot: then it is exchanged atomically with the new one and
+        /// removed.
+        pub fn snapshot(&self, dir: &Path, replace: bool) -> Result<(), VmError> {
+            if let Some(i) = self.disks.iter().position(|d| d.is_frozen()) {
+                return Err(VmError::Refused(format!(
+                    "vm {} cannot be snapshotted: its disk {i} is a copy-on-write view since a fork, and a snapshot would not carry what it wrote",
+                    self.id
+                )));
+            }
+            let state = self.save_state()?;
+            if self.ram.is_frozen() {
+                // Since a fork this VM's own pages are private copies over the
+                // frozen base; the writer reads them from the diverged set, so
+                // bring it up to date (the VM is paused: nothing writes).
+                self.ram_writers.harvest_into(&self.ram);
+                self.ram.harvest(&self.vm_fd)?;
+            }
+            let mut config = self.config.clone();
+            pin_macs(&mut config, &self.id);
+            super::write(dir, replace, &config, &state, &self.ram).map_err(|e| match e {
+                super::SnapshotError::Refused(msg) => VmError::Refused(msg),
+                io => snapshot_io(io),
+            })
+        }
+
+        /// Builds a VM from a snapshot directory written by [`Vm::snapshot`]
+        /// (an absolute path), with the config it was saved with (its id
+        /// replaced by `id`). Everything is verified before any KVM object
+        /// exists: the format version, the manifest's checksum, the config
+        /// (create's validation), each file's kind and size, and every chunk's
+        /// checksum, the memory file's as it is copied into the new memfd.
+        pub fn restore_from(id: &str, dir: &Path, opts: &VmOptions) -> Result<Self, VmError> {
+            let snap = super::open(dir, id).map_err(PersistError::from)?;
+            let ram = GuestRam::new(id, snap.config.memory_bytes())?;
+            snap.copy_memory_into(&ram).map_err(PersistError::from)?;
+            Self::build(
+                id,
+                &snap.config,
+                opts,
+                BuildPlan::Restore {
+                    state: &snap.state,
+                    ram,
+                },
+            )
+        }
+    }
+
+    /// A snapshot file operation's failure as a VM error.
+    pub(in crate::vstate) fn snapshot_io(e: super::SnapshotError) -> VmError {
+        match e {
+            super::SnapshotError::Io { what, source } => VmError::Io { what, source },
+            other => VmError::Persist(PersistError::Snapshot(other)),
+        }
+    }
+}
+
+pub(super) use vm_glue::snapshot_io;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -85,10 +85,6 @@ pub enum NetError {
         #[source]
         source: std::io::Error,
     },
-    /// The compatibility probe [`vhost::VhostNetBackend::new`] was called:
-    /// the VMM must build vhost NICs with [`Net::new_vhost`].
-    #[error("this VMM does not build vhost-net NICs yet (Net::new_vhost is not wired); use the userspace backend")]
-    VhostNotImplemented,
     /// `/dev/vhost-net` could not be opened.
     #[error("cannot open {path}: {reason}")]
     VhostOpen {

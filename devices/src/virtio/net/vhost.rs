@@ -311,17 +311,6 @@ impl VhostNetBackend {
         })
     }
 
-    /// Compatibility probe for VMM code written against the old stub: always
-    /// fails with [`NetError::VhostNotImplemented`], so such a VMM keeps its
-    /// userspace fallback. Build vhost NICs with [`super::Net::new_vhost`].
-    pub fn new(queue_pairs: u16) -> Result<Self, NetError> {
-        warn!(
-            queue_pairs,
-            "vhost-net asked for through the old probe; build the NIC with Net::new_vhost"
-        );
-        Err(NetError::VhostNotImplemented)
-    }
-
     /// `VHOST_GET_FEATURES` (the intersection over all pairs).
     pub fn kernel_supported(&self) -> u64 {
         self.kernel

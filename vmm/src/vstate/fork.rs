@@ -1,0 +1,128 @@
+//! Forking a paused VM (`docs/fork.md` walks this file): refusals before
+//! anything is frozen, the records of every writer of guest RAM (the fork
+//! seam), the freeze on the first fork, the harvest of what diverged, the
+//! machine state, each device's backend for the child, and the child's
+//! build from a `BuildPlan::Fork`.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use k7d_devices::virtio::RamWriteLog;
+
+use super::builder::BuildPlan;
+use super::device_manager::{VirtioHandle, pin_macs};
+use super::memory::GuestRam;
+use super::vm::{Vm, VmError, VmOptions, VmState};
+
+impl Vm {
+    /// Forks this paused VM: a new VM `child_id` whose RAM is copy-on-write
+    /// over this VM's frozen base plus the pages that diverged since the
+    /// freeze, and whose machine state is this VM's at this instant. The first
+    /// fork freezes the base and switches KVM's dirty log on; neither VM sees
+    /// the other's later writes. The child is built, not started.
+    pub fn fork(&self, child_id: &str, opts: &VmOptions) -> Result<Self, VmError> {
+        if !matches!(self.state(), VmState::Paused | VmState::Created) {
+            return Err(self.state_error("fork"));
+        }
+        // Refusals first, before the first fork freezes anything: the
+        // config's, then each device's own.
+        if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
+            return Err(VmError::Refused(format!(
+                "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",
+                self.id
+            )));
+        }
+        for d in &self.virtio {
+            let dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            dev.can_fork()
+                .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id)))?;
+        }
+        if self.ram.is_frozen() {
+            self.ram_writers.harvest_into(&self.ram);
+            self.ram.harvest(&self.vm_fd)?;
+        } else {
+            // Dirty log on before the freeze, both while nothing runs: no
+            // write can fall between them. What the devices wrote before the
+            // freeze is in the base: their bitmaps start empty.
+            self.ram_writers.start(&self.id, &self.virtio)?;
+            self.ram.set_dirty_log(&self.vm_fd, true)?;
+            self.ram.freeze()?;
+            self.ram_writers.clear();
+            self.ram.harvest(&self.vm_fd)?;
+        }
+        let state = self.save_state()?;
+        // Each device hands over what its twin in the child takes (blk: a
+        // copy-on-write view of its disk as of now), in bus order.
+        let mut backends = VecDeque::with_capacity(self.virtio.len());
+        for d in &self.virtio {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            backends.push_back(
+                dev.fork_backend()
+                    .map_err(|e| VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id)))?,
+            );
+        }
+        let mut config = self.config.clone();
+        config.id = Some(child_id.to_string());
+        // Own taps (named after the child), same MACs: the guest's driver
+        // already holds the MAC.
+        pin_macs(&mut config, &self.id);
+        for n in &mut config.devices.nics {
+            n.tap = None;
+        }
+        Self::build(
+            child_id,
+            &config,
+            opts,
+            BuildPlan::Fork {
+                state: &state,
+                parent: &self.ram,
+                backends,
+            },
+        )
+    }
+}
+
+/// The records the devices keep of the guest RAM they write beside the VM's
+/// own bitmap and KVM's dirty log (`VirtioDevice::ram_write_logs`: blk's
+/// own view, vhost's kernel log), collected from every device at the first
+/// fork: the one seam through which the fork path learns every writer.
+#[derive(Default)]
+pub(super) struct RamWriters {
+    logs: Mutex<Vec<Arc<dyn RamWriteLog>>>,
+}
+
+impl RamWriters {
+    /// Folds what the devices wrote since the last call into `ram`'s
+    /// diverged set. Every device is paused.
+    pub(super) fn harvest_into(&self, ram: &GuestRam) {
+        let mut pages = Vec::new();
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            log.drain(&mut |gpa| pages.push(gpa.0));
+        }
+        ram.add_diverged_gpas(pages.into_iter());
+    }
+
+    /// Asks every device for its records (first fork, devices paused: a
+    /// kernel backend's log starts at resume).
+    pub(super) fn start(&self, id: &str, virtio: &[VirtioHandle]) -> Result<(), VmError> {
+        let mut logs = self.logs.lock().unwrap_or_else(|p| p.into_inner());
+        for d in virtio {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            let more = dev.ram_write_logs().map_err(|e| {
+                VmError::Refused(format!(
+                    "vm {id} cannot be forked: its {} device cannot record the guest pages it writes: {e}",
+                    dev.device_name()
+                ))
+            })?;
+            logs.extend(more);
+        }
+        Ok(())
+    }
+
+    /// Forgets what the devices wrote so far (it is in the frozen base).
+    pub(super) fn clear(&self) {
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            log.drain(&mut |_| {});
+        }
+    }
+}

@@ -7,16 +7,16 @@ use crate::virtio::worker::WorkerThread;
 use tracing::info;
 use virtio_queue::{Queue, QueueT};
 
-use super::disk::DiskImage;
 use super::event_handler::{BlockStats, BlockWorker, RequestHandler};
 use super::memory::DeviceMemory;
 use super::persist;
-use super::request::Limits;
 use super::{BlockError, CONFIG_LEN, ID_BYTES, MAX_DISCARD_SECTORS, QUEUE_SIZE, SECTOR_SIZE, features};
 use crate::virtio::{
     ActivateContext, ForkBackend, RamWriteLog, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
     VIRTIO_RING_F_INDIRECT_DESC, VirtioDevice, VirtioError,
 };
+use k7d_disk::DiskImage;
+use k7d_disk::request::Limits;
 
 /// The queue indexes of a paused device (what a snapshot must carry).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -137,7 +137,7 @@ impl Block {
         if self.is_active() {
             return Err(BlockError::ForkWhileRunning(self.disk.path().to_owned()));
         }
-        self.disk.fork()
+        Ok(self.disk.fork()?)
     }
 
     /// The disk (the VMM keeps a handle to fork it while the device is paused).

@@ -11,11 +11,11 @@ use vm_memory::Bytes;
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
-use super::disk::{DiskAt, DiskImage};
-use super::request::{Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
 use super::{ID_BYTES, MAX_DESCRIPTORS, SECTOR_SHIFT, status};
 use crate::virtio::worker::{EpollWorker, Registrar};
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
+use k7d_disk::request::{Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
+use k7d_disk::{DiskAt, DiskImage};
 
 /// How long the worker watches the ring after a batch before sleeping.
 const POLL_AFTER_BATCH: std::time::Duration = std::time::Duration::from_micros(30);

@@ -1,9 +1,9 @@
 //! virtio-blk: a raw image file, read-write or read-only (e.g. erofs).
 //!
-//! - [`DiskImage`] (`disk.rs`): the backing file, opened `O_RDWR` or
+//! - [`DiskImage`] (crate `k7d-disk`, `devices/disk/`): the backing file, opened `O_RDWR` or
 //!   `O_RDONLY`; capacity is its length in 512-byte sectors. [`DiskAt`] is
 //!   the request path's positioned reader/writer on it.
-//! - Copy-on-write overlay (`disk.rs`): [`DiskImage::fork`] (through
+//! - Copy-on-write overlay (`k7d-disk`): [`DiskImage::fork`] (through
 //!   [`Block::fork_disk`], device paused) freezes a writable base and gives
 //!   the source and each child their own unlinked, sparse overlay file with
 //!   a map of the 4 KiB clusters it holds; reads take present clusters from
@@ -15,8 +15,8 @@
 //!   config space, one I/O worker on the worker framework, pause/resume, and
 //!   its side of the fork seam (a copy-on-write disk for each child, its own
 //!   view of guest memory as its record of the pages it wrote).
-//! - `request.rs`: request parsing with the spec's validation (virtio 1.2
-//!   §5.2.6). No crate on crates.io does this.
+//! - `k7d_disk::request`: request parsing with the spec's validation
+//!   (virtio 1.2 §5.2.6). No crate on crates.io does this.
 //! - [`RequestHandler`] (`event_handler.rs`): drains the queue, executes
 //!   requests, writes status bytes, returns chains, decides on one interrupt
 //!   per batch; the worker loop around it.
@@ -58,44 +58,27 @@
 //! raw pointers (vm-memory's non-owning regions never unmap).
 
 mod device;
-mod disk;
 mod event_handler;
 mod memory;
 mod persist;
-mod request;
 
 pub use device::{Block, QueueIndexes};
-pub use disk::{CLUSTER_SIZE, DiskAt, DiskImage, FileAt};
 pub use event_handler::{Batch, BlockStats, MAX_BATCH, RequestHandler};
+pub use k7d_disk::request::{DiscardRange, Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
+pub use k7d_disk::{CLUSTER_SIZE, DiskAt, DiskImage, FileAt};
+pub use k7d_disk::{ID_BYTES, SECTOR_SHIFT, SECTOR_SIZE, status};
 pub use memory::{DeviceMemory, RegionDirty, device_view};
-pub use request::{DiscardRange, Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
 
 use thiserror::Error;
 
 /// Size of the request queue.
 pub const QUEUE_SIZE: u16 = 256;
-/// Sector size of the virtio-blk protocol (fixed by the spec).
-pub const SECTOR_SIZE: u64 = 512;
-/// `log2(SECTOR_SIZE)`.
-pub const SECTOR_SHIFT: u32 = 9;
-/// Length of the GET_ID answer (`VIRTIO_BLK_ID_BYTES`).
-pub const ID_BYTES: usize = virtio_bindings::virtio_blk::VIRTIO_BLK_ID_BYTES as usize;
 /// Length of the device config space we expose (through `write_zeroes_may_unmap`).
 pub const CONFIG_LEN: usize = 60;
 /// Most sectors one DISCARD / WRITE_ZEROES segment may cover (32 MiB).
 pub const MAX_DISCARD_SECTORS: u32 = 1 << 16;
 /// Most descriptors one request may have; longer chains are returned unused.
 pub const MAX_DESCRIPTORS: usize = 1024;
-
-/// Request status codes (`VIRTIO_BLK_S_*`).
-pub mod status {
-    /// Success.
-    pub const OK: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_OK as u8;
-    /// Device or driver error.
-    pub const IOERR: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_IOERR as u8;
-    /// Request not supported.
-    pub const UNSUPP: u8 = virtio_bindings::virtio_blk::VIRTIO_BLK_S_UNSUPP as u8;
-}
 
 /// Feature bits (`1 << VIRTIO_BLK_F_*`).
 pub mod features {
@@ -118,59 +101,15 @@ pub mod features {
 /// are [`RequestError`] and become status bytes).
 #[derive(Debug, Error)]
 pub enum BlockError {
-    /// Opening the image failed.
-    #[error("opening the disk image {path} failed")]
-    Open {
-        /// The image path.
-        path: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Reading the image's metadata failed.
-    #[error("reading the size of the disk image failed")]
-    Metadata(#[source] std::io::Error),
-    /// The image is smaller than one sector.
-    #[error("the disk image holds no complete 512-byte sector")]
-    Empty,
+    /// The disk image (open, overlay, fork).
+    #[error(transparent)]
+    Disk(#[from] k7d_disk::DiskError),
     /// The serial does not fit GET_ID's 20 bytes.
     #[error("the disk serial is {0} bytes long, at most 20 fit")]
     SerialTooLong(usize),
     /// Building the device's view of guest memory failed.
     #[error("building the device's view of guest memory failed: {0}")]
     MemoryView(String),
-    /// Duplicating the base image's descriptor for a fork failed.
-    #[error("duplicating the descriptor of the disk image {path} for a fork failed")]
-    ForkBase {
-        /// The image path.
-        path: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Creating a copy-on-write overlay file failed.
-    #[error("creating the copy-on-write overlay for {path} failed")]
-    Overlay {
-        /// The image path.
-        path: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Copying the parent's overlay into a fork's overlay failed.
-    #[error("copying the copy-on-write overlay of {path} for a fork failed")]
-    OverlayCopy {
-        /// The image path.
-        path: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The image is the frozen base of a forked VM's disk.
-    #[error(
-        "the disk image {0} is the frozen base of a forked VM's disk and cannot be opened read-write while that VM or its children live"
-    )]
-    FrozenBase(String),
     /// The disk was to be forked while its device's worker was running.
     #[error("the disk {0} can only be forked while its device is paused")]
     ForkWhileRunning(String),

@@ -16,8 +16,7 @@ use virtio_bindings::virtio_blk as b;
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
-use super::{ID_BYTES, SECTOR_SHIFT, SECTOR_SIZE, status};
-use crate::virtio::GuestMemoryTracked;
+use crate::{GuestMemoryTracked, ID_BYTES, SECTOR_SHIFT, SECTOR_SIZE, status};
 
 /// Size of the request header (`struct virtio_blk_outhdr`).
 pub const HEADER_LEN: usize = 16;
@@ -217,7 +216,7 @@ fn total(segs: &[Segment]) -> u64 {
 }
 
 /// Reads exactly `buf.len()` bytes gathered from `segs` (checked ranges).
-pub(super) fn read_gather(mem: &GuestMemoryTracked, segs: &[Segment], buf: &mut [u8]) -> Result<(), RequestError> {
+pub fn read_gather(mem: &GuestMemoryTracked, segs: &[Segment], buf: &mut [u8]) -> Result<(), RequestError> {
     let mut done = 0usize;
     for s in segs {
         if done == buf.len() {

@@ -39,7 +39,7 @@ use vm_memory::VolatileSlice;
 use vm_memory::bitmap::BitmapSlice;
 use vm_memory::{ReadVolatile, WriteVolatile};
 
-use super::{BlockError, SECTOR_SHIFT, SECTOR_SIZE};
+use crate::{DiskError, SECTOR_SHIFT, SECTOR_SIZE};
 
 /// Granularity of the copy-on-write overlay: the unit it copies from the
 /// base on a partial write and tracks as present.
@@ -68,9 +68,9 @@ pub struct DiskImage {
 impl DiskImage {
     /// Opens `path`: `O_RDWR`, or `O_RDONLY` when `read_only` (the device then
     /// advertises `VIRTIO_BLK_F_RO` and fails writes with IOERR).
-    pub fn open(path: impl AsRef<std::path::Path>, read_only: bool) -> Result<Self, BlockError> {
+    pub fn open(path: impl AsRef<std::path::Path>, read_only: bool) -> Result<Self, DiskError> {
         let p = path.as_ref();
-        let open_err = |source| BlockError::Open {
+        let open_err = |source| DiskError::Open {
             path: p.display().to_string(),
             source,
         };
@@ -96,7 +96,7 @@ impl DiskImage {
         // A base frozen by a fork holds a shared lock for as long as any of
         // its VMs lives; writing it would change every child's disk.
         if !read_only && flock(&file, Lock::Exclusive, false).is_err() {
-            return Err(BlockError::FrozenBase(p.display().to_string()));
+            return Err(DiskError::FrozenBase(p.display().to_string()));
         }
         if !read_only {
             let _ = flock(&file, Lock::Unlock, false);
@@ -114,11 +114,11 @@ impl DiskImage {
     /// When `path` names an existing file, a fork's overlays go to its
     /// directory first; otherwise (a label such as a memfd's) to
     /// `std::env::temp_dir()`.
-    pub fn from_file(file: File, read_only: bool, path: String) -> Result<Self, BlockError> {
-        let len = file.metadata().map_err(BlockError::Metadata)?.len();
+    pub fn from_file(file: File, read_only: bool, path: String) -> Result<Self, DiskError> {
+        let len = file.metadata().map_err(DiskError::Metadata)?.len();
         let sectors = len >> SECTOR_SHIFT;
         if sectors == 0 {
-            return Err(BlockError::Empty);
+            return Err(DiskError::Empty);
         }
         if !len.is_multiple_of(SECTOR_SIZE) {
             warn!(
@@ -203,13 +203,13 @@ impl DiskImage {
     ///   the disk size.
     ///
     /// The caller guarantees that no I/O runs on `self` meanwhile (the
-    /// device is paused, see [`super::Block::fork_disk`]); a concurrent
+    /// device is paused: `k7d_devices`' `Block::fork_disk`); a concurrent
     /// write would still be memory-safe, but the child might or might not
     /// see it. If this fails after freezing the base, `self` keeps its
     /// (empty) overlay and reads and writes exactly as before.
-    pub fn fork(&self) -> Result<DiskImage, BlockError> {
+    pub fn fork(&self) -> Result<DiskImage, DiskError> {
         let started = std::time::Instant::now();
-        let file = self.file.try_clone().map_err(|source| BlockError::ForkBase {
+        let file = self.file.try_clone().map_err(|source| DiskError::ForkBase {
             path: self.path.clone(),
             source,
         })?;
@@ -220,7 +220,7 @@ impl DiskImage {
                 Some(o) => o,
                 None => {
                     let own = Overlay::create(self.overlay_dir.as_deref(), self.len_bytes()).map_err(|source| {
-                        BlockError::Overlay {
+                        DiskError::Overlay {
                             path: self.path.clone(),
                             source,
                         }
@@ -332,16 +332,16 @@ impl Overlay {
     }
 
     /// A new overlay with a copy of this one's present clusters.
-    fn duplicate(&self, dir: Option<&Path>, path: &str) -> Result<Self, BlockError> {
+    fn duplicate(&self, dir: Option<&Path>, path: &str) -> Result<Self, DiskError> {
         let map = self.map().clone();
-        let file = tmpfile(dir, self.len).map_err(|source| BlockError::Overlay {
+        let file = tmpfile(dir, self.len).map_err(|source| DiskError::Overlay {
             path: path.to_owned(),
             source,
         })?;
         for (first, end) in map.runs() {
             let start = first.saturating_mul(CLUSTER_SIZE);
             let stop = end.saturating_mul(CLUSTER_SIZE).min(self.len);
-            copy_data(&self.file, &file, start, stop).map_err(|source| BlockError::OverlayCopy {
+            copy_data(&self.file, &file, start, stop).map_err(|source| DiskError::OverlayCopy {
                 path: path.to_owned(),
                 source,
             })?;

@@ -1,6 +1,8 @@
 //! Helpers for k7d's host-level integration tests (real KVM, test guests).
 
 pub mod blk_driver;
+pub mod net_driver;
+pub mod wire;
 
 use std::path::PathBuf;
 use std::time::Duration;

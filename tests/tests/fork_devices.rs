@@ -1,12 +1,20 @@
 //! What a fork child gets besides RAM and vCPU state: its own tap with the
 //! source's MAC (removed with the child), and a clear refusal, before
-//! anything is frozen, for what cannot be carried (vsock).
+//! anything is frozen, for what cannot be carried (vsock). And fork byte
+//! identity with a NIC writing guest RAM, on the userspace data plane and on
+//! kernel vhost-net (whose writes only its dirty log sees): the method of
+//! `fork_blk.rs` with frames arriving from the tap while forks are taken.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
+use k7d_guest::{RESULTS_ADDR, result};
 use k7d_test_skip::skip;
-use k7d_tests::{TempDir, boot, builtin};
+use k7d_tests::net_driver::{BUF, Layout, NetDriver};
+use k7d_tests::wire::Wire;
+use k7d_tests::{TempDir, boot, builtin, read_u32, wait_for};
 use k7d_vmm::config::{NicConfig, VsockConfig};
+use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 
 /// `(tap name, mac)` from a VM's virtio-net line in `devices()`.
@@ -199,4 +207,146 @@ fn a_vhost_nic_is_forked_with_its_kernel_dirty_log_switched_on() {
     src.resume().unwrap();
     let mut src = src;
     src.stop();
+}
+
+const MIB: u64 = 1 << 20;
+const NET_RAM: u64 = 16 * MIB;
+const NET_LAYOUT: Layout = Layout {
+    ring: 8 * MIB,
+    data: 10 * MIB,
+    data_pages: 1024,
+};
+
+fn whole_ram(vm: &Vm) -> Vec<u8> {
+    let mut v = vec![0u8; NET_RAM as usize];
+    vm.memory().read_slice(&mut v, GuestAddress(0)).unwrap();
+    v
+}
+
+fn differing_pages(a: &[u8], b: &[u8]) -> usize {
+    a.chunks(4096).zip(b.chunks(4096)).filter(|(x, y)| x != y).count()
+}
+
+/// Forks taken while frames arrive from the tap: `memwriter` churns its pages
+/// on the vCPU, the played driver keeps RX buffers posted in 1024 data pages
+/// and a wire floods the tap; each fork (the driver gated, the VM paused)
+/// must equal the source at the fork instant, page for page. How many forks:
+/// `K7D_FORK_ROUNDS` (the lab's L1 uses fewer), else 300 (30 in debug).
+fn every_fork_equals_its_source_while_frames_land(id: &str, vhost: bool) {
+    let dir = TempDir::new(id);
+    let mut cfg = builtin("memwriter", 1, NET_RAM / MIB, &[64, 0x20_0000, 1]);
+    cfg.devices.nics.push(NicConfig {
+        vhost: Some(vhost),
+        ..Default::default()
+    });
+    let src = boot(id, &cfg, &dir.0.join("src.log"));
+    let plane = if vhost { "vhost: on" } else { "vhost: off" };
+    assert!(
+        src.devices()
+            .iter()
+            .any(|d| d.kind == "virtio-net" && d.detail.contains(plane)),
+        "{:?}",
+        src.devices()
+    );
+    let (tap, _) = nic(&src);
+    let ifindex: u32 = std::fs::read_to_string(format!("/sys/class/net/{tap}/ifindex"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let wire = Wire::open(ifindex).unwrap();
+    let drv = NetDriver::init(&src, NET_LAYOUT);
+    let forks: usize = std::env::var("K7D_FORK_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if cfg!(debug_assertions) { 30 } else { 300 });
+    let counter = |vm: &Vm| read_u32(vm, RESULTS_ADDR + result::LOOP_COUNTER);
+    let flooding = AtomicBool::new(false);
+    let stop_flood = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| drv.run(&src, 5));
+        s.spawn(|| {
+            flooding.store(true, Ordering::SeqCst);
+            wire.flood(1000, &stop_flood)
+        });
+        struct Stop<'a>(&'a NetDriver, &'a AtomicBool);
+        impl Drop for Stop<'_> {
+            fn drop(&mut self) {
+                self.0.stop();
+                self.1.store(true, Ordering::SeqCst);
+            }
+        }
+        let _stop = Stop(&drv, &stop_flood);
+        assert!(
+            wait_for(Duration::from_secs(20), || drv.received.load(Ordering::SeqCst) > 100
+                && counter(&src) > 1000),
+            "no frames reached the guest ({} received) or memwriter did not start",
+            drv.received.load(Ordering::SeqCst)
+        );
+        let t0 = Instant::now();
+        let (mut with_net_writes, mut checked_pages) = (0usize, 0usize);
+        let data = NET_LAYOUT.data as usize..(NET_LAYOUT.data + NET_LAYOUT.data_pages * BUF) as usize;
+        let mut prev = whole_ram(&src);
+        for i in 0..forks {
+            let g = drv.gate();
+            src.pause(Duration::from_secs(5)).unwrap();
+            let at_fork = whole_ram(&src);
+            let moved = differing_pages(&at_fork[data.clone()], &prev[data.clone()]);
+            if moved > 0 {
+                with_net_writes += 1;
+                checked_pages += moved;
+            }
+            let child = src
+                .fork(&format!("{id}-c{i}"), &VmOptions::default())
+                .unwrap_or_else(|e| panic!("fork {i}: {e}"));
+            let diff = differing_pages(&whole_ram(&child), &at_fork);
+            assert_eq!(
+                diff, 0,
+                "fork {i}: {diff} pages of the child differ from the source at the fork instant ({plane})"
+            );
+            drop(child);
+            src.resume().unwrap();
+            drop(g);
+            prev = at_fork;
+            std::thread::sleep(Duration::from_millis(if i % 50 == 0 { 50 } else { 5 }));
+        }
+        // The check only means something if the device wrote between forks.
+        assert!(
+            with_net_writes > forks / 2,
+            "only {with_net_writes} of {forks} intervals had frames written into guest RAM"
+        );
+        eprintln!(
+            "{forks} forks ({plane}) in {:.1} s, 0 differing pages; {with_net_writes} intervals with RX writes, {checked_pages} RX-written pages checked, {} frames received",
+            t0.elapsed().as_secs_f64(),
+            drv.received.load(Ordering::SeqCst)
+        );
+    });
+    let mut src = src;
+    src.stop();
+}
+
+#[test]
+fn every_fork_equals_its_source_while_frames_land_through_the_userspace_nic() {
+    if !k7d_tests::is_root()
+        && skip(
+            "every_fork_equals_its_source_while_frames_land_through_the_userspace_nic",
+            "creating taps and AF_PACKET sockets needs root",
+        )
+    {
+        return;
+    }
+    every_fork_equals_its_source_while_frames_land("fbnet", false);
+}
+
+#[test]
+fn every_fork_equals_its_source_while_frames_land_through_vhost_net() {
+    if (!k7d_tests::is_root() || !std::path::Path::new("/dev/vhost-net").exists())
+        && skip(
+            "every_fork_equals_its_source_while_frames_land_through_vhost_net",
+            "needs root and /dev/vhost-net (this host's kernel has no vhost_net; the lab runs this test in L1: host-tests-l1)",
+        )
+    {
+        return;
+    }
+    every_fork_equals_its_source_while_frames_land("fbvh", true);
 }

@@ -8,7 +8,6 @@
 //! Needs root (netns, tap); skipped with a message otherwise.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::process::Command;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -21,6 +20,7 @@ use k7d_devices::virtio::status::*;
 use k7d_devices::virtio::transport::VirtioPciDevice;
 use k7d_devices::virtio::transport::layout::{self, common};
 use k7d_devices::virtio::{GuestMemoryTracked, VIRTIO_F_VERSION_1};
+use k7d_tests::wire::{ETHERTYPE_TEST, Wire};
 use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ,
     VIRTIO_NET_F_STATUS,
@@ -46,7 +46,6 @@ const MAC: [u8; 6] = [0x52, 0x54, 0x00, 0x12, 0x34, 0x56];
 const PAIRS: u16 = 2;
 const NQUEUES: u16 = 2 * PAIRS + 1;
 const CONFIG_VECTOR: u16 = 0;
-const ETHERTYPE_TEST: u16 = 0x88b5;
 const HDR: usize = 12;
 
 fn is_root() -> bool {
@@ -94,76 +93,6 @@ impl Netns {
 impl Drop for Netns {
     fn drop(&mut self) {
         run(&["ip", "netns", "del", &self.0]);
-    }
-}
-
-/// An AF_PACKET socket on the tap: the "wire" side.
-struct Wire(OwnedFd);
-
-impl Wire {
-    fn open(ifindex: u32) -> std::io::Result<Self> {
-        let proto = (libc::ETH_P_ALL as u16).to_be();
-        // SAFETY: plain socket(2) call; the result is checked.
-        let fd = unsafe {
-            libc::socket(
-                libc::AF_PACKET,
-                libc::SOCK_RAW | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-                i32::from(proto),
-            )
-        };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` is a fresh descriptor we own.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: an all-zero sockaddr_ll is a valid value of this C struct.
-        let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = ifindex as i32;
-        // SAFETY: `sll` is a live sockaddr_ll and the length matches it.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&sll as *const libc::sockaddr_ll).cast(),
-                std::mem::size_of::<libc::sockaddr_ll>() as u32,
-            )
-        };
-        if rc < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Self(fd))
-    }
-
-    fn send(&self, frame: &[u8]) {
-        // SAFETY: `frame` is a live slice of `frame.len()` bytes.
-        let n = unsafe { libc::send(self.0.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
-        assert_eq!(
-            n,
-            frame.len() as isize,
-            "send on the wire: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-
-    /// Frames with our test ethertype that arrive within `timeout`, until `want`.
-    fn recv_test_frames(&self, want: usize, timeout: Duration) -> Vec<Vec<u8>> {
-        let deadline = Instant::now() + timeout;
-        let mut out = Vec::new();
-        let mut buf = vec![0u8; 70_000];
-        while out.len() < want && Instant::now() < deadline {
-            // SAFETY: `buf` is a live, writable slice of `buf.len()` bytes.
-            let n = unsafe { libc::recv(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-            if n < 0 {
-                std::thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            let f = &buf[..n as usize];
-            if f.len() >= 14 && u16::from_be_bytes([f[12], f[13]]) == ETHERTYPE_TEST {
-                out.push(f.to_vec());
-            }
-        }
-        out
     }
 }
 

@@ -240,3 +240,68 @@ fn a_started_child_serves_the_reads_in_flight_at_the_fork_from_its_own_disk() {
     let mut src = src;
     src.stop();
 }
+
+/// A fork child is forked in turn while its own blk device writes its RAM:
+/// the child's records of those writes (its device's own view, which the
+/// child's KVM dirty log does not see) are collected at its own first fork,
+/// so each grandchild equals the child at the fork instant.
+#[test]
+fn every_grandchild_equals_its_parent_while_the_parents_blk_reads_land() {
+    let dir = TempDir::new("fork-blk-gc");
+    let cfg = config(&dir);
+    let src = boot("gsrc", &cfg, &dir.0.join("src.log"));
+    let drv = BlkDriver::init(&src, LAYOUT, IMAGE);
+    let st = std::thread::scope(|s| {
+        let h = s.spawn(|| drv.run(&src, 13));
+        assert!(wait_for(Duration::from_secs(20), || drv.done.load(Ordering::SeqCst) > 200));
+        drv.stop();
+        h.join().unwrap()
+    });
+    src.pause(Duration::from_secs(2)).unwrap();
+    let mut child = src.fork("gchild", &VmOptions::default()).unwrap();
+    child.start().unwrap();
+    let cdrv = BlkDriver::attach(&child, LAYOUT, IMAGE);
+    let rounds = if cfg!(debug_assertions) { 20 } else { 100 };
+    std::thread::scope(|s| {
+        s.spawn(|| cdrv.run_from(&child, st));
+        let _stop = cdrv.stop_on_drop();
+        assert!(
+            wait_for(Duration::from_secs(20), || cdrv.done.load(Ordering::SeqCst) > 200
+                && counter(&child) > 1000),
+            "the child's blk reads or memwriter did not start"
+        );
+        let (mut with_blk_writes, mut prev) = (0usize, ram(&child));
+        let data = LAYOUT.data as usize..(LAYOUT.data + LAYOUT.data_pages * BLOCK) as usize;
+        for i in 0..rounds {
+            let g = cdrv.gate();
+            child.pause(Duration::from_secs(2)).unwrap();
+            let at_fork = ram(&child);
+            if differing_pages(&at_fork[data.clone()], &prev[data.clone()]) > 0 {
+                with_blk_writes += 1;
+            }
+            let grandchild = child
+                .fork(&format!("gc{i}"), &VmOptions::default())
+                .unwrap_or_else(|e| panic!("fork {i} of the child: {e}"));
+            let diff = differing_pages(&ram(&grandchild), &at_fork);
+            assert_eq!(
+                diff, 0,
+                "fork {i} of the child: {diff} pages of the grandchild differ from the child at the fork instant"
+            );
+            drop(grandchild);
+            child.resume().unwrap();
+            drop(g);
+            prev = at_fork;
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        cdrv.stop();
+        assert!(
+            with_blk_writes > rounds / 2,
+            "only {with_blk_writes} of {rounds} intervals had blk writes in the child"
+        );
+        eprintln!("{rounds} forks of a fork child, 0 differing pages; {with_blk_writes} intervals with blk writes");
+    });
+    assert_eq!(cdrv.failed.load(Ordering::SeqCst), 0, "the child's blk reads failed");
+    child.stop();
+    let mut src = src;
+    src.stop();
+}

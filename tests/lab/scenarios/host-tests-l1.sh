@@ -23,7 +23,7 @@
 [ -c /dev/net/tun ] || lab_fail "no /dev/net/tun in L1"
 for T in a_vhost_nic_is_forked_with_its_kernel_dirty_log_switched_on \
          every_fork_equals_its_source_while_frames_land_through_vhost_net; do
-  K7D_FORK_ROUNDS=30 K7D_NO_SKIP=1 RUST_BACKTRACE=1 timeout 200 "$LAB_TEST_BIN" --exact "$T" --test-threads=1 --nocapture >/tmp/host-tests.out 2>&1
+  K7D_FORK_ROUNDS=30 K7D_NO_SKIP=1 RUST_BACKTRACE=1 timeout 120 "$LAB_TEST_BIN" --exact "$T" --test-threads=1 --nocapture >/tmp/host-tests.out 2>&1
   rc=$?
   cat /tmp/host-tests.out
   [ "$rc" = 0 ] || lab_fail "$T failed in L1 (rc $rc): $(grep -m1 -E 'panicked|K7D-SKIP|error' /tmp/host-tests.out)"

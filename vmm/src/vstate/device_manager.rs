@@ -456,8 +456,12 @@ impl PciCtx<'_> {
         };
         let net = if plane.vhost {
             // The dirty log is switched on by the first fork (logging costs
-            // the kernel a bit set per page it writes).
-            let opts = k7d_devices::virtio::net::VhostOptions { dirty_log: false };
+            // the kernel a bit set per page it writes); a fork child's is on
+            // from its start, as its KVM dirty log is: it can be forked in
+            // turn, and its first fork must see every page vhost wrote.
+            let opts = k7d_devices::virtio::net::VhostOptions {
+                dirty_log: self.fork_backends.is_some(),
+            };
             match k7d_devices::virtio::net::Net::new_vhost(tap, cfg(plane.queue_pairs), self.mem.clone(), opts) {
                 Ok(net) => net,
                 Err(e) => {

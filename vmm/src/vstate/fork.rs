@@ -37,14 +37,18 @@ impl Vm {
             dev.can_fork()
                 .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id)))?;
         }
+        // Every device's records of the guest pages it writes, asked for
+        // once: at this VM's first fork (before the freeze), or for a fork
+        // child, frozen from birth, at its own first fork (blk's own view
+        // has recorded every write since the child was built).
+        self.ram_writers.start(&self.id, &self.virtio, "forked")?;
         if self.ram.is_frozen() {
             self.ram_writers.harvest_into(&self.ram);
             self.ram.harvest(&self.vm_fd)?;
         } else {
             // Dirty log on before the freeze, both while nothing runs: no
             // write can fall between them. What the devices wrote before the
-            // freeze is in the base: their bitmaps start empty.
-            self.ram_writers.start(&self.id, &self.virtio)?;
+            // freeze is in the base: their records start empty.
             self.ram.set_dirty_log(&self.vm_fd, true)?;
             self.ram.freeze()?;
             self.ram_writers.clear();
@@ -84,11 +88,13 @@ impl Vm {
 
 /// The records the devices keep of the guest RAM they write beside the VM's
 /// own bitmap and KVM's dirty log (`VirtioDevice::ram_write_logs`: blk's
-/// own view, vhost's kernel log), collected from every device at the first
-/// fork: the one seam through which the fork path learns every writer.
+/// own view, vhost's kernel log), collected from every device once, at the
+/// VM's first fork (a fork child's: its first fork or snapshot): the one
+/// seam through which the fork path learns every writer.
 #[derive(Default)]
 pub(super) struct RamWriters {
-    logs: Mutex<Vec<Arc<dyn RamWriteLog>>>,
+    /// `None` until collected.
+    logs: Mutex<Option<Vec<Arc<dyn RamWriteLog>>>>,
 }
 
 impl RamWriters {
@@ -96,32 +102,38 @@ impl RamWriters {
     /// diverged set. Every device is paused.
     pub(super) fn harvest_into(&self, ram: &GuestRam) {
         let mut pages = Vec::new();
-        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
             log.drain(&mut |gpa| pages.push(gpa.0));
         }
         ram.add_diverged_gpas(pages.into_iter());
     }
 
-    /// Asks every device for its records (first fork, devices paused: a
-    /// kernel backend's log starts at resume).
-    pub(super) fn start(&self, id: &str, virtio: &[VirtioHandle]) -> Result<(), VmError> {
+    /// Asks every device for its records, once (devices paused: a kernel
+    /// backend's log starts at resume); all of them or none. `op` ("forked",
+    /// "snapshotted") words a refusal.
+    pub(super) fn start(&self, id: &str, virtio: &[VirtioHandle], op: &str) -> Result<(), VmError> {
         let mut logs = self.logs.lock().unwrap_or_else(|p| p.into_inner());
+        if logs.is_some() {
+            return Ok(());
+        }
+        let mut all = Vec::new();
         for d in virtio {
             let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
             let more = dev.ram_write_logs().map_err(|e| {
                 VmError::Refused(format!(
-                    "vm {id} cannot be forked: its {} device cannot record the guest pages it writes: {e}",
+                    "vm {id} cannot be {op}: its {} device cannot record the guest pages it writes: {e}",
                     dev.device_name()
                 ))
             })?;
-            logs.extend(more);
+            all.extend(more);
         }
+        *logs = Some(all);
         Ok(())
     }
 
     /// Forgets what the devices wrote so far (it is in the frozen base).
     pub(super) fn clear(&self) {
-        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
             log.drain(&mut |_| {});
         }
     }

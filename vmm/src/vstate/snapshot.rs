@@ -1229,6 +1229,7 @@ mod vm_glue {
                 // Since a fork this VM's own pages are private copies over the
                 // frozen base; the writer reads them from the diverged set, so
                 // bring it up to date (the VM is paused: nothing writes).
+                self.ram_writers.start(&self.id, &self.virtio, "snapshotted")?;
                 self.ram_writers.harvest_into(&self.ram);
                 self.ram.harvest(&self.vm_fd)?;
             }

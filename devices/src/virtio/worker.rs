@@ -195,11 +195,12 @@ impl<W: EpollWorker> WorkerThread<W> {
         self.start(worker).map_err(|(_, e)| e)
     }
 
-    /// Starts a thread for `worker`; on failure hands the worker back.
-    fn start(&mut self, worker: W) -> Result<(), (W, VirtioError)> {
+    /// Starts a thread for `worker`; on failure hands the worker back
+    /// (`None` only if it was lost with a thread that never ran).
+    fn start(&mut self, worker: W) -> Result<(), (Option<W>, VirtioError)> {
         let stop = match self.stop_fd() {
             Ok(s) => s,
-            Err(e) => return Err((worker, VirtioError::EventFd(e))),
+            Err(e) => return Err((Some(worker), VirtioError::EventFd(e))),
         };
         let token = crate::sandbox::capture();
         let name = self.name.clone();
@@ -221,16 +222,13 @@ impl<W: EpollWorker> WorkerThread<W> {
             }
             Err(e) => {
                 let w = slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-                match w {
-                    Some(w) => Err((w, VirtioError::Spawn(W::DEVICE, e))),
-                    None => {
-                        error!(
-                            thread = self.name,
-                            "a device worker was lost while its thread failed to start"
-                        );
-                        Ok(())
-                    }
+                if w.is_none() {
+                    error!(
+                        thread = self.name,
+                        "a device worker was lost while its thread failed to start"
+                    );
                 }
+                Err((w, VirtioError::Spawn(W::DEVICE, e)))
             }
         }
     }
@@ -277,7 +275,7 @@ impl<W: EpollWorker> WorkerThread<W> {
             return Ok(());
         };
         self.start(worker).map_err(|(w, e)| {
-            self.parked = Some(w);
+            self.parked = w;
             e
         })
     }

@@ -27,14 +27,16 @@ pub fn write(fd: &impl AsRawFd, buf: &[u8]) -> io::Result<usize> {
     Ok(n as usize)
 }
 
-/// `writev(2)`: writes what `iov` gathers; returns the bytes written. Each
-/// entry must describe memory that stays mapped for the call (guest RAM held
-/// by the caller, or a local buffer); the kernel only reads it, and answers
-/// an unmapped one with `EFAULT`.
-pub fn writev(fd: &impl AsRawFd, iov: &[libc::iovec]) -> io::Result<usize> {
+/// `writev(2)`: writes what `iov` gathers; returns the bytes written.
+///
+/// # Safety
+/// Each entry must describe memory that is readable for its length and
+/// stays mapped for the call (guest RAM the caller holds mapped, or a live
+/// local buffer).
+pub unsafe fn writev(fd: &impl AsRawFd, iov: &[libc::iovec]) -> io::Result<usize> {
     let cnt = libc::c_int::try_from(iov.len()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: `iov` is a live slice of `cnt` iovecs; writev only reads the
-    // memory they describe, which the caller keeps mapped for the call.
+    // memory they describe, which the caller guarantees readable and mapped.
     let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), cnt) };
     if n < 0 {
         return Err(io::Error::last_os_error());
@@ -143,7 +145,8 @@ pub(crate) mod tests {
             iov_base: b"ab".as_ptr() as *mut libc::c_void,
             iov_len: 2,
         }];
-        assert_eq!(writev(&a, &two).unwrap(), 2);
+        // SAFETY: the one entry points at a static string of that length.
+        assert_eq!(unsafe { writev(&a, &two) }.unwrap(), 2);
         assert_eq!(
             poll_readable(&[&a, &b], Some(Duration::from_secs(1))).unwrap(),
             vec![false, true]

@@ -340,9 +340,11 @@ impl PairWorker {
             self.iov.clear();
             return TxOutcome::Malformed("TX chain shorter than the virtio-net header");
         }
-        // The pointers are into mmap'd guest RAM, which `self.mem` keeps
-        // mapped (the region map never changes); writev only reads them.
-        let r = k7d_sys::fd::writev(&self.tap.queues[usize::from(self.pair)], &self.iov);
+        // SAFETY: every entry was built from a checked descriptor range of
+        // mmap'd guest RAM, which `self.mem` keeps mapped (the region map
+        // never changes), or from the worker's own header buffer; writev
+        // only reads them.
+        let r = unsafe { k7d_sys::fd::writev(&self.tap.queues[usize::from(self.pair)], &self.iov) };
         self.iov.clear();
         match r {
             Ok(n) => TxOutcome::Sent(n),

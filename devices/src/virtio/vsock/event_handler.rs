@@ -92,27 +92,25 @@ impl EpollWorker for VsockWorker {
 }
 
 impl VsockWorker {
-    /// Hands every ready event of the listener and the host streams to the
-    /// muxer (without waiting: the outer epoll said some are ready).
+    /// Hands up to 64 ready events of the listener and the host streams to
+    /// the muxer, without waiting (the outer epoll said some are ready). One
+    /// batch per wakeup, as before the nesting: the outer registration is
+    /// level-triggered, so what remains wakes the worker again after the
+    /// queues had their turn, and busy host sockets cannot starve them.
     fn drain_muxer(&mut self) {
         if self.mux_events.is_empty() {
             self.mux_events = vec![EpollEvent::default(); 64];
         }
-        loop {
-            let n = match self.muxer.epoll().wait(0, &mut self.mux_events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-                Err(e) => {
-                    error!(error = %e, "the vsock muxer's epoll failed");
-                    return;
-                }
-            };
-            for ev in &self.mux_events[..n] {
-                self.muxer.handle_event(ev.data(), ev.event_set());
-            }
-            if n < self.mux_events.len() {
+        let n = match self.muxer.epoll().wait(0, &mut self.mux_events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => return,
+            Err(e) => {
+                error!(error = %e, "the vsock muxer's epoll failed");
                 return;
             }
+        };
+        for ev in &self.mux_events[..n] {
+            self.muxer.handle_event(ev.data(), ev.event_set());
         }
     }
 

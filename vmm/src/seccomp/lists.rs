@@ -65,6 +65,10 @@ pub(super) const WORKER: &[Allowed] = &[
         libc::SYS_connect,
         "virtio-vsock: that socket's connect to the configured uds path",
     ),
+    (
+        libc::SYS_accept4,
+        "virtio-vsock: a host process connecting to the VM's vsock unix socket (the shim reaching the guest agent)",
+    ),
     (libc::SYS_sendto, "virtio-vsock: bytes to the host socket"),
     (libc::SYS_recvfrom, "virtio-vsock: bytes from the host socket"),
     (libc::SYS_sendmsg, "virtio-vsock: bytes to the host socket"),
@@ -108,6 +112,11 @@ pub(super) const WORKER_IOCTLS: &[(u64, u64, &str)] = &[
         0xff00,
         0xaf00,
         "vhost-net's (type 0xAF): the control queue worker starts and stops ring pairs in the kernel (VQ_PAIRS_SET)",
+    ),
+    (
+        0xffff_ffff,
+        libc::FIONBIO,
+        "FIONBIO: virtio-vsock makes an accepted host stream non-blocking (std's set_nonblocking)",
     ),
     (
         0xffff_ffff,

@@ -211,7 +211,8 @@ impl Muxer {
                     self.read_connect_line(token);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
-                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                // A peer that gave up before its accept: the next one may be fine.
+                Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::ConnectionAborted) => continue,
                 Err(e) => {
                     warn!(error = %e, "accepting on the vsock unix socket failed");
                     return;

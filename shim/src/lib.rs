@@ -1,1 +1,70 @@
-//! containerd shim v2 for k7d (filled in by the Secure Containers issue).
+//! `containerd-shim-k7d-v2`: containerd's runtime v2 shim for k7d
+//! (`docs/containerd.md`). Part of the one `k7d` binary, which runs it when
+//! invoked under the shim's name. A thin client: the k7d daemon owns every
+//! VM ([`daemon::Daemon`]); the guest agent runs the containers
+//! (`k7d_agent::proto`, over the pod VM's vsock).
+
+pub mod agent;
+pub mod config;
+pub mod daemon;
+mod image;
+mod metrics;
+pub mod names;
+mod service;
+mod stdio;
+mod task;
+
+use std::path::Path;
+use std::sync::{Arc, OnceLock};
+
+pub use daemon::{Daemon, PodVmSpec, VmLife};
+
+/// The binary name containerd runs for `io.containerd.k7d.v2`.
+pub const SHIM_NAME: &str = "containerd-shim-k7d-v2";
+/// The runtime's name in containerd.
+pub const RUNTIME_ID: &str = "io.containerd.k7d.v2";
+
+/// How the shim reaches the daemon at a socket (set by the `k7d` binary).
+pub type Connect = fn(&Path) -> Arc<dyn Daemon>;
+
+static CONNECT: OnceLock<Connect> = OnceLock::new();
+
+fn daemon_at(socket: &Path) -> Arc<dyn Daemon> {
+    match CONNECT.get() {
+        Some(c) => c(socket),
+        None => unreachable_daemon(),
+    }
+}
+
+fn unreachable_daemon() -> Arc<dyn Daemon> {
+    struct NoDaemon;
+    impl Daemon for NoDaemon {
+        fn create(&self, _: &PodVmSpec) -> anyhow::Result<()> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+        fn delete(&self, _: &str) -> anyhow::Result<()> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+        fn pause(&self, _: &str) -> anyhow::Result<()> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+        fn resume(&self, _: &str) -> anyhow::Result<()> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+        fn life(&self, _: &str) -> anyhow::Result<VmLife> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+        fn pid(&self) -> anyhow::Result<u32> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+    }
+    Arc::new(NoDaemon)
+}
+
+/// Runs the shim (containerd's `start`, `delete`, or the server, from the
+/// process's arguments); `connect` reaches the daemon. Exits the process
+/// with status 1 on failure, as containerd's shims do.
+pub fn run(connect: Connect) {
+    let _ = CONNECT.set(connect);
+    containerd_shim::run::<service::K7dShim>(RUNTIME_ID, None);
+}

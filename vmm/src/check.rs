@@ -246,6 +246,84 @@ pub fn run() -> Vec<Item> {
         ),
     });
     out.push(tc_object_item(k7d_net::tc_object_missing_reason()));
+    #[cfg(feature = "shim")]
+    out.extend(shim_items());
+    out
+}
+
+/// Whether the containerd shim can run pods here: its config, the kernel
+/// and initramfs it names, the daemon it calls, `mkfs.erofs`, and the
+/// shim's name on `PATH` (docs/containerd.md). Warnings, not failures:
+/// plain VMs do not need any of it.
+#[cfg(feature = "shim")]
+fn shim_items() -> Vec<Item> {
+    use k7d_shim::config::{DEFAULT_PATH, ShimConfig};
+    let path = std::env::var_os("K7D_SHIM_CONFIG").map_or_else(|| DEFAULT_PATH.into(), std::path::PathBuf::from);
+    if !path.exists() {
+        return vec![item(
+            "shim-config",
+            Level::Info,
+            format!(
+                "no {}: the containerd shim is not configured (docs/containerd.md)",
+                path.display()
+            ),
+        )];
+    }
+    let cfg = match ShimConfig::read(&path) {
+        Ok(c) => c,
+        Err(e) => return vec![item("shim-config", Level::Warn, format!("{e:#}"))],
+    };
+    let mut out = vec![item("shim-config", Level::Ok, format!("{} is valid", path.display()))];
+    for (name, p) in [("shim-kernel", &cfg.kernel), ("shim-initramfs", &cfg.initramfs)] {
+        out.push(match std::fs::File::open(p) {
+            Ok(_) => item(name, Level::Ok, format!("{} is readable", p.display())),
+            Err(e) => item(
+                name,
+                Level::Warn,
+                format!("{} cannot be read ({e}): pods cannot boot", p.display()),
+            ),
+        });
+    }
+    let daemon = crate::shim_host::connect(&cfg.daemon_socket);
+    out.push(match daemon.pid() {
+        Ok(pid) => item(
+            "shim-daemon",
+            Level::Ok,
+            format!("the daemon at {} answers (pid {pid})", cfg.daemon_socket.display()),
+        ),
+        Err(e) => item("shim-daemon", Level::Warn, format!("{e:#}")),
+    });
+    let on_path = |tool: &str| {
+        std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+            .unwrap_or(false)
+    };
+    out.push(if on_path("mkfs.erofs") {
+        item(
+            "shim-erofs",
+            Level::Ok,
+            "mkfs.erofs is on PATH: images are packed as erofs",
+        )
+    } else {
+        item(
+            "shim-erofs",
+            Level::Warn,
+            "mkfs.erofs is not on PATH: the shim cannot pack images (apt-get install erofs-utils)",
+        )
+    });
+    out.push(if on_path(k7d_shim::SHIM_NAME) {
+        item("shim-binary", Level::Ok, format!("{} is on PATH", k7d_shim::SHIM_NAME))
+    } else {
+        item(
+            "shim-binary",
+            Level::Warn,
+            format!(
+                "{} is not on PATH: link it to this binary (ln -s $(command -v k7d) /usr/local/bin/{})",
+                k7d_shim::SHIM_NAME,
+                k7d_shim::SHIM_NAME
+            ),
+        )
+    });
     out
 }
 

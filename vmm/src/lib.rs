@@ -15,6 +15,8 @@ pub mod daemon;
 pub mod diag;
 pub mod netcli;
 pub mod seccomp;
+#[cfg(feature = "shim")]
+pub mod shim_host;
 pub mod sys;
 pub mod vstate;
 

@@ -422,6 +422,17 @@ fn init_logs(default: &str) {
 
 fn main() -> ExitCode {
     let start = Instant::now();
+    // Installed as containerd-shim-k7d-v2 (a link to this binary):
+    // containerd's shim protocol, not this CLI (docs/containerd.md).
+    #[cfg(feature = "shim")]
+    if std::env::args_os()
+        .next()
+        .and_then(|a| std::path::Path::new(&a).file_name().map(|n| n == k7d_shim::SHIM_NAME))
+        .unwrap_or(false)
+    {
+        k7d_shim::run(k7d_vmm::shim_host::connect);
+        return ExitCode::SUCCESS;
+    }
     let cli = Cli::parse();
     let json_out = cli.json;
     match real_main(cli, start) {

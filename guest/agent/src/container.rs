@@ -1,0 +1,946 @@
+//! Containers, run by runc (the OCI reference runtime, a program in the
+//! guest), and their processes.
+//!
+//! A container is a bundle directory `<state>/c/<id>` (its rootfs mounts,
+//! `config.json`, pid files), its init process and its execs. The agent is
+//! PID 1 (or a subreaper), so when `runc create`/`runc exec --detach` exit,
+//! the processes they started become the agent's children and
+//! [`Reaper`] collects their exits.
+
+use crate::disk::{self, RootfsMounts};
+use crate::reaper::Reaper;
+use crate::stdio::{Attach, ChildStdio, ProcStdio};
+use crate::{cgroup, lock, spec, sys};
+use k7d_agent::proto::{
+    self, CgroupStats, CreateContainer, Exec, Exited, ProcessRef, ProcessState, Status, StdioSpec, Stream,
+};
+use serde_json::Value;
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long one runc command may take before it is killed.
+const RUNC_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a delete waits for the init's exit to be collected.
+const DELETE_WAIT: Duration = Duration::from_secs(2);
+/// The most execs a container keeps (deleted ones do not count).
+const MAX_EXECS: usize = 1024;
+
+/// Where things are; the defaults are the pod VM's.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The agent's state: bundles (`c/`), runc logs (`log/`), console sockets (`s/`).
+    pub state_dir: PathBuf,
+    /// The runc binary.
+    pub runc: PathBuf,
+    /// runc's `--root`.
+    pub runc_root: PathBuf,
+    /// sysfs (disks are looked up under `<sysfs>/block`).
+    pub sysfs: PathBuf,
+    /// devtmpfs.
+    pub dev: PathBuf,
+    /// The cgroup v2 root; containers live in `<root>/k7d/<id>`.
+    pub cgroup_root: PathBuf,
+    /// Pass `--no-pivot` to `runc create` (the root is an initramfs).
+    pub no_pivot: bool,
+    /// How long an image disk may take to appear.
+    pub disk_timeout: Duration,
+    /// Set the VM's hostname from a spec's `hostname` (PID 1 only: a
+    /// host-side test must not rename the host).
+    pub set_hostname: bool,
+}
+
+impl Config {
+    /// The pod VM's layout, with runc found on the usual paths.
+    pub fn guest() -> Config {
+        Config {
+            state_dir: "/run/k7d".into(),
+            runc: find_runc(),
+            runc_root: "/run/runc".into(),
+            sysfs: "/sys".into(),
+            dev: "/dev".into(),
+            cgroup_root: "/sys/fs/cgroup".into(),
+            no_pivot: false,
+            disk_timeout: Duration::from_secs(10),
+            set_hostname: true,
+        }
+    }
+}
+
+/// The first runc found on the usual paths (`/usr/sbin/runc` when none is).
+pub fn find_runc() -> PathBuf {
+    [
+        "/usr/sbin/runc",
+        "/usr/bin/runc",
+        "/sbin/runc",
+        "/bin/runc",
+        "/usr/local/sbin/runc",
+        "/usr/local/bin/runc",
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|p| p.is_file())
+    .unwrap_or_else(|| "/usr/sbin/runc".into())
+}
+
+/// A refused or failed request: one sentence, and whether the container or
+/// process does not exist.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error {
+    /// What went wrong.
+    pub message: String,
+    /// containerd's NotFound.
+    pub not_found: bool,
+}
+
+fn fail(message: impl Into<String>) -> Error {
+    Error {
+        message: message.into(),
+        not_found: false,
+    }
+}
+
+fn not_found(message: impl Into<String>) -> Error {
+    Error {
+        message: message.into(),
+        not_found: true,
+    }
+}
+
+type Result<T> = std::result::Result<T, Error>;
+
+struct ProcState {
+    pid: u32,
+    status: Status,
+    exit_status: u32,
+    oom_killed: bool,
+    /// Set when the process can no longer run: deleted, or its start failed.
+    gone: Option<Error>,
+}
+
+/// A container's init or exec process.
+pub struct Process {
+    /// "container c1" or "exec e1 of container c1", for messages.
+    label: String,
+    state: Mutex<ProcState>,
+    changed: Condvar,
+    stdio: Arc<ProcStdio>,
+    /// An exec's child stdio ends, until it is started.
+    child: Mutex<Option<ChildStdio>>,
+}
+
+impl Process {
+    fn new(label: String, stdio: ProcStdio, child: Option<ChildStdio>, pid: u32) -> Arc<Process> {
+        Arc::new(Process {
+            label,
+            state: Mutex::new(ProcState {
+                pid,
+                status: Status::Created,
+                exit_status: 0,
+                oom_killed: false,
+                gone: None,
+            }),
+            changed: Condvar::new(),
+            stdio: Arc::new(stdio),
+            child: Mutex::new(child),
+        })
+    }
+
+    fn exited(&self, status: u32, oom_killed: bool) {
+        let mut st = lock(&self.state);
+        st.status = Status::Stopped;
+        st.exit_status = status;
+        st.oom_killed = oom_killed;
+        drop(st);
+        self.changed.notify_all();
+    }
+
+    fn set_gone(&self, why: Error) {
+        let mut st = lock(&self.state);
+        if st.gone.is_none() {
+            st.gone = Some(why);
+        }
+        drop(st);
+        lock(&self.child).take();
+        self.stdio.abandon();
+        self.changed.notify_all();
+    }
+
+    /// Waits until stopped (then its exit) or gone (then why).
+    fn wait(&self, timeout: Option<Duration>) -> Result<Exited> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = lock(&self.state);
+        loop {
+            if st.status == Status::Stopped {
+                return Ok(Exited {
+                    pid: st.pid,
+                    exit_status: st.exit_status,
+                    oom_killed: st.oom_killed,
+                });
+            }
+            if let Some(why) = &st.gone {
+                return Err(why.clone());
+            }
+            st = match deadline {
+                None => self.changed.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let Some(left) = d.checked_duration_since(Instant::now()) else {
+                        return Err(fail(format!("{} did not exit in time", self.label)));
+                    };
+                    self.changed.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0
+                }
+            };
+        }
+    }
+}
+
+/// A container.
+struct Container {
+    id: String,
+    bundle: PathBuf,
+    cgroup: PathBuf,
+    mounts: RootfsMounts,
+    init: Arc<Process>,
+    execs: Mutex<HashMap<String, Arc<Process>>>,
+    /// Serialises runc commands that change the container.
+    ops: Mutex<()>,
+}
+
+#[derive(Default)]
+struct Table {
+    live: HashMap<String, Arc<Container>>,
+    /// Ids being created.
+    reserved: HashSet<String>,
+}
+
+/// Every container in the VM.
+pub struct Containers {
+    cfg: Config,
+    reaper: Arc<Reaper>,
+    table: Mutex<Table>,
+    seq: AtomicU64,
+}
+
+fn check_id(id: &str, what: &str) -> Result<()> {
+    if proto::valid_id(id) {
+        Ok(())
+    } else {
+        let shown: String = id.chars().take(80).collect();
+        Err(fail(format!("{what} id {shown:?} is not a valid identifier")))
+    }
+}
+
+fn read_pid(path: &Path) -> std::result::Result<u32, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("reading {} failed: {e}", path.display()))?;
+    match text.trim().parse::<u32>() {
+        Ok(pid) if pid > 1 => Ok(pid),
+        _ => Err(format!("{} does not hold a pid", path.display())),
+    }
+}
+
+/// The message of the last error runc logged (its JSON log), or of its
+/// last line.
+pub fn runc_log_message(log: &str) -> Option<String> {
+    let msg = |line: &str| -> Option<(bool, String)> {
+        let v: Value = serde_json::from_str(line).ok()?;
+        let m = v.get("msg")?.as_str()?.to_owned();
+        Some((v.get("level").and_then(Value::as_str) == Some("error"), m))
+    };
+    let lines: Vec<&str> = log.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
+    lines
+        .iter()
+        .rev()
+        .find_map(|l| msg(l).filter(|(err, _)| *err).map(|(_, m)| m))
+        .or_else(|| lines.last().map(|l| msg(l).map_or_else(|| (*l).to_owned(), |(_, m)| m)))
+}
+
+fn read_tail(path: &Path, max: u64) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    if len > max {
+        let _ = f.seek(SeekFrom::Start(len - max));
+    }
+    let mut buf = Vec::new();
+    let _ = f.take(max).read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// A console socket runc sends a pty master to; removed on drop.
+struct ConsoleSocket {
+    listener: UnixListener,
+    path: PathBuf,
+}
+
+impl ConsoleSocket {
+    /// Receives the master runc sent (runc has exited by now, so the
+    /// connection and its message are already queued).
+    fn receive(&self) -> std::result::Result<File, String> {
+        let (conn, _) = self
+            .listener
+            .accept()
+            .map_err(|e| format!("runc did not send the terminal: {e}"))?;
+        conn.set_nonblocking(false)
+            .map_err(|e| format!("the console socket failed: {e}"))?;
+        conn.set_read_timeout(Some(Duration::from_secs(5)))
+            .map_err(|e| format!("the console socket failed: {e}"))?;
+        let fd = sys::recv_fd(&conn).map_err(|e| format!("receiving the terminal from runc failed: {e}"))?;
+        Ok(File::from(fd))
+    }
+}
+
+impl Drop for ConsoleSocket {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Containers {
+    /// An empty registry; makes the state directories.
+    pub fn new(cfg: Config, reaper: Arc<Reaper>) -> std::io::Result<Containers> {
+        for d in ["c", "log", "s"] {
+            std::fs::create_dir_all(cfg.state_dir.join(d))?;
+        }
+        Ok(Containers {
+            cfg,
+            reaper,
+            table: Mutex::new(Table::default()),
+            seq: AtomicU64::new(0),
+        })
+    }
+
+    fn next(&self) -> u64 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Runs `runc <args>` with `stdio` (or /dev/null), waits for it through
+    /// the reaper, and turns a failure into runc's own last error message.
+    fn runc(&self, args: &[OsString], stdio: Option<ChildStdio>) -> std::result::Result<(), String> {
+        let sub = args
+            .first()
+            .map(|a| a.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let log = self.cfg.state_dir.join("log").join(format!("{}.json", self.next()));
+        let mut cmd = Command::new(&self.cfg.runc);
+        cmd.arg("--root")
+            .arg(&self.cfg.runc_root)
+            .arg("--log")
+            .arg(&log)
+            .arg("--log-format")
+            .arg("json");
+        cmd.args(args).env("PATH", crate::init::PATH);
+        stdio
+            .unwrap_or(ChildStdio {
+                stdin: None,
+                stdout: None,
+                stderr: None,
+            })
+            .apply(&mut cmd);
+        // A program path (no PATH search) and no pre_exec hook keep std on
+        // posix_spawn, which never waits for the child itself (the reaper
+        // would race it).
+        let pid = self.reaper.spawn(&mut cmd);
+        // Dropping the command closes the agent's copies of the child's
+        // stdio ends: from now on only the process holds them.
+        drop(cmd);
+        let pid = pid.map_err(|e| format!("starting {} failed: {e}", self.cfg.runc.display()))?;
+        let status = match self.reaper.wait_for_timeout(pid, RUNC_TIMEOUT) {
+            Some(s) => s,
+            None => {
+                let _ = sys::kill(pid, libc::SIGKILL);
+                self.reaper.wait_for(pid);
+                let _ = std::fs::remove_file(&log);
+                return Err(format!(
+                    "runc {sub} did not finish in {} s and was killed",
+                    RUNC_TIMEOUT.as_secs()
+                ));
+            }
+        };
+        let text = read_tail(&log, 64 << 10);
+        let _ = std::fs::remove_file(&log);
+        if status == 0 {
+            return Ok(());
+        }
+        let why = runc_log_message(&text).unwrap_or_else(|| "it logged nothing".into());
+        Err(format!("runc {sub} failed with exit status {status}: {why}"))
+    }
+
+    fn console_socket(&self) -> std::result::Result<ConsoleSocket, String> {
+        // A short path: a bundle path with long ids would pass sun_path's 108 bytes.
+        let path = self.cfg.state_dir.join("s").join(format!("{}.sock", self.next()));
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path)
+            .map_err(|e| format!("creating the console socket {} failed: {e}", path.display()))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| format!("creating the console socket failed: {e}"))?;
+        Ok(ConsoleSocket { listener, path })
+    }
+
+    /// Records `proc`'s exit (and whether the cgroup counted an OOM kill
+    /// since now) when the reaper collects `pid`.
+    fn watch(&self, proc: &Arc<Process>, pid: u32, cgroup: &Path) {
+        let baseline = cgroup::oom_kills(cgroup);
+        let (p, cg) = (Arc::clone(proc), cgroup.to_path_buf());
+        self.reaper.on_exit(pid as i32, move |status| {
+            let oom = cgroup::oom_kills(&cg) > baseline;
+            p.exited(status, oom);
+        });
+    }
+
+    fn container(&self, id: &str) -> Result<Arc<Container>> {
+        check_id(id, "container")?;
+        lock(&self.table)
+            .live
+            .get(id)
+            .cloned()
+            .ok_or_else(|| not_found(format!("container {id} does not exist")))
+    }
+
+    fn process(&self, r: &ProcessRef) -> Result<(Arc<Container>, Arc<Process>)> {
+        let c = self.container(&r.container)?;
+        let p = match &r.exec_id {
+            None => Arc::clone(&c.init),
+            Some(e) => {
+                check_id(e, "exec")?;
+                lock(&c.execs)
+                    .get(e)
+                    .cloned()
+                    .ok_or_else(|| not_found(format!("exec {e} of container {} does not exist", c.id)))?
+            }
+        };
+        Ok((c, p))
+    }
+
+    /// `CreateContainer`: mounts the rootfs, writes the bundle, `runc create`.
+    pub fn create(&self, req: CreateContainer) -> Result<u32> {
+        let CreateContainer {
+            id,
+            spec,
+            rootfs,
+            stdio,
+        } = req;
+        check_id(&id, "container")?;
+        if !disk::valid_serial(&rootfs.serial) {
+            return Err(fail(format!("container {id}: the rootfs disk serial is not valid")));
+        }
+        if !disk::valid_fstype(&rootfs.fstype) {
+            return Err(fail(format!("container {id}: the rootfs filesystem type is not valid")));
+        }
+        {
+            let mut t = lock(&self.table);
+            if t.live.contains_key(&id) || !t.reserved.insert(id.clone()) {
+                return Err(fail(format!("container {id} already exists")));
+            }
+        }
+        let made = self.create_reserved(&id, spec, &rootfs, stdio);
+        let mut t = lock(&self.table);
+        t.reserved.remove(&id);
+        let c = made?;
+        let pid = lock(&c.init.state).pid;
+        t.live.insert(id, c);
+        Ok(pid)
+    }
+
+    fn create_reserved(
+        &self,
+        id: &str,
+        mut spec: Value,
+        rootfs: &proto::BlockMount,
+        stdio: StdioSpec,
+    ) -> Result<Arc<Container>> {
+        let ctx = |what: String| fail(format!("container {id}: {what}"));
+        let bundle = self.cfg.state_dir.join("c").join(id);
+        std::fs::create_dir(&bundle)
+            .map_err(|e| ctx(format!("creating the bundle {} failed: {e}", bundle.display())))?;
+        let mut undo = Rollback {
+            agent: self,
+            id,
+            bundle: bundle.clone(),
+            mounts: None,
+            runc: false,
+        };
+
+        let disk = disk::wait_by_serial(&self.cfg.sysfs, &rootfs.serial, self.cfg.disk_timeout).ok_or_else(|| {
+            ctx(format!(
+                "no disk with serial {} appeared in {:?}",
+                rootfs.serial, self.cfg.disk_timeout
+            ))
+        })?;
+        let device = disk::device_node(&disk, &self.cfg.dev, &bundle.join("disk"))
+            .map_err(|e| ctx(format!("making a device node for disk {} failed: {e}", disk.name)))?;
+        let mounts = RootfsMounts::under(&bundle);
+        mounts.mount(&device, &rootfs.fstype).map_err(ctx)?;
+        undo.mounts = Some(RootfsMounts::under(&bundle));
+
+        let root = mounts.rootfs.to_string_lossy().into_owned();
+        let changed = spec::rewrite(&mut spec, id, &root, stdio.terminal).map_err(ctx)?;
+        for m in &changed.dropped_mounts {
+            crate::log!("container {id}: dropped the host bind mount at {m} (host paths do not exist in the guest)");
+        }
+        if !changed.dropped_namespace_paths.is_empty() {
+            crate::log!(
+                "container {id}: dropped host namespace paths of {:?}",
+                changed.dropped_namespace_paths
+            );
+        }
+        if let Some(h) = changed.hostname.as_ref().filter(|_| self.cfg.set_hostname) {
+            if h.is_empty() || h.len() > 64 {
+                crate::log!("container {id}: the hostname is not 1 to 64 bytes; not set");
+            } else if let Err(e) = sys::sethostname(h) {
+                crate::log!("container {id}: setting the hostname failed: {e}");
+            }
+        }
+        let config = serde_json::to_vec(&spec).map_err(|e| ctx(format!("encoding config.json failed: {e}")))?;
+        std::fs::write(bundle.join("config.json"), config)
+            .map_err(|e| ctx(format!("writing config.json failed: {e}")))?;
+
+        let (pstdio, child) = ProcStdio::new(stdio).map_err(|e| ctx(format!("making stdio pipes failed: {e}")))?;
+        let console = if stdio.terminal {
+            Some(self.console_socket().map_err(ctx)?)
+        } else {
+            None
+        };
+        let pid_file = bundle.join("init.pid");
+        let mut args: Vec<OsString> = vec![
+            "create".into(),
+            "--bundle".into(),
+            bundle.clone().into(),
+            "--pid-file".into(),
+            pid_file.clone().into(),
+        ];
+        if let Some(c) = &console {
+            args.extend(["--console-socket".into(), c.path.clone().into()]);
+        }
+        if self.cfg.no_pivot {
+            args.push("--no-pivot".into());
+        }
+        args.push(id.into());
+        undo.runc = true;
+        self.runc(&args, Some(child)).map_err(ctx)?;
+        let pid = read_pid(&pid_file).map_err(ctx)?;
+        if let Some(c) = &console {
+            let master = c.receive().map_err(ctx)?;
+            pstdio
+                .set_pty(master)
+                .map_err(|e| ctx(format!("duplicating the terminal failed: {e}")))?;
+        }
+        drop(console);
+
+        let cgroup = self.cfg.cgroup_root.join("k7d").join(id);
+        let init = Process::new(format!("container {id}"), pstdio, None, pid);
+        self.watch(&init, pid, &cgroup);
+        undo.disarm();
+        Ok(Arc::new(Container {
+            id: id.to_owned(),
+            bundle,
+            cgroup,
+            mounts,
+            init,
+            execs: Mutex::new(HashMap::new()),
+            ops: Mutex::new(()),
+        }))
+    }
+
+    /// `Start`: `runc start` for the init, `runc exec --detach` for an exec.
+    pub fn start(&self, r: &ProcessRef) -> Result<u32> {
+        let (c, p) = self.process(r)?;
+        let _ops = lock(&c.ops);
+        {
+            let st = lock(&p.state);
+            if let Some(why) = &st.gone {
+                return Err(why.clone());
+            }
+            if st.status != Status::Created || (r.exec_id.is_some() && st.pid != 0) {
+                return Err(fail(format!("{} was already started", p.label)));
+            }
+        }
+        match &r.exec_id {
+            None => {
+                self.runc(&["start".into(), c.id.clone().into()], None)
+                    .map_err(|e| fail(format!("{}: {e}", p.label)))?;
+                let mut st = lock(&p.state);
+                if st.status == Status::Created {
+                    st.status = Status::Running;
+                }
+                Ok(st.pid)
+            }
+            Some(eid) => self.start_exec(&c, &p, eid).inspect_err(|e| p.set_gone(e.clone())),
+        }
+    }
+
+    fn start_exec(&self, c: &Container, p: &Arc<Process>, eid: &str) -> Result<u32> {
+        let ctx = |what: String| fail(format!("{}: {what}", p.label));
+        let child = lock(&p.child)
+            .take()
+            .ok_or_else(|| ctx("it was already started".into()))?;
+        let console = if p.stdio.terminal() {
+            Some(self.console_socket().map_err(ctx)?)
+        } else {
+            None
+        };
+        let pid_file = c.bundle.join(format!("exec-{eid}.pid"));
+        let mut args: Vec<OsString> = vec![
+            "exec".into(),
+            "--detach".into(),
+            "--pid-file".into(),
+            pid_file.clone().into(),
+            "--process".into(),
+            c.bundle.join(format!("exec-{eid}.json")).into(),
+        ];
+        if let Some(s) = &console {
+            args.extend(["--console-socket".into(), s.path.clone().into()]);
+        }
+        args.push(c.id.clone().into());
+        self.runc(&args, Some(child)).map_err(ctx)?;
+        let pid = read_pid(&pid_file).map_err(ctx)?;
+        if let Some(s) = &console {
+            let master = s.receive().map_err(ctx)?;
+            p.stdio
+                .set_pty(master)
+                .map_err(|e| ctx(format!("duplicating the terminal failed: {e}")))?;
+        }
+        {
+            let mut st = lock(&p.state);
+            st.pid = pid;
+            st.status = Status::Running;
+        }
+        self.watch(p, pid, &c.cgroup);
+        Ok(pid)
+    }
+
+    /// `Exec`: registers an exec (started by [`Containers::start`]).
+    pub fn exec(&self, req: Exec) -> Result<()> {
+        let Exec {
+            process,
+            mut spec,
+            stdio,
+        } = req;
+        let c = self.container(&process.container)?;
+        let Some(eid) = process.exec_id else {
+            return Err(fail(format!("an exec in container {} needs an exec id", c.id)));
+        };
+        check_id(&eid, "exec")?;
+        let label = format!("exec {eid} of container {}", c.id);
+        let obj = spec
+            .as_object_mut()
+            .ok_or_else(|| fail(format!("{label}: the process spec is not a JSON object")))?;
+        obj.insert("terminal".into(), Value::Bool(stdio.terminal));
+        let mut execs = lock(&c.execs);
+        if execs.contains_key(&eid) {
+            return Err(fail(format!("{label} already exists")));
+        }
+        if execs.len() >= MAX_EXECS {
+            return Err(fail(format!(
+                "container {} has {MAX_EXECS} execs; delete some first",
+                c.id
+            )));
+        }
+        let json = serde_json::to_vec(&spec).map_err(|e| fail(format!("{label}: encoding the process failed: {e}")))?;
+        let path = c.bundle.join(format!("exec-{eid}.json"));
+        std::fs::write(&path, json).map_err(|e| fail(format!("{label}: writing {} failed: {e}", path.display())))?;
+        let (pstdio, child) =
+            ProcStdio::new(stdio).map_err(|e| fail(format!("{label}: making stdio pipes failed: {e}")))?;
+        execs.insert(eid, Process::new(label, pstdio, Some(child), 0));
+        Ok(())
+    }
+
+    /// `Wait`: blocks until the process exits.
+    pub fn wait(&self, r: &ProcessRef) -> Result<Exited> {
+        let (_, p) = self.process(r)?;
+        p.wait(None)
+    }
+
+    /// `Signal`.
+    pub fn signal(&self, r: &ProcessRef, signal: i32, all: bool) -> Result<()> {
+        if !(1..=64).contains(&signal) {
+            return Err(fail(format!("signal {signal} is not in 1..=64")));
+        }
+        let (c, p) = self.process(r)?;
+        if all {
+            return self
+                .runc(
+                    &[
+                        "kill".into(),
+                        "--all".into(),
+                        c.id.clone().into(),
+                        signal.to_string().into(),
+                    ],
+                    None,
+                )
+                .map_err(|e| fail(format!("container {}: {e}", c.id)));
+        }
+        // The state lock is held across kill(2), so the exit cannot be
+        // recorded (and the pid reused) in between.
+        let st = lock(&p.state);
+        if st.status == Status::Stopped {
+            return Err(not_found(format!("{} has already exited", p.label)));
+        }
+        if st.pid == 0 {
+            return Err(not_found(format!("{} has not been started", p.label)));
+        }
+        match sys::kill(st.pid as i32, signal) {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                Err(not_found(format!("{} has already exited", p.label)))
+            }
+            Err(e) => Err(fail(format!("signalling {} failed: {e}", p.label))),
+        }
+    }
+
+    /// `State`.
+    pub fn state(&self, r: &ProcessRef) -> Result<ProcessState> {
+        let (_, p) = self.process(r)?;
+        let st = lock(&p.state);
+        Ok(ProcessState {
+            pid: st.pid,
+            status: st.status,
+            exit_status: st.exit_status,
+        })
+    }
+
+    /// `Pids`: the container cgroup's processes.
+    pub fn pids(&self, id: &str) -> Result<Vec<u32>> {
+        Ok(cgroup::pids(&self.container(id)?.cgroup))
+    }
+
+    /// `ResizePty`.
+    pub fn resize(&self, r: &ProcessRef, width: u32, height: u32) -> Result<()> {
+        let (_, p) = self.process(r)?;
+        let (Ok(w), Ok(h)) = (u16::try_from(width), u16::try_from(height)) else {
+            return Err(fail(format!("a terminal size of {width}x{height} is too large")));
+        };
+        p.stdio.resize(w, h).map_err(|e| fail(format!("{}: {e}", p.label)))
+    }
+
+    /// `CloseStdin`.
+    pub fn close_stdin(&self, r: &ProcessRef) -> Result<()> {
+        self.process(r)?.1.stdio.close_stdin();
+        Ok(())
+    }
+
+    /// `Stats`.
+    pub fn stats(&self, id: &str) -> Result<CgroupStats> {
+        Ok(cgroup::stats(&self.container(id)?.cgroup))
+    }
+
+    /// `Update`: `runc update --resources`.
+    pub fn update(&self, id: &str, resources: &Value) -> Result<()> {
+        let c = self.container(id)?;
+        if !resources.is_object() {
+            return Err(fail(format!("container {id}: the resources are not a JSON object")));
+        }
+        let _ops = lock(&c.ops);
+        let path = c.bundle.join(format!("update-{}.json", self.next()));
+        let body = serde_json::to_vec(resources).map_err(|e| fail(format!("container {id}: {e}")))?;
+        std::fs::write(&path, body)
+            .map_err(|e| fail(format!("container {id}: writing {} failed: {e}", path.display())))?;
+        let r = self.runc(
+            &["update".into(), "--resources".into(), path.clone().into(), id.into()],
+            None,
+        );
+        let _ = std::fs::remove_file(&path);
+        r.map_err(|e| fail(format!("container {id}: {e}")))
+    }
+
+    /// `DeleteExec`: forgets an exec that is not running.
+    pub fn delete_exec(&self, r: &ProcessRef) -> Result<()> {
+        let (c, p) = self.process(r)?;
+        let Some(eid) = &r.exec_id else {
+            return Err(fail(format!(
+                "deleting container {}'s init needs DeleteContainer",
+                c.id
+            )));
+        };
+        if lock(&p.state).status == Status::Running {
+            return Err(fail(format!("{} is still running", p.label)));
+        }
+        p.set_gone(not_found(format!("{} was deleted", p.label)));
+        lock(&c.execs).remove(eid);
+        for f in [format!("exec-{eid}.json"), format!("exec-{eid}.pid")] {
+            let _ = std::fs::remove_file(c.bundle.join(f));
+        }
+        Ok(())
+    }
+
+    /// `DeleteContainer`: kills what is left, unmounts, forgets.
+    pub fn delete(&self, id: &str) -> Result<()> {
+        check_id(id, "container")?;
+        let c = lock(&self.table)
+            .live
+            .remove(id)
+            .ok_or_else(|| not_found(format!("container {id} does not exist")))?;
+        let _ops = lock(&c.ops);
+        if let Err(e) = self.runc(&["delete".into(), "--force".into(), id.into()], None) {
+            crate::log!("container {id}: {e}");
+        }
+        if let Err(e) = c.init.wait(Some(DELETE_WAIT))
+            && lock(&c.init.state).gone.is_none()
+        {
+            crate::log!("{}", e.message);
+        }
+        let why = not_found(format!("container {id} was deleted"));
+        c.init.set_gone(why.clone());
+        for p in lock(&c.execs).drain().map(|(_, p)| p) {
+            p.set_gone(why.clone());
+        }
+        if c.mounts.unmount() {
+            if let Err(e) = std::fs::remove_dir_all(&c.bundle) {
+                crate::log!("container {id}: removing {} failed: {e}", c.bundle.display());
+            }
+        } else {
+            crate::log!(
+                "container {id}: the bundle {} is kept (a mount is left)",
+                c.bundle.display()
+            );
+        }
+        Ok(())
+    }
+
+    /// `Attach`: claims the stream (the caller answers, then relays).
+    pub fn attach(&self, r: &ProcessRef, stream: Stream) -> Result<Attach> {
+        let (_, p) = self.process(r)?;
+        p.stdio.claim(stream).map_err(|e| fail(format!("{}: {e}", p.label)))
+    }
+}
+
+/// Undoes a half-made container on drop unless disarmed.
+struct Rollback<'a> {
+    agent: &'a Containers,
+    id: &'a str,
+    bundle: PathBuf,
+    mounts: Option<RootfsMounts>,
+    /// `runc create` was run (so `runc delete --force`).
+    runc: bool,
+}
+
+impl Rollback<'_> {
+    fn disarm(mut self) {
+        self.mounts = None;
+        self.runc = false;
+        self.bundle = PathBuf::new();
+    }
+}
+
+impl Drop for Rollback<'_> {
+    fn drop(&mut self) {
+        if self.bundle.as_os_str().is_empty() {
+            return;
+        }
+        if self.runc
+            && let Err(e) = self
+                .agent
+                .runc(&["delete".into(), "--force".into(), self.id.into()], None)
+        {
+            crate::log!("container {}: rolling back: {e}", self.id);
+        }
+        let clean = self.mounts.as_ref().is_none_or(RootfsMounts::unmount);
+        if clean {
+            let _ = std::fs::remove_dir_all(&self.bundle);
+        } else {
+            crate::log!(
+                "container {}: rolling back left {} (a mount is left)",
+                self.id,
+                self.bundle.display()
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runcs_last_error_is_found_in_its_json_log() {
+        let log = concat!(
+            r#"{"level":"info","msg":"starting","time":"t"}"#,
+            "\n",
+            r#"{"level":"error","msg":"container_linux.go:380: starting container process caused: exec: \"nope\": executable file not found in $PATH","time":"t"}"#,
+            "\n",
+            r#"{"level":"warning","msg":"later","time":"t"}"#,
+            "\n"
+        );
+        assert_eq!(
+            runc_log_message(log).unwrap(),
+            "container_linux.go:380: starting container process caused: exec: \"nope\": executable file not found in $PATH"
+        );
+        assert_eq!(runc_log_message("plain text\n").unwrap(), "plain text");
+        assert_eq!(
+            runc_log_message(r#"{"level":"info","msg":"only info"}"#).unwrap(),
+            "only info"
+        );
+        assert_eq!(runc_log_message("\n\n"), None);
+    }
+
+    fn agent(tag: &str) -> (Containers, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("k7d-agent-ct-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = Config {
+            state_dir: dir.join("state"),
+            runc: "/nonexistent/runc".into(),
+            runc_root: dir.join("runc"),
+            sysfs: dir.join("sys"),
+            dev: dir.join("dev"),
+            cgroup_root: dir.join("cg"),
+            no_pivot: false,
+            disk_timeout: Duration::from_millis(100),
+            set_hostname: false,
+        };
+        (Containers::new(cfg, Reaper::new()).unwrap(), dir)
+    }
+
+    fn pref(c: &str, e: Option<&str>) -> ProcessRef {
+        ProcessRef {
+            container: c.into(),
+            exec_id: e.map(Into::into),
+        }
+    }
+
+    #[test]
+    fn unknown_and_invalid_ids_are_told_apart() {
+        let (a, dir) = agent("ids");
+        let e = a.state(&pref("nope", None)).unwrap_err();
+        assert!(e.not_found, "{e:?}");
+        assert!(e.message.contains("nope"));
+        let e = a.state(&pref("../etc", None)).unwrap_err();
+        assert!(!e.not_found && e.message.contains("not a valid identifier"), "{e:?}");
+        assert!(a.delete("gone").unwrap_err().not_found);
+        assert!(!a.signal(&pref("c", None), 0, false).unwrap_err().not_found);
+        assert!(!a.signal(&pref("c", None), 65, false).unwrap_err().not_found);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_create_whose_disk_never_appears_fails_and_leaves_nothing_behind() {
+        let (a, dir) = agent("nodisk");
+        std::fs::create_dir_all(dir.join("sys/block")).unwrap();
+        let req = CreateContainer {
+            id: "c1".into(),
+            spec: serde_json::json!({"process": {"args": ["true"]}}),
+            rootfs: proto::BlockMount {
+                serial: "k7d-disk9".into(),
+                fstype: "erofs".into(),
+            },
+            stdio: StdioSpec::default(),
+        };
+        let mut bad = req.clone();
+        bad.rootfs.fstype = "erofs,ro".into();
+        assert!(a.create(bad).unwrap_err().message.contains("filesystem type"));
+        let start = Instant::now();
+        let e = a.create(req.clone()).unwrap_err();
+        assert!(start.elapsed() >= Duration::from_millis(100), "the disk is awaited");
+        assert!(e.message.contains("no disk with serial k7d-disk9"), "{e:?}");
+        assert!(!dir.join("state/c/c1").exists(), "the bundle is removed");
+        assert!(lock(&a.table).reserved.is_empty(), "the id is free again");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

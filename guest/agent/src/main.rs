@@ -1,0 +1,120 @@
+//! `k7d-agent`: the pod VM's PID 1.
+//!
+//! As PID 1 it sets the VM up ([`init`]), starts the [`reaper`] and serves
+//! the shim's protocol ([`k7d_agent::proto`]) on vsock port
+//! [`k7d_agent::proto::PORT`]. For host-side tests,
+//! `k7d-agent --listen-unix PATH` serves the same protocol on a unix socket
+//! without the PID 1 setup, as a child subreaper so orphans still come to it.
+//!
+//! Log lines go to stderr (the serial console as PID 1), prefixed
+//! `k7d-agent: `.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Writes one log line to stderr; never panics (unlike `eprintln!`).
+macro_rules! log {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), "k7d-agent: {}", format_args!($($arg)*));
+    }};
+}
+pub(crate) use log;
+
+mod cgroup;
+mod container;
+mod disk;
+mod init;
+mod reaper;
+mod server;
+mod spec;
+mod stdio;
+mod sys;
+
+/// Locks `m`, ignoring poisoning: a panicked request thread must not take
+/// the agent down with it.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+const USAGE: &str =
+    "usage: k7d-agent --listen-unix PATH [--state-dir DIR] [--runc PATH] [--runc-root DIR] [--sysfs DIR] [--dev DIR]";
+
+fn main() {
+    if std::process::id() == 1 {
+        pid1();
+    }
+    match host_config(std::env::args().skip(1)) {
+        Ok((path, cfg)) => {
+            if let Err(e) = run_host(path, cfg) {
+                log!("{e}");
+                std::process::exit(1);
+            }
+        }
+        Err(e) => {
+            log!("{e}\n{USAGE}");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// PID 1: never returns (an exiting PID 1 panics the kernel).
+fn pid1() -> ! {
+    init::setup();
+    let result = std::panic::catch_unwind(|| -> Result<(), String> {
+        let mut cfg = container::Config::guest();
+        cfg.no_pivot = init::root_is_initramfs();
+        let reaper = reaper::Reaper::start().map_err(|e| format!("starting the reaper failed: {e}"))?;
+        let agent = container::Containers::new(cfg, reaper)
+            .map_err(|e| format!("making the agent's state directories failed: {e}"))?;
+        let port = k7d_agent::proto::PORT;
+        let listener =
+            server::Listener::vsock(port).map_err(|e| format!("listening on vsock port {port} failed: {e}"))?;
+        log!("serving on vsock port {port} (kernel {})", sys::kernel_release());
+        server::serve(listener, Arc::new(agent));
+        Ok(())
+    });
+    match result {
+        Ok(Ok(())) => log!("the server stopped"),
+        Ok(Err(e)) => log!("{e}"),
+        Err(_) => log!("the agent panicked"),
+    }
+    log!("PID 1 stays up but serves nothing");
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn host_config(mut args: impl Iterator<Item = String>) -> Result<(PathBuf, container::Config), String> {
+    let mut cfg = container::Config::guest();
+    cfg.set_hostname = false;
+    let mut listen = None;
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--listen-unix" => listen = Some(PathBuf::from(value()?)),
+            "--state-dir" => cfg.state_dir = value()?.into(),
+            "--runc" => cfg.runc = value()?.into(),
+            "--runc-root" => cfg.runc_root = value()?.into(),
+            "--sysfs" => cfg.sysfs = value()?.into(),
+            "--dev" => cfg.dev = value()?.into(),
+            _ => return Err(format!("unknown argument {a:?}")),
+        }
+    }
+    let path = listen.ok_or("--listen-unix is required when not PID 1")?;
+    Ok((path, cfg))
+}
+
+fn run_host(path: PathBuf, cfg: container::Config) -> Result<(), String> {
+    sys::set_child_subreaper().map_err(|e| format!("becoming a child subreaper failed: {e}"))?;
+    let reaper = reaper::Reaper::start().map_err(|e| format!("starting the reaper failed: {e}"))?;
+    let agent =
+        container::Containers::new(cfg, reaper).map_err(|e| format!("making the state directories failed: {e}"))?;
+    let _ = std::fs::remove_file(&path);
+    let listener = std::os::unix::net::UnixListener::bind(&path)
+        .map_err(|e| format!("listening on {} failed: {e}", path.display()))?;
+    log!("serving on {}", path.display());
+    server::serve(server::Listener::Unix(listener), Arc::new(agent));
+    Ok(())
+}

@@ -1,0 +1,415 @@
+//! The shim ↔ agent protocol, version 1 (`docs/containerd.md`).
+//!
+//! The shim connects to the pod VM's hybrid vsock socket, asks for
+//! [`PORT`] (`CONNECT 1024\n`, answered `OK <port>\n` by the VMM), and then
+//! both sides speak *frames*: a 4-byte big-endian length, then that many
+//! bytes of JSON. The first request on every connection is
+//! [`Request::Hello`]; an agent of another version answers an error and
+//! closes. Each request gets exactly one [`Response`] before the next is
+//! read, so a connection is a sequence of calls; a call that blocks
+//! ([`Request::Wait`]) takes a connection of its own.
+//!
+//! [`Request::Attach`] turns its connection into a raw byte stream after
+//! the `Ok` response: the container's stdin (shim → agent; the shim's EOF
+//! closes the process's stdin), or its stdout/stderr (agent → shim; EOF when
+//! the process and every holder of the pipe closed it).
+//!
+//! Why JSON frames rather than ttrpc (Kata's choice): both ends are ours
+//! and in one repository, the OCI spec is already JSON, no protobuf code
+//! generation is needed on either side, and a frame is readable in a log.
+//! Every field a peer sends is checked by the receiver as hostile input
+//! (ids, sizes, signal numbers); unknown fields are refused.
+
+use serde::{Deserialize, Serialize};
+use std::io::{Read, Write};
+
+/// The protocol's version; [`Request::Hello`] carries it.
+pub const VERSION: u32 = 1;
+/// The agent's vsock port.
+pub const PORT: u32 = 1024;
+/// The largest frame either side reads (an OCI spec is a few KiB).
+pub const MAX_FRAME: usize = 1 << 20;
+
+/// A framing or decoding failure.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The peer closed the connection at a frame boundary.
+    #[error("the peer closed the connection")]
+    Closed,
+    /// A read or write failed.
+    #[error("the connection failed: {0}")]
+    Io(#[from] std::io::Error),
+    /// The length prefix is over [`MAX_FRAME`].
+    #[error("a frame of {0} bytes is over the {MAX_FRAME}-byte limit")]
+    TooLarge(usize),
+    /// The body is not the expected JSON.
+    #[error("a frame is not valid protocol JSON: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+/// Writes one frame holding `msg`.
+pub fn write_frame<W: Write, T: Serialize>(w: &mut W, msg: &T) -> Result<(), FrameError> {
+    let body = serde_json::to_vec(msg)?;
+    if body.len() > MAX_FRAME {
+        return Err(FrameError::TooLarge(body.len()));
+    }
+    let len = u32::try_from(body.len()).map_err(|_| FrameError::TooLarge(body.len()))?;
+    let mut buf = Vec::with_capacity(4 + body.len());
+    buf.extend_from_slice(&len.to_be_bytes());
+    buf.extend_from_slice(&body);
+    w.write_all(&buf)?;
+    w.flush()?;
+    Ok(())
+}
+
+/// Reads one frame and decodes it as `T`.
+pub fn read_frame<R: Read, T: for<'de> Deserialize<'de>>(r: &mut R) -> Result<T, FrameError> {
+    let mut len = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        match r.read(&mut len[got..]) {
+            Ok(0) if got == 0 => return Err(FrameError::Closed),
+            Ok(0) => return Err(FrameError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let len = u32::from_be_bytes(len) as usize;
+    if len > MAX_FRAME {
+        return Err(FrameError::TooLarge(len));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    Ok(serde_json::from_slice(&body)?)
+}
+
+/// Which process of a container: its init (`exec_id` absent) or an exec.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessRef {
+    /// The container.
+    pub container: String,
+    /// The exec, or `None` for the container's init process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exec_id: Option<String>,
+}
+
+/// The stdio a process gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StdioSpec {
+    /// A terminal (pty): stdout carries the pty's output, stderr is unused.
+    #[serde(default)]
+    pub terminal: bool,
+    /// The shim will attach stdin (otherwise it is `/dev/null`).
+    #[serde(default)]
+    pub stdin: bool,
+    /// The shim will attach stdout (otherwise output is discarded).
+    #[serde(default)]
+    pub stdout: bool,
+    /// The shim will attach stderr (otherwise output is discarded).
+    #[serde(default)]
+    pub stderr: bool,
+}
+
+/// A block device attached to the VM, found by its virtio-blk serial
+/// (`/sys/block/vd*/serial`; k7d names disk `i` `k7d-disk<i>`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlockMount {
+    /// The disk's serial.
+    pub serial: String,
+    /// Its filesystem (`erofs`, `ext4`).
+    pub fstype: String,
+}
+
+/// `create_container`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateContainer {
+    /// The container id (containerd's: `[A-Za-z0-9]+([._-][A-Za-z0-9]+)*`, ≤ 76 bytes).
+    pub id: String,
+    /// The OCI runtime spec as containerd wrote it (`config.json`). The
+    /// agent replaces `root` (its own rootfs), drops namespace paths (they
+    /// name the host's namespaces) and keeps the rest.
+    pub spec: serde_json::Value,
+    /// The image's read-only layers, merged (one erofs image).
+    pub rootfs: BlockMount,
+    /// The init process's stdio.
+    pub stdio: StdioSpec,
+}
+
+/// `exec`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Exec {
+    /// The container and the new exec's id.
+    pub process: ProcessRef,
+    /// The OCI `process` object (args, env, cwd, user, terminal).
+    pub spec: serde_json::Value,
+    /// Its stdio.
+    pub stdio: StdioSpec,
+}
+
+/// Which stdio stream an [`Request::Attach`] connection carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stream {
+    /// Shim → process.
+    Stdin,
+    /// Process → shim.
+    Stdout,
+    /// Process → shim.
+    Stderr,
+}
+
+/// A request from the shim.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", content = "args", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// First on every connection: the shim's protocol version.
+    Hello {
+        /// [`VERSION`].
+        version: u32,
+    },
+    /// Mount the rootfs and create the container (its init not yet running).
+    CreateContainer(CreateContainer),
+    /// Start a created container's init, or an added exec.
+    Start(ProcessRef),
+    /// Add an exec process (started by [`Request::Start`]).
+    Exec(Exec),
+    /// Block until the process exits.
+    Wait(ProcessRef),
+    /// Send a signal to the process, or with `all` to every process of the container.
+    Signal {
+        /// The process.
+        process: ProcessRef,
+        /// The signal number (1..=64).
+        signal: i32,
+        /// Every process of the container.
+        #[serde(default)]
+        all: bool,
+    },
+    /// The process's state.
+    State(ProcessRef),
+    /// The pids of every process in the container (guest pids).
+    Pids {
+        /// The container.
+        container: String,
+    },
+    /// Resize the process's terminal.
+    ResizePty {
+        /// The process.
+        process: ProcessRef,
+        /// Columns.
+        width: u32,
+        /// Rows.
+        height: u32,
+    },
+    /// Close the process's stdin.
+    CloseStdin(ProcessRef),
+    /// The container's cgroup v2 statistics.
+    Stats {
+        /// The container.
+        container: String,
+    },
+    /// Apply OCI `linux.resources` to the container's cgroup.
+    Update {
+        /// The container.
+        container: String,
+        /// The OCI `LinuxResources` object.
+        resources: serde_json::Value,
+    },
+    /// Forget an exited exec process.
+    DeleteExec(ProcessRef),
+    /// Kill what is left of the container, unmount its rootfs and forget it.
+    DeleteContainer {
+        /// The container.
+        container: String,
+    },
+    /// This connection becomes one stdio stream of the process.
+    Attach {
+        /// The process.
+        process: ProcessRef,
+        /// The stream.
+        stream: Stream,
+    },
+}
+
+/// A process's life as the agent sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Created, not started.
+    Created,
+    /// Running.
+    Running,
+    /// Exited (see `exit_status`).
+    Stopped,
+}
+
+/// A process's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessState {
+    /// Its guest pid (0 before it exists).
+    pub pid: u32,
+    /// Its life.
+    pub status: Status,
+    /// Its exit status once stopped (128 + signal when killed).
+    #[serde(default)]
+    pub exit_status: u32,
+}
+
+/// An exit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Exited {
+    /// Its guest pid.
+    pub pid: u32,
+    /// The exit status (128 + signal when killed).
+    pub exit_status: u32,
+    /// The container's cgroup counted an OOM kill.
+    #[serde(default)]
+    pub oom_killed: bool,
+}
+
+/// A container's cgroup v2 statistics (the files' fields, as read).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CgroupStats {
+    /// `pids.current`, `pids.max` (0 = max).
+    pub pids_current: u64,
+    /// `pids.max`, 0 when `max`.
+    pub pids_limit: u64,
+    /// `cpu.stat`: usage_usec, user_usec, system_usec, nr_periods, nr_throttled, throttled_usec.
+    pub cpu: Vec<(String, u64)>,
+    /// `memory.current`.
+    pub memory_usage: u64,
+    /// `memory.max`, 0 when `max`.
+    pub memory_limit: u64,
+    /// `memory.stat`'s fields.
+    pub memory_stat: Vec<(String, u64)>,
+    /// `memory.events`'s fields (oom, oom_kill, ...).
+    pub memory_events: Vec<(String, u64)>,
+}
+
+/// A successful answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "value", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Reply {
+    /// Nothing to say.
+    Done,
+    /// [`Request::Hello`]'s answer.
+    Hello {
+        /// The agent's [`VERSION`].
+        version: u32,
+        /// The guest kernel's release (`uname -r`).
+        kernel: String,
+    },
+    /// The process's guest pid (create, start, exec).
+    Pid(u32),
+    /// A process's state.
+    State(ProcessState),
+    /// An exit.
+    Exited(Exited),
+    /// Pids.
+    Pids(Vec<u32>),
+    /// Statistics.
+    Stats(CgroupStats),
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Response {
+    /// It was done.
+    Ok(Reply),
+    /// It was refused or failed: one sentence.
+    Err {
+        /// What went wrong.
+        message: String,
+        /// The container or process does not exist (containerd's NotFound).
+        #[serde(default)]
+        not_found: bool,
+    },
+}
+
+/// Whether `id` is a container or exec id the agent accepts: containerd's
+/// identifier grammar (`[A-Za-z0-9]+([._-][A-Za-z0-9]+)*`, at most 76
+/// bytes), so it is always a safe single path component.
+pub fn valid_id(id: &str) -> bool {
+    let b = id.as_bytes();
+    if b.is_empty() || b.len() > 76 {
+        return false;
+    }
+    let mut prev_sep = true;
+    for &c in b {
+        let sep = matches!(c, b'.' | b'_' | b'-');
+        if sep && prev_sep {
+            return false;
+        }
+        if !sep && !c.is_ascii_alphanumeric() {
+            return false;
+        }
+        prev_sep = sep;
+    }
+    !prev_sep
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_round_trips_and_a_closed_peer_is_told_apart_from_a_torn_frame() {
+        let req = Request::Signal {
+            process: ProcessRef {
+                container: "c1".into(),
+                exec_id: Some("e1".into()),
+            },
+            signal: 15,
+            all: false,
+        };
+        let mut buf = Vec::new();
+        write_frame(&mut buf, &req).unwrap();
+        let back: Request = read_frame(&mut buf.as_slice()).unwrap();
+        assert_eq!(back, req);
+        assert!(matches!(
+            read_frame::<_, Request>(&mut [].as_slice()),
+            Err(FrameError::Closed)
+        ));
+        let torn = &buf[..buf.len() - 1];
+        assert!(matches!(
+            read_frame::<_, Request>(&mut &torn[..]),
+            Err(FrameError::Io(_))
+        ));
+    }
+
+    #[test]
+    fn oversized_frames_and_unknown_fields_are_refused() {
+        let len = (MAX_FRAME as u32 + 1).to_be_bytes();
+        assert!(matches!(
+            read_frame::<_, Request>(&mut &len[..]),
+            Err(FrameError::TooLarge(_))
+        ));
+        let body = br#"{"op":"hello","args":{"version":1,"extra":2}}"#;
+        let mut buf = (body.len() as u32).to_be_bytes().to_vec();
+        buf.extend_from_slice(body);
+        assert!(matches!(
+            read_frame::<_, Request>(&mut buf.as_slice()),
+            Err(FrameError::Json(_))
+        ));
+    }
+
+    #[test]
+    fn ids_follow_containerds_grammar() {
+        for ok in ["a", "t1", "abc.def-1_2", &"x".repeat(76)] {
+            assert!(valid_id(ok), "{ok}");
+        }
+        for bad in ["", ".", "..", "../x", "a/b", "a..b", "-a", "a-", "a b", &"x".repeat(77)] {
+            assert!(!valid_id(bad), "{bad}");
+        }
+    }
+}

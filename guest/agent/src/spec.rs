@@ -1,0 +1,254 @@
+//! Rewriting containerd's OCI runtime spec for the guest.
+//!
+//! containerd wrote the spec for the host: its root, namespace paths,
+//! cgroup path, hooks and bind-mount sources name host objects. The guest
+//! has none of them, so they are replaced (root, cgroup path) or dropped.
+
+use serde_json::{Map, Value, json};
+
+/// What [`rewrite`] changed that is worth a log line.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Rewritten {
+    /// Destinations of host bind mounts that were dropped.
+    pub dropped_mounts: Vec<String>,
+    /// Namespaces whose host path was dropped (`type` names).
+    pub dropped_namespace_paths: Vec<String>,
+    /// Default mounts added because the spec lacked them.
+    pub added_mounts: Vec<String>,
+    /// `spec.hostname`, if any.
+    pub hostname: Option<String>,
+}
+
+/// The mounts every container gets (containerd's defaults), in order.
+fn default_mounts() -> [Value; 5] {
+    [
+        json!({"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid", "noexec", "nodev"]}),
+        json!({"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+               "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]}),
+        json!({"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+               "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]}),
+        json!({"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+               "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]}),
+        json!({"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]}),
+    ]
+}
+
+fn is_host_bind(m: &Value) -> bool {
+    let source_abs = m
+        .get("source")
+        .and_then(Value::as_str)
+        .is_some_and(|s| s.starts_with('/'));
+    let typ_bind = m.get("type").and_then(Value::as_str) == Some("bind");
+    let opt_bind = m
+        .get("options")
+        .and_then(Value::as_array)
+        .is_some_and(|o| o.iter().any(|x| matches!(x.as_str(), Some("bind" | "rbind"))));
+    source_abs && (typ_bind || opt_bind)
+}
+
+fn object<'a>(v: &'a mut Value, what: &str) -> Result<&'a mut Map<String, Value>, String> {
+    v.as_object_mut()
+        .ok_or_else(|| format!("the spec's {what} is not a JSON object"))
+}
+
+/// Rewrites `spec` in place for container `id` whose rootfs is mounted at
+/// `rootfs` (an absolute guest path), with a terminal or not:
+///
+/// * `root` = `{path: rootfs, readonly}` (readonly kept when the spec says true);
+/// * `process.terminal` = `terminal` (runc insists it matches `--console-socket`);
+/// * every `linux.namespaces` entry loses its `path` (a host path), except a
+///   `network` entry with a path, which is removed: joining the pod's
+///   network namespace means, in the pod VM, sharing the VM's own network
+///   namespace, where the VM's NIC is;
+/// * `linux.cgroupsPath` = `/k7d/<id>`;
+/// * `hooks` removed (host programs);
+/// * bind mounts of absolute host paths removed (the guest has no such paths);
+/// * containerd's default /proc, /dev, /dev/pts, /dev/shm, /sys mounts added
+///   where missing (a CRI spec bind-mounts /dev/shm from the host).
+pub fn rewrite(spec: &mut Value, id: &str, rootfs: &str, terminal: bool) -> Result<Rewritten, String> {
+    let mut out = Rewritten::default();
+    let top = object(spec, "top level")?;
+
+    let readonly = top
+        .get("root")
+        .and_then(|r| r.get("readonly"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    top.insert("root".into(), json!({"path": rootfs, "readonly": readonly}));
+    top.remove("hooks");
+
+    match top.get_mut("process") {
+        Some(p) => {
+            object(p, "process")?.insert("terminal".into(), Value::Bool(terminal));
+        }
+        None => return Err("the spec has no process".into()),
+    }
+
+    out.hostname = top.get("hostname").and_then(Value::as_str).map(str::to_owned);
+
+    let linux = top.entry("linux").or_insert_with(|| json!({}));
+    let linux = object(linux, "linux")?;
+    linux.insert("cgroupsPath".into(), Value::String(format!("/k7d/{id}")));
+    if let Some(ns) = linux.get_mut("namespaces") {
+        let ns = ns.as_array_mut().ok_or("the spec's linux.namespaces is not an array")?;
+        let mut kept = Vec::with_capacity(ns.len());
+        for mut n in ns.drain(..) {
+            let entry = object(&mut n, "namespace entry")?;
+            let typ = entry.get("type").and_then(Value::as_str).unwrap_or("").to_owned();
+            if entry.remove("path").is_some() {
+                out.dropped_namespace_paths.push(typ.clone());
+                if typ == "network" {
+                    continue;
+                }
+            }
+            kept.push(n);
+        }
+        *ns = kept;
+    }
+
+    let mounts = top.entry("mounts").or_insert_with(|| json!([]));
+    let mounts = mounts.as_array_mut().ok_or("the spec's mounts is not an array")?;
+    mounts.retain(|m| {
+        if is_host_bind(m) {
+            let dest = m.get("destination").and_then(Value::as_str).unwrap_or("?");
+            out.dropped_mounts.push(dest.to_owned());
+            false
+        } else {
+            true
+        }
+    });
+    let dest_of = |m: &Value| {
+        m.get("destination")
+            .and_then(Value::as_str)
+            .map(|d| d.trim_end_matches('/').to_owned())
+    };
+    let mut front = 0;
+    for d in default_mounts() {
+        let dest = dest_of(&d).unwrap_or_default();
+        if mounts.iter().any(|m| dest_of(m).as_deref() == Some(dest.as_str())) {
+            continue;
+        }
+        // /dev/pts and /dev/shm go right after a /dev mount (else it would hide them).
+        let parent = dest.rfind('/').map(|i| &dest[..i]).filter(|p| !p.is_empty());
+        let at = match parent.and_then(|p| mounts.iter().position(|m| dest_of(m).as_deref() == Some(p))) {
+            Some(i) => {
+                let prefix = format!("{}/", parent.unwrap_or_default());
+                let mut at = i + 1;
+                while mounts.get(at).and_then(dest_of).is_some_and(|d| d.starts_with(&prefix)) {
+                    at += 1;
+                }
+                at
+            }
+            None => front,
+        };
+        if at <= front {
+            front += 1;
+        }
+        out.added_mounts.push(dest);
+        mounts.insert(at.min(mounts.len()), d);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shape of a containerd CRI container spec (trimmed).
+    fn cri_spec() -> Value {
+        json!({
+            "ociVersion": "1.1.0",
+            "process": {"terminal": true, "args": ["/pause"], "cwd": "/", "env": ["PATH=/bin"]},
+            "root": {"path": "rootfs", "readonly": true},
+            "hostname": "pod-a",
+            "hooks": {"createRuntime": [{"path": "/usr/bin/nvidia-hook"}]},
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc", "options": ["nosuid"]},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid"]},
+                {"destination": "/dev/pts", "type": "devpts", "source": "devpts", "options": ["newinstance"]},
+                {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["ro"]},
+                {"destination": "/etc/resolv.conf", "type": "bind",
+                 "source": "/var/lib/containerd/sandboxes/x/resolv.conf", "options": ["rbind", "ro"]},
+                {"destination": "/dev/shm", "type": "bind", "source": "/run/containerd/sandboxes/x/shm",
+                 "options": ["rbind", "ro"]},
+                {"destination": "/data", "source": "/srv/data", "options": ["rbind"]},
+                {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": []}
+            ],
+            "linux": {
+                "cgroupsPath": "kubepods-besteffort.slice:cri-containerd:abc",
+                "namespaces": [
+                    {"type": "pid"},
+                    {"type": "ipc", "path": "/proc/42/ns/ipc"},
+                    {"type": "uts", "path": "/proc/42/ns/uts"},
+                    {"type": "mount"},
+                    {"type": "network", "path": "/var/run/netns/cni-1234"}
+                ],
+                "resources": {"memory": {"limit": 1048576}}
+            }
+        })
+    }
+
+    #[test]
+    fn a_cri_spec_is_rewritten_for_the_guest() {
+        let mut spec = cri_spec();
+        let r = rewrite(&mut spec, "c1", "/run/k7d/c/c1/rootfs", false).unwrap();
+        assert_eq!(spec["root"], json!({"path": "/run/k7d/c/c1/rootfs", "readonly": true}));
+        assert_eq!(spec["linux"]["cgroupsPath"], "/k7d/c1");
+        assert!(spec.get("hooks").is_none());
+        assert_eq!(spec["process"]["terminal"], false);
+        assert_eq!(spec["process"]["args"], json!(["/pause"]), "the process is kept");
+        assert_eq!(
+            spec["linux"]["resources"],
+            json!({"memory": {"limit": 1048576}}),
+            "resources are kept"
+        );
+        assert_eq!(
+            spec["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"}]),
+            "paths dropped; a joined network namespace means the VM's own"
+        );
+        assert_eq!(r.dropped_namespace_paths, ["ipc", "uts", "network"]);
+        assert_eq!(r.dropped_mounts, ["/etc/resolv.conf", "/dev/shm", "/data"]);
+        assert_eq!(r.added_mounts, ["/dev/shm"]);
+        assert_eq!(r.hostname.as_deref(), Some("pod-a"));
+        let dests: Vec<&str> = spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["destination"].as_str().unwrap())
+            .collect();
+        assert_eq!(dests, ["/proc", "/dev", "/dev/pts", "/dev/shm", "/sys", "/tmp"]);
+        assert_eq!(spec["mounts"][3]["type"], "tmpfs");
+    }
+
+    #[test]
+    fn a_writable_root_stays_writable_and_missing_defaults_are_added_in_order() {
+        let mut spec = json!({"process": {"args": ["sh"]}, "root": {"path": "/host/rootfs"}});
+        let r = rewrite(&mut spec, "x", "/b/rootfs", true).unwrap();
+        assert_eq!(spec["root"], json!({"path": "/b/rootfs", "readonly": false}));
+        assert_eq!(spec["process"]["terminal"], true);
+        assert_eq!(spec["linux"]["cgroupsPath"], "/k7d/x");
+        assert_eq!(r.added_mounts, ["/proc", "/dev", "/dev/pts", "/dev/shm", "/sys"]);
+        let dests: Vec<&str> = spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["destination"].as_str().unwrap())
+            .collect();
+        assert_eq!(dests, ["/proc", "/dev", "/dev/pts", "/dev/shm", "/sys"]);
+    }
+
+    #[test]
+    fn malformed_specs_are_refused_with_a_reason() {
+        for bad in [
+            json!([1]),
+            json!({"root": {}}),
+            json!({"process": 3}),
+            json!({"process": {}, "linux": {"namespaces": 1}}),
+            json!({"process": {}, "mounts": {}}),
+        ] {
+            let mut s = bad.clone();
+            assert!(rewrite(&mut s, "x", "/r", false).is_err(), "{bad}");
+        }
+    }
+}

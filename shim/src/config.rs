@@ -1,0 +1,167 @@
+//! `/etc/k7d/shim.toml` (or `$K7D_SHIM_CONFIG`) and the per-pod
+//! annotations that override it (`io.k7d.vcpus`, `io.k7d.memory_mib`).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+/// Where the config is read from unless `$K7D_SHIM_CONFIG` says otherwise.
+pub const DEFAULT_PATH: &str = "/etc/k7d/shim.toml";
+/// The kernel command line a pod VM gets unless the config says otherwise.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet panic=-1";
+
+/// The shim's settings.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShimConfig {
+    /// The guest kernel (the stock Debian cloud kernel).
+    pub kernel: PathBuf,
+    /// The initramfs with the agent (`guest/agent/mkinitramfs.sh`).
+    pub initramfs: PathBuf,
+    /// The daemon's API socket.
+    #[serde(default = "default_socket")]
+    pub daemon_socket: PathBuf,
+    /// vCPUs per pod VM.
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    /// Guest RAM per pod VM, MiB.
+    #[serde(default = "default_memory")]
+    pub memory_mib: u64,
+    /// The pod VM's kernel command line.
+    #[serde(default = "default_cmdline")]
+    pub cmdline: String,
+    /// Where per-pod sockets live.
+    #[serde(default = "default_state_dir")]
+    pub state_dir: PathBuf,
+    /// Where packed images (erofs) are cached.
+    #[serde(default = "default_image_dir")]
+    pub image_dir: PathBuf,
+}
+
+fn default_socket() -> PathBuf {
+    "/run/k7d/k7d.sock".into()
+}
+fn default_vcpus() -> u8 {
+    1
+}
+fn default_memory() -> u64 {
+    256
+}
+fn default_cmdline() -> String {
+    DEFAULT_CMDLINE.into()
+}
+fn default_state_dir() -> PathBuf {
+    "/run/k7d/shim".into()
+}
+fn default_image_dir() -> PathBuf {
+    "/var/lib/k7d/images".into()
+}
+
+impl ShimConfig {
+    /// The config at `$K7D_SHIM_CONFIG`, else [`DEFAULT_PATH`].
+    pub fn load() -> anyhow::Result<Self> {
+        let path = std::env::var_os("K7D_SHIM_CONFIG").map_or_else(|| PathBuf::from(DEFAULT_PATH), PathBuf::from);
+        Self::read(&path)
+    }
+
+    /// The config in `path`.
+    pub fn read(path: &Path) -> anyhow::Result<Self> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read the shim config {}", path.display()))?;
+        let cfg: Self =
+            toml::from_str(&text).with_context(|| format!("the shim config {} is not valid", path.display()))?;
+        cfg.check()
+            .with_context(|| format!("the shim config {} is not valid", path.display()))?;
+        Ok(cfg)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        for (what, p) in [
+            ("kernel", &self.kernel),
+            ("initramfs", &self.initramfs),
+            ("daemon_socket", &self.daemon_socket),
+            ("state_dir", &self.state_dir),
+            ("image_dir", &self.image_dir),
+        ] {
+            if !p.is_absolute() {
+                bail!("{what} must be an absolute path, not {}", p.display());
+            }
+        }
+        check_shape(self.vcpus, self.memory_mib)
+    }
+
+    /// This pod's vCPUs and memory: the config's, overridden by the
+    /// sandbox's `io.k7d.vcpus` / `io.k7d.memory_mib` annotations.
+    pub fn shape_for(&self, annotations: &HashMap<String, String>) -> anyhow::Result<(u8, u64)> {
+        let mut vcpus = self.vcpus;
+        let mut memory = self.memory_mib;
+        if let Some(v) = annotations.get("io.k7d.vcpus") {
+            vcpus = v
+                .parse()
+                .with_context(|| format!("the annotation io.k7d.vcpus={v:?} is not a number of vCPUs"))?;
+        }
+        if let Some(v) = annotations.get("io.k7d.memory_mib") {
+            memory = v
+                .parse()
+                .with_context(|| format!("the annotation io.k7d.memory_mib={v:?} is not a size in MiB"))?;
+        }
+        check_shape(vcpus, memory)?;
+        Ok((vcpus, memory))
+    }
+}
+
+fn check_shape(vcpus: u8, memory_mib: u64) -> anyhow::Result<()> {
+    if !(1..=64).contains(&vcpus) {
+        bail!("a pod VM has 1 to 64 vCPUs, not {vcpus}");
+    }
+    if !(64..=1 << 20).contains(&memory_mib) {
+        bail!("a pod VM has 64 MiB to 1 TiB of memory, not {memory_mib} MiB");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(text: &str) -> (PathBuf, anyhow::Result<ShimConfig>) {
+        let dir = std::env::temp_dir().join(format!("k7d-shim-cfg-{}-{}", std::process::id(), text.len()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("shim.toml");
+        std::fs::write(&p, text).unwrap();
+        let r = ShimConfig::read(&p);
+        (dir, r)
+    }
+
+    #[test]
+    fn defaults_fill_in_and_annotations_override_the_shape() {
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\n");
+        let cfg = cfg.unwrap();
+        assert_eq!(cfg.daemon_socket, PathBuf::from("/run/k7d/k7d.sock"));
+        assert_eq!((cfg.vcpus, cfg.memory_mib), (1, 256));
+        let mut ann = HashMap::new();
+        ann.insert("io.k7d.vcpus".to_string(), "2".to_string());
+        ann.insert("io.k7d.memory_mib".to_string(), "512".to_string());
+        assert_eq!(cfg.shape_for(&ann).unwrap(), (2, 512));
+        ann.insert("io.k7d.memory_mib".to_string(), "lots".to_string());
+        let e = format!("{:#}", cfg.shape_for(&ann).unwrap_err());
+        assert!(e.contains("io.k7d.memory_mib"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_bad_config_is_one_sentence_naming_the_file_and_the_field() {
+        let (dir, cfg) = write("kernel = \"k\"\ninitramfs = \"/i\"\n");
+        let e = format!("{:#}", cfg.unwrap_err());
+        assert!(
+            e.contains("shim.toml") && e.contains("kernel must be an absolute path"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\nvcpus = 0\nbogus = 1\n");
+        assert!(cfg.is_err());
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

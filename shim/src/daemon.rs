@@ -1,0 +1,59 @@
+//! The shim's view of the k7d daemon, which owns every VM: the calls the
+//! shim makes, implemented by the `k7d` binary over the daemon's API
+//! socket (the shim crate never sees the API's wire format).
+
+use std::path::PathBuf;
+
+/// A pod VM as the shim asks for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodVmSpec {
+    /// The VM id (derived from the sandbox: see `crate::names`).
+    pub id: String,
+    /// The guest kernel.
+    pub kernel: PathBuf,
+    /// The agent's initramfs.
+    pub initramfs: PathBuf,
+    /// The kernel command line.
+    pub cmdline: String,
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM in MiB.
+    pub memory_mib: u64,
+    /// Read-only disks, in order: disk `i` is serial `k7d-disk<i>` in the guest.
+    pub disks: Vec<PathBuf>,
+    /// The guest CID of its vsock.
+    pub vsock_cid: u64,
+    /// The host unix socket of its vsock (the agent is reached through it).
+    pub vsock_uds: PathBuf,
+}
+
+/// A VM's life as the daemon reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VmLife {
+    /// Its vCPUs run.
+    Running,
+    /// Paused.
+    Paused,
+    /// Stopped, with the daemon's reason.
+    Stopped(String),
+    /// The daemon has no such VM.
+    Gone,
+}
+
+/// The daemon calls. Every error is one sentence that says what failed and
+/// where the shim looked (the socket path).
+pub trait Daemon: Send + Sync {
+    /// Create and start a VM.
+    fn create(&self, spec: &PodVmSpec) -> anyhow::Result<()>;
+    /// Stop and remove a VM; a VM the daemon does not have is not an error.
+    fn delete(&self, id: &str) -> anyhow::Result<()>;
+    /// Pause a VM's vCPUs and devices.
+    fn pause(&self, id: &str) -> anyhow::Result<()>;
+    /// Resume it.
+    fn resume(&self, id: &str) -> anyhow::Result<()>;
+    /// The VM's life; an unreachable daemon is an error.
+    fn life(&self, id: &str) -> anyhow::Result<VmLife>;
+    /// The daemon's pid (reported to containerd as the task's pid, as Kata
+    /// reports its hypervisor's: no container process runs on the host).
+    fn pid(&self) -> anyhow::Result<u32>;
+}

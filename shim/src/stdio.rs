@@ -1,0 +1,156 @@
+//! A process's stdio: copies between containerd's FIFOs and the agent's
+//! stream connections (`Request::Attach`), one thread per stream.
+
+use std::fs::OpenOptions;
+use std::net::Shutdown;
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use k7d_agent::proto::{ProcessRef, Reply, Request, Stream};
+
+use crate::agent::Agent;
+
+/// containerd's FIFO paths for one process (empty: not wanted).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Paths {
+    /// stdin.
+    pub stdin: String,
+    /// stdout.
+    pub stdout: String,
+    /// stderr.
+    pub stderr: String,
+    /// A pty: stdout carries it, stderr is unused.
+    pub terminal: bool,
+}
+
+impl Paths {
+    /// What the agent must prepare.
+    pub fn spec(&self) -> k7d_agent::proto::StdioSpec {
+        k7d_agent::proto::StdioSpec {
+            terminal: self.terminal,
+            stdin: !self.stdin.is_empty(),
+            stdout: !self.stdout.is_empty(),
+            stderr: !self.stderr.is_empty() && !self.terminal,
+        }
+    }
+}
+
+/// The running copies of one process's stdio.
+#[derive(Debug)]
+pub struct Relays {
+    stdin: Option<UnixStream>,
+    /// Output copies still running.
+    out_left: Arc<(Mutex<usize>, Condvar)>,
+    _threads: Vec<JoinHandle<()>>,
+}
+
+/// Attaches the process's streams and starts the copies.
+pub fn start(agent: &Agent, process: &ProcessRef, paths: &Paths) -> anyhow::Result<Relays> {
+    let spec = paths.spec();
+    let out_left = Arc::new((Mutex::new(0usize), Condvar::new()));
+    let mut threads = Vec::new();
+    let mut stdin = None;
+    for (want, stream, fifo) in [
+        (spec.stdout, Stream::Stdout, &paths.stdout),
+        (spec.stderr, Stream::Stderr, &paths.stderr),
+    ] {
+        if !want {
+            continue;
+        }
+        let conn = attach(agent, process, stream)?;
+        let fifo = PathBuf::from(fifo);
+        let left = out_left.clone();
+        *left.0.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        threads.push(
+            std::thread::Builder::new()
+                .name("k7d-shim-out".into())
+                .spawn(move || {
+                    copy_out(conn, &fifo, stream);
+                    let mut n = left.0.lock().unwrap_or_else(|e| e.into_inner());
+                    *n = n.saturating_sub(1);
+                    left.1.notify_all();
+                })
+                .context("cannot start a stdio copy thread")?,
+        );
+    }
+    if spec.stdin {
+        let conn = attach(agent, process, Stream::Stdin)?;
+        stdin = Some(conn.try_clone().context("cannot keep the stdin stream")?);
+        let fifo = PathBuf::from(&paths.stdin);
+        threads.push(
+            std::thread::Builder::new()
+                .name("k7d-shim-in".into())
+                .spawn(move || copy_in(conn, &fifo))
+                .context("cannot start a stdio copy thread")?,
+        );
+    }
+    Ok(Relays {
+        stdin,
+        out_left,
+        _threads: threads,
+    })
+}
+
+fn attach(agent: &Agent, process: &ProcessRef, stream: Stream) -> anyhow::Result<UnixStream> {
+    let mut conn = agent.connect(Duration::from_secs(10))?;
+    match conn.call(&Request::Attach {
+        process: process.clone(),
+        stream,
+    }) {
+        Ok(Reply::Done) => conn.into_stream(),
+        Ok(other) => anyhow::bail!("the guest agent answered an attach with {other:?}"),
+        Err(e) => Err(e).with_context(|| format!("cannot attach the {stream:?} of {process:?}")),
+    }
+}
+
+fn copy_out(mut conn: UnixStream, fifo: &PathBuf, stream: Stream) {
+    match OpenOptions::new().write(true).open(fifo) {
+        Ok(mut f) => {
+            if let Err(e) = std::io::copy(&mut conn, &mut f) {
+                tracing::debug!("the {stream:?} copy to {} ended: {e}", fifo.display());
+            }
+        }
+        Err(e) => tracing::warn!("cannot open the {stream:?} FIFO {}: {e}", fifo.display()),
+    }
+}
+
+fn copy_in(mut conn: UnixStream, fifo: &PathBuf) {
+    match OpenOptions::new().read(true).open(fifo) {
+        Ok(mut f) => {
+            if let Err(e) = std::io::copy(&mut f, &mut conn) {
+                tracing::debug!("the stdin copy from {} ended: {e}", fifo.display());
+            }
+        }
+        Err(e) => tracing::warn!("cannot open the stdin FIFO {}: {e}", fifo.display()),
+    }
+    let _ = conn.shutdown(Shutdown::Write);
+}
+
+impl Relays {
+    /// Closes the process's stdin (containerd's CloseIO).
+    pub fn close_stdin(&self) {
+        if let Some(s) = &self.stdin {
+            let _ = s.shutdown(Shutdown::Write);
+        }
+    }
+
+    /// Waits until every output copy reached EOF, at most `limit`: an exit
+    /// is reported after the process's last output line.
+    pub fn wait_output(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let (lock, cv) = &*self.out_left;
+        let mut n = lock.lock().unwrap_or_else(|e| e.into_inner());
+        while *n > 0 {
+            let now = Instant::now();
+            if now >= deadline {
+                tracing::warn!("output copies still running after {limit:?}; reporting the exit anyway");
+                return;
+            }
+            n = cv.wait_timeout(n, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+}

@@ -1,0 +1,1001 @@
+//! containerd's Task service (task v2) for one pod VM: every RPC, the
+//! events in containerd's order, the watchers that report exits, and the
+//! monitor that reports every task exited (137) when the VM dies.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use containerd_shim::api;
+use containerd_shim::protos::events::task::{
+    TaskCreate, TaskDelete, TaskExecAdded, TaskExecStarted, TaskExit, TaskIO, TaskOOM, TaskPaused, TaskResumed,
+    TaskStart,
+};
+use containerd_shim::protos::protobuf::well_known_types::any::Any;
+use containerd_shim::protos::protobuf::well_known_types::timestamp::Timestamp;
+use containerd_shim::protos::protobuf::{Message, MessageDyn, MessageField};
+use containerd_shim::protos::topics;
+use containerd_shim::protos::ttrpc::{self, Code};
+use containerd_shim::publisher::RemotePublisher;
+use containerd_shim::{Context as TtrpcCtx, ExitSignal, Task, TtrpcContext, TtrpcResult};
+use k7d_agent::proto::{self, BlockMount, CreateContainer, ProcessRef, Reply, Request};
+
+use crate::agent::{Agent, CallError};
+use crate::config::ShimConfig;
+use crate::daemon::{Daemon, PodVmSpec, VmLife};
+use crate::names::{PodNames, pod_names};
+use crate::{image, stdio};
+
+/// How long a pod VM may take from create to its agent answering.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often the monitor asks the daemon whether the VM lives.
+const MONITOR_PERIOD: Duration = Duration::from_millis(200);
+/// A quick agent call's limit.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// The status of a task whose VM died under it (SIGKILL, as runc reports).
+pub const KILLED: u32 = 137;
+/// The annotation CRI sets on every container: `sandbox` or `container`.
+pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+/// The annotation naming an app container's sandbox.
+pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+
+/// The task service of one shim (one pod VM).
+#[derive(Clone)]
+pub struct Service {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    namespace: String,
+    daemon: Arc<dyn Daemon>,
+    publisher: Mutex<RemotePublisher>,
+    exit: Arc<ExitSignal>,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    /// The pod VM, once a create booted it.
+    pod: Option<Pod>,
+    /// A create is booting the pod VM.
+    booting: bool,
+    tasks: HashMap<String, TaskEntry>,
+}
+
+struct Pod {
+    names: PodNames,
+    agent: Agent,
+    /// The task pid containerd sees (the daemon's: no container process runs on the host).
+    host_pid: u32,
+    paused: bool,
+    dead: bool,
+}
+
+struct TaskEntry {
+    bundle: String,
+    /// "" is the init process; others are execs.
+    procs: HashMap<String, Proc>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Life {
+    Created,
+    Running,
+    Stopped,
+}
+
+struct Proc {
+    life: Life,
+    exit_status: u32,
+    exited_at: Option<Timestamp>,
+    paths: stdio::Paths,
+    relays: Option<Arc<stdio::Relays>>,
+}
+
+fn err(code: Code, msg: impl std::fmt::Display) -> ttrpc::Error {
+    ttrpc::Error::RpcStatus(ttrpc::get_status(code, msg.to_string()))
+}
+
+fn not_found(what: impl std::fmt::Display) -> ttrpc::Error {
+    err(Code::NOT_FOUND, format!("{what} does not exist in this k7d shim"))
+}
+
+fn from_call(e: CallError) -> ttrpc::Error {
+    match e {
+        CallError::Refused {
+            message,
+            not_found: true,
+        } => err(Code::NOT_FOUND, message),
+        CallError::Refused { message, .. } => err(Code::FAILED_PRECONDITION, message),
+        lost @ CallError::Lost(_) => err(Code::UNAVAILABLE, lost),
+    }
+}
+
+fn internal(e: anyhow::Error) -> ttrpc::Error {
+    err(Code::INTERNAL, format!("{e:#}"))
+}
+
+fn now() -> Timestamp {
+    let d = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mut t = Timestamp::new();
+    t.seconds = d.as_secs() as i64;
+    t.nanos = d.subsec_nanos() as i32;
+    t
+}
+
+fn pref(id: &str, exec_id: &str) -> ProcessRef {
+    ProcessRef {
+        container: id.to_string(),
+        exec_id: (!exec_id.is_empty()).then(|| exec_id.to_string()),
+    }
+}
+
+/// The OCI spec containerd wrote into the bundle (bounded: 4 MiB).
+fn read_spec(bundle: &Path) -> anyhow::Result<serde_json::Value> {
+    use anyhow::Context;
+    use std::io::Read;
+    let p = bundle.join("config.json");
+    let f = std::fs::File::open(&p).with_context(|| format!("cannot open the bundle's spec {}", p.display()))?;
+    let mut buf = Vec::new();
+    f.take(4 << 20)
+        .read_to_end(&mut buf)
+        .with_context(|| format!("cannot read {}", p.display()))?;
+    serde_json::from_slice(&buf).with_context(|| format!("the bundle's spec {} is not valid JSON", p.display()))
+}
+
+/// The annotations of the spec in `bundle` (none when it cannot be read).
+pub fn read_bundle_annotations(bundle: &Path) -> HashMap<String, String> {
+    read_spec(bundle).map(|s| annotations(&s)).unwrap_or_default()
+}
+
+/// The spec's annotations.
+pub fn annotations(spec: &serde_json::Value) -> HashMap<String, String> {
+    spec.get("annotations")
+        .and_then(|a| a.as_object())
+        .map(|o| {
+            o.iter()
+                .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+impl Service {
+    /// The service for containerd namespace `namespace`.
+    pub fn new(namespace: &str, daemon: Arc<dyn Daemon>, publisher: RemotePublisher, exit: Arc<ExitSignal>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                namespace: namespace.to_string(),
+                daemon,
+                publisher: Mutex::new(publisher),
+                exit,
+                state: Mutex::new(State::default()),
+                changed: Condvar::new(),
+            }),
+        }
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
+        let p = self.publisher.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(e) = p.publish(TtrpcCtx::default(), topic, &self.namespace, event) {
+            tracing::warn!("cannot publish {topic} to containerd: {e}");
+        }
+    }
+
+    fn agent(&self) -> Result<(Agent, u32), ttrpc::Error> {
+        let st = self.lock();
+        match &st.pod {
+            Some(p) if p.dead => Err(err(Code::UNAVAILABLE, "the pod VM has stopped")),
+            Some(p) => Ok((p.agent.clone(), p.host_pid)),
+            None => Err(err(Code::FAILED_PRECONDITION, "this shim has no pod VM")),
+        }
+    }
+
+    fn call(&self, req: &Request) -> Result<Reply, ttrpc::Error> {
+        let (agent, _) = self.agent()?;
+        let mut c = agent
+            .connect(CALL_TIMEOUT)
+            .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
+        c.call(req).map_err(from_call)
+    }
+
+    /// Records an exit once (the first report wins) and publishes it.
+    fn exited(&self, id: &str, exec_id: &str, status: u32) {
+        let (pid, at) = {
+            let mut st = self.lock();
+            let host_pid = st.pod.as_ref().map_or(0, |p| p.host_pid);
+            let Some(p) = st.tasks.get_mut(id).and_then(|t| t.procs.get_mut(exec_id)) else {
+                return;
+            };
+            if p.life == Life::Stopped {
+                return;
+            }
+            p.life = Life::Stopped;
+            p.exit_status = status;
+            let at = now();
+            p.exited_at = Some(at.clone());
+            (host_pid, at)
+        };
+        self.changed.notify_all();
+        self.publish(
+            topics::TASK_EXIT_EVENT_TOPIC,
+            Box::new(TaskExit {
+                container_id: id.to_string(),
+                id: if exec_id.is_empty() {
+                    id.to_string()
+                } else {
+                    exec_id.to_string()
+                },
+                pid,
+                exit_status: status,
+                exited_at: MessageField::some(at),
+                ..Default::default()
+            }),
+        );
+    }
+
+    /// Waits in the guest for the process to exit, then reports it (after
+    /// its last output); a lost agent means the VM died: 137.
+    fn watch(self: Arc<Self>, id: String, exec_id: String) {
+        let r = self.agent().map_err(|e| e.to_string()).and_then(|(agent, _)| {
+            let mut c = agent.connect(CALL_TIMEOUT).map_err(|e| format!("{e:#}"))?;
+            c.set_timeout(None).map_err(|e| e.to_string())?;
+            c.call(&Request::Wait(pref(&id, &exec_id))).map_err(|e| e.to_string())
+        });
+        let (status, oom) = match r {
+            Ok(Reply::Exited(x)) => (x.exit_status, x.oom_killed),
+            Ok(other) => {
+                tracing::warn!("the guest agent answered Wait with {other:?}");
+                (KILLED, false)
+            }
+            Err(e) => {
+                tracing::warn!("lost the wait on {id}/{exec_id}: {e}; reporting it killed");
+                (KILLED, false)
+            }
+        };
+        let relays = self
+            .lock()
+            .tasks
+            .get(&id)
+            .and_then(|t| t.procs.get(&exec_id))
+            .and_then(|p| p.relays.clone());
+        if let Some(r) = relays {
+            r.wait_output(Duration::from_secs(2));
+        }
+        if oom {
+            self.publish(
+                topics::TASK_OOM_EVENT_TOPIC,
+                Box::new(TaskOOM {
+                    container_id: id.clone(),
+                    ..Default::default()
+                }),
+            );
+        }
+        self.exited(&id, &exec_id, status);
+    }
+
+    /// Reports every process exited (137) once the pod VM is gone, and
+    /// removes the VM from the daemon.
+    fn monitor(self: Arc<Self>, vm_id: String) {
+        loop {
+            std::thread::sleep(MONITOR_PERIOD);
+            if self.lock().pod.as_ref().is_none_or(|p| p.names.vm_id != vm_id) {
+                return;
+            }
+            let why = match self.daemon.life(&vm_id) {
+                Ok(VmLife::Running | VmLife::Paused) => continue,
+                Ok(VmLife::Stopped(r)) => format!("the pod VM stopped ({r})"),
+                Ok(VmLife::Gone) => "the daemon no longer has the pod VM".to_string(),
+                Err(e) => format!("{e:#}"),
+            };
+            tracing::warn!("{why}: every task of it exits with {KILLED}");
+            let live: Vec<(String, String)> = {
+                let mut st = self.lock();
+                if let Some(p) = st.pod.as_mut() {
+                    p.dead = true;
+                }
+                st.tasks
+                    .iter()
+                    .flat_map(|(id, t)| {
+                        t.procs
+                            .iter()
+                            .filter(|(_, p)| p.life != Life::Stopped)
+                            .map(move |(e, _)| (id.clone(), e.clone()))
+                    })
+                    .collect()
+            };
+            for (id, e) in live {
+                self.exited(&id, &e, KILLED);
+            }
+            if let Err(e) = self.daemon.delete(&vm_id) {
+                tracing::warn!("cannot remove the dead pod VM {vm_id}: {e:#}");
+            }
+            return;
+        }
+    }
+
+    /// Removes the pod VM and its sockets (rollback and delete).
+    fn remove_pod(&self, names: &PodNames) {
+        if let Err(e) = self.daemon.delete(&names.vm_id) {
+            tracing::warn!("cannot remove the pod VM {}: {e:#}", names.vm_id);
+        }
+        let _ = std::fs::remove_dir_all(&names.dir);
+    }
+
+    fn create(self: &Arc<Self>, ctx: &TtrpcContext, req: &api::CreateTaskRequest) -> TtrpcResult<u32> {
+        let deadline = (ctx.timeout_nano > 0).then(|| Instant::now() + Duration::from_nanos(ctx.timeout_nano as u64));
+        if !proto::valid_id(&req.id) {
+            return Err(err(
+                Code::INVALID_ARGUMENT,
+                format!("{:?} is not a container id", req.id),
+            ));
+        }
+        if !req.checkpoint.is_empty() {
+            return Err(err(
+                Code::UNIMPLEMENTED,
+                "k7d does not restore containers from checkpoints",
+            ));
+        }
+        let cfg = ShimConfig::load().map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?;
+        let bundle = PathBuf::from(&req.bundle);
+        let spec = read_spec(&bundle).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
+        let ann = annotations(&spec);
+        if ann.get(CONTAINER_TYPE).map(String::as_str) == Some("container") {
+            return Err(err(
+                Code::UNIMPLEMENTED,
+                "k7d runs a sandbox's own container only; app containers joining a CRI pod are not supported yet",
+            ));
+        }
+        let (vcpus, memory_mib) = cfg
+            .shape_for(&ann)
+            .map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
+        {
+            let mut st = self.lock();
+            if st.pod.is_some() || st.booting || st.tasks.contains_key(&req.id) {
+                return Err(err(
+                    Code::ALREADY_EXISTS,
+                    format!("this shim already runs a pod VM (asked for {})", req.id),
+                ));
+            }
+            st.booting = true;
+        }
+        let r = self.boot_and_create(&cfg, &bundle, spec, req, vcpus, memory_mib, deadline);
+        let mut st = self.lock();
+        st.booting = false;
+        let (pod, relays) = r?;
+        let host_pid = pod.host_pid;
+        let vm_id = pod.names.vm_id.clone();
+        st.pod = Some(pod);
+        let paths = stdio::Paths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let mut procs = HashMap::new();
+        procs.insert(
+            String::new(),
+            Proc {
+                life: Life::Created,
+                exit_status: 0,
+                exited_at: None,
+                paths,
+                relays: Some(Arc::new(relays)),
+            },
+        );
+        st.tasks.insert(
+            req.id.clone(),
+            TaskEntry {
+                bundle: req.bundle.clone(),
+                procs,
+            },
+        );
+        drop(st);
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("k7d-shim-monitor".into())
+            .spawn(move || me.monitor(vm_id))
+            .map_err(|e| err(Code::INTERNAL, format!("cannot start the pod VM monitor: {e}")))?;
+        self.publish(
+            topics::TASK_CREATE_EVENT_TOPIC,
+            Box::new(TaskCreate {
+                container_id: req.id.clone(),
+                bundle: req.bundle.clone(),
+                rootfs: req.rootfs.clone(),
+                io: MessageField::some(TaskIO {
+                    stdin: req.stdin.clone(),
+                    stdout: req.stdout.clone(),
+                    stderr: req.stderr.clone(),
+                    terminal: req.terminal,
+                    ..Default::default()
+                }),
+                checkpoint: req.checkpoint.clone(),
+                pid: host_pid,
+                ..Default::default()
+            }),
+        );
+        Ok(host_pid)
+    }
+
+    /// Packs the image, boots the pod VM, creates the container in it and
+    /// attaches its stdio; on any failure (or past containerd's deadline)
+    /// everything created is removed.
+    #[allow(clippy::too_many_arguments)]
+    fn boot_and_create(
+        &self,
+        cfg: &ShimConfig,
+        bundle: &Path,
+        spec: serde_json::Value,
+        req: &api::CreateTaskRequest,
+        vcpus: u8,
+        memory_mib: u64,
+        deadline: Option<Instant>,
+    ) -> TtrpcResult<(Pod, stdio::Relays)> {
+        let layers = if req.rootfs.is_empty() {
+            let root = spec.pointer("/root/path").and_then(|p| p.as_str()).unwrap_or("rootfs");
+            let p = bundle.join(root);
+            image::Layers(vec![p])
+        } else {
+            image::layers(&req.rootfs).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?
+        };
+        let (erofs, cached) = image::packed(&layers, &cfg.image_dir, bundle).map_err(internal)?;
+        tracing::info!(
+            "rootfs of {}: {} ({})",
+            req.id,
+            erofs.display(),
+            if cached { "cached" } else { "packed now" }
+        );
+        let names = pod_names(&cfg.state_dir, &self.namespace, &req.id);
+        // A VM of an earlier shim of this sandbox that nobody deleted.
+        let _ = self.daemon.delete(&names.vm_id);
+        let _ = std::fs::remove_dir_all(&names.dir);
+        std::fs::create_dir_all(&names.dir)
+            .map_err(|e| err(Code::INTERNAL, format!("cannot create {}: {e}", names.dir.display())))?;
+        let host_pid = match self.daemon.pid() {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&names.dir);
+                return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
+            }
+        };
+        let vm = PodVmSpec {
+            id: names.vm_id.clone(),
+            kernel: cfg.kernel.clone(),
+            initramfs: cfg.initramfs.clone(),
+            cmdline: cfg.cmdline.clone(),
+            vcpus,
+            memory_mib,
+            disks: vec![erofs],
+            vsock_cid: 3,
+            vsock_uds: names.vsock.clone(),
+        };
+        if let Err(e) = self.daemon.create(&vm) {
+            let _ = std::fs::remove_dir_all(&names.dir);
+            return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
+        }
+        let r = (|| {
+            let agent = Agent::new(&names.vsock);
+            let vm_id = names.vm_id.clone();
+            let daemon = self.daemon.clone();
+            let mut conn = agent
+                .wait_ready(Instant::now() + BOOT_TIMEOUT, || match daemon.life(&vm_id)? {
+                    VmLife::Running | VmLife::Paused => Ok(()),
+                    other => anyhow::bail!("the pod VM {vm_id} died while booting: {other:?}"),
+                })
+                .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
+            let paths = stdio::Paths {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: req.terminal,
+            };
+            conn.call(&Request::CreateContainer(CreateContainer {
+                id: req.id.clone(),
+                spec,
+                rootfs: BlockMount {
+                    serial: "k7d-disk0".into(),
+                    fstype: "erofs".into(),
+                },
+                stdio: paths.spec(),
+            }))
+            .map_err(from_call)?;
+            let relays = stdio::start(&agent, &pref(&req.id, ""), &paths).map_err(internal)?;
+            if deadline.is_some_and(|d| Instant::now() > d) {
+                return Err(err(
+                    Code::DEADLINE_EXCEEDED,
+                    format!("creating {} took past containerd's deadline; rolled back", req.id),
+                ));
+            }
+            Ok((agent, relays))
+        })();
+        match r {
+            Ok((agent, relays)) => Ok((
+                Pod {
+                    names,
+                    agent,
+                    host_pid,
+                    paused: false,
+                    dead: false,
+                },
+                relays,
+            )),
+            Err(e) => {
+                tracing::warn!("create of {} failed, rolling back: {e}", req.id);
+                self.remove_pod(&names);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Task for Service {
+    fn state(&self, _ctx: &TtrpcContext, req: api::StateRequest) -> TtrpcResult<api::StateResponse> {
+        let st = self.inner.lock();
+        let t = st
+            .tasks
+            .get(&req.id)
+            .ok_or_else(|| not_found(format!("task {}", req.id)))?;
+        let p = t
+            .procs
+            .get(&req.exec_id)
+            .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+        let paused = st.pod.as_ref().is_some_and(|p| p.paused);
+        let status = match p.life {
+            Life::Created => api::Status::CREATED,
+            Life::Running if paused => api::Status::PAUSED,
+            Life::Running => api::Status::RUNNING,
+            Life::Stopped => api::Status::STOPPED,
+        };
+        Ok(api::StateResponse {
+            id: req.id.clone(),
+            bundle: t.bundle.clone(),
+            pid: st.pod.as_ref().map_or(0, |p| p.host_pid),
+            status: status.into(),
+            stdin: p.paths.stdin.clone(),
+            stdout: p.paths.stdout.clone(),
+            stderr: p.paths.stderr.clone(),
+            terminal: p.paths.terminal,
+            exit_status: p.exit_status,
+            exited_at: p.exited_at.clone().into(),
+            exec_id: req.exec_id,
+            ..Default::default()
+        })
+    }
+
+    fn create(&self, ctx: &TtrpcContext, req: api::CreateTaskRequest) -> TtrpcResult<api::CreateTaskResponse> {
+        let pid = self.inner.create(ctx, &req)?;
+        Ok(api::CreateTaskResponse {
+            pid,
+            ..Default::default()
+        })
+    }
+
+    fn start(&self, _ctx: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
+        {
+            let st = self.inner.lock();
+            let p = st
+                .tasks
+                .get(&req.id)
+                .and_then(|t| t.procs.get(&req.exec_id))
+                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            if p.life != Life::Created {
+                return Err(err(
+                    Code::FAILED_PRECONDITION,
+                    format!("process {}/{} was already started", req.id, req.exec_id),
+                ));
+            }
+        }
+        match self.inner.call(&Request::Start(pref(&req.id, &req.exec_id)))? {
+            Reply::Pid(_) => {}
+            other => {
+                return Err(err(
+                    Code::INTERNAL,
+                    format!("the guest agent answered Start with {other:?}"),
+                ));
+            }
+        }
+        let host_pid = {
+            let mut st = self.inner.lock();
+            let host_pid = st.pod.as_ref().map_or(0, |p| p.host_pid);
+            if let Some(p) = st.tasks.get_mut(&req.id).and_then(|t| t.procs.get_mut(&req.exec_id))
+                && p.life == Life::Created
+            {
+                p.life = Life::Running;
+            }
+            host_pid
+        };
+        if req.exec_id.is_empty() {
+            self.inner.publish(
+                topics::TASK_START_EVENT_TOPIC,
+                Box::new(TaskStart {
+                    container_id: req.id.clone(),
+                    pid: host_pid,
+                    ..Default::default()
+                }),
+            );
+        } else {
+            self.inner.publish(
+                topics::TASK_EXEC_STARTED_EVENT_TOPIC,
+                Box::new(TaskExecStarted {
+                    container_id: req.id.clone(),
+                    exec_id: req.exec_id.clone(),
+                    pid: host_pid,
+                    ..Default::default()
+                }),
+            );
+        }
+        let me = self.inner.clone();
+        let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
+        std::thread::Builder::new()
+            .name("k7d-shim-wait".into())
+            .spawn(move || me.watch(id, exec_id))
+            .map_err(|e| err(Code::INTERNAL, format!("cannot start the exit watcher: {e}")))?;
+        Ok(api::StartResponse {
+            pid: host_pid,
+            ..Default::default()
+        })
+    }
+
+    fn delete(&self, _ctx: &TtrpcContext, req: api::DeleteRequest) -> TtrpcResult<api::DeleteResponse> {
+        let (life, status, at, host_pid, dead) = {
+            let st = self.inner.lock();
+            let p = st
+                .tasks
+                .get(&req.id)
+                .and_then(|t| t.procs.get(&req.exec_id))
+                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            let pod = st.pod.as_ref();
+            (
+                p.life,
+                p.exit_status,
+                p.exited_at.clone(),
+                pod.map_or(0, |p| p.host_pid),
+                pod.is_none_or(|p| p.dead),
+            )
+        };
+        if life == Life::Running {
+            return Err(err(
+                Code::FAILED_PRECONDITION,
+                format!("process {}/{} is still running", req.id, req.exec_id),
+            ));
+        }
+        if !req.exec_id.is_empty() {
+            if !dead {
+                let _ = self.inner.call(&Request::DeleteExec(pref(&req.id, &req.exec_id)));
+            }
+            let mut st = self.inner.lock();
+            if let Some(t) = st.tasks.get_mut(&req.id) {
+                t.procs.remove(&req.exec_id);
+            }
+        } else {
+            if !dead {
+                let _ = self.inner.call(&Request::DeleteContainer {
+                    container: req.id.clone(),
+                });
+            }
+            let pod = {
+                let mut st = self.inner.lock();
+                st.tasks.remove(&req.id);
+                if st.tasks.is_empty() { st.pod.take() } else { None }
+            };
+            if let Some(pod) = pod {
+                self.inner.remove_pod(&pod.names);
+            }
+            self.inner.publish(
+                topics::TASK_DELETE_EVENT_TOPIC,
+                Box::new(TaskDelete {
+                    container_id: req.id.clone(),
+                    pid: host_pid,
+                    exit_status: status,
+                    exited_at: at.clone().into(),
+                    id: req.id.clone(),
+                    ..Default::default()
+                }),
+            );
+        }
+        self.inner.changed.notify_all();
+        Ok(api::DeleteResponse {
+            pid: host_pid,
+            exit_status: status,
+            exited_at: at.into(),
+            ..Default::default()
+        })
+    }
+
+    fn pids(&self, _ctx: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
+        match self.inner.call(&Request::Pids {
+            container: req.id.clone(),
+        })? {
+            Reply::Pids(pids) => Ok(api::PidsResponse {
+                processes: pids
+                    .into_iter()
+                    .map(|pid| containerd_shim::protos::types::task::ProcessInfo {
+                        pid,
+                        ..Default::default()
+                    })
+                    .collect(),
+                ..Default::default()
+            }),
+            other => Err(err(
+                Code::INTERNAL,
+                format!("the guest agent answered Pids with {other:?}"),
+            )),
+        }
+    }
+
+    fn pause(&self, _ctx: &TtrpcContext, req: api::PauseRequest) -> TtrpcResult<api::Empty> {
+        self.pause_resume(&req.id, true)
+    }
+
+    fn resume(&self, _ctx: &TtrpcContext, req: api::ResumeRequest) -> TtrpcResult<api::Empty> {
+        self.pause_resume(&req.id, false)
+    }
+
+    fn checkpoint(&self, _ctx: &TtrpcContext, _req: api::CheckpointTaskRequest) -> TtrpcResult<api::Empty> {
+        Err(err(
+            Code::UNIMPLEMENTED,
+            "k7d does not checkpoint containers (snapshot or fork the pod VM instead)",
+        ))
+    }
+
+    fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
+        let signal = i32::try_from(req.signal)
+            .ok()
+            .filter(|s| (1..=64).contains(s))
+            .ok_or_else(|| err(Code::INVALID_ARGUMENT, format!("{} is not a signal number", req.signal)))?;
+        {
+            let st = self.inner.lock();
+            let p = st
+                .tasks
+                .get(&req.id)
+                .and_then(|t| t.procs.get(&req.exec_id))
+                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            if p.life == Life::Stopped && !req.all {
+                return Err(err(
+                    Code::NOT_FOUND,
+                    format!("process {}/{} has already finished", req.id, req.exec_id),
+                ));
+            }
+        }
+        self.inner.call(&Request::Signal {
+            process: pref(&req.id, &req.exec_id),
+            signal,
+            all: req.all,
+        })?;
+        Ok(api::Empty::new())
+    }
+
+    fn exec(&self, _ctx: &TtrpcContext, req: api::ExecProcessRequest) -> TtrpcResult<api::Empty> {
+        if !proto::valid_id(&req.exec_id) {
+            return Err(err(
+                Code::INVALID_ARGUMENT,
+                format!("{:?} is not an exec id", req.exec_id),
+            ));
+        }
+        let spec: serde_json::Value = serde_json::from_slice(&req.spec.value).map_err(|e| {
+            err(
+                Code::INVALID_ARGUMENT,
+                format!("the exec's process spec is not OCI JSON: {e}"),
+            )
+        })?;
+        {
+            let st = self.inner.lock();
+            let t = st
+                .tasks
+                .get(&req.id)
+                .ok_or_else(|| not_found(format!("task {}", req.id)))?;
+            if t.procs.contains_key(&req.exec_id) {
+                return Err(err(
+                    Code::ALREADY_EXISTS,
+                    format!("exec {} already exists in {}", req.exec_id, req.id),
+                ));
+            }
+        }
+        let paths = stdio::Paths {
+            stdin: req.stdin.clone(),
+            stdout: req.stdout.clone(),
+            stderr: req.stderr.clone(),
+            terminal: req.terminal,
+        };
+        let process = pref(&req.id, &req.exec_id);
+        self.inner.call(&Request::Exec(proto::Exec {
+            process: process.clone(),
+            spec,
+            stdio: paths.spec(),
+        }))?;
+        let (agent, _) = self.inner.agent()?;
+        let relays = match stdio::start(&agent, &process, &paths) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = self.inner.call(&Request::DeleteExec(process));
+                return Err(internal(e));
+            }
+        };
+        {
+            let mut st = self.inner.lock();
+            let Some(t) = st.tasks.get_mut(&req.id) else {
+                return Err(not_found(format!("task {}", req.id)));
+            };
+            t.procs.insert(
+                req.exec_id.clone(),
+                Proc {
+                    life: Life::Created,
+                    exit_status: 0,
+                    exited_at: None,
+                    paths,
+                    relays: Some(Arc::new(relays)),
+                },
+            );
+        }
+        self.inner.publish(
+            topics::TASK_EXEC_ADDED_EVENT_TOPIC,
+            Box::new(TaskExecAdded {
+                container_id: req.id.clone(),
+                exec_id: req.exec_id.clone(),
+                ..Default::default()
+            }),
+        );
+        Ok(api::Empty::new())
+    }
+
+    fn resize_pty(&self, _ctx: &TtrpcContext, req: api::ResizePtyRequest) -> TtrpcResult<api::Empty> {
+        self.inner.call(&Request::ResizePty {
+            process: pref(&req.id, &req.exec_id),
+            width: req.width,
+            height: req.height,
+        })?;
+        Ok(api::Empty::new())
+    }
+
+    fn close_io(&self, _ctx: &TtrpcContext, req: api::CloseIORequest) -> TtrpcResult<api::Empty> {
+        if req.stdin {
+            let relays = {
+                let st = self.inner.lock();
+                st.tasks
+                    .get(&req.id)
+                    .and_then(|t| t.procs.get(&req.exec_id))
+                    .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?
+                    .relays
+                    .clone()
+            };
+            if let Some(r) = relays {
+                r.close_stdin();
+            }
+            let _ = self.inner.call(&Request::CloseStdin(pref(&req.id, &req.exec_id)));
+        }
+        Ok(api::Empty::new())
+    }
+
+    fn update(&self, _ctx: &TtrpcContext, req: api::UpdateTaskRequest) -> TtrpcResult<api::Empty> {
+        let resources: serde_json::Value = serde_json::from_slice(&req.resources.value).map_err(|e| {
+            err(
+                Code::INVALID_ARGUMENT,
+                format!("the resources are not OCI LinuxResources JSON: {e}"),
+            )
+        })?;
+        self.inner.call(&Request::Update {
+            container: req.id.clone(),
+            resources,
+        })?;
+        Ok(api::Empty::new())
+    }
+
+    fn wait(&self, _ctx: &TtrpcContext, req: api::WaitRequest) -> TtrpcResult<api::WaitResponse> {
+        let mut st = self.inner.lock();
+        loop {
+            let p = st
+                .tasks
+                .get(&req.id)
+                .and_then(|t| t.procs.get(&req.exec_id))
+                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            if p.life == Life::Stopped {
+                return Ok(api::WaitResponse {
+                    exit_status: p.exit_status,
+                    exited_at: p.exited_at.clone().into(),
+                    ..Default::default()
+                });
+            }
+            st = self.inner.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn stats(&self, _ctx: &TtrpcContext, req: api::StatsRequest) -> TtrpcResult<api::StatsResponse> {
+        let s = match self.inner.call(&Request::Stats {
+            container: req.id.clone(),
+        })? {
+            Reply::Stats(s) => s,
+            other => {
+                return Err(err(
+                    Code::INTERNAL,
+                    format!("the guest agent answered Stats with {other:?}"),
+                ));
+            }
+        };
+        let m = crate::metrics::v2(&s);
+        let mut any = Any::new();
+        any.type_url = crate::metrics::V2_TYPE_URL.to_string();
+        any.value = m
+            .write_to_bytes()
+            .map_err(|e| err(Code::INTERNAL, format!("cannot encode the metrics: {e}")))?;
+        Ok(api::StatsResponse {
+            stats: MessageField::some(any),
+            ..Default::default()
+        })
+    }
+
+    fn connect(&self, _ctx: &TtrpcContext, _req: api::ConnectRequest) -> TtrpcResult<api::ConnectResponse> {
+        let host_pid = self.inner.lock().pod.as_ref().map_or(0, |p| p.host_pid);
+        Ok(api::ConnectResponse {
+            shim_pid: std::process::id(),
+            task_pid: host_pid,
+            ..Default::default()
+        })
+    }
+
+    fn shutdown(&self, _ctx: &TtrpcContext, _req: api::ShutdownRequest) -> TtrpcResult<api::Empty> {
+        let pod = {
+            let mut st = self.inner.lock();
+            if !st.tasks.is_empty() || st.booting {
+                return Ok(api::Empty::new());
+            }
+            st.pod.take()
+        };
+        if let Some(pod) = pod {
+            self.inner.remove_pod(&pod.names);
+        }
+        self.inner.exit.signal();
+        Ok(api::Empty::new())
+    }
+}
+
+impl Service {
+    fn pause_resume(&self, id: &str, pause: bool) -> TtrpcResult<api::Empty> {
+        let vm_id = {
+            let st = self.inner.lock();
+            if !st.tasks.contains_key(id) {
+                return Err(not_found(format!("task {id}")));
+            }
+            st.pod
+                .as_ref()
+                .map(|p| p.names.vm_id.clone())
+                .ok_or_else(|| err(Code::FAILED_PRECONDITION, "no pod VM"))?
+        };
+        let r = if pause {
+            self.inner.daemon.pause(&vm_id)
+        } else {
+            self.inner.daemon.resume(&vm_id)
+        };
+        r.map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
+        if let Some(p) = self.inner.lock().pod.as_mut() {
+            p.paused = pause;
+        }
+        if pause {
+            self.inner.publish(
+                topics::TASK_PAUSED_EVENT_TOPIC,
+                Box::new(TaskPaused {
+                    container_id: id.to_string(),
+                    ..Default::default()
+                }),
+            );
+        } else {
+            self.inner.publish(
+                topics::TASK_RESUMED_EVENT_TOPIC,
+                Box::new(TaskResumed {
+                    container_id: id.to_string(),
+                    ..Default::default()
+                }),
+            );
+        }
+        Ok(api::Empty::new())
+    }
+}

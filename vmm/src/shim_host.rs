@@ -1,0 +1,126 @@
+//! The containerd shim's daemon calls (`k7d_shim::Daemon`) over the
+//! daemon's API socket: the shim stays a thin client of the daemon that
+//! owns every VM.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::bail;
+use k7d_shim::{Daemon, PodVmSpec, VmLife};
+
+use crate::config::{DevicesConfig, DiskConfig, GuestSpec, SerialConfig, VmConfig, VsockConfig};
+use crate::daemon::api::{CreateArgs, ErrorCode, Reply, Request};
+use crate::daemon::client::Client;
+use crate::vstate::vm::VmState;
+
+/// A quick call's limit (life, pause, resume, version).
+const QUICK: Duration = Duration::from_secs(2);
+/// A delete's limit: the shim's `delete` must end well inside containerd's 5 s.
+const DELETE: Duration = Duration::from_secs(3);
+/// A create's limit (building the VM, not its boot).
+const CREATE: Duration = Duration::from_secs(30);
+
+/// The daemon at one socket.
+pub struct ShimDaemon {
+    socket: PathBuf,
+}
+
+/// The shim's `Connect`: the daemon at `socket`.
+pub fn connect(socket: &Path) -> Arc<dyn Daemon> {
+    Arc::new(ShimDaemon {
+        socket: socket.to_path_buf(),
+    })
+}
+
+impl ShimDaemon {
+    fn request(&self, req: &Request, timeout: Duration) -> Result<Reply, crate::daemon::api::ApiError> {
+        Client::connect_with_timeout(&self.socket, timeout)?.request(req)
+    }
+}
+
+/// The daemon's config of a pod VM.
+pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
+    VmConfig {
+        id: Some(spec.id.clone()),
+        vcpus: spec.vcpus,
+        memory_mib: spec.memory_mib,
+        guest: GuestSpec::Linux {
+            kernel: spec.kernel.clone(),
+            initrd: Some(spec.initramfs.clone()),
+            cmdline: Some(spec.cmdline.clone()),
+        },
+        serial: SerialConfig::default(),
+        devices: DevicesConfig {
+            rng: true,
+            disks: spec
+                .disks
+                .iter()
+                .map(|p| DiskConfig {
+                    path: p.clone(),
+                    read_only: true,
+                })
+                .collect(),
+            nics: Vec::new(),
+            vsock: Some(VsockConfig {
+                cid: spec.vsock_cid,
+                uds: spec.vsock_uds.clone(),
+            }),
+        },
+    }
+}
+
+impl Daemon for ShimDaemon {
+    fn create(&self, spec: &PodVmSpec) -> anyhow::Result<()> {
+        let req = Request::Create(CreateArgs {
+            config: vm_config(spec),
+            start: true,
+        });
+        self.request(&req, CREATE)?;
+        Ok(())
+    }
+
+    fn delete(&self, id: &str) -> anyhow::Result<()> {
+        match self.request(&Request::Delete(id.to_string()), DELETE) {
+            Ok(_) => Ok(()),
+            Err(e) if e.code == ErrorCode::NotFound => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn pause(&self, id: &str) -> anyhow::Result<()> {
+        self.request(&Request::Pause(id.to_string()), QUICK)?;
+        Ok(())
+    }
+
+    fn resume(&self, id: &str) -> anyhow::Result<()> {
+        self.request(&Request::Resume(id.to_string()), QUICK)?;
+        Ok(())
+    }
+
+    fn life(&self, id: &str) -> anyhow::Result<VmLife> {
+        match self.request(&Request::Info(id.to_string()), QUICK) {
+            Ok(Reply::Vm(info)) => Ok(match info.state {
+                VmState::Created | VmState::Running => VmLife::Running,
+                VmState::Paused => VmLife::Paused,
+                VmState::Stopped { reason } => VmLife::Stopped(reason.to_string()),
+            }),
+            Ok(_) => bail!(
+                "the k7d daemon at {} answered info with another type",
+                self.socket.display()
+            ),
+            Err(e) if e.code == ErrorCode::NotFound => Ok(VmLife::Gone),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn pid(&self) -> anyhow::Result<u32> {
+        match self.request(&Request::Version, QUICK)? {
+            Reply::Version(v) => Ok(v.pid),
+            _ => bail!(
+                "the k7d daemon at {} answered version with another type",
+                self.socket.display()
+            ),
+        }
+    }
+}

@@ -93,7 +93,7 @@ fi
 
 phase "build and host readiness (k7d check)"
 cargo build --release --bin k7d
-./target/release/k7d check || true
+"${CARGO_TARGET_DIR:-target}/release/k7d" check || true
 
 phase "format and lints"
 cargo fmt --all -- --check

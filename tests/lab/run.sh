@@ -3,7 +3,7 @@
 # with SVM), runs a scenario inside it that drives a VMM to boot a real Linux
 # L2 guest, and judges the result. See docs/lab.md.
 #
-#   tests/lab/run.sh [--bin PATH] [--test-bin PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
+#   tests/lab/run.sh [--bin PATH] [--test-bin PATH] [--agent PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
 #   tests/lab/run.sh --list | --check | --fetch
 #
 # Exit status: 0 pass, 1 scenario failed, 2 harness error.
@@ -11,6 +11,8 @@ set -euo pipefail
 shopt -s inherit_errexit
 
 LAB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# The pod VM's initramfs builder (a product tool; "# lab: pod-initramfs=required").
+MKPOD=$LAB/../../guest/agent/mkinitramfs.sh
 # shellcheck source=lib/host.sh
 . "$LAB/lib/host.sh"
 # shellcheck source=lib/watchdog.sh
@@ -20,11 +22,12 @@ usage() { sed -n '6,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 # header FILE KEY [DEFAULT]: the value of "# lab: KEY=value" in a scenario.
 header() { local v; v=$(sed -n "s/^# lab: *$2=//p" "$1" | head -n1); printf '%s\n' "${v:-${3:-}}"; }
 
-BIN='' TEST_BIN='' OUT='' TIMEOUT='' SCEN='' FETCH=''
+BIN='' TEST_BIN='' AGENT='' OUT='' TIMEOUT='' SCEN='' FETCH=''
 while [[ $# -gt 0 ]]; do
   case $1 in
     --bin) BIN=$(realpath "$2"); shift 2 ;;
     --test-bin) TEST_BIN=$(realpath "$2"); shift 2 ;;  # a host test binary to run inside L1 (LAB_TEST_BIN)
+    --agent) AGENT=$(realpath "$2"); shift 2 ;;  # k7d-agent, /init of the pod initramfs (pod-initramfs=)
     --out) OUT=$2; shift 2 ;;
     --runs) export LAB_RUNS=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
@@ -45,6 +48,11 @@ while [[ $# -gt 0 ]]; do
           v=$(header "$f" "${k%%:*}")
           [[ -z $v || -f $LAB/scenarios/$v.${k#*:}.sh ]] || { echo "$f: no scenarios/$v.${k#*:}.sh"; rc=1; }
         done
+        case $(header "$f" pod-initramfs) in
+          '') ;;
+          required) bash -n "$MKPOD" || { echo "$f: pod-initramfs=required: $MKPOD is missing or does not parse"; rc=1; } ;;
+          *) echo "$f: pod-initramfs= takes only 'required'"; rc=1 ;;
+        esac
       done
       exit $rc ;;
     --fetch) FETCH=1; shift ;;  # only download and unpack the kernels and busybox into the cache
@@ -79,6 +87,9 @@ TIMEOUT=${TIMEOUT:-${K7D_LAB_TIMEOUT:-$(header "$SCRIPT" timeout 600)}}
 [[ -z $BIN || -x $BIN ]] || die "--bin $BIN is not an executable"
 [[ $(header "$SCRIPT" test-bin) != required || -n $TEST_BIN ]] || die "scenario $SCEN needs --test-bin PATH"
 [[ -z $TEST_BIN || -x $TEST_BIN ]] || die "--test-bin $TEST_BIN is not an executable"
+POD_INITRAMFS=$(header "$SCRIPT" pod-initramfs)
+[[ $POD_INITRAMFS != required || -n $AGENT ]] || die "scenario $SCEN needs --agent PATH (k7d-agent, for the pod initramfs)"
+[[ -z $AGENT || -x $AGENT ]] || die "--agent $AGENT is not an executable"
 OUT=${OUT:-${K7D_LAB_OUT:-${TMPDIR:-/tmp}/k7d-lab/$SCEN}}
 rm -rf "$OUT" && mkdir -p "$OUT/work"
 OUT=$(realpath "$OUT")
@@ -174,6 +185,13 @@ for f in $(header "$SCRIPT" files); do
   [[ $f == /* ]] || f=$LAB/../../$f
   cp -rL "$f" "$RUN/lab/files/"
 done
+# "# lab: pod-initramfs=required": the pod VM's initramfs (guest/agent/mkinitramfs.sh:
+# the agent as /init, the host's runc, the L2 kernel's modules) at /lab/pod/initrd.cpio.
+if [[ $POD_INITRAMFS == required ]]; then
+  runc_path=$(host_tool runc) || die "scenario $SCEN wants runc for the pod initramfs: not on this host (tests/lab/setup.sh)"
+  timeout 300 bash "$MKPOD" --kernel-tree "$L2_TREE" --krel "$L2_KREL" --agent "$AGENT" --runc "$runc_path" \
+    --out "$RUN/lab/pod/initrd.cpio" || die "guest/agent/mkinitramfs.sh failed"
+fi
 # "# lab: prepare=NAME": scenarios/NAME.prepare.sh built host-side files (an erofs
 # image, ...), cached by a hash of its inputs; they join /lab/files/.
 PREP=$(header "$SCRIPT" prepare)
@@ -192,7 +210,8 @@ fi
   q LAB_L1_BINS "$(header "$SCRIPT" l1-bins)"
   [[ -z $BIN ]] || q LAB_BIN "/lab/bin/$(basename "$BIN")"
   [[ -z $TEST_BIN ]] || q LAB_TEST_BIN /lab/bin/test-bin
-  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|TEST_BIN|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
+  [[ $POD_INITRAMFS != required ]] || q LAB_POD_INITRD /lab/pod/initrd.cpio
+  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|TEST_BIN|POD_INITRD|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
 } >"$RUN/lab/env"
 mkcpio "$RUN" "$OUT/work/run.cpio"
 cat "${IMAGES[@]}" "$OUT/work/run.cpio" >"$OUT/work/l1-initrd.cpio"

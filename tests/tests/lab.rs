@@ -46,14 +46,15 @@ fn out_dir(scenario: &str) -> PathBuf {
 /// in the lab summary (`<target>/lab/summary.tsv`, printed at the end of CI
 /// by `tests/run-all.sh`) says "passed on retry".
 fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
-    run_scenario_with(scenario, bin, None)
+    run_scenario_with(scenario, bin, &[])
 }
 
-/// [`run_scenario`] with a host test binary for the scenario to run in L1
-/// (`run.sh --test-bin`).
-fn run_scenario_with(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>) -> Result<Value> {
+/// [`run_scenario`] with more `run.sh` options that take a path, e.g.
+/// `("--test-bin", test binary)` (a host test binary to run in L1) or
+/// `("--agent", k7d-agent)` (the pod initramfs's `/init`).
+fn run_scenario_with(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]) -> Result<Value> {
     let t0 = Instant::now();
-    let first = match run_scenario_once(scenario, bin, test_bin) {
+    let first = match run_scenario_once(scenario, bin, extra) {
         Ok(r) => {
             summary(scenario, pass_verdict(&r), 1, t0.elapsed(), &r);
             return Ok(r);
@@ -68,7 +69,7 @@ fn run_scenario_with(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>
         Err(e) => format!("its logs could not be kept ({e})"),
     };
     eprintln!("LAB RETRY: scenario {scenario} failed once ({kept_note}); running it again. First failure:\n{first:#}");
-    let second = match run_scenario_once(scenario, bin, test_bin) {
+    let second = match run_scenario_once(scenario, bin, extra) {
         Ok(r) => {
             summary(scenario, "passed on retry", 2, t0.elapsed(), &r);
             return Ok(r);
@@ -96,7 +97,7 @@ fn run_scenario_with(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>
         kept.display(),
         kept2.display()
     );
-    match run_scenario_once(scenario, bin, test_bin) {
+    match run_scenario_once(scenario, bin, extra) {
         Ok(r) => {
             summary(scenario, "passed on retry", 3, t0.elapsed(), &r);
             Ok(r)
@@ -146,15 +147,15 @@ fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Val
     }
 }
 
-fn run_scenario_once(scenario: &str, bin: Option<&Path>, test_bin: Option<&Path>) -> Result<Value> {
+fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]) -> Result<Value> {
     let out = out_dir(scenario);
     let mut cmd = Command::new(lab_dir().join("run.sh"));
     cmd.arg("--out").arg(&out).env("K7D_LAB_QUIET", "1");
     if let Some(bin) = bin {
         cmd.arg("--bin").arg(bin);
     }
-    if let Some(bin) = test_bin {
-        cmd.arg("--test-bin").arg(bin);
+    for (flag, path) in extra {
+        cmd.arg(flag).arg(path);
     }
     cmd.arg(scenario);
     let output = cmd.output().context("running tests/lab/run.sh")?;
@@ -336,7 +337,7 @@ fn lab_l1_watchdog_stops_a_silent_scenario() {
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_host_tests_that_need_vhost_run_in_l1() {
     let bin = test_binary("fork_devices").unwrap_or_else(|e| panic!("{e:#}"));
-    let r = run_scenario_with("host-tests-l1", None, Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario_with("host-tests-l1", None, &[("--test-bin", &bin)]).unwrap_or_else(|e| panic!("{e:#}"));
     let notes = r["notes"].to_string();
     for t in [
         "a_vhost_nic_is_forked_with_its_kernel_dirty_log_switched_on",
@@ -490,6 +491,31 @@ fn lab_k7d_fork_stall_is_seen() {
     );
 }
 
+/// containerd 1.6 in L1 runs the same three `ctr run` containers with runc
+/// (the reference) and with `containerd-shim-k7d-v2` (one pod VM each, booted
+/// by the k7d daemon from the L2 kernel and the pod initramfs of
+/// `guest/agent/mkinitramfs.sh`): output, the L2 kernel's `uname -r`, the
+/// image's files, a writable layer per container, `/dev`, exit code 3,
+/// stdin and its end; afterwards no task, container, shim or VM is left (all
+/// asserted in the scenario).
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_shim_containerd() {
+    if pending("k7d-shim") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let agent = k7d_agent_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario_with("k7d-shim", Some(&bin), &[("--agent", &agent)]).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(r["status"], "pass", "{r:#}");
+    for m in ["containerd.start_s", "runc.first_output", "k7d.first_output"] {
+        let v = metric(&r, m);
+        assert!(v > 0.0 && v < 300.0, "{m} = {v} s");
+    }
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("k7d: nothing left"), "{notes}");
+}
+
 /// A scenario marked `# lab: default=no` is pending: its test skips itself
 /// (saying so) unless `K7D_LAB_RUN_PENDING=1`.
 fn pending(scenario: &str) -> bool {
@@ -520,6 +546,32 @@ fn k7d_binary() -> Result<PathBuf> {
         bail!("cargo build --release -p k7d-vmm failed: {status}");
     }
     Ok(target_dir().join("release").join("k7d"))
+}
+
+/// `$K7D_LAB_AGENT`, else `<target>/release/k7d-agent`, (re)built by cargo
+/// first: the guest agent, `/init` of the pod initramfs.
+fn k7d_agent_binary() -> Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("K7D_LAB_AGENT") {
+        return Ok(PathBuf::from(bin));
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "k7d-agent",
+            "--bin",
+            "k7d-agent",
+            "--target-dir",
+        ])
+        .arg(target_dir())
+        .status()
+        .context("cargo build --release -p k7d-agent")?;
+    if !status.success() {
+        bail!("cargo build --release -p k7d-agent failed: {status}");
+    }
+    Ok(target_dir().join("release").join("k7d-agent"))
 }
 
 /// The executable of the k7d-tests integration test `name`, as cargo builds

@@ -215,7 +215,9 @@ host_tool() {
 # and print OUTDIR ($CACHE/prepared/NAME-KEY/files). The key hashes the script, this
 # file and the installed versions of the Debian packages its
 # "# lab: packages=..." header names (its tools, e.g. erofs-utils); those must
-# be installed (tests/lab/setup.sh). Unused outputs go after 14 days.
+# be installed (tests/lab/setup.sh). The script gets the lab's busybox-static
+# as $LAB_BUSYBOX (run.sh's $BB; its path, which names the version, is in the
+# key). Unused outputs go after 14 days.
 prepared() {
   local name=$1 script pkgs versions k dir tmp p
   script=$LAB/scenarios/$name.prepare.sh
@@ -229,14 +231,14 @@ prepared() {
       grep -q "^$p=.* installed\$" <<<"$versions" || die "$name.prepare.sh needs the Debian package $p: run tests/lab/setup.sh"
     done
   fi
-  k=$(key "$name" "$versions" -- "$script" "$LAB/lib/host.sh")
+  k=$(key "$name" "$versions" "${BB:-}" -- "$script" "$LAB/lib/host.sh")
   dir=$CACHE/prepared/$name-$k
   if [[ ! -e $dir/.done ]]; then
     log "preparing $name ($k)"
     mkdir -p "$CACHE/prepared" "$CACHE/tmp"
     tmp=$(mktemp -d "$CACHE/tmp/prep-$name.XXXXXX")
     mkdir "$tmp/files"
-    timeout 300 bash "$script" "$tmp/files" >&2 || die "$script failed"
+    LAB_BUSYBOX=${BB:-} timeout 300 bash "$script" "$tmp/files" >&2 || die "$script failed"
     rm -rf "$dir" && mv "$tmp" "$dir" && touch "$dir/.done"
     find "$CACHE/prepared" -mindepth 1 -maxdepth 1 -type d -mtime +14 -exec rm -rf {} +
   fi

@@ -8,7 +8,12 @@ _CR=$(printf '\r')
 # Debian's busybox runs its own applets in preference to PATH, so a tool copied
 # in with "# lab: l1-bins=ip tc" would lose to the "ip" applet: wrap each in a
 # function. Where a function cannot reach (timeout, xargs), use /usr/bin/<tool>.
-for _t in ${LAB_L1_BINS:-}; do eval "$_t() { /usr/bin/$_t \"\$@\"; }"; done
+# A name that is not a shell name (mkfs.erofs, containerd-shim-runc-v2) gets no
+# function (ash refuses it); no applet has such a name, so PATH finds it.
+for _t in ${LAB_L1_BINS:-}; do
+  case $_t in [!A-Za-z_]* | *[!A-Za-z0-9_]*) continue ;; esac
+  eval "$_t() { /usr/bin/$_t \"\$@\"; }"
+done
 
 lab_pass() { echo "LAB-PASS $*"; exit 0; }
 lab_fail() { echo "LAB-FAIL $*"; exit 1; }

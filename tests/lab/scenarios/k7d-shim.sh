@@ -1,0 +1,208 @@
+# lab: description=containerd 1.6 in L1: the same three ctr run containers under runc (the reference) and containerd-shim-k7d-v2 (pod VMs: the L2 kernel, the image's files, a writable layer per container, /dev, exit codes, stdin); nothing left after
+# lab: default=yes
+# lab: timeout=600
+# lab: bin=required
+# lab: pod-initramfs=required
+# lab: prepare=k7d-shim
+# lab: l1-bins=containerd ctr containerd-shim-runc-v2 runc mkfs.erofs
+# lab: l1-modules=overlay
+#
+# containerd (Debian's 1.6, CRI off) runs in L1 with the overlayfs snapshotter;
+# the image is k7d-shim.prepare.sh's busybox OCI archive, imported with ctr.
+# Three containers, each once with runc (the reference: containerd-shim-runc-v2
+# in L1) and once with the runtime io.containerd.k7d.v2 (the k7d binary as
+# containerd-shim-k7d-v2, the k7d daemon, one pod VM per container booted
+# from $LAB_KERNEL and the pod initramfs /lab/pod/initrd.cpio: k7d-agent and runc):
+#   1. echo hello, then uname -r (L1's under runc, the L2 kernel's under k7d),
+#      16 bytes from /dev/urandom, a write to /dev/null, the image's marker
+#      file, and a file written into the container's root;
+#   2. that file must be absent (a new container, a new writable layer), and
+#      the container exits 3: ctr run must exit 3;
+#   3. cat: "in" on stdin comes back, and stdin's end ends it.
+# Metrics: the time from ctr run to the container's first output line.
+# Afterwards: no task, no container, no shim process, no k7d VM.
+# By hand: tests/lab/run.sh --bin target/release/k7d --agent target/release/k7d-agent k7d-shim
+. /lab/lib.sh
+
+IMG=docker.io/library/k7d-busybox:1
+SOCK=/run/k7d/k7d.sock STATE=/run/k7d/state
+CLOG=/tmp/containerd.log DLOG=/tmp/k7d-daemon.log
+CTR_LIMIT=${LAB_SHIM_CTR_TIMEOUT:-120}  # per ctr run, seconds
+
+# fail REASON: the tails of containerd's and the daemon's logs and of the pod
+# VMs' consoles (those not deleted yet), then LAB-FAIL.
+fail() {
+  for _f in "$CLOG" "$DLOG" "$STATE"/vms/*/serial.log; do
+    [ -s "$_f" ] || continue
+    echo "lab: $_f (tail):"
+    tail -n 40 "$_f" | sed 's/^/lab:   /'
+  done
+  lab_fail "$*"
+}
+
+[ -x "${LAB_BIN:-}" ] || fail "no binary under test (run.sh --bin PATH)"
+[ -s /lab/files/busybox-oci.tar ] || fail "no /lab/files/busybox-oci.tar (prepare=k7d-shim)"
+[ -s "${LAB_POD_INITRD:-}" ] || fail "no pod initramfs at '${LAB_POD_INITRD:-}' (pod-initramfs=required, run.sh --agent PATH)"
+
+# --- containerd -----------------------------------------------------------------
+# runc's cgroup v2 manager needs the unified hierarchy.
+grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
+  fail "cannot mount cgroup2 at /sys/fs/cgroup"
+mkdir -p /etc/containerd /var/lib/containerd /run/containerd /usr/local/bin /etc/k7d /run/k7d
+# containerd's root stays on L1's root, the initramfs: a rootfs that is a
+# tmpfs, where overlayfs takes upper layers (checked below: the snapshotter is ok).
+# The snapshotter is containerd's default, overlayfs (ctr's default too).
+cat >/etc/containerd/config.toml <<'EOF'
+version = 2
+root = "/var/lib/containerd"
+state = "/run/containerd"
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+EOF
+# containerd finds shims on its PATH: containerd-shim-k7d-v2 is in /usr/local/bin.
+ln -sf "$LAB_BIN" /usr/local/bin/containerd-shim-k7d-v2
+t0=$(lab_now)
+PATH=/usr/local/bin:$PATH /usr/bin/containerd --config /etc/containerd/config.toml >"$CLOG" 2>&1 &
+cpid=$!
+i=0
+until [ -S /run/containerd/containerd.sock ] && ctr version >/dev/null 2>&1; do
+  kill -0 "$cpid" 2>/dev/null || fail "containerd exited at start"
+  i=$((i + 1))
+  [ "$i" -lt 120 ] || fail "containerd did not answer ctr version within 60 s"
+  sleep 0.5
+done
+lab_metric containerd.start_s "$(lab_sub "$(lab_now)" "$t0")" s
+ctr plugins ls | grep -E '^io\.containerd\.snapshotter\.v1 +overlayfs .* ok' >/dev/null ||
+  fail "containerd's overlayfs snapshotter is not ok: $(ctr plugins ls | grep overlayfs)"
+/usr/bin/ctr images import --base-name docker.io/library/k7d-busybox /lab/files/busybox-oci.tar >/tmp/import.log 2>&1 ||
+  fail "ctr images import failed: $(tail -n 3 /tmp/import.log | tr '\n' ' ')"
+ctr images ls -q | grep -qx "$IMG" || fail "$IMG is not listed after the import: $(ctr images ls -q | tr '\n' ' ')"
+lab_note "containerd $(ctr version 2>/dev/null | sed -n 's/^ *Version: *//p' | tail -n1): $IMG imported (overlayfs on L1's rootfs, $(stat -f -c %T /var/lib/containerd))"
+
+# --- the containers ---------------------------------------------------------------
+# ctr_run LABEL ARGS...: ctr run --rm ARGS (stdin /dev/null). Sets OUT (stdout and
+# stderr), RC (ctr's exit status: the task's), FIRST (s from the spawn to the
+# first output line; empty without output).
+ctr_run() {
+  _l=$1; shift
+  rm -f "/tmp/ctr-$_l.out" "/tmp/ctr-$_l.rc" "/tmp/ctr-$_l.t1"
+  : >"/tmp/ctr-$_l.out"
+  echo "lab: $_l: ctr run --rm $*"
+  _t0=$(lab_now)
+  { timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run --rm "$@" </dev/null 2>&1; echo $? >"/tmp/ctr-$_l.rc"; } |
+    while IFS= read -r _line; do
+      [ -e "/tmp/ctr-$_l.t1" ] || lab_now >"/tmp/ctr-$_l.t1"
+      printf '%s\n' "$_line" >>"/tmp/ctr-$_l.out"
+    done
+  OUT=$(cat "/tmp/ctr-$_l.out") RC=$(cat "/tmp/ctr-$_l.rc") FIRST=
+  [ ! -s "/tmp/ctr-$_l.t1" ] || FIRST=$(lab_sub "$(cat "/tmp/ctr-$_l.t1")" "$_t0")
+  echo "lab: $_l: rc=$RC first-output=${FIRST:-none}s: $(printf '%s' "$OUT" | tr '\n' '|' | cut -c1-300)"
+  [ "$RC" != 137 ] || fail "$_l: ctr run killed after $CTR_LIMIT s: $(printf '%s' "$OUT" | tail -n 3 | tr '\n' ' ')"
+}
+# line N: line N of $OUT.
+line() { printf '%s\n' "$OUT" | sed -n "${1}p"; }
+
+# ctr_stdin LABEL ID ARGS...: ctr run --rm ARGS with "in" on stdin, then stdin
+# closed. ctr 1.6 closes the task's stdin at EOF only once its task exists (an
+# EOF that comes earlier is lost and cat never ends), so the end comes after
+# the task is RUNNING. Sets OUT and RC; VMS: the k7d daemon's VM count then.
+ctr_stdin() {
+  _l=$1 _id=$2; shift 2
+  rm -f "/tmp/ctr-$_l.in"
+  mkfifo "/tmp/ctr-$_l.in"
+  echo "lab: $_l: ctr run --rm $* (stdin: in)"
+  timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run --rm "$@" <"/tmp/ctr-$_l.in" >"/tmp/ctr-$_l.out" 2>&1 &
+  _p=$!
+  exec 8>"/tmp/ctr-$_l.in"
+  echo in >&8
+  _i=0
+  until ctr tasks ls 2>/dev/null | grep -Eq "^$_id +[0-9]+ +RUNNING"; do
+    _i=$((_i + 1))
+    [ "$_i" -lt $((CTR_LIMIT * 2)) ] && kill -0 "$_p" 2>/dev/null || break
+    sleep 0.5
+  done
+  VMS=$("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .)
+  exec 8>&-
+  wait "$_p"
+  RC=$? OUT=$(cat "/tmp/ctr-$_l.out")
+  echo "lab: $_l: rc=$RC: $(printf '%s' "$OUT" | tr '\n' '|' | cut -c1-300)"
+  [ "$RC" != 137 ] || fail "$_l: ctr run killed after $CTR_LIMIT s: $(printf '%s' "$OUT" | tail -n 3 | tr '\n' ' ')"
+}
+
+# containers NAME KERNEL ARGS...: the three containers with ctr run ARGS (the
+# runtime's flags); KERNEL: the uname -r the first must print.
+containers() {
+  _n=$1 _k=$2; shift 2
+  ctr_run "$_n-1" "$@" "$IMG" "$_n-1" sh -c \
+    'echo hello; uname -r; head -c 16 /dev/urandom | wc -c; echo x >/dev/null && echo devnull-ok; cat /etc/k7d-image-marker; echo w >/etc/k7d-written && echo wrote'
+  [ "$RC" = 0 ] || fail "$_n: ctr run (echo hello ...) exited $RC: $(printf '%s' "$OUT" | tail -n 5 | tr '\n' ' ')"
+  [ "$(line 1)" = hello ] || fail "$_n: the first line is '$(line 1)', expected hello: $(printf '%s' "$OUT" | head -n 5 | tr '\n' ' ')"
+  [ "$(line 2)" = "$_k" ] || fail "$_n: uname -r in the container is '$(line 2)', expected $_k"
+  [ "$(line 3)" = 16 ] || fail "$_n: head -c 16 /dev/urandom | wc -c gave '$(line 3)'"
+  [ "$(line 4)" = devnull-ok ] || fail "$_n: echo x >/dev/null failed: '$(line 4)'"
+  [ "$(line 5)" = from-the-image ] || fail "$_n: /etc/k7d-image-marker reads '$(line 5)', expected from-the-image"
+  [ "$(line 6)" = wrote ] || fail "$_n: the container could not write to its root: '$(line 6)'"
+  lab_metric "$_n.first_output" "$FIRST" s
+  lab_note "$_n: hello, uname -r $(line 2), 16 bytes of /dev/urandom, /dev/null, the image's marker, a write to / ($FIRST s to the first line)"
+
+  ctr_run "$_n-2" "$@" "$IMG" "$_n-2" sh -c \
+    'if [ -e /etc/k7d-written ]; then echo seen; else echo absent; fi; exit 3'
+  [ "$(line 1)" = absent ] || fail "$_n: a second container sees the first one's write: '$(line 1)'"
+  [ "$RC" = 3 ] || fail "$_n: sh -c 'exit 3' made ctr run exit $RC, expected 3: $(printf '%s' "$OUT" | tail -n 3 | tr '\n' ' ')"
+  lab_note "$_n: a second container does not see the first one's write; exit 3 -> ctr run exit 3"
+
+  ctr_stdin "$_n-3" "$_n-3" "$@" "$IMG" "$_n-3" cat
+  [ "$RC" = 0 ] || fail "$_n: cat exited $RC: $(printf '%s' "$OUT" | tail -n 3 | tr '\n' ' ')"
+  [ "$OUT" = in ] || fail "$_n: cat returned '$(printf '%s' "$OUT" | tr '\n' '|')', expected in"
+  lab_note "$_n: stdin 'in' comes back from cat, and its end ends cat"
+}
+
+# nothing_left NAME SHIM: no task, no container, no SHIM process (bounded: a
+# shim exits once containerd has deleted its task).
+nothing_left() {
+  [ -z "$(ctr tasks ls -q)" ] || fail "$1: tasks left: $(ctr tasks ls -q | tr '\n' ' ')"
+  [ -z "$(ctr containers ls -q)" ] || fail "$1: containers left: $(ctr containers ls -q | tr '\n' ' ')"
+  _i=0
+  while :; do
+    _left=
+    for _p in /proc/[0-9]*; do
+      case $(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null) in *"$2"*) _left="$_left ${_p#/proc/}" ;; esac
+    done
+    [ -n "$_left" ] || break
+    _i=$((_i + 1))
+    [ "$_i" -lt 20 ] || fail "$1: $2 processes left after 10 s:$_left"
+    sleep 0.5
+  done
+}
+
+# The reference: runc in L1. L1's root is the initramfs, which pivot_root
+# cannot leave: --no-pivot (runc moves the root instead).
+containers runc "$(uname -r)" --no-pivot
+nothing_left runc containerd-shim-runc-v2
+
+# --- k7d ----------------------------------------------------------------------------
+cat >/etc/k7d/shim.toml <<EOF
+kernel = "$LAB_KERNEL"
+initramfs = "$LAB_POD_INITRD"
+daemon_socket = "$SOCK"
+vcpus = 1
+memory_mib = 256
+EOF
+"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >"$DLOG" 2>&1 &
+dpid=$!
+i=0
+until [ -S "$SOCK" ]; do
+  kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon exited at start"
+  i=$((i + 1))
+  [ "$i" -lt 60 ] || fail "the k7d daemon made no socket within 30 s"
+  sleep 0.5
+done
+[ "$LAB_L2_KERNEL_RELEASE" != "$(uname -r)" ] || fail "L1 and L2 run the same kernel release: the uname -r check would prove nothing"
+containers k7d "$LAB_L2_KERNEL_RELEASE" --runtime io.containerd.k7d.v2
+[ "${VMS:-0}" -ge 1 ] || fail "k7d: the daemon listed no VM while cat ran in a k7d container"
+nothing_left k7d containerd-shim-k7d-v2
+vms=$("$LAB_BIN" --socket "$SOCK" list 2>&1) || fail "k7d list failed: $vms"
+[ -z "$(printf '%s\n' "$vms" | tail -n +2)" ] || fail "k7d VMs left after every container was removed: $(printf '%s' "$vms" | tr '\n' '|')"
+kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon died"
+lab_note "k7d: nothing left: no task, container, shim process or VM"
+lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
+lab_pass "containerd: runc and containerd-shim-k7d-v2 ran the same containers (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), nothing left"

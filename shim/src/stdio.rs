@@ -2,7 +2,10 @@
 //! stream connections (`Request::Attach`), one thread per stream.
 
 use std::fs::OpenOptions;
+use std::io::{Read, Write};
 use std::net::Shutdown;
+#[cfg(test)]
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex};
@@ -107,10 +110,28 @@ fn attach(agent: &Agent, process: &ProcessRef, stream: Stream) -> anyhow::Result
     }
 }
 
+/// Copies until EOF with read and write. Never `std::io::copy`: between a
+/// socket and a FIFO it splices, and a splice from a socket into a pipe
+/// holds the pipe's lock while it waits for the socket, so containerd's
+/// side of the FIFO could not even close (CHALLENGES.md, "ctr run -d hung
+/// in D state").
+fn pump(from: &mut impl Read, to: &mut impl Write) -> std::io::Result<()> {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        to.write_all(&buf[..n])?;
+    }
+}
+
 fn copy_out(mut conn: UnixStream, fifo: &PathBuf, stream: Stream) {
     match OpenOptions::new().write(true).open(fifo) {
         Ok(mut f) => {
-            if let Err(e) = std::io::copy(&mut conn, &mut f) {
+            if let Err(e) = pump(&mut conn, &mut f) {
                 tracing::debug!("the {stream:?} copy to {} ended: {e}", fifo.display());
             }
         }
@@ -121,7 +142,7 @@ fn copy_out(mut conn: UnixStream, fifo: &PathBuf, stream: Stream) {
 fn copy_in(mut conn: UnixStream, fifo: &PathBuf) {
     match OpenOptions::new().read(true).open(fifo) {
         Ok(mut f) => {
-            if let Err(e) = std::io::copy(&mut f, &mut conn) {
+            if let Err(e) = pump(&mut f, &mut conn) {
                 tracing::debug!("the stdin copy from {} ended: {e}", fifo.display());
             }
         }
@@ -152,5 +173,52 @@ impl Relays {
             }
             n = cv.wait_timeout(n, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    fn fifo(dir: &std::path::Path) -> PathBuf {
+        let p = dir.join("fifo");
+        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        p
+    }
+
+    /// containerd (the FIFO's reader) closes its end while the container
+    /// prints nothing: the close must not wait for the container.
+    #[test]
+    fn the_fifo_reader_can_close_while_the_output_copy_waits_on_a_silent_process() {
+        let dir = std::env::temp_dir().join(format!("k7d-shim-stdio-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = fifo(&dir);
+        let (agent_side, shim_side) = UnixStream::pair().unwrap();
+        let reader = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(&path)
+            .unwrap();
+        let p = path.clone();
+        let copier = std::thread::spawn(move || copy_out(shim_side, &p, Stream::Stdout));
+        std::thread::sleep(Duration::from_millis(200));
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            drop(reader);
+            tx.send(()).unwrap();
+        });
+        let closed = rx.recv_timeout(Duration::from_secs(5)).is_ok();
+        // Whatever happened, let the copy end.
+        (&agent_side).write_all(b"late output\n").unwrap();
+        drop(agent_side);
+        copier.join().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(
+            closed,
+            "closing the FIFO's read end waited on the silent process's socket"
+        );
     }
 }

@@ -32,6 +32,13 @@ CTR_LIMIT=${LAB_SHIM_CTR_TIMEOUT:-120}  # per ctr run, seconds
 # fail REASON: the tails of containerd's and the daemon's logs and of the pod
 # VMs' consoles (those not deleted yet), then LAB-FAIL.
 fail() {
+  for _p in /proc/[0-9]*; do  # every ctr and shim left: where it waits
+    case $(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null) in
+      ctr* | */ctr* | *containerd-shim*)
+        echo "lab: pid ${_p#/proc/} ($(cat "$_p/wchan" 2>/dev/null), $(sed -n 's/^State:\t//p' "$_p/status")): $(tr '\0' ' ' <"$_p/cmdline" | cut -c1-200)"
+        sed 's/^/lab:     /' "$_p/stack" 2>/dev/null | head -n 12 ;;
+    esac
+  done
   for _f in "$CLOG" "$DLOG" "$STATE"/vms/*/serial.log; do
     [ -s "$_f" ] || continue
     echo "lab: $_f (tail):"
@@ -156,6 +163,84 @@ containers() {
   lab_note "$_n: stdin 'in' comes back from cat, and its end ends cat"
 }
 
+# waits_after S: in the background, after S seconds, where every ctr and
+# shim process waits (/proc/PID/comm, wchan, state and kernel stack: none of
+# them takes the process's memory lock). Prints its pid; kill it when done.
+waits_after() {
+  ( sleep "$1"
+    for _p in /proc/[0-9]*; do
+      case $(cat "$_p/comm" 2>/dev/null) in
+        ctr | containerd-shim* | k7d*)
+          echo "lab: after $1 s: pid ${_p#/proc/} $(cat "$_p/comm") ($(cat "$_p/wchan" 2>/dev/null), $(sed -n 's/^State:\t//p' "$_p/status"))"
+          for _t in "$_p"/task/*; do
+            sed "s/^/lab:     ${_t##*/}: /" "$_t/stack" 2>/dev/null | head -n 8
+          done ;;
+      esac
+    done ) >/dev/console 2>&1 &
+  echo $!
+}
+
+# deleted_with ID STATUS: ctr task delete ID, which reports a non-zero exit
+# status in a warning ("task ID exit with non-zero exit code N").
+deleted_with() {
+  timeout -s KILL 30 /usr/bin/ctr task delete "$1" >"/tmp/ctr-$1.del" 2>&1 || fail "ctr task delete $1 failed: $(tr '\n' ' ' <"/tmp/ctr-$1.del")"
+  grep -q "exit with non-zero exit code $2\"" "/tmp/ctr-$1.del" ||
+    fail "ctr task delete $1 did not report exit status $2: $(tr '\n' ' ' <"/tmp/ctr-$1.del")"
+}
+
+# running NAME ARGS...: a detached container (ctr run -d ARGS: the runtime's
+# flags) that traps TERM into a file and loops; then what runc's users do to
+# a running container: exec (its output and exit status), ps, metrics,
+# kill -s SIGTERM (the trap ran: seen through a second exec), kill -s
+# SIGKILL (STOPPED, ctr task delete says 137). While it runs, its shell
+# (its cmdline holds the word k7d-marker) is looked for in L1's process
+# table: present under runc, absent under k7d. Sets HOSTPROC (yes|no).
+running() {
+  _n=$1; shift
+  _id=$_n-run
+  echo "lab: $_id: ctr run -d"
+  _w=$(waits_after 45)
+  timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run -d "$@" "$IMG" "$_id" sh -c 'trap "touch /tmp/got-term" TERM; while :; do sleep 1; done # k7d-marker' \
+    </dev/null >/tmp/ctr-$_id.out 2>&1 || fail "$_n: ctr run -d failed: $(tail -n 3 /tmp/ctr-$_id.out | tr '\n' ' ')"
+  _i=0
+  until ctr tasks ls 2>/dev/null | grep -Eq "^$_id +[0-9]+ +RUNNING"; do
+    _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 2)) ] || fail "$_n: $_id never RUNNING"
+    sleep 0.5
+  done
+  kill "$_w" 2>/dev/null
+  HOSTPROC=no
+  for _p in /proc/[0-9]*; do
+    case $(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null) in *k7d-marker*) HOSTPROC=yes ;; esac
+  done
+  echo "lab: $_id: running; exec"
+  _out=$(timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr task exec --exec-id e1 "$_id" sh -c 'echo exec-ok; exit 5' </dev/null 2>&1); _rc=$?
+  [ "$_out" = exec-ok ] && [ "$_rc" = 5 ] || fail "$_n: ctr task exec gave rc=$_rc '$_out', expected rc=5 exec-ok"
+  echo "lab: $_id: ps, metrics"
+  _ps=$(timeout -s KILL 30 /usr/bin/ctr task ps "$_id" 2>&1) || fail "$_n: ctr task ps failed: $_ps"
+  _pids=$(printf '%s\n' "$_ps" | tail -n +2 | grep -c '^ *[0-9]')
+  [ "$_pids" -ge 1 ] || fail "$_n: ctr task ps lists no process: $(printf '%s' "$_ps" | tr '\n' '|')"
+  _m=$(timeout -s KILL 30 /usr/bin/ctr task metrics "$_id" 2>&1) || fail "$_n: ctr task metrics failed: $_m"
+  _mem=$(printf '%s\n' "$_m" | awk '$1 == "memory.usage" {print $2}')
+  [ -n "$_mem" ] && [ "$_mem" -gt 0 ] || fail "$_n: ctr task metrics has no memory.usage: $(printf '%s' "$_m" | tr '\n' '|')"
+  echo "lab: $_id: kill -s SIGTERM"
+  timeout -s KILL 30 /usr/bin/ctr task kill -s SIGTERM "$_id" || fail "$_n: ctr task kill -s SIGTERM failed"
+  _i=0
+  until timeout -s KILL 30 /usr/bin/ctr task exec --exec-id "t$_i" "$_id" test -e /tmp/got-term </dev/null 2>/dev/null; do
+    _i=$((_i + 1)); [ "$_i" -lt 20 ] || fail "$_n: SIGTERM never reached the container's trap"
+    sleep 0.5
+  done
+  echo "lab: $_id: kill -s SIGKILL"
+  timeout -s KILL 30 /usr/bin/ctr task kill -s SIGKILL "$_id" || fail "$_n: ctr task kill -s SIGKILL failed"
+  _i=0
+  until ctr tasks ls 2>/dev/null | grep -Eq "^$_id +[0-9]+ +STOPPED"; do
+    _i=$((_i + 1)); [ "$_i" -lt 20 ] || fail "$_n: $_id not STOPPED 10 s after SIGKILL: $(ctr tasks ls | tr '\n' '|')"
+    sleep 0.5
+  done
+  deleted_with "$_id" 137
+  timeout -s KILL 30 /usr/bin/ctr containers rm "$_id" >/dev/null || fail "$_n: ctr containers rm $_id failed"
+  lab_note "$_n: running container: exec (exec-ok, exit 5), ps ($_pids pids), metrics (memory.usage $_mem), SIGTERM reached its trap, SIGKILL -> STOPPED, delete 137; its shell in L1's process table: $HOSTPROC"
+}
+
 # nothing_left NAME SHIM: no task, no container, no SHIM process (bounded: a
 # shim exits once containerd has deleted its task).
 nothing_left() {
@@ -177,6 +262,8 @@ nothing_left() {
 # The reference: runc in L1. L1's root is the initramfs, which pivot_root
 # cannot leave: --no-pivot (runc moves the root instead).
 containers runc "$(uname -r)" --no-pivot
+running runc --no-pivot
+[ "$HOSTPROC" = yes ] || fail "runc: the reference container's shell is not in L1's process table: the check proves nothing"
 nothing_left runc containerd-shim-runc-v2
 
 # --- k7d ----------------------------------------------------------------------------
@@ -199,10 +286,89 @@ done
 [ "$LAB_L2_KERNEL_RELEASE" != "$(uname -r)" ] || fail "L1 and L2 run the same kernel release: the uname -r check would prove nothing"
 containers k7d "$LAB_L2_KERNEL_RELEASE" --runtime io.containerd.k7d.v2
 [ "${VMS:-0}" -ge 1 ] || fail "k7d: the daemon listed no VM while cat ran in a k7d container"
+sums() { sha256sum /var/lib/k7d/images/*.erofs 2>/dev/null | sort; }
+images_before=$(sums)
+[ "$(printf '%s\n' "$images_before" | grep -c .)" = 1 ] || fail "k7d: expected one cached erofs image for one image, found: $images_before"
+running k7d --runtime io.containerd.k7d.v2
+[ "$HOSTPROC" = no ] || fail "k7d: the container's shell runs in L1's process table"
+[ "$(sums)" = "$images_before" ] || fail "k7d: the cached erofs image changed after containers wrote to their roots"
+lab_note "k7d: one erofs image for the four containers of one image, unchanged by their writes"
+
+# stopped_within ID LIMIT_S: waits until ctr tasks ls shows ID STOPPED; sets
+# WAITED (seconds, from the call).
+stopped_within() {
+  _t0=$(lab_now)
+  until ctr tasks ls 2>/dev/null | grep -Eq "^$1 +[0-9]+ +STOPPED"; do
+    [ "$(awk -v a="$(lab_now)" -v b="$_t0" -v l="$2" 'BEGIN {print (a - b > l)}')" = 0 ] ||
+      fail "k7d: $1 not STOPPED $2 s after its VM died: $(ctr tasks ls | tr '\n' '|')"
+    sleep 0.1
+  done
+  WAITED=$(lab_sub "$(lab_now)" "$_t0")
+}
+# A guest that dies under its task (a kernel crash through sysrq): the task
+# stops with 137 and the VM is gone.
+echo "lab: crash: ctr run -d --privileged"
+timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run -d --privileged --runtime io.containerd.k7d.v2 "$IMG" crash sleep 1000 </dev/null >/tmp/ctr-crash.out 2>&1 ||
+  fail "k7d: ctr run -d crash failed: $(tail -n 3 /tmp/ctr-crash.out | tr '\n' ' ')"
+_i=0
+until ctr tasks ls 2>/dev/null | grep -Eq "^crash +[0-9]+ +RUNNING"; do
+  _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 2)) ] || fail "k7d: crash never RUNNING"
+  sleep 0.5
+done
+echo "lab: crash: echo c >/proc/sysrq-trigger"
+timeout -s KILL 30 /usr/bin/ctr task exec --exec-id sysrq crash sh -c 'echo c >/proc/sysrq-trigger' </dev/null >/tmp/ctr-sysrq.out 2>&1 &
+sysrq=$!
+stopped_within crash 5
+crash_s=$WAITED
+deleted_with crash 137
+timeout -s KILL 30 /usr/bin/ctr containers rm crash >/dev/null || fail "k7d: ctr containers rm crash failed"
+lab_metric k7d.guest_crash_to_stopped "$crash_s" s
+lab_note "k7d: a guest kernel crash (sysrq c): its task STOPPED $crash_s s after the exec, status 137"
+wait "$sysrq"
+
+# The daemon killed with SIGKILL under a running task: 137, and nothing left
+# once a new daemon has swept the old one's records.
+pss() { awk '$1 == "Pss:" {print $2}' "/proc/$1/smaps_rollup" 2>/dev/null; }  # KiB
+daemon_before=$(pss "$dpid")
+echo "lab: victim: ctr run -d"
+timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run -d --runtime io.containerd.k7d.v2 "$IMG" victim sleep 1000 </dev/null >/tmp/ctr-victim.out 2>&1 ||
+  fail "k7d: ctr run -d victim failed: $(tail -n 3 /tmp/ctr-victim.out | tr '\n' ' ')"
+_i=0
+until ctr tasks ls 2>/dev/null | grep -Eq "^victim +[0-9]+ +RUNNING"; do
+  _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 2)) ] || fail "k7d: victim never RUNNING"
+  sleep 0.5
+done
+sleep 2  # idle
+daemon_after=$(pss "$dpid")
+shim_pss=0
+for _p in /proc/[0-9]*; do
+  [ "$(cat "$_p/comm" 2>/dev/null)" = containerd-shim ] || continue
+  case $(cat "$_p/cmdline" 2>/dev/null | tr '\0' ' ') in *containerd-shim-k7d-v2*) shim_pss=$((shim_pss + $(pss "${_p#/proc/}"))) ;; esac
+done
+pod_kib=$((daemon_after - daemon_before + shim_pss))
+lab_metric k7d.pod_pss_mib "$(awk -v k="$pod_kib" 'BEGIN {printf "%.1f", k / 1024}')" MiB
+lab_note "k7d: one idle pod costs $((pod_kib / 1024)) MiB of PSS: the daemon grew $(((daemon_after - daemon_before) / 1024)) MiB (the guest's touched RAM included), the shim $((shim_pss / 1024)) MiB (anchor: Kata about 123 MB per pod)"
+kill -9 "$dpid"
+stopped_within victim 5
+kill_s=$WAITED
+deleted_with victim 137
+timeout -s KILL 30 /usr/bin/ctr containers rm victim >/dev/null || fail "k7d: ctr containers rm victim failed"
+lab_metric k7d.daemon_kill_to_stopped "$kill_s" s
+lab_note "k7d: the daemon killed -9 under a running task: STOPPED $kill_s s later, status 137"
+"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
+dpid=$!
+i=0
+until "$LAB_BIN" --socket "$SOCK" list >/dev/null 2>&1; do
+  kill -0 "$dpid" 2>/dev/null || fail "the restarted k7d daemon exited"
+  i=$((i + 1)); [ "$i" -lt 60 ] || fail "the restarted k7d daemon did not answer within 30 s"
+  sleep 0.5
+done
 nothing_left k7d containerd-shim-k7d-v2
 vms=$("$LAB_BIN" --socket "$SOCK" list 2>&1) || fail "k7d list failed: $vms"
 [ -z "$(printf '%s\n' "$vms" | tail -n +2)" ] || fail "k7d VMs left after every container was removed: $(printf '%s' "$vms" | tr '\n' '|')"
 kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon died"
-lab_note "k7d: nothing left: no task, container, shim process or VM"
+left=$(find /run/k7d/shim -mindepth 1 2>/dev/null; find "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
+[ -z "$left" ] || fail "k7d: left behind: $(printf '%s' "$left" | tr '\n' ' ')"
+lab_note "k7d: nothing left: no task, container, shim process, VM, pod socket dir, vsock socket or mount"
 lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
 lab_pass "containerd: runc and containerd-shim-k7d-v2 ran the same containers (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), nothing left"

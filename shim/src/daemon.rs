@@ -38,6 +38,9 @@ pub enum VmLife {
     Stopped(String),
     /// The daemon has no such VM.
     Gone,
+    /// The daemon's socket refuses connections or is missing: the daemon
+    /// is gone, and its VMs with it.
+    DaemonGone,
 }
 
 /// The daemon calls. Every error is one sentence that says what failed and

@@ -66,5 +66,14 @@ fn unreachable_daemon() -> Arc<dyn Daemon> {
 /// with status 1 on failure, as containerd's shims do.
 pub fn run(connect: Connect) {
     let _ = CONNECT.set(connect);
-    containerd_shim::run::<service::K7dShim>(RUNTIME_ID, None);
+    // No reaper: the library's SIGCHLD handler would reap the shim's own
+    // children (mkfs.erofs) before `Command` could (ECHILD); the shim
+    // starts no container process on the host, so there is nothing else
+    // to reap and no need to be a subreaper.
+    let config = containerd_shim::Config {
+        no_reaper: true,
+        no_sub_reaper: true,
+        ..Default::default()
+    };
+    containerd_shim::run::<service::K7dShim>(RUNTIME_ID, Some(config));
 }

@@ -4,7 +4,7 @@
 use std::fs::OpenOptions;
 use std::io::{Read, Write};
 use std::net::Shutdown;
-#[cfg(test)]
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -45,7 +45,10 @@ impl Paths {
 /// The running copies of one process's stdio.
 #[derive(Debug)]
 pub struct Relays {
-    stdin: Option<UnixStream>,
+    /// The shim's own writer on the stdin FIFO (as runc's shim keeps one):
+    /// the process sees EOF only after CloseIO, once what containerd wrote
+    /// has been copied, not when one client closes its end.
+    stdin_hold: Arc<Mutex<StdinHold>>,
     /// Output copies still running.
     out_left: Arc<(Mutex<usize>, Condvar)>,
     _threads: Vec<JoinHandle<()>>,
@@ -56,7 +59,7 @@ pub fn start(agent: &Agent, process: &ProcessRef, paths: &Paths) -> anyhow::Resu
     let spec = paths.spec();
     let out_left = Arc::new((Mutex::new(0usize), Condvar::new()));
     let mut threads = Vec::new();
-    let mut stdin = None;
+    let stdin_hold = Arc::new(Mutex::new(StdinHold::default()));
     for (want, stream, fifo) in [
         (spec.stdout, Stream::Stdout, &paths.stdout),
         (spec.stderr, Stream::Stderr, &paths.stderr),
@@ -82,24 +85,24 @@ pub fn start(agent: &Agent, process: &ProcessRef, paths: &Paths) -> anyhow::Resu
     }
     if spec.stdin {
         let conn = attach(agent, process, Stream::Stdin)?;
-        stdin = Some(conn.try_clone().context("cannot keep the stdin stream")?);
+        let hold = stdin_hold.clone();
         let fifo = PathBuf::from(&paths.stdin);
         threads.push(
             std::thread::Builder::new()
                 .name("k7d-shim-in".into())
-                .spawn(move || copy_in(conn, &fifo))
+                .spawn(move || copy_in(conn, &fifo, &hold))
                 .context("cannot start a stdio copy thread")?,
         );
     }
     Ok(Relays {
-        stdin,
+        stdin_hold,
         out_left,
         _threads: threads,
     })
 }
 
 fn attach(agent: &Agent, process: &ProcessRef, stream: Stream) -> anyhow::Result<UnixStream> {
-    let mut conn = agent.connect(Duration::from_secs(10))?;
+    let mut conn = agent.connect(Duration::from_secs(30))?;
     match conn.call(&Request::Attach {
         process: process.clone(),
         stream,
@@ -129,7 +132,10 @@ fn pump(from: &mut impl Read, to: &mut impl Write) -> std::io::Result<()> {
 }
 
 fn copy_out(mut conn: UnixStream, fifo: &PathBuf, stream: Stream) {
-    match OpenOptions::new().write(true).open(fifo) {
+    // Read-write, as runc's shim opens it: the open never waits, and a
+    // reader that goes away (ctr run -d exits, containerd restarts) never
+    // turns the next write into EPIPE, which would end the copy for good.
+    match OpenOptions::new().read(true).write(true).open(fifo) {
         Ok(mut f) => {
             if let Err(e) = pump(&mut conn, &mut f) {
                 tracing::debug!("the {stream:?} copy to {} ended: {e}", fifo.display());
@@ -139,8 +145,42 @@ fn copy_out(mut conn: UnixStream, fifo: &PathBuf, stream: Stream) {
     }
 }
 
-fn copy_in(mut conn: UnixStream, fifo: &PathBuf) {
-    match OpenOptions::new().read(true).open(fifo) {
+/// The shim's writer on a stdin FIFO, and whether CloseIO came.
+#[derive(Debug, Default)]
+struct StdinHold {
+    writer: Option<std::fs::File>,
+    closed: bool,
+}
+
+/// Opens the stdin FIFO's read end without waiting for a writer, then the
+/// shim's own write end (which holds EOF back until CloseIO).
+fn open_stdin(fifo: &PathBuf, hold: &Mutex<StdinHold>) -> std::io::Result<std::fs::File> {
+    let reader = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(fifo)?;
+    let writer = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(fifo)?;
+    {
+        let mut h = hold.lock().unwrap_or_else(|e| e.into_inner());
+        if !h.closed {
+            h.writer = Some(writer);
+        }
+    }
+    let fd = reader.as_raw_fd();
+    // SAFETY: fcntl on a descriptor `reader` owns; no pointers.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above; clears O_NONBLOCK so reads wait for data.
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(reader)
+}
+
+fn copy_in(mut conn: UnixStream, fifo: &PathBuf, hold: &Mutex<StdinHold>) {
+    match open_stdin(fifo, hold) {
         Ok(mut f) => {
             if let Err(e) = pump(&mut f, &mut conn) {
                 tracing::debug!("the stdin copy from {} ended: {e}", fifo.display());
@@ -152,11 +192,13 @@ fn copy_in(mut conn: UnixStream, fifo: &PathBuf) {
 }
 
 impl Relays {
-    /// Closes the process's stdin (containerd's CloseIO).
+    /// containerd's CloseIO: the shim drops its writer on the stdin FIFO,
+    /// so the copy reaches EOF once containerd's writer is closed and what
+    /// it wrote has been copied; then the process's stdin closes.
     pub fn close_stdin(&self) {
-        if let Some(s) = &self.stdin {
-            let _ = s.shutdown(Shutdown::Write);
-        }
+        let mut h = self.stdin_hold.lock().unwrap_or_else(|e| e.into_inner());
+        h.closed = true;
+        h.writer = None;
     }
 
     /// Waits until every output copy reached EOF, at most `limit`: an exit

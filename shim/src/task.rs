@@ -31,8 +31,12 @@ use crate::{image, stdio};
 const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often the monitor asks the daemon whether the VM lives.
 const MONITOR_PERIOD: Duration = Duration::from_millis(200);
-/// A quick agent call's limit.
-const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// An agent call's limit (generous: a busy node boots many pod VMs at once).
+const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// The limit of the agent's container create (mounts, `runc create`).
+const CREATE_TIMEOUT: Duration = Duration::from_secs(60);
+/// An event's delivery limit.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 /// The status of a task whose VM died under it (SIGKILL, as runc reports).
 pub const KILLED: u32 = 137;
 /// The annotation CRI sets on every container: `sandbox` or `container`.
@@ -61,6 +65,9 @@ struct State {
     pod: Option<Pod>,
     /// A create is booting the pod VM.
     booting: bool,
+    /// containerd asked for Shutdown while a create was booting: the
+    /// create rolls back and the shim exits when it ends.
+    shutdown_requested: bool,
     tasks: HashMap<String, TaskEntry>,
 }
 
@@ -88,6 +95,9 @@ enum Life {
 
 struct Proc {
     life: Life,
+    /// A Start is between the agent's start and the start event: an exit
+    /// waits for it, so containerd never sees an exit before its start.
+    starting: bool,
     exit_status: u32,
     exited_at: Option<Timestamp>,
     paths: stdio::Paths,
@@ -187,7 +197,12 @@ impl Inner {
 
     fn publish(&self, topic: &str, event: Box<dyn MessageDyn>) {
         let p = self.publisher.lock().unwrap_or_else(|e| e.into_inner());
-        if let Err(e) = p.publish(TtrpcCtx::default(), topic, &self.namespace, event) {
+        // A containerd that stops answering must not hold every RPC.
+        let ctx = TtrpcCtx {
+            timeout_nano: PUBLISH_TIMEOUT.as_nanos() as i64,
+            ..Default::default()
+        };
+        if let Err(e) = p.publish(ctx, topic, &self.namespace, event) {
             tracing::warn!("cannot publish {topic} to containerd: {e}");
         }
     }
@@ -196,6 +211,7 @@ impl Inner {
         let st = self.lock();
         match &st.pod {
             Some(p) if p.dead => Err(err(Code::UNAVAILABLE, "the pod VM has stopped")),
+            Some(p) if p.paused => Err(err(Code::FAILED_PRECONDITION, "the pod VM is paused (resume it first)")),
             Some(p) => Ok((p.agent.clone(), p.host_pid)),
             None => Err(err(Code::FAILED_PRECONDITION, "this shim has no pod VM")),
         }
@@ -213,6 +229,14 @@ impl Inner {
     fn exited(&self, id: &str, exec_id: &str, status: u32) {
         let (pid, at) = {
             let mut st = self.lock();
+            while st
+                .tasks
+                .get(id)
+                .and_then(|t| t.procs.get(exec_id))
+                .is_some_and(|p| p.starting)
+            {
+                st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+            }
             let host_pid = st.pod.as_ref().map_or(0, |p| p.host_pid);
             let Some(p) = st.tasks.get_mut(id).and_then(|t| t.procs.get_mut(exec_id)) else {
                 return;
@@ -247,11 +271,23 @@ impl Inner {
     /// Waits in the guest for the process to exit, then reports it (after
     /// its last output); a lost agent means the VM died: 137.
     fn watch(self: Arc<Self>, id: String, exec_id: String) {
-        let r = self.agent().map_err(|e| e.to_string()).and_then(|(agent, _)| {
-            let mut c = agent.connect(CALL_TIMEOUT).map_err(|e| format!("{e:#}"))?;
-            c.set_timeout(None).map_err(|e| e.to_string())?;
-            c.call(&Request::Wait(pref(&id, &exec_id))).map_err(|e| e.to_string())
-        });
+        let r = loop {
+            let r = self.agent_for_wait().and_then(|agent| {
+                let mut c = agent.connect(CALL_TIMEOUT).map_err(|e| format!("{e:#}"))?;
+                c.set_timeout(None).map_err(|e| e.to_string())?;
+                c.call(&Request::Wait(pref(&id, &exec_id))).map_err(|e| e.to_string())
+            });
+            match r {
+                Ok(reply) => break Ok(reply),
+                Err(e) if !self.vm_alive() => break Err(e),
+                Err(e) => {
+                    // The VM lives (paused, busy, or the agent at its
+                    // connection limit): the process may still run.
+                    tracing::debug!("the wait on {id}/{exec_id} broke ({e}); the VM lives, waiting again");
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+            }
+        };
         let (status, oom) = match r {
             Ok(Reply::Exited(x)) => (x.exit_status, x.oom_killed),
             Ok(other) => {
@@ -284,6 +320,36 @@ impl Inner {
         self.exited(&id, &exec_id, status);
     }
 
+    /// The agent, for a watcher: also while the VM is paused (the wait's
+    /// connection only blocks until it resumes).
+    fn agent_for_wait(&self) -> Result<Agent, String> {
+        match &self.lock().pod {
+            Some(p) if !p.dead => Ok(p.agent.clone()),
+            _ => Err("the pod VM has stopped".to_string()),
+        }
+    }
+
+    /// Whether the pod VM still runs (or is paused), as far as the daemon says.
+    fn vm_alive(&self) -> bool {
+        let vm_id = match self.lock().pod.as_ref() {
+            Some(p) if !p.dead => p.names.vm_id.clone(),
+            _ => return false,
+        };
+        !matches!(
+            self.daemon.life(&vm_id),
+            Ok(VmLife::Stopped(_) | VmLife::Gone | VmLife::DaemonGone)
+        )
+    }
+
+    fn spawn_watcher(self: Arc<Self>, id: &str, exec_id: &str) -> TtrpcResult<()> {
+        let (id, exec_id) = (id.to_string(), exec_id.to_string());
+        std::thread::Builder::new()
+            .name("k7d-shim-wait".into())
+            .spawn(move || self.watch(id, exec_id))
+            .map(|_| ())
+            .map_err(|e| err(Code::INTERNAL, format!("cannot start the exit watcher: {e}")))
+    }
+
     /// Reports every process exited (137) once the pod VM is gone, and
     /// removes the VM from the daemon.
     fn monitor(self: Arc<Self>, vm_id: String) {
@@ -296,7 +362,12 @@ impl Inner {
                 Ok(VmLife::Running | VmLife::Paused) => continue,
                 Ok(VmLife::Stopped(r)) => format!("the pod VM stopped ({r})"),
                 Ok(VmLife::Gone) => "the daemon no longer has the pod VM".to_string(),
-                Err(e) => format!("{e:#}"),
+                Ok(VmLife::DaemonGone) => "the daemon is gone (its socket refuses connections)".to_string(),
+                // A slow or busy daemon (a snapshot holds the VM) is not a dead VM.
+                Err(e) => {
+                    tracing::debug!("cannot ask the daemon about {vm_id}: {e:#}");
+                    continue;
+                }
             };
             tracing::warn!("{why}: every task of it exits with {KILLED}");
             let live: Vec<(String, String)> = {
@@ -373,6 +444,18 @@ impl Inner {
         let mut st = self.lock();
         st.booting = false;
         let (pod, relays) = r?;
+        if st.shutdown_requested {
+            drop(st);
+            self.remove_pod(&pod.names);
+            self.exit.signal();
+            return Err(err(
+                Code::CANCELLED,
+                format!(
+                    "containerd shut this shim down while {} was created; rolled back",
+                    req.id
+                ),
+            ));
+        }
         let host_pid = pod.host_pid;
         let vm_id = pod.names.vm_id.clone();
         st.pod = Some(pod);
@@ -387,6 +470,7 @@ impl Inner {
             String::new(),
             Proc {
                 life: Life::Created,
+                starting: false,
                 exit_status: 0,
                 exited_at: None,
                 paths,
@@ -401,11 +485,6 @@ impl Inner {
             },
         );
         drop(st);
-        let me = self.clone();
-        std::thread::Builder::new()
-            .name("k7d-shim-monitor".into())
-            .spawn(move || me.monitor(vm_id))
-            .map_err(|e| err(Code::INTERNAL, format!("cannot start the pod VM monitor: {e}")))?;
         self.publish(
             topics::TASK_CREATE_EVENT_TOPIC,
             Box::new(TaskCreate {
@@ -424,6 +503,14 @@ impl Inner {
                 ..Default::default()
             }),
         );
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("k7d-shim-monitor".into())
+            .spawn(move || me.monitor(vm_id))
+            .map_err(|e| err(Code::INTERNAL, format!("cannot start the pod VM monitor: {e}")))?;
+        // Watched from its creation: a created process that is killed
+        // (containerd's cleanup of a failed pod) reports its exit too.
+        self.clone().spawn_watcher(&req.id, "")?;
         Ok(host_pid)
     }
 
@@ -480,7 +567,8 @@ impl Inner {
             vsock_uds: names.vsock.clone(),
         };
         if let Err(e) = self.daemon.create(&vm) {
-            let _ = std::fs::remove_dir_all(&names.dir);
+            // It may have built the VM before its answer was lost.
+            self.remove_pod(&names);
             return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
         }
         let r = (|| {
@@ -499,6 +587,12 @@ impl Inner {
                 stderr: req.stderr.clone(),
                 terminal: req.terminal,
             };
+            conn.set_timeout(Some(CREATE_TIMEOUT)).map_err(|e| {
+                err(
+                    Code::INTERNAL,
+                    format!("cannot set the agent connection's timeout: {e}"),
+                )
+            })?;
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),
                 spec,
@@ -582,38 +676,48 @@ impl Task for Service {
 
     fn start(&self, _ctx: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
         {
-            let st = self.inner.lock();
+            let mut st = self.inner.lock();
             let p = st
                 .tasks
-                .get(&req.id)
-                .and_then(|t| t.procs.get(&req.exec_id))
+                .get_mut(&req.id)
+                .and_then(|t| t.procs.get_mut(&req.exec_id))
                 .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
-            if p.life != Life::Created {
+            if p.life != Life::Created || p.starting {
                 return Err(err(
                     Code::FAILED_PRECONDITION,
                     format!("process {}/{} was already started", req.id, req.exec_id),
                 ));
             }
+            p.starting = true;
         }
-        match self.inner.call(&Request::Start(pref(&req.id, &req.exec_id)))? {
-            Reply::Pid(_) => {}
-            other => {
+        // Clears `starting` however Start ends, and lets a waiting exit go
+        // (after the start event, when it started).
+        let done = |running: bool| {
+            let mut st = self.inner.lock();
+            if let Some(p) = st.tasks.get_mut(&req.id).and_then(|t| t.procs.get_mut(&req.exec_id)) {
+                p.starting = false;
+                if running && p.life == Life::Created {
+                    p.life = Life::Running;
+                }
+            }
+            drop(st);
+            self.inner.changed.notify_all();
+        };
+        match self.inner.call(&Request::Start(pref(&req.id, &req.exec_id))) {
+            Ok(Reply::Pid(_)) => {}
+            Ok(other) => {
+                done(false);
                 return Err(err(
                     Code::INTERNAL,
                     format!("the guest agent answered Start with {other:?}"),
                 ));
             }
-        }
-        let host_pid = {
-            let mut st = self.inner.lock();
-            let host_pid = st.pod.as_ref().map_or(0, |p| p.host_pid);
-            if let Some(p) = st.tasks.get_mut(&req.id).and_then(|t| t.procs.get_mut(&req.exec_id))
-                && p.life == Life::Created
-            {
-                p.life = Life::Running;
+            Err(e) => {
+                done(false);
+                return Err(e);
             }
-            host_pid
-        };
+        }
+        let host_pid = self.inner.lock().pod.as_ref().map_or(0, |p| p.host_pid);
         if req.exec_id.is_empty() {
             self.inner.publish(
                 topics::TASK_START_EVENT_TOPIC,
@@ -634,12 +738,7 @@ impl Task for Service {
                 }),
             );
         }
-        let me = self.inner.clone();
-        let (id, exec_id) = (req.id.clone(), req.exec_id.clone());
-        std::thread::Builder::new()
-            .name("k7d-shim-wait".into())
-            .spawn(move || me.watch(id, exec_id))
-            .map_err(|e| err(Code::INTERNAL, format!("cannot start the exit watcher: {e}")))?;
+        done(true);
         Ok(api::StartResponse {
             pid: host_pid,
             ..Default::default()
@@ -678,7 +777,9 @@ impl Task for Service {
                 t.procs.remove(&req.exec_id);
             }
         } else {
-            if !dead {
+            // The last container's VM is deleted right after: no guest call.
+            let last = self.inner.lock().tasks.len() == 1;
+            if !dead && !last {
                 let _ = self.inner.call(&Request::DeleteContainer {
                     container: req.id.clone(),
                 });
@@ -760,7 +861,13 @@ impl Task for Service {
                 .get(&req.id)
                 .and_then(|t| t.procs.get(&req.exec_id))
                 .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
-            if p.life == Life::Stopped && !req.all {
+            let dead = st.pod.as_ref().is_none_or(|p| p.dead);
+            if p.life == Life::Stopped && (dead || req.all) {
+                // Nothing left to signal (containerd's cleanup kills with
+                // `all` after the VM died).
+                return Ok(api::Empty::new());
+            }
+            if p.life == Life::Stopped {
                 return Err(err(
                     Code::NOT_FOUND,
                     format!("process {}/{} has already finished", req.id, req.exec_id),
@@ -830,6 +937,7 @@ impl Task for Service {
                 req.exec_id.clone(),
                 Proc {
                     life: Life::Created,
+                    starting: false,
                     exit_status: 0,
                     exited_at: None,
                     paths,
@@ -845,6 +953,7 @@ impl Task for Service {
                 ..Default::default()
             }),
         );
+        self.inner.clone().spawn_watcher(&req.id, &req.exec_id)?;
         Ok(api::Empty::new())
     }
 
@@ -871,7 +980,8 @@ impl Task for Service {
             if let Some(r) = relays {
                 r.close_stdin();
             }
-            let _ = self.inner.call(&Request::CloseStdin(pref(&req.id, &req.exec_id)));
+            // The EOF travels down the stream once the copy drained the
+            // FIFO; the agent then closes the process's stdin.
         }
         Ok(api::Empty::new())
     }
@@ -945,7 +1055,11 @@ impl Task for Service {
     fn shutdown(&self, _ctx: &TtrpcContext, _req: api::ShutdownRequest) -> TtrpcResult<api::Empty> {
         let pod = {
             let mut st = self.inner.lock();
-            if !st.tasks.is_empty() || st.booting {
+            if st.booting {
+                st.shutdown_requested = true;
+                return Ok(api::Empty::new());
+            }
+            if !st.tasks.is_empty() {
                 return Ok(api::Empty::new());
             }
             st.pod.take()

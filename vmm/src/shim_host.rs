@@ -16,8 +16,9 @@ use crate::vstate::vm::VmState;
 
 /// A quick call's limit (life, pause, resume, version).
 const QUICK: Duration = Duration::from_secs(2);
-/// A delete's limit: the shim's `delete` must end well inside containerd's 5 s.
-const DELETE: Duration = Duration::from_secs(3);
+/// A delete's limit (connect and answer each): the shim's `delete` must
+/// end inside containerd's 5 s.
+const DELETE: Duration = Duration::from_secs(2);
 /// A create's limit (building the VM, not its boot).
 const CREATE: Duration = Duration::from_secs(30);
 
@@ -99,6 +100,16 @@ impl Daemon for ShimDaemon {
     }
 
     fn life(&self, id: &str) -> anyhow::Result<VmLife> {
+        // Refused or missing: no daemon listens (it was killed). Anything
+        // else (a slow or busy daemon) is an error, not a death.
+        if let Err(e) = std::os::unix::net::UnixStream::connect(&self.socket)
+            && matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            )
+        {
+            return Ok(VmLife::DaemonGone);
+        }
         match self.request(&Request::Info(id.to_string()), QUICK) {
             Ok(Reply::Vm(info)) => Ok(match info.state {
                 VmState::Created | VmState::Running => VmLife::Running,

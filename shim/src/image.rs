@@ -93,6 +93,7 @@ pub fn packed(layers: &Layers, image_dir: &Path, scratch: &Path) -> anyhow::Resu
     }
     std::fs::create_dir_all(image_dir)
         .with_context(|| format!("cannot create the image cache {}", image_dir.display()))?;
+    sweep_partial(image_dir);
     let tmp = image_dir.join(format!(".{}.{}.tmp", std::process::id(), image_file_stem(&image)));
     let result = match layers.0.as_slice() {
         [one] => mkfs(&tmp, one),
@@ -115,6 +116,27 @@ pub fn packed(layers: &Layers, image_dir: &Path, scratch: &Path) -> anyhow::Resu
     }
     std::fs::rename(&tmp, &image).with_context(|| format!("cannot move the packed image to {}", image.display()))?;
     Ok((image, false))
+}
+
+/// Removes the partial images (`.<pid>.<key>.tmp`) of shims that died while
+/// packing: their pid no longer runs.
+fn sweep_partial(image_dir: &Path) {
+    let Ok(dir) = std::fs::read_dir(image_dir) else { return };
+    for e in dir.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(pid) = partial_owner(name) else { continue };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            tracing::info!("removing {name}, a partial image of a shim that is gone");
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+/// The pid in a partial image's name (`.<pid>.<key>.tmp`).
+fn partial_owner(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix('.')?.strip_suffix(".tmp")?;
+    rest.split('.').next()?.parse().ok()
 }
 
 fn image_file_stem(p: &Path) -> String {
@@ -212,6 +234,26 @@ mod tests {
             layers(&[mount("bind", &p("l1"), &["ro", "rbind"])]).unwrap(),
             Layers(vec![t.join("l1")])
         );
+        std::fs::remove_dir_all(t).unwrap();
+    }
+
+    #[test]
+    fn partial_images_of_dead_shims_are_swept_and_live_ones_kept() {
+        assert_eq!(partial_owner(".123.abcd.tmp"), Some(123));
+        assert_eq!(partial_owner("abcd.erofs"), None);
+        assert_eq!(partial_owner(".x.abcd.tmp"), None);
+        let t = std::env::temp_dir().join(format!("k7d-sweep-{}", std::process::id()));
+        std::fs::create_dir_all(&t).unwrap();
+        let mine = t.join(format!(".{}.k.tmp", std::process::id()));
+        // A pid above the kernel's pid_max never runs.
+        let dead = t.join(".4194305.k.tmp");
+        let image = t.join("k.erofs");
+        for f in [&mine, &dead, &image] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        sweep_partial(&t);
+        assert!(mine.exists() && image.exists());
+        assert!(!dead.exists());
         std::fs::remove_dir_all(t).unwrap();
     }
 

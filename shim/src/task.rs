@@ -104,6 +104,20 @@ struct Proc {
     relays: Option<Arc<stdio::Relays>>,
 }
 
+impl Proc {
+    /// A process the agent created, not started yet.
+    fn created(paths: stdio::Paths, relays: stdio::Relays) -> Self {
+        Self {
+            life: Life::Created,
+            starting: false,
+            exit_status: 0,
+            exited_at: None,
+            paths,
+            relays: Some(Arc::new(relays)),
+        }
+    }
+}
+
 fn err(code: Code, msg: impl std::fmt::Display) -> ttrpc::Error {
     ttrpc::Error::RpcStatus(ttrpc::get_status(code, msg.to_string()))
 }
@@ -466,17 +480,7 @@ impl Inner {
             terminal: req.terminal,
         };
         let mut procs = HashMap::new();
-        procs.insert(
-            String::new(),
-            Proc {
-                life: Life::Created,
-                starting: false,
-                exit_status: 0,
-                exited_at: None,
-                paths,
-                relays: Some(Arc::new(relays)),
-            },
-        );
+        procs.insert(String::new(), Proc::created(paths, relays));
         st.tasks.insert(
             req.id.clone(),
             TaskEntry {
@@ -933,17 +937,7 @@ impl Task for Service {
             let Some(t) = st.tasks.get_mut(&req.id) else {
                 return Err(not_found(format!("task {}", req.id)));
             };
-            t.procs.insert(
-                req.exec_id.clone(),
-                Proc {
-                    life: Life::Created,
-                    starting: false,
-                    exit_status: 0,
-                    exited_at: None,
-                    paths,
-                    relays: Some(Arc::new(relays)),
-                },
-            );
+            t.procs.insert(req.exec_id.clone(), Proc::created(paths, relays));
         }
         self.inner.publish(
             topics::TASK_EXEC_ADDED_EVENT_TOPIC,

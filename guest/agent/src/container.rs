@@ -58,6 +58,22 @@ pub struct Config {
 }
 
 impl Config {
+    /// A layout under `dir` for tests: no runc, nothing of the host touched.
+    #[cfg(test)]
+    pub(crate) fn for_tests(dir: &std::path::Path, disk_timeout: Duration) -> Config {
+        Config {
+            state_dir: dir.join("state"),
+            runc: "/nonexistent/runc".into(),
+            runc_root: dir.join("runc"),
+            sysfs: dir.join("sys"),
+            dev: dir.join("dev"),
+            cgroup_root: dir.join("cg"),
+            no_pivot: false,
+            disk_timeout,
+            set_hostname: false,
+        }
+    }
+
     /// The pod VM's layout, with runc found on the usual paths.
     pub fn guest() -> Config {
         Config {
@@ -884,17 +900,7 @@ mod tests {
     fn agent(tag: &str) -> (Containers, PathBuf) {
         let dir = std::env::temp_dir().join(format!("k7d-agent-ct-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let cfg = Config {
-            state_dir: dir.join("state"),
-            runc: "/nonexistent/runc".into(),
-            runc_root: dir.join("runc"),
-            sysfs: dir.join("sys"),
-            dev: dir.join("dev"),
-            cgroup_root: dir.join("cg"),
-            no_pivot: false,
-            disk_timeout: Duration::from_millis(100),
-            set_hostname: false,
-        };
+        let cfg = Config::for_tests(&dir, Duration::from_millis(100));
         (Containers::new(cfg, Reaper::new()).unwrap(), dir)
     }
 

@@ -219,17 +219,7 @@ mod tests {
         let n = N.fetch_add(1, Ordering::Relaxed);
         let dir = std::env::temp_dir().join(format!("k7d-agent-srv-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let cfg = Config {
-            state_dir: dir.join("state"),
-            runc: "/nonexistent/runc".into(),
-            runc_root: dir.join("runc"),
-            sysfs: dir.join("sys"),
-            dev: dir.join("dev"),
-            cgroup_root: dir.join("cg"),
-            no_pivot: false,
-            disk_timeout: Duration::from_millis(10),
-            set_hostname: false,
-        };
+        let cfg = Config::for_tests(&dir, Duration::from_millis(10));
         (Arc::new(Containers::new(cfg, Reaper::new()).unwrap()), dir)
     }
 

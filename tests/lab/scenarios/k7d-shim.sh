@@ -4,7 +4,7 @@
 # lab: bin=required
 # lab: pod-initramfs=required
 # lab: prepare=k7d-shim
-# lab: l1-bins=containerd ctr containerd-shim-runc-v2 runc mkfs.erofs
+# lab: l1-bins=containerd ctr containerd-shim-runc-v2 runc mkfs.erofs script
 # lab: l1-modules=overlay
 #
 # containerd (Debian's 1.6, CRI off) runs in L1 with the overlayfs snapshotter;
@@ -180,6 +180,24 @@ waits_after() {
   echo $!
 }
 
+# detached ID FLAGS... -- CMD...: ctr run -d FLAGS IMG ID CMD..., then wait
+# until ID is RUNNING.
+detached() {
+  _d=$1; shift
+  _flags=
+  while [ "$1" != -- ]; do _flags="$_flags $1"; shift; done
+  shift
+  echo "lab: $_d: ctr run -d$_flags"
+  # shellcheck disable=SC2086  # the flags are separate words
+  timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run -d $_flags "$IMG" "$_d" "$@" </dev/null >"/tmp/ctr-$_d.out" 2>&1 ||
+    fail "ctr run -d $_d failed: $(tail -n 3 "/tmp/ctr-$_d.out" | tr '\n' ' ')"
+  _i=0
+  until ctr tasks ls 2>/dev/null | grep -Eq "^$_d +[0-9]+ +RUNNING"; do
+    _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 2)) ] || fail "$_d never RUNNING: $(ctr tasks ls | tr '\n' '|')"
+    sleep 0.5
+  done
+}
+
 # deleted_with ID STATUS: ctr task delete ID, which reports a non-zero exit
 # status in a warning ("task ID exit with non-zero exit code N").
 deleted_with() {
@@ -198,15 +216,8 @@ deleted_with() {
 running() {
   _n=$1; shift
   _id=$_n-run
-  echo "lab: $_id: ctr run -d"
   _w=$(waits_after 45)
-  timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run -d "$@" "$IMG" "$_id" sh -c 'trap "touch /tmp/got-term" TERM; while :; do sleep 1; done # k7d-marker' \
-    </dev/null >/tmp/ctr-$_id.out 2>&1 || fail "$_n: ctr run -d failed: $(tail -n 3 /tmp/ctr-$_id.out | tr '\n' ' ')"
-  _i=0
-  until ctr tasks ls 2>/dev/null | grep -Eq "^$_id +[0-9]+ +RUNNING"; do
-    _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 2)) ] || fail "$_n: $_id never RUNNING"
-    sleep 0.5
-  done
+  detached "$_id" "$@" -- sh -c 'trap "touch /tmp/got-term" TERM; while :; do sleep 1; done # k7d-marker'
   kill "$_w" 2>/dev/null
   HOSTPROC=no
   for _p in /proc/[0-9]*; do
@@ -241,6 +252,41 @@ running() {
   lab_note "$_n: running container: exec (exec-ok, exit 5), ps ($_pids pids), metrics (memory.usage $_mem), SIGTERM reached its trap, SIGKILL -> STOPPED, delete 137; its shell in L1's process table: $HOSTPROC"
 }
 
+# pty NAME ARGS...: ctr run -t (a terminal from util-linux script) of a
+# container that prints its terminal's size twice, 6 s apart (the first is
+# none: script's terminal has no size); between the two the outer terminal
+# is resized to 33x77, which ctr forwards (ResizePty): the second must be
+# "33 77".
+pty() {
+  _n=$1; shift
+  _id=$_n-pty
+  rm -f "/tmp/ctr-$_id.out"
+  echo "lab: $_id: ctr run -t"
+  timeout -s KILL "$CTR_LIMIT" script -q -c "/usr/bin/ctr run -t --rm $* $IMG $_id sh -c 'stty size; sleep 6; stty size'" /dev/null \
+    </dev/null >"/tmp/ctr-$_id.out" 2>&1 &
+  _s=$!
+  _i=0
+  until ctr tasks ls 2>/dev/null | grep -Eq "^$_id +[0-9]+ +RUNNING"; do
+    _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 10)) ] && kill -0 "$_s" 2>/dev/null || fail "$_n: $_id never RUNNING: $(tr '\r\n' '  ' <"/tmp/ctr-$_id.out")"
+    sleep 0.1
+  done
+  _tty=
+  for _p in /proc/[0-9]*; do
+    [ "$(cat "$_p/comm" 2>/dev/null)" = ctr ] || continue
+    _t=$(readlink "$_p/fd/0" 2>/dev/null)
+    case $_t in /dev/pts/*) _tty=$_t ;; esac
+  done
+  [ -n "$_tty" ] || fail "$_n: ctr run -t has no terminal on stdin"
+  stty -F "$_tty" rows 33 cols 77 || fail "$_n: cannot resize $_tty"
+  wait "$_s"
+  # script's terminal starts without a size (its stdin is no terminal), so
+  # the first stty reports none; the last size seen must be the resize's.
+  _sizes=$(tr -d '\r\000' <"/tmp/ctr-$_id.out" | grep -oE '[0-9]+ [0-9]+' | tr '\n' '|')
+  [ "$_sizes" = "33 77|" ] ||
+    fail "$_n: the container's terminal sizes were '$_sizes', expected none and then 33 77: $(tr '\r\n\000' '   ' <"/tmp/ctr-$_id.out")"
+  lab_note "$_n: ctr run -t: a pty (sizes $_sizes), resized to 33x77 while it ran"
+}
+
 # nothing_left NAME SHIM: no task, no container, no SHIM process (bounded: a
 # shim exits once containerd has deleted its task).
 nothing_left() {
@@ -263,6 +309,7 @@ nothing_left() {
 # cannot leave: --no-pivot (runc moves the root instead).
 containers runc "$(uname -r)" --no-pivot
 running runc --no-pivot
+pty runc --no-pivot
 [ "$HOSTPROC" = yes ] || fail "runc: the reference container's shell is not in L1's process table: the check proves nothing"
 nothing_left runc containerd-shim-runc-v2
 
@@ -290,6 +337,7 @@ sums() { sha256sum /var/lib/k7d/images/*.erofs 2>/dev/null | sort; }
 images_before=$(sums)
 [ "$(printf '%s\n' "$images_before" | grep -c .)" = 1 ] || fail "k7d: expected one cached erofs image for one image, found: $images_before"
 running k7d --runtime io.containerd.k7d.v2
+pty k7d --runtime io.containerd.k7d.v2
 [ "$HOSTPROC" = no ] || fail "k7d: the container's shell runs in L1's process table"
 [ "$(sums)" = "$images_before" ] || fail "k7d: the cached erofs image changed after containers wrote to their roots"
 lab_note "k7d: one erofs image for the four containers of one image, unchanged by their writes"
@@ -307,14 +355,7 @@ stopped_within() {
 }
 # A guest that dies under its task (a kernel crash through sysrq): the task
 # stops with 137 and the VM is gone.
-echo "lab: crash: ctr run -d --privileged"
-timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run -d --privileged --runtime io.containerd.k7d.v2 "$IMG" crash sleep 1000 </dev/null >/tmp/ctr-crash.out 2>&1 ||
-  fail "k7d: ctr run -d crash failed: $(tail -n 3 /tmp/ctr-crash.out | tr '\n' ' ')"
-_i=0
-until ctr tasks ls 2>/dev/null | grep -Eq "^crash +[0-9]+ +RUNNING"; do
-  _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 2)) ] || fail "k7d: crash never RUNNING"
-  sleep 0.5
-done
+detached crash --privileged --runtime io.containerd.k7d.v2 -- sleep 1000
 echo "lab: crash: echo c >/proc/sysrq-trigger"
 timeout -s KILL 30 /usr/bin/ctr task exec --exec-id sysrq crash sh -c 'echo c >/proc/sysrq-trigger' </dev/null >/tmp/ctr-sysrq.out 2>&1 &
 sysrq=$!
@@ -373,19 +414,13 @@ lab_note "k7d: $PAR ctr run -d at once: 0 failures, all RUNNING in $par_s s ($vm
 # once a new daemon has swept the old one's records.
 pss() { awk '$1 == "Pss:" {print $2}' "/proc/$1/smaps_rollup" 2>/dev/null; }  # KiB
 daemon_before=$(pss "$dpid")
-echo "lab: victim: ctr run -d"
-timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr run -d --runtime io.containerd.k7d.v2 "$IMG" victim sleep 1000 </dev/null >/tmp/ctr-victim.out 2>&1 ||
-  fail "k7d: ctr run -d victim failed: $(tail -n 3 /tmp/ctr-victim.out | tr '\n' ' ')"
-_i=0
-until ctr tasks ls 2>/dev/null | grep -Eq "^victim +[0-9]+ +RUNNING"; do
-  _i=$((_i + 1)); [ "$_i" -lt $((CTR_LIMIT * 2)) ] || fail "k7d: victim never RUNNING"
-  sleep 0.5
-done
+detached victim --runtime io.containerd.k7d.v2 -- sleep 1000
 sleep 2  # idle
 daemon_after=$(pss "$dpid")
 shim_pss=0
 for _p in /proc/[0-9]*; do
-  [ "$(cat "$_p/comm" 2>/dev/null)" = containerd-shim ] || continue
+  # The shim is the k7d binary (comm "k7d") run as containerd-shim-k7d-v2.
+  [ "$(cat "$_p/comm" 2>/dev/null)" = k7d ] || continue
   case $(cat "$_p/cmdline" 2>/dev/null | tr '\0' ' ') in *containerd-shim-k7d-v2*) shim_pss=$((shim_pss + $(pss "${_p#/proc/}"))) ;; esac
 done
 pod_kib=$((daemon_after - daemon_before + shim_pss))

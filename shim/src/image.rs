@@ -7,7 +7,7 @@
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -91,8 +91,15 @@ pub fn packed(layers: &Layers, image_dir: &Path, scratch: &Path) -> anyhow::Resu
     if image.is_file() {
         return Ok((image, true));
     }
-    std::fs::create_dir_all(image_dir)
+    // Root only: the images hold the layers' files, which containerd keeps
+    // under its own 0700 root.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(image_dir)
         .with_context(|| format!("cannot create the image cache {}", image_dir.display()))?;
+    std::fs::set_permissions(image_dir, std::fs::Permissions::from_mode(0o700))
+        .with_context(|| format!("cannot make the image cache {} private", image_dir.display()))?;
     sweep_partial(image_dir);
     let tmp = image_dir.join(format!(".{}.{}.tmp", std::process::id(), image_file_stem(&image)));
     let result = match layers.0.as_slice() {

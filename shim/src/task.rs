@@ -3,6 +3,7 @@
 //! monitor that reports every task exited (137) when the VM dies.
 
 use std::collections::HashMap;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -102,6 +103,24 @@ struct Proc {
     exited_at: Option<Timestamp>,
     paths: stdio::Paths,
     relays: Option<Arc<stdio::Relays>>,
+}
+
+impl State {
+    /// Process `exec_id` ("" for the init) of task `id`, or containerd's NotFound.
+    fn process(&self, id: &str, exec_id: &str) -> TtrpcResult<&Proc> {
+        self.tasks
+            .get(id)
+            .and_then(|t| t.procs.get(exec_id))
+            .ok_or_else(|| not_found(format!("process {id}/{exec_id}")))
+    }
+
+    /// [`State::process`], to change it.
+    fn process_mut(&mut self, id: &str, exec_id: &str) -> TtrpcResult<&mut Proc> {
+        self.tasks
+            .get_mut(id)
+            .and_then(|t| t.procs.get_mut(exec_id))
+            .ok_or_else(|| not_found(format!("process {id}/{exec_id}")))
+    }
 }
 
 impl Proc {
@@ -550,7 +569,11 @@ impl Inner {
         // A VM of an earlier shim of this sandbox that nobody deleted.
         let _ = self.daemon.delete(&names.vm_id);
         let _ = std::fs::remove_dir_all(&names.dir);
-        std::fs::create_dir_all(&names.dir)
+        // Private: the vsock socket inside reaches the guest agent.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&names.dir)
             .map_err(|e| err(Code::INTERNAL, format!("cannot create {}: {e}", names.dir.display())))?;
         let host_pid = match self.daemon.pid() {
             Ok(p) => p,
@@ -681,11 +704,7 @@ impl Task for Service {
     fn start(&self, _ctx: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
         {
             let mut st = self.inner.lock();
-            let p = st
-                .tasks
-                .get_mut(&req.id)
-                .and_then(|t| t.procs.get_mut(&req.exec_id))
-                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            let p = st.process_mut(&req.id, &req.exec_id)?;
             if p.life != Life::Created || p.starting {
                 return Err(err(
                     Code::FAILED_PRECONDITION,
@@ -752,11 +771,7 @@ impl Task for Service {
     fn delete(&self, _ctx: &TtrpcContext, req: api::DeleteRequest) -> TtrpcResult<api::DeleteResponse> {
         let (life, status, at, host_pid, dead) = {
             let st = self.inner.lock();
-            let p = st
-                .tasks
-                .get(&req.id)
-                .and_then(|t| t.procs.get(&req.exec_id))
-                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            let p = st.process(&req.id, &req.exec_id)?;
             let pod = st.pod.as_ref();
             (
                 p.life,
@@ -860,11 +875,7 @@ impl Task for Service {
             .ok_or_else(|| err(Code::INVALID_ARGUMENT, format!("{} is not a signal number", req.signal)))?;
         {
             let st = self.inner.lock();
-            let p = st
-                .tasks
-                .get(&req.id)
-                .and_then(|t| t.procs.get(&req.exec_id))
-                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            let p = st.process(&req.id, &req.exec_id)?;
             let dead = st.pod.as_ref().is_none_or(|p| p.dead);
             if p.life == Life::Stopped && (dead || req.all) {
                 // Nothing left to signal (containerd's cleanup kills with
@@ -964,12 +975,7 @@ impl Task for Service {
         if req.stdin {
             let relays = {
                 let st = self.inner.lock();
-                st.tasks
-                    .get(&req.id)
-                    .and_then(|t| t.procs.get(&req.exec_id))
-                    .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?
-                    .relays
-                    .clone()
+                st.process(&req.id, &req.exec_id)?.relays.clone()
             };
             if let Some(r) = relays {
                 r.close_stdin();
@@ -997,11 +1003,7 @@ impl Task for Service {
     fn wait(&self, _ctx: &TtrpcContext, req: api::WaitRequest) -> TtrpcResult<api::WaitResponse> {
         let mut st = self.inner.lock();
         loop {
-            let p = st
-                .tasks
-                .get(&req.id)
-                .and_then(|t| t.procs.get(&req.exec_id))
-                .ok_or_else(|| not_found(format!("process {}/{}", req.id, req.exec_id)))?;
+            let p = st.process(&req.id, &req.exec_id)?;
             if p.life == Life::Stopped {
                 return Ok(api::WaitResponse {
                     exit_status: p.exit_status,

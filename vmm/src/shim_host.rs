@@ -100,16 +100,6 @@ impl Daemon for ShimDaemon {
     }
 
     fn life(&self, id: &str) -> anyhow::Result<VmLife> {
-        // Refused or missing: no daemon listens (it was killed). Anything
-        // else (a slow or busy daemon) is an error, not a death.
-        if let Err(e) = std::os::unix::net::UnixStream::connect(&self.socket)
-            && matches!(
-                e.kind(),
-                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
-            )
-        {
-            return Ok(VmLife::DaemonGone);
-        }
         match self.request(&Request::Info(id.to_string()), QUICK) {
             Ok(Reply::Vm(info)) => Ok(match info.state {
                 VmState::Created | VmState::Running => VmLife::Running,
@@ -121,7 +111,20 @@ impl Daemon for ShimDaemon {
                 self.socket.display()
             ),
             Err(e) if e.code == ErrorCode::NotFound => Ok(VmLife::Gone),
-            Err(e) => Err(e.into()),
+            // Refused or missing: no daemon listens (it was killed). Anything
+            // else (a slow or busy daemon) is an error, not a death. Asked
+            // only after a failure: a poll makes one connection.
+            Err(e) => match std::os::unix::net::UnixStream::connect(&self.socket) {
+                Err(c)
+                    if matches!(
+                        c.kind(),
+                        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                    ) =>
+                {
+                    Ok(VmLife::DaemonGone)
+                }
+                _ => Err(e.into()),
+            },
         }
     }
 

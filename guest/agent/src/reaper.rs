@@ -173,22 +173,17 @@ impl Reaper {
 
     /// Blocks until `pid` has exited; takes and returns its exit status.
     pub fn wait_for(&self, pid: i32) -> u32 {
-        let mut st = lock(&self.state);
-        st.claimed.insert(pid);
-        loop {
-            if let Some(status) = st.exited.remove(&pid) {
-                st.claimed.remove(&pid);
-                st.unclaimed.retain(|&p| p != pid);
-                return status;
-            }
-            st = self.exited.wait(st).unwrap_or_else(|e| e.into_inner());
-        }
+        // Without a deadline the wait only ends with the exit.
+        self.wait_until(pid, None).unwrap_or_default()
     }
 
     /// [`Reaper::wait_for`] for at most `timeout`; `None` when it has not
     /// exited by then (it stays claimed).
     pub fn wait_for_timeout(&self, pid: i32, timeout: Duration) -> Option<u32> {
-        let deadline = Instant::now() + timeout;
+        self.wait_until(pid, Some(Instant::now() + timeout))
+    }
+
+    fn wait_until(&self, pid: i32, deadline: Option<Instant>) -> Option<u32> {
         let mut st = lock(&self.state);
         st.claimed.insert(pid);
         loop {
@@ -197,8 +192,13 @@ impl Reaper {
                 st.unclaimed.retain(|&p| p != pid);
                 return Some(status);
             }
-            let left = deadline.checked_duration_since(Instant::now())?;
-            st = self.exited.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0;
+            st = match deadline {
+                None => self.exited.wait(st).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let left = d.checked_duration_since(Instant::now())?;
+                    self.exited.wait_timeout(st, left).unwrap_or_else(|e| e.into_inner()).0
+                }
+            };
         }
     }
 

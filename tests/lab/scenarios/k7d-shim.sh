@@ -335,6 +335,7 @@ containers k7d "$LAB_L2_KERNEL_RELEASE" --runtime io.containerd.k7d.v2
 [ "${VMS:-0}" -ge 1 ] || fail "k7d: the daemon listed no VM while cat ran in a k7d container"
 sums() { sha256sum /var/lib/k7d/images/*.erofs 2>/dev/null | sort; }
 images_before=$(sums)
+[ "$(stat -c %a /var/lib/k7d/images)" = 700 ] || fail "k7d: the image cache is not private: mode $(stat -c %a /var/lib/k7d/images)"
 [ "$(printf '%s\n' "$images_before" | grep -c .)" = 1 ] || fail "k7d: expected one cached erofs image for one image, found: $images_before"
 running k7d --runtime io.containerd.k7d.v2
 pty k7d --runtime io.containerd.k7d.v2

@@ -217,11 +217,19 @@ running() {
   _n=$1; shift
   _id=$_n-run
   _w=$(waits_after 45)
-  detached "$_id" "$@" -- sh -c 'trap "touch /tmp/got-term" TERM; while :; do sleep 1; done # k7d-marker'
+  # The marker names the runtime: a process left from the runc reference
+  # (seen once in CI) cannot count as the k7d container's.
+  detached "$_id" "$@" -- sh -c "trap 'touch /tmp/got-term' TERM; while :; do sleep 1; done # k7d-marker-$_n"
   kill "$_w" 2>/dev/null
   HOSTPROC=no
   for _p in /proc/[0-9]*; do
-    case $(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null) in *k7d-marker*) HOSTPROC=yes ;; esac
+    case $(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null) in
+      # The container's own shell (argv "sh -c ..."): not a wrapper of the
+      # scenario's that merely carries the command line.
+      "sh -c "*"k7d-marker-$_n"*)
+        HOSTPROC=yes
+        echo "lab: $_id: in L1's process table: pid ${_p#/proc/} ($(sed -n 's/^State:\t//p' "$_p/status" 2>/dev/null), parent $(sed -n 's/^PPid:\t//p' "$_p/status" 2>/dev/null)): $(tr '\0' ' ' <"$_p/cmdline" | cut -c1-120)" ;;
+    esac
   done
   echo "lab: $_id: running; exec"
   _out=$(timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr task exec --exec-id e1 "$_id" sh -c 'echo exec-ok; exit 5' </dev/null 2>&1); _rc=$?

@@ -38,6 +38,10 @@ pub struct ShimConfig {
     /// Where packed images (erofs) are cached.
     #[serde(default = "default_image_dir")]
     pub image_dir: PathBuf,
+    /// The most a container's host bind mounts may hold, MiB: their
+    /// content is copied into a disk for the pod VM (`crate::binds`).
+    #[serde(default = "default_bind_max")]
+    pub bind_max_mib: u64,
 }
 
 fn default_socket() -> PathBuf {
@@ -54,6 +58,9 @@ fn default_cmdline() -> String {
 }
 fn default_state_dir() -> PathBuf {
     "/run/k7d/shim".into()
+}
+fn default_bind_max() -> u64 {
+    256
 }
 fn default_image_dir() -> PathBuf {
     "/var/lib/k7d/images".into()
@@ -140,7 +147,7 @@ mod tests {
         let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\n");
         let cfg = cfg.unwrap();
         assert_eq!(cfg.daemon_socket, PathBuf::from("/run/k7d/k7d.sock"));
-        assert_eq!((cfg.vcpus, cfg.memory_mib), (1, 256));
+        assert_eq!((cfg.vcpus, cfg.memory_mib, cfg.bind_max_mib), (1, 256, 256));
         let mut ann = HashMap::new();
         ann.insert("io.k7d.vcpus".to_string(), "2".to_string());
         ann.insert("io.k7d.memory_mib".to_string(), "512".to_string());

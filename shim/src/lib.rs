@@ -5,6 +5,7 @@
 //! (`k7d_agent::proto`, over the pod VM's vsock).
 
 pub mod agent;
+mod binds;
 pub mod config;
 pub mod daemon;
 mod image;

@@ -20,13 +20,13 @@ use containerd_shim::protos::topics;
 use containerd_shim::protos::ttrpc::{self, Code};
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Context as TtrpcCtx, ExitSignal, Task, TtrpcContext, TtrpcResult};
-use k7d_agent::proto::{self, BlockMount, CreateContainer, ProcessRef, Reply, Request};
+use k7d_agent::proto::{self, Binds, BlockMount, CreateContainer, ProcessRef, Reply, Request};
 
 use crate::agent::{Agent, CallError};
 use crate::config::ShimConfig;
 use crate::daemon::{Daemon, PodVmSpec, VmLife};
 use crate::names::{PodNames, pod_names};
-use crate::{image, stdio};
+use crate::{binds, image, stdio};
 
 /// How long a pod VM may take from create to its agent answering.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -582,6 +582,25 @@ impl Inner {
                 return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
             }
         };
+        // The host bind mounts, packed as disk 1 (the pod's own image).
+        let carried = match binds::pack(&spec, &names.dir, cfg.bind_max_mib << 20) {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&names.dir);
+                return Err(err(Code::INVALID_ARGUMENT, format!("{e:#}")));
+            }
+        };
+        let mut disks = vec![erofs];
+        let binds = carried.map(|c| {
+            disks.push(c.image);
+            Binds {
+                disk: BlockMount {
+                    serial: "k7d-disk1".into(),
+                    fstype: "erofs".into(),
+                },
+                mounts: c.mounts,
+            }
+        });
         let vm = PodVmSpec {
             id: names.vm_id.clone(),
             kernel: cfg.kernel.clone(),
@@ -589,7 +608,7 @@ impl Inner {
             cmdline: cfg.cmdline.clone(),
             vcpus,
             memory_mib,
-            disks: vec![erofs],
+            disks,
             vsock_cid: 3,
             vsock_uds: names.vsock.clone(),
         };
@@ -628,6 +647,7 @@ impl Inner {
                     fstype: "erofs".into(),
                 },
                 stdio: paths.spec(),
+                binds,
             }))
             .map_err(from_call)?;
             let relays = stdio::start(&agent, &pref(&req.id, ""), &paths).map_err(internal)?;

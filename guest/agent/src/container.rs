@@ -7,6 +7,7 @@
 //! the processes they started become the agent's children and
 //! [`Reaper`] collects their exits.
 
+use crate::binds::{self, BindMounts};
 use crate::disk::{self, RootfsMounts};
 use crate::reaper::Reaper;
 use crate::stdio::{Attach, ChildStdio, ProcStdio};
@@ -223,6 +224,7 @@ struct Container {
     bundle: PathBuf,
     cgroup: PathBuf,
     mounts: RootfsMounts,
+    binds: BindMounts,
     init: Arc<Process>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     /// Serialises runc commands that change the container.
@@ -443,6 +445,7 @@ impl Containers {
             spec,
             rootfs,
             stdio,
+            binds,
         } = req;
         check_id(&id, "container")?;
         if !disk::valid_serial(&rootfs.serial) {
@@ -451,13 +454,20 @@ impl Containers {
         if !disk::valid_fstype(&rootfs.fstype) {
             return Err(fail(format!("container {id}: the rootfs filesystem type is not valid")));
         }
+        if let Some(b) = &binds {
+            let spec_mounts = spec
+                .get("mounts")
+                .and_then(Value::as_array)
+                .map_or(&[][..], Vec::as_slice);
+            binds::check(b, spec_mounts).map_err(|e| fail(format!("container {id}: {e}")))?;
+        }
         {
             let mut t = lock(&self.table);
             if t.live.contains_key(&id) || !t.reserved.insert(id.clone()) {
                 return Err(fail(format!("container {id} already exists")));
             }
         }
-        let made = self.create_reserved(&id, spec, &rootfs, stdio);
+        let made = self.create_reserved(&id, spec, &rootfs, binds.as_ref(), stdio);
         let mut t = lock(&self.table);
         t.reserved.remove(&id);
         let c = made?;
@@ -471,6 +481,7 @@ impl Containers {
         id: &str,
         mut spec: Value,
         rootfs: &proto::BlockMount,
+        binds: Option<&proto::Binds>,
         stdio: StdioSpec,
     ) -> Result<Arc<Container>> {
         let ctx = |what: String| fail(format!("container {id}: {what}"));
@@ -482,6 +493,7 @@ impl Containers {
             id,
             bundle: bundle.clone(),
             mounts: None,
+            binds: None,
             runc: false,
         };
 
@@ -497,8 +509,26 @@ impl Containers {
         mounts.mount(&device, &rootfs.fstype).map_err(ctx)?;
         undo.mounts = Some(RootfsMounts::under(&bundle));
 
+        let (bind_mounts, carried) = match binds {
+            None => (BindMounts::default(), HashMap::new()),
+            Some(b) => {
+                let spec_mounts = spec
+                    .get("mounts")
+                    .and_then(Value::as_array)
+                    .map_or(&[][..], Vec::as_slice);
+                let disk = binds::wait_disk(&self.cfg.sysfs, b, self.cfg.disk_timeout).map_err(ctx)?;
+                let device = disk::device_node(&disk, &self.cfg.dev, &bundle.join("binds-disk"))
+                    .map_err(|e| ctx(format!("making a device node for disk {} failed: {e}", disk.name)))?;
+                BindMounts::mount(&bundle, &mounts.rw, &device, b, spec_mounts).map_err(ctx)?
+            }
+        };
+        undo.binds = Some(bind_mounts.clone());
+        for (i, source) in &carried {
+            crate::log!("container {id}: the host bind mount {i} is carried in from {source}");
+        }
+
         let root = mounts.rootfs.to_string_lossy().into_owned();
-        let changed = spec::rewrite(&mut spec, id, &root, stdio.terminal).map_err(ctx)?;
+        let changed = spec::rewrite(&mut spec, id, &root, stdio.terminal, &carried).map_err(ctx)?;
         for m in &changed.dropped_mounts {
             crate::log!("container {id}: dropped the host bind mount at {m} (host paths do not exist in the guest)");
         }
@@ -560,6 +590,7 @@ impl Containers {
             bundle,
             cgroup,
             mounts,
+            binds: bind_mounts,
             init,
             execs: Mutex::new(HashMap::new()),
             ops: Mutex::new(()),
@@ -808,7 +839,9 @@ impl Containers {
         for p in lock(&c.execs).drain().map(|(_, p)| p) {
             p.set_gone(why.clone());
         }
-        if c.mounts.unmount() {
+        // The binds' overlays sit on the rootfs's writable tmpfs: first.
+        let binds_clean = c.binds.unmount();
+        if c.mounts.unmount() && binds_clean {
             if let Err(e) = std::fs::remove_dir_all(&c.bundle) {
                 crate::log!("container {id}: removing {} failed: {e}", c.bundle.display());
             }
@@ -834,6 +867,7 @@ struct Rollback<'a> {
     id: &'a str,
     bundle: PathBuf,
     mounts: Option<RootfsMounts>,
+    binds: Option<BindMounts>,
     /// `runc create` was run (so `runc delete --force`).
     runc: bool,
 }
@@ -841,6 +875,7 @@ struct Rollback<'a> {
 impl Rollback<'_> {
     fn disarm(mut self) {
         self.mounts = None;
+        self.binds = None;
         self.runc = false;
         self.bundle = PathBuf::new();
     }
@@ -858,7 +893,8 @@ impl Drop for Rollback<'_> {
         {
             crate::log!("container {}: rolling back: {e}", self.id);
         }
-        let clean = self.mounts.as_ref().is_none_or(RootfsMounts::unmount);
+        let binds_clean = self.binds.as_ref().is_none_or(BindMounts::unmount);
+        let clean = self.mounts.as_ref().is_none_or(RootfsMounts::unmount) && binds_clean;
         if clean {
             let _ = std::fs::remove_dir_all(&self.bundle);
         } else {
@@ -937,10 +973,23 @@ mod tests {
                 fstype: "erofs".into(),
             },
             stdio: StdioSpec::default(),
+            binds: None,
         };
         let mut bad = req.clone();
         bad.rootfs.fstype = "erofs,ro".into();
         assert!(a.create(bad).unwrap_err().message.contains("filesystem type"));
+        let mut bad = req.clone();
+        bad.binds = Some(proto::Binds {
+            disk: req.rootfs.clone(),
+            mounts: vec![proto::Bind {
+                index: 0,
+                path: "0".into(),
+                file: false,
+                writable: false,
+            }],
+        });
+        let e = a.create(bad).unwrap_err();
+        assert!(e.message.contains("not a host bind mount"), "{e:?}");
         let start = Instant::now();
         let e = a.create(req.clone()).unwrap_err();
         assert!(start.elapsed() >= Duration::from_millis(100), "the disk is awaited");

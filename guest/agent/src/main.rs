@@ -22,6 +22,7 @@ macro_rules! log {
 }
 pub(crate) use log;
 
+mod binds;
 mod cgroup;
 mod container;
 mod disk;

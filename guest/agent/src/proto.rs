@@ -138,6 +138,62 @@ pub struct CreateContainer {
     pub rootfs: BlockMount,
     /// The init process's stdio.
     pub stdio: StdioSpec,
+    /// The spec's host bind mounts whose content the shim carried in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub binds: Option<Binds>,
+}
+
+/// Host bind mounts carried into the guest: the shim packs every carried
+/// source into one read-only disk (entry `<path>` at its root holds mount
+/// `index`'s content) and the agent mounts each from there. A read-only
+/// bind stays read-only; a writable one gets a writable layer in guest RAM
+/// (an overlay for a directory, a copy for a file), whose writes the host
+/// never sees (as an emptyDir's, they die with the pod). A host bind the
+/// shim did not carry is dropped (a socket, a device, the host's /dev/shm).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Binds {
+    /// The disk holding every carried source.
+    pub disk: BlockMount,
+    /// One per carried mount.
+    pub mounts: Vec<Bind>,
+}
+
+/// One carried bind mount.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bind {
+    /// Its position in the spec's `mounts` (which must be a host bind).
+    pub index: usize,
+    /// The entry at the disk's root holding its content (one path component).
+    pub path: String,
+    /// A regular file (else a directory).
+    pub file: bool,
+    /// Writable in the container.
+    pub writable: bool,
+}
+
+/// Whether an OCI mount names a host path to bind (`type` bind, or a
+/// `bind`/`rbind` option, with an absolute `source`): the mounts the guest
+/// cannot make from its own filesystems.
+pub fn is_host_bind(m: &serde_json::Value) -> bool {
+    let source_abs = m
+        .get("source")
+        .and_then(serde_json::Value::as_str)
+        .is_some_and(|s| s.starts_with('/'));
+    let typ_bind = m.get("type").and_then(serde_json::Value::as_str) == Some("bind");
+    let opt_bind = m
+        .get("options")
+        .and_then(serde_json::Value::as_array)
+        .is_some_and(|o| o.iter().any(|x| matches!(x.as_str(), Some("bind" | "rbind"))));
+    source_abs && (typ_bind || opt_bind)
+}
+
+/// Whether an OCI mount's options make it read-only.
+pub fn is_readonly(m: &serde_json::Value) -> bool {
+    m.get("options")
+        .and_then(serde_json::Value::as_array)
+        .is_some_and(|o| o.iter().any(|x| x.as_str() == Some("ro")))
 }
 
 /// `exec`'s arguments.

@@ -4,7 +4,9 @@
 //! cgroup path, hooks and bind-mount sources name host objects. The guest
 //! has none of them, so they are replaced (root, cgroup path) or dropped.
 
+use k7d_agent::proto::is_host_bind;
 use serde_json::{Map, Value, json};
+use std::collections::HashMap;
 
 /// What [`rewrite`] changed that is worth a log line.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -33,19 +35,6 @@ fn default_mounts() -> [Value; 5] {
     ]
 }
 
-fn is_host_bind(m: &Value) -> bool {
-    let source_abs = m
-        .get("source")
-        .and_then(Value::as_str)
-        .is_some_and(|s| s.starts_with('/'));
-    let typ_bind = m.get("type").and_then(Value::as_str) == Some("bind");
-    let opt_bind = m
-        .get("options")
-        .and_then(Value::as_array)
-        .is_some_and(|o| o.iter().any(|x| matches!(x.as_str(), Some("bind" | "rbind"))));
-    source_abs && (typ_bind || opt_bind)
-}
-
 fn object<'a>(v: &'a mut Value, what: &str) -> Result<&'a mut Map<String, Value>, String> {
     v.as_object_mut()
         .ok_or_else(|| format!("the spec's {what} is not a JSON object"))
@@ -62,10 +51,18 @@ fn object<'a>(v: &'a mut Value, what: &str) -> Result<&'a mut Map<String, Value>
 ///   namespace, where the VM's NIC is;
 /// * `linux.cgroupsPath` = `/k7d/<id>`;
 /// * `hooks` removed (host programs);
-/// * bind mounts of absolute host paths removed (the guest has no such paths);
+/// * a bind mount of a host path gets `carried[its index]` as its source
+///   (the guest copy the agent prepared; its options kept, `ro` included),
+///   or is removed when not carried (the guest has no such path);
 /// * containerd's default /proc, /dev, /dev/pts, /dev/shm, /sys mounts added
 ///   where missing (a CRI spec bind-mounts /dev/shm from the host).
-pub fn rewrite(spec: &mut Value, id: &str, rootfs: &str, terminal: bool) -> Result<Rewritten, String> {
+pub fn rewrite(
+    spec: &mut Value,
+    id: &str,
+    rootfs: &str,
+    terminal: bool,
+    carried: &HashMap<usize, String>,
+) -> Result<Rewritten, String> {
     let mut out = Rewritten::default();
     let top = object(spec, "top level")?;
 
@@ -108,15 +105,23 @@ pub fn rewrite(spec: &mut Value, id: &str, rootfs: &str, terminal: bool) -> Resu
 
     let mounts = top.entry("mounts").or_insert_with(|| json!([]));
     let mounts = mounts.as_array_mut().ok_or("the spec's mounts is not an array")?;
-    mounts.retain(|m| {
-        if is_host_bind(m) {
+    let mut kept = Vec::with_capacity(mounts.len());
+    for (i, mut m) in mounts.drain(..).enumerate() {
+        if !is_host_bind(&m) {
+            kept.push(m);
+            continue;
+        }
+        let Some(source) = carried.get(&i) else {
             let dest = m.get("destination").and_then(Value::as_str).unwrap_or("?");
             out.dropped_mounts.push(dest.to_owned());
-            false
-        } else {
-            true
-        }
-    });
+            continue;
+        };
+        let entry = object(&mut m, "mount")?;
+        entry.insert("source".into(), Value::String(source.clone()));
+        entry.insert("type".into(), Value::String("bind".into()));
+        kept.push(m);
+    }
+    *mounts = kept;
     let dest_of = |m: &Value| {
         m.get("destination")
             .and_then(Value::as_str)
@@ -191,7 +196,7 @@ mod tests {
     #[test]
     fn a_cri_spec_is_rewritten_for_the_guest() {
         let mut spec = cri_spec();
-        let r = rewrite(&mut spec, "c1", "/run/k7d/c/c1/rootfs", false).unwrap();
+        let r = rewrite(&mut spec, "c1", "/run/k7d/c/c1/rootfs", false, &HashMap::new()).unwrap();
         assert_eq!(spec["root"], json!({"path": "/run/k7d/c/c1/rootfs", "readonly": true}));
         assert_eq!(spec["linux"]["cgroupsPath"], "/k7d/c1");
         assert!(spec.get("hooks").is_none());
@@ -222,9 +227,33 @@ mod tests {
     }
 
     #[test]
+    fn carried_binds_get_their_guest_source_and_keep_their_options() {
+        let mut spec = cri_spec();
+        let carried = HashMap::from([
+            (4, "/run/k7d/c/c1/binds/ro/0".to_owned()),
+            (6, "/run/k7d/c/c1/binds/rw/1".to_owned()),
+        ]);
+        let r = rewrite(&mut spec, "c1", "/r", false, &carried).unwrap();
+        assert_eq!(r.dropped_mounts, ["/dev/shm"], "the uncarried bind is dropped");
+        let m = spec["mounts"].as_array().unwrap();
+        let find = |d: &str| m.iter().find(|x| x["destination"] == d).unwrap().clone();
+        assert_eq!(
+            find("/etc/resolv.conf"),
+            json!({"destination": "/etc/resolv.conf", "type": "bind",
+                   "source": "/run/k7d/c/c1/binds/ro/0", "options": ["rbind", "ro"]})
+        );
+        assert_eq!(
+            find("/data"),
+            json!({"destination": "/data", "type": "bind",
+                   "source": "/run/k7d/c/c1/binds/rw/1", "options": ["rbind"]})
+        );
+        assert_eq!(find("/dev/shm")["type"], "tmpfs", "the guest's own /dev/shm");
+    }
+
+    #[test]
     fn a_writable_root_stays_writable_and_missing_defaults_are_added_in_order() {
         let mut spec = json!({"process": {"args": ["sh"]}, "root": {"path": "/host/rootfs"}});
-        let r = rewrite(&mut spec, "x", "/b/rootfs", true).unwrap();
+        let r = rewrite(&mut spec, "x", "/b/rootfs", true, &HashMap::new()).unwrap();
         assert_eq!(spec["root"], json!({"path": "/b/rootfs", "readonly": false}));
         assert_eq!(spec["process"]["terminal"], true);
         assert_eq!(spec["linux"]["cgroupsPath"], "/k7d/x");
@@ -248,7 +277,7 @@ mod tests {
             json!({"process": {}, "mounts": {}}),
         ] {
             let mut s = bad.clone();
-            assert!(rewrite(&mut s, "x", "/r", false).is_err(), "{bad}");
+            assert!(rewrite(&mut s, "x", "/r", false, &HashMap::new()).is_err(), "{bad}");
         }
     }
 }

@@ -149,13 +149,41 @@ containers() {
   [ "$(line 5)" = from-the-image ] || fail "$_n: /etc/k7d-image-marker reads '$(line 5)', expected from-the-image"
   [ "$(line 6)" = wrote ] || fail "$_n: the container could not write to its root: '$(line 6)'"
   lab_metric "$_n.first_output" "$FIRST" s
+  eval "first_$_n=\$FIRST"
   lab_note "$_n: hello, uname -r $(line 2), 16 bytes of /dev/urandom, /dev/null, the image's marker, a write to / ($FIRST s to the first line)"
 
-  ctr_run "$_n-2" "$@" "$IMG" "$_n-2" sh -c \
-    'if [ -e /etc/k7d-written ]; then echo seen; else echo absent; fi; exit 3'
+  # Host bind mounts: a read-only directory (a ConfigMap), a writable file
+  # (resolv.conf) and a writable empty directory (an emptyDir).
+  _b=/tmp/binds-$_n
+  rm -rf "$_b"; mkdir -p "$_b/cfg" "$_b/empty"
+  echo cfg-value >"$_b/cfg/key"
+  echo 'nameserver 10.9.8.7' >"$_b/resolv.conf"
+  ctr_run "$_n-2" "$@" \
+    --mount "type=bind,src=$_b/cfg,dst=/etc/config,options=rbind:ro" \
+    --mount "type=bind,src=$_b/resolv.conf,dst=/etc/resolv.conf,options=rbind:rw" \
+    --mount "type=bind,src=$_b/empty,dst=/scratch,options=rbind:rw" \
+    "$IMG" "$_n-2" sh -c \
+    'if [ -e /etc/k7d-written ]; then echo seen; else echo absent; fi; cat /etc/config/key; head -n 1 /etc/resolv.conf; if (echo x >/etc/config/new) 2>/dev/null; then echo ro-written; else echo ro-refused; fi; echo w >/scratch/f && cat /scratch/f; echo more >>/etc/resolv.conf && echo rw-file-ok; exit 3'
   [ "$(line 1)" = absent ] || fail "$_n: a second container sees the first one's write: '$(line 1)'"
   [ "$RC" = 3 ] || fail "$_n: sh -c 'exit 3' made ctr run exit $RC, expected 3: $(printf '%s' "$OUT" | tail -n 3 | tr '\n' ' ')"
-  lab_note "$_n: a second container does not see the first one's write; exit 3 -> ctr run exit 3"
+  [ "$(line 2)" = cfg-value ] || fail "$_n: the read-only bind's file reads '$(line 2)', expected cfg-value"
+  [ "$(line 3)" = 'nameserver 10.9.8.7' ] || fail "$_n: the bound resolv.conf reads '$(line 3)'"
+  [ "$(line 4)" = ro-refused ] || fail "$_n: a write to the read-only bind: '$(line 4)'"
+  [ "$(line 5)" = w ] || fail "$_n: a write to the writable bind directory: '$(line 5)'"
+  [ "$(line 6)" = rw-file-ok ] || fail "$_n: an append to the writable bind file: '$(line 6)'"
+  _seen=$(cat "$_b/empty/f" 2>/dev/null || echo none)
+  _lines=$(wc -l <"$_b/resolv.conf")
+  if [ "$_n" = k7d ]; then
+    # The pod VM shares no filesystem with the host: its writes stay in it.
+    [ "$_seen" = none ] && [ "$_lines" = 1 ] ||
+      fail "k7d: the container's writes to its binds reached the host (scratch/f: $_seen; resolv.conf lines: $_lines)"
+    left=$(find /run/k7d/shim -name 'binds.*' 2>/dev/null | head -n 3)
+    [ -z "$left" ] || fail "k7d: the bind mounts' image or stage is left: $left"
+  else
+    [ "$_seen" = w ] && [ "$_lines" = 2 ] ||
+      fail "$_n: the reference's writes to its binds did not reach the host (scratch/f: $_seen; resolv.conf lines: $_lines)"
+  fi
+  lab_note "$_n: a second container does not see the first one's write; exit 3 -> ctr run exit 3; bind mounts: a read-only directory (read, write refused), a writable file and directory (written; host copy: scratch/f=$_seen, resolv.conf $_lines lines)"
 
   ctr_stdin "$_n-3" "$_n-3" "$@" "$IMG" "$_n-3" cat
   [ "$RC" = 0 ] || fail "$_n: cat exited $RC: $(printf '%s' "$OUT" | tail -n 3 | tr '\n' ' ')"
@@ -340,6 +368,7 @@ until [ -S "$SOCK" ]; do
 done
 [ "$LAB_L2_KERNEL_RELEASE" != "$(uname -r)" ] || fail "L1 and L2 run the same kernel release: the uname -r check would prove nothing"
 containers k7d "$LAB_L2_KERNEL_RELEASE" --runtime io.containerd.k7d.v2
+lab_metric k7d.first_output_vs_runc "$(awk -v k="$first_k7d" -v r="$first_runc" 'BEGIN {printf "%.2f", k / r}')" x
 [ "${VMS:-0}" -ge 1 ] || fail "k7d: the daemon listed no VM while cat ran in a k7d container"
 sums() { sha256sum /var/lib/k7d/images/*.erofs 2>/dev/null | sort; }
 images_before=$(sums)
@@ -364,16 +393,35 @@ stopped_within() {
 }
 # A guest that dies under its task (a kernel crash through sysrq): the task
 # stops with 137 and the VM is gone.
+# The time is counted from the moment the daemon first lists the VM as not
+# running (a poller beside ctr's), not from the exec (which includes the
+# guest's own way to its panic).
 detached crash --privileged --runtime io.containerd.k7d.v2 -- sleep 1000
+crash_vm=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pod-/ && $NF == "running" {print $1}')
+[ "$(printf '%s\n' "$crash_vm" | grep -c .)" = 1 ] || fail "k7d: expected one running pod VM for crash, found: $crash_vm"
+rm -f /tmp/crash-vm-down
+(
+  while "$LAB_BIN" --socket "$SOCK" list 2>/dev/null | awk -v id="$crash_vm" '$1 == id && $5 == "running" {f = 1} END {exit !f}'; do
+    sleep 0.05
+  done
+  lab_now >/tmp/crash-vm-down
+) &
+poller=$!
 echo "lab: crash: echo c >/proc/sysrq-trigger"
+t_exec=$(lab_now)
 timeout -s KILL 30 /usr/bin/ctr task exec --exec-id sysrq crash sh -c 'echo c >/proc/sysrq-trigger' </dev/null >/tmp/ctr-sysrq.out 2>&1 &
 sysrq=$!
-stopped_within crash 5
-crash_s=$WAITED
+stopped_within crash 10
+t_stopped=$(lab_now)
+wait "$poller"
+crash_s=$(lab_sub "$t_stopped" "$(cat /tmp/crash-vm-down)")
+exec_s=$(lab_sub "$t_stopped" "$t_exec")
 deleted_with crash 137
 timeout -s KILL 30 /usr/bin/ctr containers rm crash >/dev/null || fail "k7d: ctr containers rm crash failed"
+[ "$(awk -v s="$crash_s" 'BEGIN {print (s <= 1)}')" = 1 ] ||
+  fail "k7d: the crashed guest's task was STOPPED $crash_s s after its VM stopped (limit 1 s)"
 lab_metric k7d.guest_crash_to_stopped "$crash_s" s
-lab_note "k7d: a guest kernel crash (sysrq c): its task STOPPED $crash_s s after the exec, status 137"
+lab_note "k7d: a guest kernel crash (sysrq c): its task STOPPED $crash_s s after the daemon listed its VM as stopped ($exec_s s after the exec), status 137"
 wait "$sysrq"
 
 # Concurrent creates: $PAR ctr run -d at once (smaller pod VMs: L1 has 3 GiB;

@@ -27,6 +27,7 @@ mod cgroup;
 mod container;
 mod disk;
 mod init;
+mod newroot;
 mod reaper;
 mod server;
 mod spec;
@@ -62,10 +63,16 @@ fn main() {
 
 /// PID 1: never returns (an exiting PID 1 panics the kernel).
 fn pid1() -> ! {
+    if newroot::leave_initramfs() {
+        log!("the root moved from the initramfs onto a tmpfs (runc can pivot_root)");
+    }
     init::setup();
     let result = std::panic::catch_unwind(|| -> Result<(), String> {
         let mut cfg = container::Config::guest();
         cfg.no_pivot = init::root_is_initramfs();
+        if cfg.no_pivot {
+            log!("the root is the initramfs: runc runs --no-pivot (containers confined by a chroot only)");
+        }
         let reaper = reaper::Reaper::start().map_err(|e| format!("starting the reaper failed: {e}"))?;
         let agent = container::Containers::new(cfg, reaper)
             .map_err(|e| format!("making the agent's state directories failed: {e}"))?;

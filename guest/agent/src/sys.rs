@@ -1,5 +1,5 @@
 //! Thin, checked wrappers over the Linux system calls the agent needs that
-//! std does not offer: mounts, hostname, kernel release, signals, device
+//! std does not offer: mounts, chroot, hostname, kernel release, signals, device
 //! nodes, terminal size, fd passing, module loading, vsock sockets.
 
 use std::ffi::{CString, OsStr};
@@ -50,6 +50,40 @@ pub fn umount_detach(target: &Path) -> io::Result<()> {
     // SAFETY: `target` is a valid NUL-terminated path.
     check(unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) })?;
     Ok(())
+}
+
+/// `chroot(2)`.
+pub fn chroot(path: &Path) -> io::Result<()> {
+    let p = cpath(path)?;
+    // SAFETY: `p` is a valid NUL-terminated path.
+    check(unsafe { libc::chroot(p.as_ptr()) })?;
+    Ok(())
+}
+
+/// Moves the mount at `from` onto `to` (`mount(2)` with `MS_MOVE`).
+pub fn move_mount(from: &Path, to: &Path) -> io::Result<()> {
+    let (f, t) = (cpath(from)?, cpath(to)?);
+    // SAFETY: both are valid NUL-terminated paths; fstype and data are null.
+    check(unsafe {
+        libc::mount(
+            f.as_ptr(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_MOVE,
+            std::ptr::null(),
+        )
+    })?;
+    Ok(())
+}
+
+/// The filesystem type magic of the filesystem holding `path` (`statfs(2)`).
+pub fn fs_magic(path: &Path) -> io::Result<i64> {
+    let p = cpath(path)?;
+    // SAFETY: all-zero is a valid `statfs`.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `p` is a valid path and `st` a writable `statfs`.
+    check(unsafe { libc::statfs(p.as_ptr(), &mut st) })?;
+    Ok(st.f_type as i64)
 }
 
 /// `sethostname(2)`.

@@ -259,6 +259,15 @@ running() {
         echo "lab: $_id: in L1's process table: pid ${_p#/proc/} ($(sed -n 's/^State:\t//p' "$_p/status" 2>/dev/null), parent $(sed -n 's/^PPid:\t//p' "$_p/status" 2>/dev/null)): $(tr '\0' ' ' <"$_p/cmdline" | cut -c1-120)" ;;
     esac
   done
+  if [ "$_n" = k7d ]; then
+    # The agent left the initramfs, so runc pivots into the container's root
+    # (a chroot alone can be left with CAP_SYS_CHROOT).
+    _vm=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pod-/ && $NF == "running" {print $1; exit}')
+    _serial=$("$LAB_BIN" --socket "$SOCK" info "$_vm" | sed -n 's/^ *serial log: //p')
+    grep -q "k7d-agent: the root moved from the initramfs onto a tmpfs" "$_serial" 2>/dev/null ||
+      fail "k7d: the pod VM's agent did not leave the initramfs (runc would run --no-pivot): $(grep k7d-agent "$_serial" 2>/dev/null | head -n 5 | tr '\n' '|')"
+    grep -q -- "--no-pivot" "$_serial" && fail "k7d: runc ran with --no-pivot in the pod VM"
+  fi
   echo "lab: $_id: running; exec"
   _out=$(timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr task exec --exec-id e1 "$_id" sh -c 'echo exec-ok; exit 5' </dev/null 2>&1); _rc=$?
   [ "$_out" = exec-ok ] && [ "$_rc" = 5 ] || fail "$_n: ctr task exec gave rc=$_rc '$_out', expected rc=5 exec-ok"

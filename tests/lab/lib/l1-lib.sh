@@ -39,7 +39,7 @@ lab_sub() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f\n", a-b}'; }
 lab_run_l2() {
   _label=$1 _timeout=$2; shift 2
   _log=/tmp/l2-$_label.log
-  : >"$_log"; rm -f /tmp/.l2-rc /tmp/.l2-init /tmp/.l2-pid /tmp/.l2-stall "/tmp/k7d-dump-$_label"
+  : >"$_log"; rm -f "$_log.stamped" /tmp/.l2-rc /tmp/.l2-init /tmp/.l2-pid /tmp/.l2-stall "/tmp/k7d-dump-$_label"
   # k7d also writes its SIGUSR1 dump here: its stderr is the same pipe as the
   # guest's console, and a stalled pipe is one way a guest stops printing.
   export K7D_DUMP_FILE=/tmp/k7d-dump-$_label
@@ -53,6 +53,8 @@ lab_run_l2() {
       _line=${_line%"$_CR"}
       case $_line in *"LAB-GUEST init"*) lab_now >/tmp/.l2-init ;; esac
       printf '%s\n' "$_line" >>"$_log"
+      # LAB_L2_STAMP=1: each line again, after L1's clock when it arrived.
+      [ -z "${LAB_L2_STAMP:-}" ] || printf '%s %s\n' "$(lab_now)" "$_line" >>"$_log.stamped"
       printf '%s\n' "$_line" >/dev/ttyS1
     done &
   _reader=$!

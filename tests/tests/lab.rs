@@ -238,8 +238,9 @@ fn lab_k7d_boots_linux() {
     assert!(metric(&r, "k7d.spawn_to_init") < metric(&r, "k7d.wall"));
 }
 
-/// Boot-to-init of k7d next to QEMU + SeaBIOS (`-kernel`), same kernel,
-/// initramfs and L1, interleaved runs: prints both medians and the ratio.
+/// Boot-to-init of k7d next to QEMU + SeaBIOS (`-kernel`) and QEMU microvm,
+/// same kernel, initramfs, command line and L1, interleaved runs, and k7d
+/// with its own default command line: prints the medians and the ratios.
 /// Figures of an emulated machine; the ratio is the comparison.
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
@@ -273,6 +274,13 @@ fn lab_boot_to_init_k7d_vs_qemu() {
     println!(
         "  guest uptime at init, median:    k7d {kg:.2} s, QEMU microvm {mg:.2} s, ratio {:.2}",
         kg / mg
+    );
+    let d = metric(&r, "k7d-default.spawn_to_init");
+    assert!(d > 0.0);
+    println!(
+        "  k7d with its default command line: spawn -> init {d:.2} s, ratio {:.2} to QEMU pc, {:.2} to microvm",
+        d / q,
+        d / m
     );
 }
 

@@ -42,8 +42,11 @@ use layout::*;
 /// - `reboot=k`: reboot through the i8042 reset line (port 0x64 ← 0xFE),
 ///   which k7d turns into a clean stop (the FADT reset register points at the
 ///   same port, so a plain `reboot` works too);
-/// - `panic=1`: a panic reboots after 1 s, i.e. the VM stops instead of hanging.
-pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1";
+/// - `panic=1`: a panic reboots after 1 s, i.e. the VM stops instead of hanging;
+/// - `quiet`: only warnings reach the console. Every byte the serial console
+///   prints is two port exits; a verbose boot prints about 40 KiB (in the
+///   nested lab it tripled spawn → init). Add `loglevel=7` to see it all.
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
 
 /// The default command line for a VM with (`pci = true`) or without a PCI
 /// host bridge. Without one, `pci=off` keeps the kernel from probing config

@@ -275,7 +275,7 @@ fn lab_boot_to_init_k7d_vs_qemu() {
         "  guest uptime at init, median:    k7d {kg:.2} s, QEMU microvm {mg:.2} s, ratio {:.2}",
         kg / mg
     );
-    let d = metric(&r, "k7d-default.spawn_to_init");
+    let d = metric(&r, "k7d_default.spawn_to_init");
     assert!(d > 0.0);
     println!(
         "  k7d with its default command line: spawn -> init {d:.2} s, ratio {:.2} to QEMU pc, {:.2} to microvm",

@@ -155,7 +155,9 @@ lab_guest_init_uptime() { sed -n 's/.*LAB-GUEST init uptime=\([0-9.]*\).*/\1/p' 
 # lab_vmm NAME 'COMMAND': name a VMM command line that boots the L2 guest.
 # Single-quote it: it is evaluated at each run, so "$LAB_KERNEL" etc. expand
 # then. It may span lines (newlines are read as spaces).
-lab_vmm() { _v=$(printf '%s' "$2" | tr '\n' ' '); eval "_vmm_$1=\$_v"; }
+lab_vmm() {
+  case $1 in *[!A-Za-z0-9_]*) lab_fail "lab_vmm: $1 is not a shell name (letters, digits, _)" ;; esac
+  _v=$(printf '%s' "$2" | tr '\n' ' '); eval "_vmm_$1=\$_v"; }
 
 # The reference: Debian's QEMU + SeaBIOS, -kernel/-initrd, 2 vCPUs, 256 MiB,
 # one virtio-rng-pci. Every scenario that compares with QEMU uses this line.

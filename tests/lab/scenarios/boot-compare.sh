@@ -19,14 +19,14 @@ lab_vmm k7d '"$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD"
   --cmdline "$LAB_CMDLINE" --vcpus 2 --memory 256 --rng'
 # k7d with no --cmdline: its own default (DEFAULT_CMDLINE: console=ttyS0
 # reboot=k panic=1 quiet).
-lab_vmm k7d-default '"$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD"
+lab_vmm k7d_default '"$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD"
   --vcpus 2 --memory 256 --rng'
 lab_vmm microvm 'qemu-system-x86_64 -M microvm -accel kvm -cpu host -smp 2 -m 256
   -nodefaults -no-user-config -display none -serial stdio -no-reboot
   -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE"
   -device virtio-rng-device'
-lab_boot_series "${LAB_RUNS:-3}" k7d k7d-default qemu microvm
-lab_waterfall k7d k7d-default qemu microvm
+lab_boot_series "${LAB_RUNS:-3}" k7d k7d_default qemu microvm
+lab_waterfall k7d k7d_default qemu microvm
 for m in spawn_to_init guest_init_uptime wall; do lab_ratio k7d qemu "$m"; lab_ratio k7d microvm "$m"; done
-for m in spawn_to_init guest_init_uptime; do lab_ratio k7d-default qemu "$m"; lab_ratio k7d-default microvm "$m"; done
+for m in spawn_to_init guest_init_uptime; do lab_ratio k7d_default qemu "$m"; lab_ratio k7d_default microvm "$m"; done
 lab_pass "boot-compare: ${LAB_RUNS:-3} boots each"

@@ -15,11 +15,13 @@
 //! (the guest has its own). Writes to a writable bind stay in the guest.
 
 use std::ffi::CString;
+use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use k7d_agent::proto::{Bind, is_host_bind, is_readonly};
@@ -27,6 +29,8 @@ use serde_json::Value;
 
 /// The most entries (files, directories, links) the sources may hold.
 const MAX_ENTRIES: u64 = 100_000;
+/// How long packing the sources may take.
+const MKFS_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A container's carried binds: the image to attach and what is in it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -87,7 +91,7 @@ fn sources(spec: &Value) -> anyhow::Result<Vec<Source>> {
         }
         let dest = m.get("destination").and_then(Value::as_str).unwrap_or("");
         let source = PathBuf::from(m.get("source").and_then(Value::as_str).unwrap_or(""));
-        if dest.trim_end_matches('/') == "/dev/shm" {
+        if Path::new(dest).components().eq(Path::new("/dev/shm").components()) {
             tracing::info!("the bind mount at /dev/shm is not carried: the guest has its own");
             continue;
         }
@@ -233,14 +237,37 @@ fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
             Ok(())
         });
     }
-    let o = cmd
-        .output()
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .context("cannot run mkfs.erofs for the bind mounts in a mount namespace of its own (install erofs-utils)")?;
-    if !o.status.success() {
-        let err = String::from_utf8_lossy(&o.stderr);
+    // A source on a hung network filesystem must not hold the create past
+    // containerd's deadline.
+    let deadline = Instant::now() + MKFS_TIMEOUT;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!(
+                    "mkfs.erofs of the bind mounts took over {} s and was killed",
+                    MKFS_TIMEOUT.as_secs()
+                );
+            }
+            Err(e) => bail!("cannot wait for mkfs.erofs of the bind mounts: {e}"),
+        }
+    };
+    if !status.success() {
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            let _ = e.read_to_string(&mut err);
+        }
         bail!(
-            "mkfs.erofs of the bind mounts failed ({}): {}",
-            o.status,
+            "mkfs.erofs of the bind mounts failed ({status}): {}",
             err.lines().last().unwrap_or("").trim()
         );
     }
@@ -312,7 +339,7 @@ mod tests {
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/etc/config", "type": "bind", "source": h("cfg"), "options": ["rbind", "ro"]},
             {"destination": "/etc/resolv.conf", "source": h("resolv.conf"), "options": ["rbind"]},
-            {"destination": "/dev/shm", "type": "bind", "source": h("empty"), "options": ["rbind"]},
+            {"destination": "//dev/shm/", "type": "bind", "source": h("empty"), "options": ["rbind"]},
             {"destination": "/run/s.sock", "type": "bind", "source": h("sock"), "options": ["rbind"]},
             {"destination": "/scratch", "type": "bind", "source": h("empty"), "options": ["rbind", "rw"]}
         ]});
@@ -347,6 +374,63 @@ mod tests {
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         assert!(!mounts.contains(&pod.to_string_lossy().into_owned()), "{mounts}");
         drop(sock);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Where `/` is a shared mount (systemd's default), a bind made in a
+    /// copied namespace propagates back unless the copy is made private
+    /// first. The test runs itself again in a mount namespace of its own
+    /// whose root is shared, and packs there.
+    #[test]
+    fn packing_under_a_shared_root_leaves_no_mount_behind() {
+        let exe = std::env::current_exe().unwrap();
+        let out = Command::new("unshare")
+            .args(["--mount", "--propagation", "shared", "--"])
+            .arg(&exe)
+            .args([
+                "binds::tests::pack_in_this_namespace",
+                "--exact",
+                "--ignored",
+                "--test-threads=1",
+            ])
+            .env("K7D_BINDS_SHARED_NS", "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+    }
+
+    #[test]
+    #[ignore = "run in a shared-root mount namespace by packing_under_a_shared_root_leaves_no_mount_behind"]
+    fn pack_in_this_namespace() {
+        assert_eq!(
+            std::env::var("K7D_BINDS_SHARED_NS").as_deref(),
+            Ok("1"),
+            "run through packing_under_a_shared_root_leaves_no_mount_behind"
+        );
+        let root_shared = std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .any(|l| l.split(' ').nth(4) == Some("/") && l.contains(" shared:"));
+        assert!(
+            root_shared,
+            "the namespace's root is not shared: the test proves nothing"
+        );
+        let d = scratch("shared");
+        std::fs::create_dir_all(d.join("src")).unwrap();
+        std::fs::write(d.join("src/f"), b"x").unwrap();
+        let spec = json!({"mounts": [{"destination": "/d", "type": "bind",
+                                      "source": d.join("src").to_string_lossy(), "options": ["rbind", "ro"]}]});
+        let pod = d.join("pod");
+        std::fs::create_dir_all(&pod).unwrap();
+        pack(&spec, &pod, 1 << 20).unwrap().unwrap();
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(!mounts.contains(&*d.to_string_lossy()), "{mounts}");
+        assert!(!pod.join("binds.src").exists(), "the stage is removed");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -1,6 +1,7 @@
 //! The names a pod gets on the host, derived from containerd's namespace
 //! and the sandbox id alone, so the stateless `delete` finds them again.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
@@ -33,6 +34,44 @@ pub fn pod_names(state_dir: &Path, namespace: &str, sandbox_id: &str) -> PodName
     }
 }
 
+impl PodNames {
+    /// Removes the pod's directory and everything in it, never crossing
+    /// into another filesystem (a mount under it is left, and so is the
+    /// directory holding it) and never following a link: whatever went
+    /// wrong before, removing a pod cannot delete a host file outside it.
+    pub fn remove_dir(&self) {
+        let Ok(md) = std::fs::symlink_metadata(&self.dir) else {
+            return;
+        };
+        if !md.is_dir() {
+            return;
+        }
+        if let Err(e) = remove_tree(&self.dir, md.dev()) {
+            tracing::warn!("cannot remove the pod directory {}: {e}", self.dir.display());
+        }
+    }
+}
+
+/// Removes `dir` and what is under it on device `dev`.
+fn remove_tree(dir: &Path, dev: u64) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let p = entry?.path();
+        let md = std::fs::symlink_metadata(&p)?;
+        if md.dev() != dev {
+            return Err(std::io::Error::other(format!(
+                "{} is on another filesystem",
+                p.display()
+            )));
+        }
+        if md.is_dir() {
+            remove_tree(&p, dev)?;
+        } else {
+            std::fs::remove_file(&p)?;
+        }
+    }
+    std::fs::remove_dir(dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -46,5 +85,29 @@ mod tests {
         let evil = pod_names(Path::new("/run/k7d/shim"), "default", "../../etc");
         assert!(evil.dir.starts_with("/run/k7d/shim") && evil.dir.components().count() == 5);
         assert_eq!(a.vm_id.len(), 4 + 16);
+    }
+
+    #[test]
+    fn a_pod_dir_is_removed_without_following_links_or_crossing_filesystems() {
+        let state = std::env::temp_dir().join(format!("k7d-shim-names-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let outside = state.join("outside");
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("precious"), b"x").unwrap();
+        let n = pod_names(&state, "default", "t1");
+        std::fs::create_dir_all(n.dir.join("sub")).unwrap();
+        std::fs::write(n.dir.join("sub/f"), b"x").unwrap();
+        std::os::unix::fs::symlink(&outside, n.dir.join("link")).unwrap();
+        n.remove_dir();
+        assert!(!n.dir.exists());
+        assert!(outside.join("precious").exists(), "a link is not followed");
+        n.remove_dir(); // gone already: nothing to do
+
+        // A directory on another filesystem (here /proc) is never entered.
+        let dev = std::fs::symlink_metadata(&state).unwrap().dev();
+        let e = remove_tree(Path::new("/proc/self"), dev).unwrap_err();
+        assert!(e.to_string().contains("another filesystem"), "{e}");
+        assert!(Path::new("/proc/self/status").exists());
+        std::fs::remove_dir_all(&state).unwrap();
     }
 }

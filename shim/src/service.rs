@@ -113,7 +113,7 @@ impl Shim for K7dShim {
             if let Err(e) = daemon.delete(&names.vm_id) {
                 tracing::warn!("delete: cannot remove the pod VM {}: {e:#}", names.vm_id);
             }
-            let _ = std::fs::remove_dir_all(&names.dir);
+            names.remove_dir();
         }
         crate::image::umount(&self.bundle.join("k7d-pack"));
         let d = std::time::SystemTime::now()

@@ -433,7 +433,7 @@ impl Inner {
         if let Err(e) = self.daemon.delete(&names.vm_id) {
             tracing::warn!("cannot remove the pod VM {}: {e:#}", names.vm_id);
         }
-        let _ = std::fs::remove_dir_all(&names.dir);
+        names.remove_dir();
     }
 
     fn create(self: &Arc<Self>, ctx: &TtrpcContext, req: &api::CreateTaskRequest) -> TtrpcResult<u32> {
@@ -568,7 +568,7 @@ impl Inner {
         let names = pod_names(&cfg.state_dir, &self.namespace, &req.id);
         // A VM of an earlier shim of this sandbox that nobody deleted.
         let _ = self.daemon.delete(&names.vm_id);
-        let _ = std::fs::remove_dir_all(&names.dir);
+        names.remove_dir();
         // Private: the vsock socket inside reaches the guest agent.
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -578,7 +578,7 @@ impl Inner {
         let host_pid = match self.daemon.pid() {
             Ok(p) => p,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&names.dir);
+                names.remove_dir();
                 return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
             }
         };
@@ -586,7 +586,7 @@ impl Inner {
         let carried = match binds::pack(&spec, &names.dir, cfg.bind_max_mib << 20) {
             Ok(c) => c,
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&names.dir);
+                names.remove_dir();
                 return Err(err(Code::INVALID_ARGUMENT, format!("{e:#}")));
             }
         };

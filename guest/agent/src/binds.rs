@@ -11,6 +11,7 @@ use k7d_agent::proto::{Bind, Binds, is_host_bind};
 use serde_json::Value;
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// Whether `s` is an entry name the agent accepts at the disk's root: one
@@ -35,24 +36,19 @@ impl BindMounts {
     /// Checks `binds` against the spec's `mounts`, mounts the disk `device`
     /// read-only under `<bundle>/binds/ro` and prepares each bind; returns
     /// the guest source of each carried mount by its index in `mounts`.
-    /// Writable layers go under `rw` (the container's writable tmpfs). On
-    /// failure, what was mounted is unmounted.
+    /// Writable layers go under `rw` (the container's writable tmpfs). Every
+    /// mount made is recorded in `self` as it is made, so a caller's
+    /// rollback unmounts what a failure left.
     pub fn mount(
+        &mut self,
         bundle: &Path,
         rw: &Path,
         device: &Path,
         binds: &Binds,
         mounts: &[Value],
-    ) -> Result<(BindMounts, HashMap<usize, String>), String> {
+    ) -> Result<HashMap<usize, String>, String> {
         check(binds, mounts)?;
-        let mut made = BindMounts::default();
-        match made.mount_checked(bundle, rw, device, binds) {
-            Ok(carried) => Ok((made, carried)),
-            Err(e) => {
-                made.unmount();
-                Err(e)
-            }
-        }
+        self.mount_checked(bundle, rw, device, binds)
     }
 
     fn mount_checked(
@@ -100,6 +96,7 @@ impl BindMounts {
                     let copy = dir.join(format!("{n}.file"));
                     std::fs::copy(&src, &copy)
                         .map_err(|e| format!("bind {}: copying {} failed: {e}", b.index, src.display()))?;
+                    same_owner_and_mode(&md, &copy).map_err(|e| format!("bind {}: {e}", b.index))?;
                     copy
                 }
                 (true, false) => {
@@ -109,6 +106,10 @@ impl BindMounts {
                     for d in [&upper, &work, &target] {
                         std::fs::create_dir_all(d).map_err(|e| format!("creating {} failed: {e}", d.display()))?;
                     }
+                    // The overlay's root takes the upper directory's owner
+                    // and mode: the source's (an emptyDir is 0777, an
+                    // fsGroup's directory its group's).
+                    same_owner_and_mode(&md, &upper).map_err(|e| format!("bind {}: {e}", b.index))?;
                     let opts = format!(
                         "lowerdir={},upperdir={},workdir={}",
                         src.display(),
@@ -142,6 +143,14 @@ impl BindMounts {
         }
         clean
     }
+}
+
+/// Gives `path` the owner, group and mode (permission bits) in `md`.
+fn same_owner_and_mode(md: &std::fs::Metadata, path: &Path) -> Result<(), String> {
+    std::os::unix::fs::chown(path, Some(md.uid()), Some(md.gid()))
+        .map_err(|e| format!("giving {} its source's owner failed: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(md.mode() & 0o7777))
+        .map_err(|e| format!("giving {} its source's mode failed: {e}", path.display()))
 }
 
 /// Refuses a [`Binds`] that does not fit the spec: a disk serial or
@@ -205,6 +214,30 @@ mod tests {
             file: false,
             writable: false,
         }
+    }
+
+    #[test]
+    fn a_writable_layer_gets_its_sources_owner_and_mode() {
+        let d = std::env::temp_dir().join(format!("k7d-agent-binds-owner-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        let (src, upper, file) = (d.join("src"), d.join("upper"), d.join("copy"));
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::create_dir_all(&upper).unwrap();
+        std::fs::write(&file, b"x").unwrap();
+        std::os::unix::fs::chown(&src, Some(1000), Some(2000)).unwrap();
+        std::fs::set_permissions(&src, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let md = std::fs::symlink_metadata(&src).unwrap();
+        for p in [&upper, &file] {
+            same_owner_and_mode(&md, p).unwrap();
+            let got = std::fs::metadata(p).unwrap();
+            assert_eq!(
+                (got.uid(), got.gid(), got.mode() & 0o7777),
+                (1000, 2000, 0o1777),
+                "{}",
+                p.display()
+            );
+        }
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

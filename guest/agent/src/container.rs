@@ -509,8 +509,8 @@ impl Containers {
         mounts.mount(&device, &rootfs.fstype).map_err(ctx)?;
         undo.mounts = Some(RootfsMounts::under(&bundle));
 
-        let (bind_mounts, carried) = match binds {
-            None => (BindMounts::default(), HashMap::new()),
+        let carried = match binds {
+            None => HashMap::new(),
             Some(b) => {
                 let spec_mounts = spec
                     .get("mounts")
@@ -519,10 +519,14 @@ impl Containers {
                 let disk = binds::wait_disk(&self.cfg.sysfs, b, self.cfg.disk_timeout).map_err(ctx)?;
                 let device = disk::device_node(&disk, &self.cfg.dev, &bundle.join("binds-disk"))
                     .map_err(|e| ctx(format!("making a device node for disk {} failed: {e}", disk.name)))?;
-                BindMounts::mount(&bundle, &mounts.rw, &device, b, spec_mounts).map_err(ctx)?
+                // Recorded in the rollback as each mount is made.
+                undo.binds
+                    .get_or_insert_with(BindMounts::default)
+                    .mount(&bundle, &mounts.rw, &device, b, spec_mounts)
+                    .map_err(ctx)?
             }
         };
-        undo.binds = Some(bind_mounts.clone());
+        let bind_mounts = undo.binds.clone().unwrap_or_default();
         for (i, source) in &carried {
             crate::log!("container {id}: the host bind mount {i} is carried in from {source}");
         }

@@ -63,13 +63,14 @@ fn main() {
 
 /// PID 1: never returns (an exiting PID 1 panics the kernel).
 fn pid1() -> ! {
-    if newroot::leave_initramfs() {
+    let root = newroot::leave_initramfs();
+    if root == newroot::Root::Tmpfs {
         log!("the root moved from the initramfs onto a tmpfs (runc can pivot_root)");
     }
     init::setup();
     let result = std::panic::catch_unwind(|| -> Result<(), String> {
         let mut cfg = container::Config::guest();
-        cfg.no_pivot = init::root_is_initramfs();
+        cfg.no_pivot = root == newroot::Root::ChrootOnly || init::root_is_initramfs();
         if cfg.no_pivot {
             log!("the root is the initramfs: runc runs --no-pivot (containers confined by a chroot only)");
         }

@@ -52,6 +52,14 @@ pub fn umount_detach(target: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// `mknod(2)` of a node with `mode` (type and permissions) and `rdev`.
+pub fn mknod(path: &Path, mode: u32, rdev: u64) -> io::Result<()> {
+    let p = cpath(path)?;
+    // SAFETY: `p` is a valid NUL-terminated path; the rest are integers.
+    check(unsafe { libc::mknod(p.as_ptr(), mode as libc::mode_t, rdev as libc::dev_t) })?;
+    Ok(())
+}
+
 /// `chroot(2)`.
 pub fn chroot(path: &Path) -> io::Result<()> {
     let p = cpath(path)?;

@@ -215,6 +215,46 @@ fn fork_is_within_budget() {
     debug_assertions,
     ignore = "latency budgets are for release builds: cargo test --release"
 )]
+fn cluster_fork_is_within_budget() {
+    use k7d_vmm::vstate::cluster::ClusterPause;
+    let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = TempDir::new("budget-cluster");
+    let mut members: Vec<Vm> = (0..3)
+        .map(|i| k7d_tests::boot(&format!("m{i}"), &builtin("idle", 1, 256, &[]), &dir.0.join(format!("m{i}.log"))))
+        .collect();
+    std::thread::sleep(Duration::from_millis(20));
+    let refs: Vec<&Vm> = members.iter().collect();
+    // Prepare: the first fork freezes each member's base.
+    let held = ClusterPause::pause(&refs, Duration::from_secs(2)).unwrap();
+    let ids = |n: usize| -> Vec<Vec<String>> { (0..n).map(|f| (0..3).map(|m| format!("c{f}-{m}")).collect()).collect() };
+    drop(held.fork(&ids(1), |_| VmOptions::default()).unwrap());
+    held.resume().unwrap();
+    let batch = |forks: usize| -> Vec<Duration> {
+        (0..11)
+            .map(|_| {
+                let t = Instant::now();
+                let held = ClusterPause::pause(&refs, Duration::from_secs(2)).unwrap();
+                let children = held.fork(&ids(forks), |_| VmOptions::default()).unwrap();
+                held.resume().unwrap();
+                let d = t.elapsed() / forks as u32;
+                drop(children);
+                d
+            })
+            .collect()
+    };
+    check(budgets::CLUSTER_FORK_3X256M_CLEAN, || batch(1));
+    check(budgets::CLUSTER_BATCH_8_PER_FORK, || batch(8));
+    drop(refs);
+    for m in &mut members {
+        m.stop();
+    }
+}
+
+#[test]
+#[cfg_attr(
+    debug_assertions,
+    ignore = "latency budgets are for release builds: cargo test --release"
+)]
 fn restore_is_within_budget() {
     use k7d_guest::{RESULTS_ADDR, result};
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());

@@ -72,6 +72,20 @@ pub const FORK_2G_CLEAN: Budget = Budget {
     limit: Duration::from_millis(4),
 };
 
+/// A cluster fork of 3 running 256 MiB members whose bases are frozen and
+/// nothing diverged: every member paused, one child each built, every
+/// member resumed (the goal is 10 ms for a paused cluster).
+pub const CLUSTER_FORK_3X256M_CLEAN: Budget = Budget {
+    name: "cluster_fork_3x256m_clean",
+    limit: Duration::from_millis(6),
+};
+
+/// The same cluster forked 8 times under one pause (a batch), per fork.
+pub const CLUSTER_BATCH_8_PER_FORK: Budget = Budget {
+    name: "cluster_batch_8_per_fork",
+    limit: Duration::from_millis(6),
+};
+
 /// `Vm::restore_from` a cold snapshot of a 64 MiB VM (state file + sparse
 /// memory file) until the restored guest runs (its counter moves).
 pub const RESTORE_64M: Budget = Budget {
@@ -89,5 +103,7 @@ pub const ALL: &[Budget] = &[
     FORK_256M_1PCT,
     FORK_256M_10PCT,
     FORK_2G_CLEAN,
+    CLUSTER_FORK_3X256M_CLEAN,
+    CLUSTER_BATCH_8_PER_FORK,
     RESTORE_64M,
 ];

@@ -309,6 +309,7 @@ impl Vm {
             created,
             build_steps: clock.steps,
             started: None,
+            pauses: Default::default(),
         })
     }
 }

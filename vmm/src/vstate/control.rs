@@ -202,6 +202,15 @@ impl VmControl {
             // that, the repeat covers a thread that had not registered yet).
             self.kick_all();
             c = self.lock();
+            // Look again before waiting: a vCPU that parked between the kick
+            // and this lock notified no one who was waiting yet, and the
+            // wait below would sleep its whole slice (5 ms) for nothing.
+            if c.target == Target::Stop {
+                return Err(ControlError::Stopped);
+            }
+            if c.parked + c.exited >= c.nvcpus {
+                return Ok(());
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(ControlError::Timeout {

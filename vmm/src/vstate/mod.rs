@@ -1,6 +1,7 @@
 //! The running machine: guest memory, vCPUs, their control block, the VM.
 
 mod builder;
+pub mod cluster;
 pub mod control;
 mod device_manager;
 mod fork;

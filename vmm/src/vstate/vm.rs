@@ -191,9 +191,16 @@ pub struct Vm {
     /// How long each step of the build took (`build_steps`).
     pub(super) build_steps: BuildSteps,
     pub(super) started: Option<Instant>,
+    /// Successful pauses so far (a cluster fork pauses each member once).
+    pub(super) pauses: std::sync::atomic::AtomicU64,
 }
 
 impl Vm {
+    /// How many times this VM was paused (successfully) since it was built.
+    pub fn pauses(&self) -> u64 {
+        self.pauses.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// This VM's RAM (fork tests compare children with their source).
     pub fn ram(&self) -> &GuestRam {
         &self.ram
@@ -390,6 +397,7 @@ impl Vm {
                 )));
             }
         }
+        self.pauses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
 

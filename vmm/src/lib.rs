@@ -12,6 +12,7 @@ pub mod budgets;
 pub mod check;
 pub mod config;
 pub mod daemon;
+pub mod demo;
 pub mod diag;
 pub mod netcli;
 pub mod seccomp;

@@ -1,4 +1,4 @@
-//! The `k7d` binary as users run it: `run`, `check`, and the daemon with the
+//! The `k7d` binary as users run it: `demo`, `run`, `check`, and the daemon with the
 //! CLI verbs, including a real crash (`kill -9`) of the daemon and the
 //! reconcile on the next start.
 
@@ -25,6 +25,35 @@ fn run_boots_the_embedded_guest() {
     assert_eq!(out, "Hello from the k7d test guest!\n");
     assert!(err.contains("stopped (guest reboot)"), "{err}");
     assert!(err.contains("first guest exit"), "{err}");
+}
+
+/// The README's first command: a cluster of embedded guests forked as a
+/// cluster, every child proven equal to its source, timings beside the floor.
+#[test]
+fn demo_forks_a_cluster_and_proves_every_child() {
+    let o = k7d(&["demo", "--forks", "2", "--memory-mib", "16"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "stdout {out:?} stderr {err:?}");
+    assert!(out.contains("3 memwriter guests running"), "{out}");
+    let proven = out
+        .lines()
+        .filter(|l| l.starts_with("fork ") && l.contains("every page of every child equals its member"))
+        .count();
+    assert_eq!(proven, 2, "{out}");
+    assert!(out.contains("x the floor"), "{out}");
+
+    let o = k7d(&["--json", "demo", "--members", "2", "--forks", "1", "--memory-mib", "16"]);
+    let (out, err) = text(&o);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out} {err}"));
+    assert_eq!(v["differing_pages"], 0);
+    assert_eq!(v["forks"][0]["pages"], 2 * 16 * 256);
+    assert_eq!(v["forks"][0]["children_ms"].as_array().unwrap().len(), 2);
+    assert!(v["floor_ms"].as_f64().unwrap() > 0.0);
+
+    let o = k7d(&["demo", "--members", "9"]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("1 to 8 members"), "{err}");
 }
 
 #[test]

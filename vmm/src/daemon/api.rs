@@ -21,6 +21,9 @@ use crate::vstate::vm::{DeviceInfo, VmState};
 /// Most children one `fork` request makes.
 pub const MAX_FORKS: u32 = 64;
 
+/// Most members a cluster has.
+pub const MAX_CLUSTER_MEMBERS: usize = 16;
+
 /// Most words one `peek` request reads.
 pub const MAX_PEEK_WORDS: u32 = 1024;
 
@@ -49,7 +52,9 @@ pub enum Request {
     Snapshot(SnapshotArgs),
     /// Build and start a VM from a snapshot directory.
     Restore(RestoreArgs),
-    /// Fork a VM `count` times copy-on-write; the children start running.
+    /// Fork a VM, or every member of a cluster under one pause, `count`
+    /// times copy-on-write; the children start running (a cluster's
+    /// children of one fork form a cluster of their own).
     Fork(ForkArgs),
     /// Read `count` little-endian u32 words of guest RAM at `addr` (debugging, tests).
     Peek(PeekArgs),
@@ -57,6 +62,26 @@ pub enum Request {
     List,
     /// Daemon and API version.
     Version,
+    /// Name a set of existing VMs as a cluster.
+    ClusterCreate(ClusterArgs),
+    /// Add existing VMs to a cluster.
+    ClusterAdd(ClusterArgs),
+    /// One cluster and its members.
+    ClusterInfo(#[serde(with = "id_args")] String),
+    /// Delete a cluster and every member VM.
+    ClusterDelete(#[serde(with = "id_args")] String),
+    /// Every cluster.
+    ClusterList,
+}
+
+/// `cluster_create`'s and `cluster_add`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterArgs {
+    /// The cluster (VM ids and cluster ids share one namespace).
+    pub id: String,
+    /// Its member VMs (each in at most one cluster).
+    pub members: Vec<String>,
 }
 
 /// `create`'s arguments.
@@ -100,9 +125,10 @@ pub struct RestoreArgs {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ForkArgs {
-    /// Source VM.
+    /// Source VM or cluster.
     pub id: String,
-    /// Number of children (1 to [`MAX_FORKS`]).
+    /// Number of children (1 to [`MAX_FORKS`]; for a cluster, forks times
+    /// members is at most [`MAX_FORKS`]).
     #[serde(default = "one")]
     pub count: u32,
 }
@@ -146,9 +172,25 @@ mod id_args {
 
 impl Request {
     /// Every op, as named on the wire.
-    pub const OPS: [&'static str; 13] = [
-        "create", "start", "pause", "resume", "stop", "delete", "info", "snapshot", "restore", "fork", "peek", "list",
+    pub const OPS: [&'static str; 18] = [
+        "create",
+        "start",
+        "pause",
+        "resume",
+        "stop",
+        "delete",
+        "info",
+        "snapshot",
+        "restore",
+        "fork",
+        "peek",
+        "list",
         "version",
+        "cluster_create",
+        "cluster_add",
+        "cluster_info",
+        "cluster_delete",
+        "cluster_list",
     ];
 
     /// This request's op, as named on the wire.
@@ -167,6 +209,11 @@ impl Request {
             Self::Peek(_) => "peek",
             Self::List => "list",
             Self::Version => "version",
+            Self::ClusterCreate(_) => "cluster_create",
+            Self::ClusterAdd(_) => "cluster_add",
+            Self::ClusterInfo(_) => "cluster_info",
+            Self::ClusterDelete(_) => "cluster_delete",
+            Self::ClusterList => "cluster_list",
         }
     }
 
@@ -177,7 +224,24 @@ impl Request {
             crate::config::validate_id(id).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))
         };
         match self {
-            Self::Create(_) | Self::List | Self::Version => Ok(()),
+            Self::Create(_) | Self::List | Self::Version | Self::ClusterList => Ok(()),
+            Self::ClusterInfo(v) | Self::ClusterDelete(v) => id(v),
+            Self::ClusterCreate(a) | Self::ClusterAdd(a) => {
+                id(&a.id)?;
+                if a.members.is_empty() || a.members.len() > MAX_CLUSTER_MEMBERS {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        format!(
+                            "{} members is out of range: a cluster has 1 to {MAX_CLUSTER_MEMBERS}",
+                            a.members.len()
+                        ),
+                    ));
+                }
+                for m in &a.members {
+                    id(m)?;
+                }
+                Ok(())
+            }
             Self::Start(v) | Self::Pause(v) | Self::Resume(v) | Self::Stop(v) | Self::Delete(v) | Self::Info(v) => {
                 id(v)
             }
@@ -333,6 +397,36 @@ pub struct Forked {
     pub pause_ms: f64,
     /// How long the source stood still (pause and every child).
     pub source_paused_ms: f64,
+    /// A cluster's fork: the clusters its children form, one per fork (the
+    /// children are listed fork by fork, in member order).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clusters: Vec<String>,
+}
+
+/// A cluster as `cluster_create`, `cluster_add` and `cluster_info` answer it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterInfo {
+    /// The cluster.
+    pub id: String,
+    /// Its members, in order, as `list` shows them (a member that is gone
+    /// shows as `gone`).
+    pub members: Vec<VmSummary>,
+}
+
+/// One cluster as `cluster_list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterSummary {
+    /// The cluster.
+    pub id: String,
+    /// Its member ids, in order.
+    pub members: Vec<String>,
+}
+
+/// `cluster_list`'s result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterList {
+    /// Every cluster, by id.
+    pub clusters: Vec<ClusterSummary>,
 }
 
 /// `peek`'s result.
@@ -386,7 +480,7 @@ pub struct VersionInfo {
 pub enum Reply {
     /// `create`, `start`, `pause`, `resume`, `stop`, `info`, `restore`.
     Vm(Box<VmInfo>),
-    /// `delete`.
+    /// `delete`, `cluster_delete`.
     Deleted(Deleted),
     /// `snapshot`.
     Snapshot(SnapshotWritten),
@@ -398,6 +492,10 @@ pub enum Reply {
     List(VmList),
     /// `version`.
     Version(VersionInfo),
+    /// `cluster_create`, `cluster_add`, `cluster_info`.
+    Cluster(ClusterInfo),
+    /// `cluster_list`.
+    Clusters(ClusterList),
 }
 
 impl Reply {
@@ -412,7 +510,11 @@ impl Reply {
             | Request::Stop(_)
             | Request::Info(_)
             | Request::Restore(_) => Self::Vm(Box::new(from_value(result)?)),
-            Request::Delete(_) => Self::Deleted(from_value(result)?),
+            Request::Delete(_) | Request::ClusterDelete(_) => Self::Deleted(from_value(result)?),
+            Request::ClusterCreate(_) | Request::ClusterAdd(_) | Request::ClusterInfo(_) => {
+                Self::Cluster(from_value(result)?)
+            }
+            Request::ClusterList => Self::Clusters(from_value(result)?),
             Request::Snapshot(_) => Self::Snapshot(from_value(result)?),
             Request::Fork(_) => Self::Forked(from_value(result)?),
             Request::Peek(_) => Self::Peek(from_value(result)?),
@@ -663,6 +765,19 @@ mod tests {
                 dir: "/tmp/web.snap".into(),
                 replace: true,
             }),
+            // Newer still: the cluster ops (added to version 1; a version-1
+            // line of the ops before is unchanged).
+            Request::ClusterCreate(ClusterArgs {
+                id: "lab".into(),
+                members: vec!["a".into(), "b".into()],
+            }),
+            Request::ClusterAdd(ClusterArgs {
+                id: "lab".into(),
+                members: vec!["c".into()],
+            }),
+            Request::ClusterInfo("lab".into()),
+            Request::ClusterDelete("lab".into()),
+            Request::ClusterList,
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {
@@ -679,7 +794,12 @@ mod tests {
                 | Request::Fork(_)
                 | Request::Peek(_)
                 | Request::List
-                | Request::Version => {}
+                | Request::Version
+                | Request::ClusterCreate(_)
+                | Request::ClusterAdd(_)
+                | Request::ClusterInfo(_)
+                | Request::ClusterDelete(_)
+                | Request::ClusterList => {}
             }
             if !seen.contains(&r.op()) {
                 seen.push(r.op());
@@ -772,17 +892,18 @@ mod tests {
     }
 
     /// (request line, code, message) as the hand-written parser of version 1
-    /// answered them (captured from it).
+    /// answered them (captured from it; the list of known ops has grown by
+    /// the cluster ops since).
     const V1_REFUSALS: [(&str, ErrorCode, &str); 22] = [
         (
             r#"{"v":1,"op":"explode"}"#,
             ErrorCode::BadRequest,
-            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)",
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list)",
         ),
         (
             r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
             ErrorCode::BadRequest,
-            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)",
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list)",
         ),
         (
             r#"{"v":2,"op":"list"}"#,
@@ -953,6 +1074,7 @@ mod tests {
                 ],
                 pause_ms: 0.25,
                 source_paused_ms: 3.5,
+                clusters: vec!["lab-f1".into()],
             }),
             Request::Peek(_) => Reply::Peek(Peeked {
                 id: "web".into(),
@@ -972,6 +1094,28 @@ mod tests {
                 api_version: API_VERSION,
                 k7d: "0.1.0".into(),
                 pid: 42,
+            }),
+            Request::ClusterCreate(_) | Request::ClusterAdd(_) | Request::ClusterInfo(_) => {
+                Reply::Cluster(ClusterInfo {
+                    id: "lab".into(),
+                    members: vec![VmSummary {
+                        id: "a".into(),
+                        status: "running".into(),
+                        vcpus: 1,
+                        memory_mib: 8,
+                        guest: "builtin:idle".into(),
+                    }],
+                })
+            }
+            Request::ClusterDelete(_) => Reply::Deleted(Deleted {
+                id: "lab".into(),
+                deleted: true,
+            }),
+            Request::ClusterList => Reply::Clusters(ClusterList {
+                clusters: vec![ClusterSummary {
+                    id: "lab".into(),
+                    members: vec!["a".into(), "b".into()],
+                }],
             }),
         }
     }

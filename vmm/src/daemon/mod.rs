@@ -7,6 +7,7 @@
 
 pub mod api;
 pub mod client;
+mod clusters;
 mod recorder;
 pub mod server;
 pub mod store;
@@ -90,6 +91,7 @@ enum Slot {
 /// The VM owner.
 pub struct Daemon {
     store: Arc<RecordStore>,
+    clusters: clusters::Clusters,
     vms: Mutex<HashMap<String, Slot>>,
     node: crate::config::NodeConfig,
     recorder: recorder::Recorder,
@@ -306,6 +308,13 @@ impl Daemon {
         for name in store.sweep_orphans() {
             tracing::warn!(entry = %name, "removed a VM's runtime files that had no record");
         }
+        let (clusters, gone) = clusters::Clusters::open(state_dir).map_err(|source| DaemonError::Io {
+            what: format!("cannot open the cluster records in {}", state_dir.display()),
+            source,
+        })?;
+        for id in gone {
+            tracing::warn!(cluster = %id, "cluster record left by a daemon that is gone; its members no longer exist, removed");
+        }
         let recorder = recorder::Recorder::start(store.clone()).map_err(|source| DaemonError::Io {
             what: "cannot start the thread that records VM stops".into(),
             source,
@@ -313,6 +322,7 @@ impl Daemon {
         Ok((
             Self {
                 store,
+                clusters,
                 vms: Mutex::new(HashMap::new()),
                 node: crate::config::NodeConfig::default(),
                 recorder,
@@ -377,6 +387,7 @@ impl Daemon {
             }
             Request::Snapshot(a) => Reply::Snapshot(self.snapshot(&a.id, &a.dir, a.replace)?),
             Request::Restore(a) => Reply::Vm(Box::new(self.restore(&a.dir, a.id)?)),
+            Request::Fork(a) if self.is_cluster(&a.id) => Reply::Forked(self.cluster_fork(&a.id, a.count)?),
             Request::Fork(a) => Reply::Forked(self.fork(&a.id, a.count)?),
             Request::Peek(a) => Reply::Peek(self.peek(&a.id, a.addr, a.count)?),
             Request::List => Reply::List(self.list()),
@@ -385,6 +396,11 @@ impl Daemon {
                 k7d: env!("CARGO_PKG_VERSION").into(),
                 pid: std::process::id(),
             }),
+            Request::ClusterCreate(a) => Reply::Cluster(self.cluster_create(&a.id, &a.members)?),
+            Request::ClusterAdd(a) => Reply::Cluster(self.cluster_add(&a.id, &a.members)?),
+            Request::ClusterInfo(id) => Reply::Cluster(self.cluster_info(&id)?),
+            Request::ClusterDelete(id) => Reply::Deleted(self.cluster_delete(&id)?),
+            Request::ClusterList => Reply::Clusters(self.cluster_list()),
         })
     }
 
@@ -522,10 +538,16 @@ impl Daemon {
             Some(id) if vms.contains_key(&id) => {
                 return Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} already exists")));
             }
+            Some(id) if self.clusters.contains(&id) => {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!("{id} is a cluster; a vm needs an id of its own"),
+                ));
+            }
             Some(id) => id,
             None => loop {
                 let id = self.new_id();
-                if !vms.contains_key(&id) {
+                if !vms.contains_key(&id) && !self.clusters.contains(&id) {
                     break id;
                 }
             },
@@ -554,7 +576,10 @@ impl Daemon {
             if cid.len() > 63 {
                 break false;
             }
-            if !vms.contains_key(&cid) && self.store.load(&cid).ok().flatten().is_none() {
+            if !vms.contains_key(&cid)
+                && !self.clusters.contains(&cid)
+                && self.store.load(&cid).ok().flatten().is_none()
+            {
                 vms.insert(cid.clone(), Slot::Reserved);
                 ids.push(cid);
             }
@@ -691,6 +716,7 @@ impl Daemon {
             children,
             pause_ms,
             source_paused_ms,
+            clusters: Vec::new(),
         })
     }
 
@@ -717,6 +743,7 @@ impl Daemon {
             }
         }
         removed?;
+        self.clusters.forget_member(id);
         Ok(Deleted {
             id: id.to_string(),
             deleted: true,
@@ -740,11 +767,12 @@ mod tests {
     use super::*;
 
     /// Whole answers of a version 1 daemon (captured from it, byte for
-    /// byte) to requests that need no VM.
+    /// byte; the list of known ops has grown by the cluster ops since) to
+    /// requests that need no VM.
     const V1_ANSWERS: [(&str, &str); 6] = [
         (
             r#"{"v":1,"op":"explode"}"#,
-            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version)"}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list)"}}"#,
         ),
         (
             r#"{"v":2,"op":"list"}"#,

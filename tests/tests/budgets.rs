@@ -220,13 +220,20 @@ fn cluster_fork_is_within_budget() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let dir = TempDir::new("budget-cluster");
     let mut members: Vec<Vm> = (0..3)
-        .map(|i| k7d_tests::boot(&format!("m{i}"), &builtin("idle", 1, 256, &[]), &dir.0.join(format!("m{i}.log"))))
+        .map(|i| {
+            k7d_tests::boot(
+                &format!("m{i}"),
+                &builtin("idle", 1, 256, &[]),
+                &dir.0.join(format!("m{i}.log")),
+            )
+        })
         .collect();
     std::thread::sleep(Duration::from_millis(20));
     let refs: Vec<&Vm> = members.iter().collect();
     // Prepare: the first fork freezes each member's base.
     let held = ClusterPause::pause(&refs, Duration::from_secs(2)).unwrap();
-    let ids = |n: usize| -> Vec<Vec<String>> { (0..n).map(|f| (0..3).map(|m| format!("c{f}-{m}")).collect()).collect() };
+    let ids =
+        |n: usize| -> Vec<Vec<String>> { (0..n).map(|f| (0..3).map(|m| format!("c{f}-{m}")).collect()).collect() };
     drop(held.fork(&ids(1), |_| VmOptions::default()).unwrap());
     held.resume().unwrap();
     let batch = |forks: usize| -> Vec<Duration> {

@@ -303,3 +303,60 @@ fn a_cluster_fork_that_cannot_build_a_child_leaves_no_child_and_the_members_runn
     d.daemon.handle(Request::ClusterDelete("lab".into())).unwrap();
     assert!(d.record_files().is_empty());
 }
+
+#[test]
+fn a_deleted_member_leaves_its_cluster_and_its_id_does_not_rejoin() {
+    let d = TestDaemon::start("clusters-delete");
+    for id in ["a", "b"] {
+        create(&d, id);
+    }
+    d.daemon
+        .handle(Request::ClusterCreate(cluster("lab", &["a", "b"])))
+        .unwrap();
+    d.daemon.handle(Request::Delete("a".into())).unwrap();
+    create(&d, "a");
+    let Reply::Cluster(info) = d.daemon.handle(Request::ClusterInfo("lab".into())).unwrap() else {
+        panic!()
+    };
+    let members: Vec<&str> = info.members.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(members, ["b"], "the new vm a is not a member");
+    let rec = std::fs::read_to_string(d.dir.0.join("state/clusters/lab.json")).unwrap();
+    assert!(!rec.contains("\"a\""), "{rec}");
+    d.daemon.handle(Request::ClusterDelete("lab".into())).unwrap();
+    let Reply::List(vms) = d.daemon.handle(Request::List).unwrap() else {
+        panic!()
+    };
+    let ids: Vec<&str> = vms.vms.iter().map(|v| v.id.as_str()).collect();
+    assert_eq!(ids, ["a"], "deleting the cluster leaves the vm that is not its member");
+    d.daemon.handle(Request::Delete("a".into())).unwrap();
+}
+
+#[test]
+fn cluster_records_go_at_shutdown_and_a_stale_one_goes_at_start() {
+    let d = TestDaemon::start("clusters-records");
+    create(&d, "a");
+    d.daemon.handle(Request::ClusterCreate(cluster("lab", &["a"]))).unwrap();
+    let dir = d.dir.0.join("state/clusters");
+    assert!(dir.join("lab.json").exists());
+    d.daemon.shutdown();
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "no cluster record is left");
+
+    // A record a killed daemon left, and something that is not a record.
+    let state = d.dir.0.join("state2");
+    std::fs::create_dir_all(state.join("clusters/not-a-record")).unwrap();
+    std::fs::write(
+        state.join("clusters/old.json"),
+        r#"{"version":1,"id":"old","members":["x"]}"#,
+    )
+    .unwrap();
+    let (d2, _) = k7d_vmm::daemon::Daemon::open(&state).unwrap();
+    assert!(!state.join("clusters/old.json").exists(), "the stale record is removed");
+    assert!(
+        state.join("clusters/not-a-record").is_dir(),
+        "a directory is left alone"
+    );
+    let Reply::Clusters(l) = d2.handle(Request::ClusterList).unwrap() else {
+        panic!()
+    };
+    assert!(l.clusters.is_empty());
+}

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
@@ -47,6 +48,8 @@ pub(super) enum ClusterSlot {
 pub(super) struct Clusters {
     dir: PathBuf,
     map: Mutex<BTreeMap<String, ClusterSlot>>,
+    /// Makes every temporary record file name unique.
+    seq: AtomicU64,
 }
 
 impl Clusters {
@@ -59,6 +62,10 @@ impl Clusters {
         for e in fs::read_dir(&dir)? {
             let e = e?;
             let name = e.file_name().to_string_lossy().into_owned();
+            if !e.file_type()?.is_file() {
+                tracing::warn!(entry = %name, "not a cluster record; left alone");
+                continue;
+            }
             fs::remove_file(e.path())?;
             if let Some(id) = name.strip_suffix(".json").filter(|n| !n.starts_with('.')) {
                 removed.push(id.to_string());
@@ -69,6 +76,7 @@ impl Clusters {
             Self {
                 dir,
                 map: Mutex::new(BTreeMap::new()),
+                seq: AtomicU64::new(0),
             },
             removed,
         ))
@@ -99,7 +107,8 @@ impl Clusters {
             members: members.to_vec(),
         };
         let body = serde_json::to_vec_pretty(&rec).map_err(std::io::Error::other)?;
-        let tmp = self.dir.join(format!(".{id}.json.tmp.{}", std::process::id()));
+        let n = self.seq.fetch_add(1, Ordering::Relaxed);
+        let tmp = self.dir.join(format!(".{id}.json.tmp.{}.{n}", std::process::id()));
         let r = (|| {
             let mut f = fs::File::create(&tmp)?;
             f.write_all(&body)?;
@@ -116,6 +125,17 @@ impl Clusters {
         match fs::remove_file(self.dir.join(format!("{id}.json"))) {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
+        }
+    }
+
+    /// Forgets every cluster and removes its record (the daemon exits, and
+    /// the members with it).
+    pub(super) fn remove_all(&self) {
+        let ids: Vec<String> = std::mem::take(&mut *self.map()).into_keys().collect();
+        for id in ids {
+            if let Err(e) = self.remove_record(&id) {
+                tracing::error!(cluster = %id, error = %e, "cannot remove the cluster's record");
+            }
         }
     }
 
@@ -380,8 +400,18 @@ impl Daemon {
         let resumed = pause.resume();
         drop(refs);
         drop(guards);
-        let children = built.map_err(vm_error)?;
-        resumed.map_err(vm_error)?;
+        let children = match (built, resumed) {
+            (Ok(c), Ok(())) => c,
+            (Err(e), Ok(())) => return Err(vm_error(e)),
+            (Ok(_), Err(r)) => return Err(vm_error(r)),
+            (Err(e), Err(r)) => {
+                let e = vm_error(e);
+                return Err(ApiError::new(
+                    e.code,
+                    format!("{e}; resuming cluster {id}'s members afterwards failed too: {r}"),
+                ));
+            }
+        };
 
         // Adopt (record and start) every child; a failure drops the ones
         // adopted so far and every reservation, which removes them all.
@@ -402,9 +432,8 @@ impl Daemon {
         for (f, cid) in child_clusters.ids.iter().enumerate() {
             self.clusters.save(cid, &ids[f]).map_err(internal)?;
         }
-        for (r, vms) in held.into_iter().zip(per_member) {
-            r.fill(vms);
-        }
+        // The child clusters first, then the children: a child deleted as
+        // soon as it is reachable is taken out of its cluster.
         let mut child_clusters = child_clusters;
         let names = std::mem::take(&mut child_clusters.ids);
         {
@@ -412,6 +441,9 @@ impl Daemon {
             for (f, cid) in names.iter().enumerate() {
                 map.insert(cid.clone(), ClusterSlot::Ready(ids[f].clone()));
             }
+        }
+        for (r, vms) in held.into_iter().zip(per_member) {
+            r.fill(vms);
         }
         Ok(Forked {
             id: id.to_string(),

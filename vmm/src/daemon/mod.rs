@@ -731,7 +731,13 @@ impl Daemon {
         // Out of reach first: no request can reach the VM any more, and no
         // new VM can take the id until its files are gone (the removal
         // below would take the new VM's files).
-        self.vms().insert(id.to_string(), Slot::Deleting);
+        // Out of its cluster in the same step (vms, then clusters): once
+        // the id is free, a new VM taking it must not become a member.
+        {
+            let mut vms = self.vms();
+            vms.insert(id.to_string(), Slot::Deleting);
+            self.clusters.forget_member(id);
+        }
         // Dropping the last handle closes the vCPU fds, the VM fd and the memfd.
         drop(vm);
         let removed = self.store.remove(id).map_err(internal);
@@ -743,7 +749,6 @@ impl Daemon {
             }
         }
         removed?;
-        self.clusters.forget_member(id);
         Ok(Deleted {
             id: id.to_string(),
             deleted: true,
@@ -759,6 +764,8 @@ impl Daemon {
                 tracing::error!(vm = %id, error = %e, "delete at daemon exit failed");
             }
         }
+        // The clusters went with their members.
+        self.clusters.remove_all();
     }
 }
 

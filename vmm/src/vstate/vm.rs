@@ -373,10 +373,17 @@ impl Vm {
         if self.started.is_none() || self.control.stopped().is_some() {
             return Err(self.state_error("pause"));
         }
-        self.control.pause(timeout).map_err(|source| VmError::Control {
-            id: self.id.clone(),
-            source,
-        })?;
+        if let Err(source) = self.control.pause(timeout) {
+            // A pause that timed out leaves no vCPU parking behind it: the
+            // VM runs on (and says so through the error).
+            if !matches!(source, super::control::ControlError::Stopped) {
+                let _ = self.control.resume();
+            }
+            return Err(VmError::Control {
+                id: self.id.clone(),
+                source,
+            });
+        }
         // vCPUs parked: no guest access can race the devices' pause. Each
         // device drains what it is serving and parks; then nothing writes
         // guest RAM. A device that cannot pause undoes the whole pause.

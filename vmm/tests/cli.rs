@@ -190,6 +190,45 @@ fn cli(dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// `k7d cluster ...` and `k7d fork <cluster>` as a user types them.
+#[test]
+fn cluster_verbs_through_the_cli() {
+    let dir = Scratch::new("cli-cluster");
+    let (_d, _) = DaemonProc::start(&dir.0);
+    for id in ["a", "b"] {
+        let o = cli(
+            &dir.0,
+            &["create", "--id", id, "--builtin", "idle", "--memory", "8", "--start"],
+        );
+        assert!(o.status.success(), "{:?}", text(&o));
+    }
+    let o = cli(&dir.0, &["cluster", "create", "lab", "a", "b"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    assert!(out.starts_with("cluster lab: 2 members"), "{out}");
+    let o = cli(&dir.0, &["fork", "lab", "--count", "2"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    for line in ["cluster lab-f1", "cluster lab-f2", "vm b-f2: running"] {
+        assert!(out.lines().any(|l| l.starts_with(line)), "{line}: {out}");
+    }
+    let o = cli(&dir.0, &["cluster", "list"]);
+    let (out, _) = text(&o);
+    assert!(
+        out.lines().any(|l| l.starts_with("lab-f2") && l.ends_with("a-f2 b-f2")),
+        "{out}"
+    );
+    let o = cli(&dir.0, &["cluster", "delete", "lab-f1"]);
+    assert_eq!(text(&o).0.trim(), "lab-f1 deleted");
+    let o = cli(&dir.0, &["info", "a-f1"]);
+    assert_eq!(o.status.code(), Some(1), "its members went with it");
+    let o = cli(&dir.0, &["cluster", "create", "a", "b"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(text(&o).1.trim(), "k7d: a is a vm; a cluster needs an id of its own");
+    let o = cli(&dir.0, &["cluster", "create", "x"]);
+    assert!(!o.status.success(), "a cluster needs members");
+}
+
 #[test]
 fn daemon_verbs_and_crash_reconcile() {
     let dir = Scratch::new("cli-daemon");

@@ -130,18 +130,7 @@ impl BindMounts {
     /// Unmounts (detaching) every mount made, last first; true when none is
     /// left mounted.
     pub fn unmount(&self) -> bool {
-        let mut clean = true;
-        for m in self.made.iter().rev() {
-            match sys::umount_detach(m) {
-                Ok(()) => {}
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {}
-                Err(e) => {
-                    crate::log!("unmounting {} failed: {e}", m.display());
-                    clean = false;
-                }
-            }
-        }
-        clean
+        disk::unmount_all(self.made.iter().rev())
     }
 }
 

@@ -106,6 +106,24 @@ pub fn device_node(disk: &Disk, dev: &Path, fallback: &Path) -> io::Result<PathB
     Ok(fallback.to_path_buf())
 }
 
+/// Unmounts (detaching) each of `mounts` in the order given, every one even
+/// when another fails; true when none is left mounted. A path that is not
+/// a mount point (never mounted) or is gone counts as unmounted.
+pub fn unmount_all<'a>(mounts: impl IntoIterator<Item = &'a PathBuf>) -> bool {
+    let mut clean = true;
+    for m in mounts {
+        match sys::umount_detach(m) {
+            Ok(()) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {}
+            Err(e) => {
+                crate::log!("unmounting {} failed: {e}", m.display());
+                clean = false;
+            }
+        }
+    }
+    clean
+}
+
 /// The mounts under a bundle directory, in mount order.
 #[derive(Debug)]
 pub struct RootfsMounts {
@@ -182,19 +200,7 @@ impl RootfsMounts {
     /// Unmounts (detaching) the overlay, the tmpfs and the image; true when
     /// none is left mounted (so the directory may be removed).
     pub fn unmount(&self) -> bool {
-        let mut clean = true;
-        for m in [&self.rootfs, &self.rw, &self.lower] {
-            match sys::umount_detach(m) {
-                Ok(()) => {}
-                // Not a mount point (never mounted) or already gone.
-                Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => {}
-                Err(e) => {
-                    crate::log!("unmounting {} failed: {e}", m.display());
-                    clean = false;
-                }
-            }
-        }
-        clean
+        unmount_all([&self.rootfs, &self.rw, &self.lower])
     }
 }
 

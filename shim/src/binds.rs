@@ -243,16 +243,31 @@ fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
         .stderr(Stdio::piped())
         .spawn()
         .context("cannot run mkfs.erofs for the bind mounts in a mount namespace of its own (install erofs-utils)")?;
+    // Its stderr is drained beside it (a full pipe would stall it), keeping
+    // the first 64 KiB for the error.
+    let stderr = child.stderr.take();
+    let reader = std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        if let Some(mut e) = stderr {
+            let _ = (&mut e).take(64 << 10).read_to_end(&mut kept);
+            let _ = std::io::copy(&mut e, &mut std::io::sink());
+        }
+        String::from_utf8_lossy(&kept).into_owned()
+    });
     // A source on a hung network filesystem must not hold the create past
     // containerd's deadline.
     let deadline = Instant::now() + MKFS_TIMEOUT;
     let status = loop {
         match child.try_wait() {
             Ok(Some(st)) => break st,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
             Ok(None) => {
                 let _ = child.kill();
-                let _ = child.wait();
+                // Reaped beside us: a process stuck in the kernel on a hung
+                // filesystem may take its time to die.
+                std::thread::spawn(move || {
+                    let _ = child.wait();
+                });
                 bail!(
                     "mkfs.erofs of the bind mounts took over {} s and was killed",
                     MKFS_TIMEOUT.as_secs()
@@ -261,11 +276,8 @@ fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
             Err(e) => bail!("cannot wait for mkfs.erofs of the bind mounts: {e}"),
         }
     };
+    let err = reader.join().unwrap_or_default();
     if !status.success() {
-        let mut err = String::new();
-        if let Some(mut e) = child.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
         bail!(
             "mkfs.erofs of the bind mounts failed ({status}): {}",
             err.lines().last().unwrap_or("").trim()

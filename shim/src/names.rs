@@ -35,9 +35,9 @@ pub fn pod_names(state_dir: &Path, namespace: &str, sandbox_id: &str) -> PodName
 }
 
 impl PodNames {
-    /// Removes the pod's directory and everything in it, never crossing
-    /// into another filesystem (a mount under it is left, and so is the
-    /// directory holding it) and never following a link: whatever went
+    /// Removes the pod's directory and everything in it, never entering a
+    /// mount (another filesystem, or a bind on the same one: it is left,
+    /// and so is the directory holding it) and never following a link: whatever went
     /// wrong before, removing a pod cannot delete a host file outside it.
     pub fn remove_dir(&self) {
         let Ok(md) = std::fs::symlink_metadata(&self.dir) else {
@@ -52,7 +52,31 @@ impl PodNames {
     }
 }
 
-/// Removes `dir` and what is under it on device `dev`.
+/// Whether `p` is the root of a mount (a bind of a directory on the same
+/// filesystem keeps its device number, so the device alone cannot tell).
+fn is_mount_root(p: &Path) -> std::io::Result<bool> {
+    let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::other(format!("{} holds a NUL byte", p.display())))?;
+    // SAFETY: all-zero is a valid `statx`.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable `statx`.
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+            libc::STATX_BASIC_STATS,
+            &mut st,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let bit = libc::STATX_ATTR_MOUNT_ROOT as u64;
+    Ok(st.stx_attributes_mask & bit != 0 && st.stx_attributes & bit != 0)
+}
+
+/// Removes `dir` and what is under it on device `dev`, entering no mount.
 fn remove_tree(dir: &Path, dev: u64) -> std::io::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let p = entry?.path();
@@ -62,6 +86,9 @@ fn remove_tree(dir: &Path, dev: u64) -> std::io::Result<()> {
                 "{} is on another filesystem",
                 p.display()
             )));
+        }
+        if md.is_dir() && is_mount_root(&p)? {
+            return Err(std::io::Error::other(format!("{} is a mount", p.display())));
         }
         if md.is_dir() {
             remove_tree(&p, dev)?;
@@ -108,6 +135,28 @@ mod tests {
         let e = remove_tree(Path::new("/proc/self"), dev).unwrap_err();
         assert!(e.to_string().contains("another filesystem"), "{e}");
         assert!(Path::new("/proc/self/status").exists());
+
+        // Nor is a bind of a directory on the same filesystem (the device
+        // number is the same): its source keeps its files.
+        std::fs::create_dir_all(n.dir.join("bound")).unwrap();
+        let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
+        let (src, at) = (c(&outside), c(&n.dir.join("bound")));
+        // SAFETY: valid paths; a plain bind, undone below.
+        let r = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                at.as_ptr(),
+                std::ptr::null(),
+                libc::MS_BIND,
+                std::ptr::null(),
+            )
+        };
+        assert_eq!(r, 0, "bind mount: {}", std::io::Error::last_os_error());
+        n.remove_dir();
+        // SAFETY: the path mounted above.
+        unsafe { libc::umount2(at.as_ptr(), libc::MNT_DETACH) };
+        assert!(outside.join("precious").exists(), "a bind's source is never emptied");
+        assert!(n.dir.join("bound").exists(), "the directory holding the mount is kept");
         std::fs::remove_dir_all(&state).unwrap();
     }
 }

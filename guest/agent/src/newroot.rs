@@ -133,11 +133,14 @@ fn remove_children(dir: &Path, dev: u64, keep: Option<&Path>) -> io::Result<()> 
         if md.dev() != dev {
             continue;
         }
-        if md.is_dir() {
-            remove_children(&p, dev, None)?;
-            std::fs::remove_dir(&p)?;
+        // One entry that cannot go must not keep the rest in RAM.
+        let r = if md.is_dir() {
+            remove_children(&p, dev, None).and_then(|()| std::fs::remove_dir(&p))
         } else {
-            std::fs::remove_file(&p)?;
+            std::fs::remove_file(&p)
+        };
+        if let Err(e) = r {
+            crate::log!("removing {} from the initramfs failed: {e}", p.display());
         }
     }
     Ok(())

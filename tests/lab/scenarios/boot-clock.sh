@@ -47,6 +47,8 @@ for n in k7d qemu; do
   r=$(rates "$n")
   [ "$r" != missing ] || lab_fail "$n: the stamped log lacks the console line, init or the clock lines"
   set -- $r
+  [ "$(awk -v a="$2" -v b="$4" 'BEGIN {print (a > 0 && b > 0)}')" = 1 ] ||
+    lab_fail "$n: an L1 interval is not positive (boot $2 s, after init $4 s): no rate to compare"
   boot=$(awk -v g="$1" -v l="$2" 'BEGIN {printf "%.3f", (l > 0 ? g / l : 0)}')
   after=$(awk -v g="$3" -v l="$4" 'BEGIN {printf "%.3f", (l > 0 ? g / l : 0)}')
   lab_metric "$n.clock_rate_boot" "$boot" x

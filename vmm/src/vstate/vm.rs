@@ -375,7 +375,7 @@ impl Vm {
         }
         if let Err(source) = self.control.pause(timeout) {
             // A pause that timed out leaves no vCPU parking behind it: the
-            // VM runs on (and says so through the error).
+            // VM runs on, as it did before the pause was asked for.
             if !matches!(source, super::control::ControlError::Stopped) {
                 let _ = self.control.resume();
             }

@@ -45,7 +45,8 @@ use layout::*;
 /// - `panic=1`: a panic reboots after 1 s, i.e. the VM stops instead of hanging;
 /// - `quiet`: only warnings reach the console. Every byte the serial console
 ///   prints is two port exits; a verbose boot prints about 40 KiB (in the
-///   nested lab it tripled spawn → init). Add `loglevel=7` to see it all.
+///   nested lab it tripled spawn → init). A command line of the user's
+///   replaces this one: `loglevel=7` there shows it all.
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 reboot=k panic=1 quiet";
 
 /// The default command line for a VM with (`pci = true`) or without a PCI

@@ -11,17 +11,19 @@
 //! The image is the pod's own (its content changes between pods), in the
 //! pod's private directory, removed with the pod. What is not carried: a
 //! source that is neither a regular file nor a directory (a socket, a
-//! device: no such object crosses into a VM) and the host's `/dev/shm`
-//! (the guest has its own). Writes to a writable bind stay in the guest.
+//! device: no such object crosses into a VM), a source on a kernel
+//! pseudo-filesystem (`/proc`, `/sys`, cgroup, bpf...: sizes that say
+//! nothing of what a read returns, and the host's own state), a mount below
+//! a source directory (the bind is not recursive), and the host's
+//! `/dev/shm` (the guest has its own). Writes to a writable bind stay in the guest.
 
 use std::ffi::CString;
-use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use k7d_agent::proto::{Bind, is_host_bind, is_readonly};
@@ -104,6 +106,15 @@ fn sources(spec: &Value) -> anyhow::Result<Vec<Source>> {
             );
             continue;
         }
+        if let Some(fs) = pseudo_fs(&source) {
+            // /proc, /sys and their kind: files whose size says nothing of
+            // what a read returns (/proc/kcore), and the host's own state.
+            tracing::info!(
+                "the bind mount {} at {dest} is not carried: it is on the kernel's {fs} filesystem",
+                source.display()
+            );
+            continue;
+        }
         out.push(Source {
             bind: Bind {
                 index,
@@ -117,6 +128,32 @@ fn sources(spec: &Value) -> anyhow::Result<Vec<Source>> {
     Ok(out)
 }
 
+/// The kernel pseudo-filesystem holding `path`, if it is on one.
+fn pseudo_fs(path: &Path) -> Option<&'static str> {
+    const PSEUDO: [(i64, &str); 11] = [
+        (0x9fa0, "proc"),
+        (0x6265_6572, "sysfs"),
+        (0x6462_6720, "debugfs"),
+        (0x7472_6163, "tracefs"),
+        (0x7363_6673, "securityfs"),
+        (0x6367_7270, "cgroup2"),
+        (0x0027_e0eb, "cgroup"),
+        (0xcafe_4a11, "bpf"),
+        (0x6265_6570, "configfs"),
+        (0xde5e_81e4, "efivarfs"),
+        (0x1cd1, "devpts"),
+    ];
+    let c = CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: all-zero is a valid `statfs`.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable `statfs`.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    let magic = st.f_type as i64;
+    PSEUDO.iter().find(|(m, _)| *m == magic).map(|(_, n)| *n)
+}
+
 /// What the sources hold so far, against the limits.
 struct Budget {
     bytes: u64,
@@ -126,25 +163,30 @@ struct Budget {
 
 impl Budget {
     /// Counts `path` (following it if it is a link, as a bind mount does)
-    /// and, for a directory, everything under it (links not followed).
+    /// and, for a directory, everything under it on its filesystem (links
+    /// not followed; a mount below it is not carried: the bind is not
+    /// recursive).
     fn add(&mut self, path: &Path) -> anyhow::Result<()> {
         let md = std::fs::metadata(path).with_context(|| format!("cannot stat {}", path.display()))?;
         self.count(path, &md)?;
         if md.is_dir() {
-            self.walk(path)?;
+            self.walk(path, md.dev())?;
         }
         Ok(())
     }
 
-    fn walk(&mut self, dir: &Path) -> anyhow::Result<()> {
+    fn walk(&mut self, dir: &Path, dev: u64) -> anyhow::Result<()> {
         let entries = std::fs::read_dir(dir).with_context(|| format!("cannot read the directory {}", dir.display()))?;
         for e in entries {
             let e = e.with_context(|| format!("cannot read the directory {}", dir.display()))?;
             let p = e.path();
             let md = std::fs::symlink_metadata(&p).with_context(|| format!("cannot stat {}", p.display()))?;
+            if md.dev() != dev {
+                continue;
+            }
             self.count(&p, &md)?;
             if md.is_dir() {
-                self.walk(&p)?;
+                self.walk(&p, dev)?;
             }
         }
         Ok(())
@@ -174,7 +216,8 @@ impl Budget {
 
 /// Makes the stage (an empty file or directory per entry, private), then
 /// runs `mkfs.erofs image stage` in a new mount namespace of its own where
-/// each entry is a recursive bind of its source. The namespace dies with
+/// each entry is a bind of its source (not recursive: a mount below a
+/// source is not carried, as the size walk does not count it). The namespace dies with
 /// the process: the host's mount table is never touched.
 fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
     std::fs::DirBuilder::new()
@@ -227,7 +270,7 @@ fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
                     src.as_ptr(),
                     at.as_ptr(),
                     std::ptr::null(),
-                    libc::MS_BIND | libc::MS_REC,
+                    libc::MS_BIND,
                     std::ptr::null(),
                 ) != 0
                 {
@@ -237,53 +280,7 @@ fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
             Ok(())
         });
     }
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("cannot run mkfs.erofs for the bind mounts in a mount namespace of its own (install erofs-utils)")?;
-    // Its stderr is drained beside it (a full pipe would stall it), keeping
-    // the first 64 KiB for the error.
-    let stderr = child.stderr.take();
-    let reader = std::thread::spawn(move || {
-        let mut kept = Vec::new();
-        if let Some(mut e) = stderr {
-            let _ = (&mut e).take(64 << 10).read_to_end(&mut kept);
-            let _ = std::io::copy(&mut e, &mut std::io::sink());
-        }
-        String::from_utf8_lossy(&kept).into_owned()
-    });
-    // A source on a hung network filesystem must not hold the create past
-    // containerd's deadline.
-    let deadline = Instant::now() + MKFS_TIMEOUT;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(st)) => break st,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            Ok(None) => {
-                let _ = child.kill();
-                // Reaped beside us: a process stuck in the kernel on a hung
-                // filesystem may take its time to die.
-                std::thread::spawn(move || {
-                    let _ = child.wait();
-                });
-                bail!(
-                    "mkfs.erofs of the bind mounts took over {} s and was killed",
-                    MKFS_TIMEOUT.as_secs()
-                );
-            }
-            Err(e) => bail!("cannot wait for mkfs.erofs of the bind mounts: {e}"),
-        }
-    };
-    let err = reader.join().unwrap_or_default();
-    if !status.success() {
-        bail!(
-            "mkfs.erofs of the bind mounts failed ({status}): {}",
-            err.lines().last().unwrap_or("").trim()
-        );
-    }
-    Ok(())
+    crate::image::run_mkfs(&mut cmd, "the bind mounts", MKFS_TIMEOUT)
 }
 
 /// Removes the stage without ever recursing: each entry is an empty file or
@@ -386,6 +383,42 @@ mod tests {
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         assert!(!mounts.contains(&pod.to_string_lossy().into_owned()), "{mounts}");
         drop(sock);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn kernel_filesystems_and_mounts_below_a_source_are_not_carried() {
+        let d = scratch("pseudo");
+        let top = d.join("top");
+        std::fs::create_dir_all(top.join("mnt")).unwrap();
+        std::fs::write(top.join("a"), "a").unwrap();
+        // A tmpfs mounted below the source, holding more than the limit.
+        let at = CString::new(top.join("mnt").as_os_str().as_bytes()).unwrap();
+        // SAFETY: valid C strings; unmounted below.
+        let r = unsafe { libc::mount(c"tmpfs".as_ptr(), at.as_ptr(), c"tmpfs".as_ptr(), 0, std::ptr::null()) };
+        assert_eq!(r, 0, "mount tmpfs: {}", std::io::Error::last_os_error());
+        std::fs::write(top.join("mnt/hidden"), vec![1u8; 3 << 20]).unwrap();
+        let spec = json!({"mounts": [
+            {"destination": "/s", "type": "bind", "source": "/proc/self/status", "options": ["rbind", "ro"]},
+            {"destination": "/k", "type": "bind", "source": "/sys/kernel", "options": ["rbind", "ro"]},
+            {"destination": "/t", "type": "bind", "source": top.to_string_lossy(), "options": ["rbind", "ro"]}
+        ]});
+        let pod = d.join("pod");
+        std::fs::create_dir_all(&pod).unwrap();
+        let packed = pack(&spec, &pod, 2 << 20);
+        // SAFETY: the path mounted above.
+        unsafe { libc::umount2(at.as_ptr(), libc::MNT_DETACH) };
+        let c = packed.unwrap().unwrap();
+        let got: Vec<usize> = c.mounts.iter().map(|b| b.index).collect();
+        assert_eq!(got, [2], "only the directory on a real filesystem is carried");
+        let out = d.join("out");
+        extract(&c.image, &out);
+        assert_eq!(std::fs::read_to_string(out.join("2/a")).unwrap(), "a");
+        assert!(out.join("2/mnt").is_dir(), "the mount point is there, empty");
+        assert!(
+            !out.join("2/mnt/hidden").exists(),
+            "what is mounted below is not carried"
+        );
         std::fs::remove_dir_all(&d).unwrap();
     }
 

@@ -6,10 +6,12 @@
 //! image pays nothing.
 
 use std::ffi::CString;
+use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use containerd_shim::protos::types::mount::Mount;
@@ -152,19 +154,55 @@ fn image_file_stem(p: &Path) -> String {
         .unwrap_or_default()
 }
 
+/// How long packing an image's layers may take.
+const MKFS_TIMEOUT: Duration = Duration::from_secs(600);
+
 fn mkfs(out: &Path, dir: &Path) -> anyhow::Result<()> {
-    let o = Command::new("mkfs.erofs")
-        .arg("--quiet")
-        .arg(out)
-        .arg(dir)
-        .output()
+    let mut cmd = Command::new("mkfs.erofs");
+    cmd.arg("--quiet").arg(out).arg(dir);
+    run_mkfs(&mut cmd, &dir.display().to_string(), MKFS_TIMEOUT)
+}
+
+/// Runs a prepared `mkfs.erofs` command packing `what`: its stderr drained
+/// beside it (a full pipe would stall it; the first 64 KiB kept for the
+/// error), killed past `timeout` (a source on a hung network filesystem
+/// must not hold a create past containerd's deadline) and then reaped
+/// beside the caller (a process stuck in the kernel may take its time).
+pub(crate) fn run_mkfs(cmd: &mut Command, what: &str, timeout: Duration) -> anyhow::Result<()> {
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .context("cannot run mkfs.erofs (install erofs-utils)")?;
-    if !o.status.success() {
-        let err = String::from_utf8_lossy(&o.stderr);
+    let stderr = child.stderr.take();
+    let reader = std::thread::spawn(move || {
+        let mut kept = Vec::new();
+        if let Some(mut e) = stderr {
+            let _ = (&mut e).take(64 << 10).read_to_end(&mut kept);
+            let _ = std::io::copy(&mut e, &mut std::io::sink());
+        }
+        String::from_utf8_lossy(&kept).into_owned()
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(st)) => break st,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) => {
+                let _ = child.kill();
+                std::thread::spawn(move || {
+                    let _ = child.wait();
+                });
+                bail!("mkfs.erofs of {what} took over {} s and was killed", timeout.as_secs());
+            }
+            Err(e) => bail!("cannot wait for mkfs.erofs of {what}: {e}"),
+        }
+    };
+    let err = reader.join().unwrap_or_default();
+    if !status.success() {
         bail!(
-            "mkfs.erofs of {} failed ({}): {}",
-            dir.display(),
-            o.status,
+            "mkfs.erofs of {what} failed ({status}): {}",
             err.lines().last().unwrap_or("").trim()
         );
     }

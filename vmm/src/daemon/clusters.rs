@@ -8,9 +8,8 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
@@ -19,7 +18,8 @@ use super::api::{
     ApiError, ClusterInfo, ClusterList, ClusterSummary, Deleted, ErrorCode, Forked, ForkedChild, MAX_CLUSTER_MEMBERS,
     MAX_FORKS, VmSummary,
 };
-use super::{Daemon, PAUSE_TIMEOUT, Reservation, Slot, internal, lock_vm, ms, vm_error};
+use super::store::{StoreError, write_json_atomic};
+use super::{Daemon, PAUSE_TIMEOUT, Reservation, Slot, internal, lock_vm, ms, summary, vm_error};
 use crate::vstate::cluster::ClusterPause;
 use crate::vstate::vm::Vm;
 
@@ -100,25 +100,13 @@ impl Clusters {
     }
 
     /// Writes the record of `id` atomically.
-    fn save(&self, id: &str, members: &[String]) -> Result<(), std::io::Error> {
+    fn save(&self, id: &str, members: &[String]) -> Result<(), StoreError> {
         let rec = ClusterRecord {
             version: CLUSTER_RECORD_VERSION,
             id: id.to_string(),
             members: members.to_vec(),
         };
-        let body = serde_json::to_vec_pretty(&rec).map_err(std::io::Error::other)?;
-        let n = self.seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.dir.join(format!(".{id}.json.tmp.{}.{n}", std::process::id()));
-        let r = (|| {
-            let mut f = fs::File::create(&tmp)?;
-            f.write_all(&body)?;
-            f.sync_all()?;
-            fs::rename(&tmp, self.dir.join(format!("{id}.json")))
-        })();
-        if r.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        r
+        write_json_atomic(&self.dir, id, &rec, &self.seq)
     }
 
     fn remove_record(&self, id: &str) -> Result<(), std::io::Error> {
@@ -270,16 +258,7 @@ impl Daemon {
         let members = members
             .iter()
             .map(|m| match self.get(m) {
-                Ok(vm) => {
-                    let g = lock_vm(&vm);
-                    VmSummary {
-                        id: m.clone(),
-                        status: g.state().to_string(),
-                        vcpus: g.config().vcpus,
-                        memory_mib: g.config().memory_mib,
-                        guest: g.config().guest.describe(),
-                    }
-                }
+                Ok(vm) => summary(&lock_vm(&vm)),
                 Err(_) => VmSummary {
                     id: m.clone(),
                     status: "gone".into(),

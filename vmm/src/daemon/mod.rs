@@ -165,6 +165,17 @@ fn lock_vm(vm: &Arc<Mutex<Vm>>) -> MutexGuard<'_, Vm> {
     vm.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A VM as `list` (and `cluster_info`) shows it.
+fn summary(vm: &Vm) -> VmSummary {
+    VmSummary {
+        id: vm.id().to_string(),
+        status: vm.state().to_string(),
+        vcpus: vm.config().vcpus,
+        memory_mib: vm.config().memory_mib,
+        guest: vm.config().guest.describe(),
+    }
+}
+
 fn now_unix() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -462,19 +473,7 @@ impl Daemon {
                 Slot::Reserved | Slot::Deleting => None,
             })
             .collect();
-        let mut vms: Vec<VmSummary> = vms
-            .iter()
-            .map(|v| {
-                let g = lock_vm(v);
-                VmSummary {
-                    id: g.id().to_string(),
-                    status: g.state().to_string(),
-                    vcpus: g.config().vcpus,
-                    memory_mib: g.config().memory_mib,
-                    guest: g.config().guest.describe(),
-                }
-            })
-            .collect();
+        let mut vms: Vec<VmSummary> = vms.iter().map(|v| summary(&lock_vm(v))).collect();
         vms.sort_by(|a, b| a.id.cmp(&b.id));
         VmList { vms }
     }

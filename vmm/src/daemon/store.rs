@@ -73,6 +73,38 @@ fn ioerr(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Stor
     move |source| StoreError::Io { what, path, source }
 }
 
+/// Writes `value` as `<dir>/<id>.json` atomically: a temp file (unique by
+/// pid and `seq`), written, synced and renamed into place; on failure the
+/// temp file is removed and the old record stays.
+pub(super) fn write_json_atomic(
+    dir: &Path,
+    id: &str,
+    value: &impl serde::Serialize,
+    seq: &AtomicU64,
+) -> Result<(), StoreError> {
+    let n = seq.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".{id}.json.tmp.{}.{n}", std::process::id()));
+    let body = serde_json::to_vec_pretty(value).map_err(|source| StoreError::Corrupt {
+        path: tmp.clone(),
+        source,
+    })?;
+    let res = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .map_err(ioerr("create", &tmp))?;
+        f.write_all(&body).map_err(ioerr("write", &tmp))?;
+        f.sync_all().map_err(ioerr("sync", &tmp))?;
+        let dst = dir.join(format!("{id}.json"));
+        fs::rename(&tmp, &dst).map_err(ioerr("rename into", &dst))
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
 /// The records of one daemon.
 #[derive(Debug)]
 pub struct RecordStore {
@@ -124,29 +156,7 @@ impl RecordStore {
     }
 
     fn write_locked(&self, rec: &VmRecord) -> Result<(), StoreError> {
-        let n = self.seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self
-            .dir
-            .join(format!(".{}.json.tmp.{}.{n}", rec.id, std::process::id()));
-        let body = serde_json::to_vec_pretty(rec).map_err(|source| StoreError::Corrupt {
-            path: tmp.clone(),
-            source,
-        })?;
-        let res = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&tmp)
-                .map_err(ioerr("create", &tmp))?;
-            f.write_all(&body).map_err(ioerr("write", &tmp))?;
-            f.sync_all().map_err(ioerr("sync", &tmp))?;
-            let dst = self.json(&rec.id);
-            fs::rename(&tmp, &dst).map_err(ioerr("rename into", &dst))
-        })();
-        if res.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        res
+        write_json_atomic(&self.dir, &rec.id, rec, &self.seq)
     }
 
     /// Reads, changes and writes a record under its lock; `Ok(None)` if it is gone.

@@ -66,6 +66,13 @@ pub fn nic_names(vm_id: &str, nic_idx: u16) -> NicNames {
     }
 }
 
+/// The private bridge of cluster `cluster_id` (`docs/fork.md`): `k7dc` +
+/// 11 hex digits.
+pub fn cluster_bridge_name(cluster_id: &str) -> String {
+    let h = fnv1a64(&[b"k7d-cluster", cluster_id.as_bytes()]);
+    format!("{LINK_PREFIX}c{:011x}", h & 0x0fff_ffff_ffff)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,6 +88,11 @@ mod tests {
         assert_ne!(n.tap, nic_names("vm-1", 1).tap);
         assert_ne!(n.tap, nic_names("vm-2", 0).tap);
         assert!(n.bpf_subdir.ends_with("/nic0"));
+        let c = cluster_bridge_name("lab");
+        assert_eq!(c, cluster_bridge_name("lab"));
+        assert_eq!(c.len(), 15);
+        assert!(c.starts_with("k7dc"));
+        assert_ne!(c, cluster_bridge_name("lab-f1"));
     }
 
     #[test]

@@ -710,11 +710,19 @@ fn print_reply(reply: &Reply) {
             for m in &c.members {
                 out!("  {:<24} {}", m.id, m.status);
             }
+            if let Some(b) = &c.bridge {
+                out!("bridge {b}: {}", c.ports.join(" "));
+            }
         }
         Reply::Clusters(l) => {
-            out!("{:<24} MEMBERS", "CLUSTER");
+            out!("{:<24} {:<16} MEMBERS", "CLUSTER", "BRIDGE");
             for c in &l.clusters {
-                out!("{:<24} {}", c.id, c.members.join(" "));
+                out!(
+                    "{:<24} {:<16} {}",
+                    c.id,
+                    c.bridge.as_deref().unwrap_or("-"),
+                    c.members.join(" ")
+                );
             }
         }
         Reply::Peek(p) => {

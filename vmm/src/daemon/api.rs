@@ -411,6 +411,13 @@ pub struct ClusterInfo {
     /// Its members, in order, as `list` shows them (a member that is gone
     /// shows as `gone`).
     pub members: Vec<VmSummary>,
+    /// The cluster's private bridge (`docs/fork.md`), once a member has a
+    /// NIC on it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
+    /// The members' NICs on that bridge: `<vm>:<nic index>:<tap>`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<String>,
 }
 
 /// One cluster as `cluster_list` shows it.
@@ -420,6 +427,9 @@ pub struct ClusterSummary {
     pub id: String,
     /// Its member ids, in order.
     pub members: Vec<String>,
+    /// Its private bridge, if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
 }
 
 /// `cluster_list`'s result.
@@ -1105,6 +1115,8 @@ mod tests {
                         memory_mib: 8,
                         guest: "builtin:idle".into(),
                     }],
+                    bridge: Some("k7dc0123456789a".into()),
+                    ports: vec!["a:0:k7dt0123456789a".into()],
                 })
             }
             Request::ClusterDelete(_) => Reply::Deleted(Deleted {
@@ -1115,6 +1127,7 @@ mod tests {
                 clusters: vec![ClusterSummary {
                     id: "lab".into(),
                     members: vec!["a".into(), "b".into()],
+                    bridge: None,
                 }],
             }),
         }

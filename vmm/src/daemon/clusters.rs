@@ -4,7 +4,13 @@
 //! most one cluster. A cluster's record (`<state>/clusters/<id>.json`) is
 //! written on every change; like a VM's record, one found when a daemon
 //! starts belonged to a daemon that is gone, with its members, and is
-//! removed.
+//! removed (with its bridge).
+//!
+//! A cluster's private bridge (`k7d_net::create_private_bridge`) holds its
+//! members' NICs, except a NIC whose tap the user named (it stays outside,
+//! the user's to wire) and one attached through the datapath (its pod's).
+//! Each fork of the cluster gets a bridge of its own with the children's
+//! taps on it: the same MACs and IPs on disjoint layer-2 domains.
 
 use std::collections::BTreeMap;
 use std::fs;
@@ -24,7 +30,7 @@ use crate::vstate::cluster::ClusterPause;
 use crate::vstate::vm::Vm;
 
 /// A cluster record's format version.
-const CLUSTER_RECORD_VERSION: u32 = 1;
+const CLUSTER_RECORD_VERSION: u32 = 2;
 
 /// A cluster as its record holds it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -32,7 +38,43 @@ const CLUSTER_RECORD_VERSION: u32 = 1;
 struct ClusterRecord {
     version: u32,
     id: String,
-    members: Vec<String>,
+    members: Vec<Member>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bridge: Option<String>,
+}
+
+/// A member VM and its NICs on the cluster's bridge (by index).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Member {
+    id: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    bridged: Vec<u16>,
+}
+
+impl Member {
+    /// The taps of this member's bridged NICs: `(nic index, tap)`. A
+    /// bridged NIC's tap is named after its VM (the user named none).
+    fn ports(&self) -> impl Iterator<Item = (u16, String)> + '_ {
+        self.bridged.iter().map(|&i| (i, k7d_net::nic_names(&self.id, i).tap))
+    }
+}
+
+/// A cluster: its members, in order, and its bridge once one has a NIC on it.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Cluster {
+    members: Vec<Member>,
+    bridge: Option<String>,
+}
+
+impl Cluster {
+    fn ids(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.id.clone()).collect()
+    }
+
+    fn has(&self, vm: &str) -> bool {
+        self.members.iter().any(|m| m.id == vm)
+    }
 }
 
 /// A cluster id in the daemon's map.
@@ -40,8 +82,7 @@ struct ClusterRecord {
 pub(super) enum ClusterSlot {
     /// Taken by a fork still building the cluster.
     Reserved,
-    /// The members, in order.
-    Ready(Vec<String>),
+    Ready(Cluster),
 }
 
 /// The clusters and their records.
@@ -68,6 +109,7 @@ impl Clusters {
             }
             fs::remove_file(e.path())?;
             if let Some(id) = name.strip_suffix(".json").filter(|n| !n.starts_with('.')) {
+                remove_bridge(&k7d_net::cluster_bridge_name(id));
                 removed.push(id.to_string());
             }
         }
@@ -91,20 +133,21 @@ impl Clusters {
         self.map().contains_key(id)
     }
 
-    /// The members of cluster `id`, if it is one.
-    fn members(&self, id: &str) -> Option<Vec<String>> {
+    /// Cluster `id`, if it is one.
+    fn get(&self, id: &str) -> Option<Cluster> {
         match self.map().get(id) {
-            Some(ClusterSlot::Ready(m)) => Some(m.clone()),
+            Some(ClusterSlot::Ready(c)) => Some(c.clone()),
             _ => None,
         }
     }
 
     /// Writes the record of `id` atomically.
-    fn save(&self, id: &str, members: &[String]) -> Result<(), StoreError> {
+    fn save(&self, id: &str, c: &Cluster) -> Result<(), StoreError> {
         let rec = ClusterRecord {
             version: CLUSTER_RECORD_VERSION,
             id: id.to_string(),
-            members: members.to_vec(),
+            members: c.members.clone(),
+            bridge: c.bridge.clone(),
         };
         write_json_atomic(&self.dir, id, &rec, &self.seq)
     }
@@ -116,11 +159,14 @@ impl Clusters {
         }
     }
 
-    /// Forgets every cluster and removes its record (the daemon exits, and
-    /// the members with it).
+    /// Forgets every cluster and removes its record and bridge (the daemon
+    /// exits, and the members with it).
     pub(super) fn remove_all(&self) {
-        let ids: Vec<String> = std::mem::take(&mut *self.map()).into_keys().collect();
-        for id in ids {
+        let all = std::mem::take(&mut *self.map());
+        for (id, slot) in all {
+            if let ClusterSlot::Ready(Cluster { bridge: Some(b), .. }) = slot {
+                remove_bridge(&b);
+            }
             if let Err(e) = self.remove_record(&id) {
                 tracing::error!(cluster = %id, error = %e, "cannot remove the cluster's record");
             }
@@ -131,27 +177,32 @@ impl Clusters {
     pub(super) fn forget_member(&self, member: &str) {
         let mut map = self.map();
         let holder = map.iter_mut().find_map(|(id, slot)| match slot {
-            ClusterSlot::Ready(m) if m.iter().any(|x| x == member) => Some((id.clone(), m)),
+            ClusterSlot::Ready(c) if c.has(member) => Some((id.clone(), c)),
             _ => None,
         });
-        if let Some((id, members)) = holder {
-            members.retain(|x| x != member);
-            if let Err(e) = self.save(&id, members) {
+        if let Some((id, c)) = holder {
+            c.members.retain(|x| x.id != member);
+            if let Err(e) = self.save(&id, c) {
                 tracing::error!(cluster = %id, error = %e, "cannot rewrite the cluster's record");
             }
         }
     }
 }
 
-/// Cluster ids reserved for a fork's children: released (with any record)
-/// on drop unless filled.
+/// Cluster ids reserved for a fork's children: released (with any record
+/// and bridge) on drop unless filled.
 struct ClusterReservation<'a> {
     clusters: &'a Clusters,
     ids: Vec<String>,
+    /// The bridges made for them so far.
+    bridges: Vec<String>,
 }
 
 impl Drop for ClusterReservation<'_> {
     fn drop(&mut self) {
+        for b in &self.bridges {
+            remove_bridge(b);
+        }
         let mut map = self.clusters.map();
         for id in &self.ids {
             if matches!(map.get(id), Some(ClusterSlot::Reserved)) {
@@ -162,6 +213,68 @@ impl Drop for ClusterReservation<'_> {
     }
 }
 
+/// Deletes bridge `name` if it exists; a failure is logged (a cleanup path).
+fn remove_bridge(name: &str) {
+    match k7d_net::delete_bridge(name) {
+        Ok(true) => tracing::info!(bridge = name, "cluster bridge removed"),
+        Ok(false) => {}
+        Err(e) => tracing::error!(bridge = name, error = %e, "cannot remove a cluster bridge"),
+    }
+}
+
+/// Takes `members`' bridged NICs off their bridge again and deletes
+/// `bridge` when given (the undo of a [`wire`] whose step failed later).
+fn unwire(members: &[Member], bridge: Option<&str>) {
+    for m in members {
+        for (_, tap) in m.ports() {
+            if let Err(e) = k7d_net::detach_port(&tap) {
+                tracing::error!(tap = %tap, error = %e, "cannot take a tap off a cluster bridge");
+            }
+        }
+    }
+    if let Some(b) = bridge {
+        remove_bridge(b);
+    }
+}
+
+/// Puts `members`' bridged NICs on `bridge`, creating it first when
+/// `create`: every port or none (on failure the ports put on so far are
+/// taken off again, and a bridge made here is deleted).
+fn wire(cluster: &str, bridge: &str, create: bool, members: &[Member]) -> Result<(), ApiError> {
+    let ports: Vec<(&str, u16, String)> = members
+        .iter()
+        .flat_map(|m| m.ports().map(move |(i, tap)| (m.id.as_str(), i, tap)))
+        .collect();
+    if ports.is_empty() {
+        return Ok(());
+    }
+    if create {
+        k7d_net::create_private_bridge(bridge).map_err(|e| {
+            ApiError::new(
+                ErrorCode::Internal,
+                format!("cluster {cluster}: cannot create its bridge {bridge}: {e}"),
+            )
+        })?;
+    }
+    for (n, (vm, nic, tap)) in ports.iter().enumerate() {
+        if let Err(e) = k7d_net::attach_port(bridge, tap) {
+            for (_, _, t) in &ports[..n] {
+                if let Err(e) = k7d_net::detach_port(t) {
+                    tracing::error!(tap = %t, error = %e, "cannot take a tap off a cluster bridge");
+                }
+            }
+            if create {
+                remove_bridge(bridge);
+            }
+            return Err(ApiError::new(
+                ErrorCode::Internal,
+                format!("cluster {cluster}: cannot put vm {vm}'s nic {nic} (tap {tap}) on its bridge {bridge}: {e}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn conflict(msg: String) -> ApiError {
     ApiError::new(ErrorCode::Conflict, msg)
 }
@@ -169,9 +282,11 @@ fn conflict(msg: String) -> ApiError {
 impl Daemon {
     /// `cluster_create`.
     pub(super) fn cluster_create(&self, id: &str, members: &[String]) -> Result<ClusterInfo, ApiError> {
+        let new = self.members_of(members);
         {
             // The VM map first, then the cluster map: the order every
-            // path that takes both keeps.
+            // path that takes both keeps. Both are held while the NICs go
+            // on the bridge: no member can go meanwhile.
             let vms = self.vms();
             if vms.contains_key(id) || self.store.load(id).ok().flatten().is_some() {
                 return Err(conflict(format!("{id} is a vm; a cluster needs an id of its own")));
@@ -181,17 +296,47 @@ impl Daemon {
                 return Err(conflict(format!("cluster {id} already exists")));
             }
             self.check_new_members(&vms, &map, members, &[])?;
-            map.insert(id.to_string(), ClusterSlot::Ready(members.to_vec()));
-        }
-        if let Err(e) = self.clusters.save(id, members) {
-            self.clusters.map().remove(id);
-            return Err(internal(e));
+            let bridge = k7d_net::cluster_bridge_name(id);
+            wire(id, &bridge, true, &new)?;
+            let c = Cluster {
+                bridge: new.iter().any(|m| !m.bridged.is_empty()).then_some(bridge),
+                members: new,
+            };
+            if let Err(e) = self.clusters.save(id, &c) {
+                unwire(&c.members, c.bridge.as_deref());
+                return Err(internal(e));
+            }
+            map.insert(id.to_string(), ClusterSlot::Ready(c));
         }
         self.cluster_info(id)
     }
 
+    /// `members` as cluster members: each with its NICs that go on the
+    /// cluster's bridge (neither a tap the user named nor a datapath NIC).
+    /// A VM that is not there gets none (the checks refuse it).
+    fn members_of(&self, members: &[String]) -> Vec<Member> {
+        members
+            .iter()
+            .map(|m| Member {
+                id: m.clone(),
+                bridged: self
+                    .get(m)
+                    .map(|vm| {
+                        let vm = lock_vm(&vm);
+                        (0u16..)
+                            .zip(&vm.config().devices.nics)
+                            .filter(|(_, n)| n.tap.is_none() && n.datapath.is_none())
+                            .map(|(i, _)| i)
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            })
+            .collect()
+    }
+
     /// `cluster_add`.
     pub(super) fn cluster_add(&self, id: &str, members: &[String]) -> Result<ClusterInfo, ApiError> {
+        let new = self.members_of(members);
         {
             let vms = self.vms();
             let mut map = self.clusters.map();
@@ -201,20 +346,27 @@ impl Daemon {
                     format!("cluster {id} does not exist"),
                 ));
             };
-            let have = have.clone();
-            if have.len() + members.len() > MAX_CLUSTER_MEMBERS {
+            let mut c = have.clone();
+            if c.members.len() + members.len() > MAX_CLUSTER_MEMBERS {
                 return Err(ApiError::new(
                     ErrorCode::InvalidArgument,
                     format!("cluster {id} would have more than {MAX_CLUSTER_MEMBERS} members"),
                 ));
             }
-            self.check_new_members(&vms, &map, members, &have)?;
-            let mut all = have;
-            all.extend(members.iter().cloned());
-            if let Err(e) = self.clusters.save(id, &all) {
+            self.check_new_members(&vms, &map, members, &c.ids())?;
+            let create = c.bridge.is_none();
+            let bridge = c.bridge.clone().unwrap_or_else(|| k7d_net::cluster_bridge_name(id));
+            wire(id, &bridge, create, &new)?;
+            if new.iter().any(|m| !m.bridged.is_empty()) {
+                c.bridge = Some(bridge.clone());
+            }
+            let wired = new.clone();
+            c.members.extend(new);
+            if let Err(e) = self.clusters.save(id, &c) {
+                unwire(&wired, create.then_some(bridge.as_str()));
                 return Err(internal(e));
             }
-            map.insert(id.to_string(), ClusterSlot::Ready(all));
+            map.insert(id.to_string(), ClusterSlot::Ready(c));
         }
         self.cluster_info(id)
     }
@@ -239,7 +391,7 @@ impl Daemon {
                 ));
             }
             let holder = map.iter().find_map(|(id, slot)| match slot {
-                ClusterSlot::Ready(list) if list.contains(m) => Some(id.as_str()),
+                ClusterSlot::Ready(c) if c.has(m) => Some(id.as_str()),
                 _ => None,
             });
             if let Some(h) = holder {
@@ -251,16 +403,22 @@ impl Daemon {
 
     /// `cluster_info`.
     pub(super) fn cluster_info(&self, id: &str) -> Result<ClusterInfo, ApiError> {
-        let members = self
+        let c = self
             .clusters
-            .members(id)
+            .get(id)
             .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("cluster {id} does not exist")))?;
-        let members = members
+        let ports = c
+            .members
             .iter()
-            .map(|m| match self.get(m) {
+            .flat_map(|m| m.ports().map(move |(i, tap)| format!("{}:{i}:{tap}", m.id)))
+            .collect();
+        let members = c
+            .members
+            .iter()
+            .map(|m| match self.get(&m.id) {
                 Ok(vm) => summary(&lock_vm(&vm)),
                 Err(_) => VmSummary {
-                    id: m.clone(),
+                    id: m.id.clone(),
                     status: "gone".into(),
                     vcpus: 0,
                     memory_mib: 0,
@@ -271,6 +429,8 @@ impl Daemon {
         Ok(ClusterInfo {
             id: id.to_string(),
             members,
+            bridge: c.bridge,
+            ports,
         })
     }
 
@@ -281,9 +441,10 @@ impl Daemon {
             .map()
             .iter()
             .filter_map(|(id, slot)| match slot {
-                ClusterSlot::Ready(m) => Some(ClusterSummary {
+                ClusterSlot::Ready(c) => Some(ClusterSummary {
                     id: id.clone(),
-                    members: m.clone(),
+                    members: c.ids(),
+                    bridge: c.bridge.clone(),
                 }),
                 ClusterSlot::Reserved => None,
             })
@@ -291,14 +452,15 @@ impl Daemon {
         ClusterList { clusters }
     }
 
-    /// `cluster_delete`: every member VM, then the cluster. A member that
-    /// cannot be deleted stays a member, and the cluster stays.
+    /// `cluster_delete`: every member VM, then the bridge, then the
+    /// cluster. A member that cannot be deleted stays a member, and the
+    /// cluster stays (so does it when its bridge cannot go).
     pub(super) fn cluster_delete(&self, id: &str) -> Result<Deleted, ApiError> {
-        let members = self
+        let c = self
             .clusters
-            .members(id)
+            .get(id)
             .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("cluster {id} does not exist")))?;
-        for m in &members {
+        for m in &c.ids() {
             match self.delete(m) {
                 Ok(_) => {}
                 Err(e) if e.code == ErrorCode::NotFound => self.clusters.forget_member(m),
@@ -310,6 +472,14 @@ impl Daemon {
                 }
             }
         }
+        if let Some(b) = &c.bridge {
+            k7d_net::delete_bridge(b).map_err(|e| {
+                ApiError::new(
+                    ErrorCode::Internal,
+                    format!("cluster {id} is kept: its members are deleted, but its bridge {b} is not: {e}"),
+                )
+            })?;
+        }
         self.clusters.map().remove(id);
         self.clusters.remove_record(id).map_err(internal)?;
         Ok(Deleted {
@@ -320,7 +490,7 @@ impl Daemon {
 
     /// Whether `id` is a cluster (`fork` then forks the cluster).
     pub(super) fn is_cluster(&self, id: &str) -> bool {
-        self.clusters.members(id).is_some()
+        self.clusters.get(id).is_some()
     }
 
     /// `fork` of a cluster: every member paused at once (all or none),
@@ -328,10 +498,11 @@ impl Daemon {
     /// resumed; each fork's children form cluster `<id>-f<n>`. Every child
     /// and child cluster, or none.
     pub(super) fn cluster_fork(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
-        let members = self
+        let source = self
             .clusters
-            .members(id)
+            .get(id)
             .ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("cluster {id} does not exist")))?;
+        let members = source.ids();
         if members.is_empty() {
             return Err(conflict(format!("cluster {id} has no members to fork")));
         }
@@ -346,7 +517,7 @@ impl Daemon {
             ));
         }
         let handles: Vec<Arc<Mutex<Vm>>> = members.iter().map(|m| self.get(m)).collect::<Result<_, _>>()?;
-        let child_clusters = self.reserve_child_clusters(id, count)?;
+        let mut child_clusters = self.reserve_child_clusters(id, count)?;
         // Per member: its children's ids, one per fork.
         let held: Vec<Reservation<'_>> = members
             .iter()
@@ -392,6 +563,32 @@ impl Daemon {
             }
         };
 
+        // Each fork is a cluster of the children, each member's with the
+        // member's NICs on a bridge of the fork's own, wired before any
+        // child runs (a failure drops the children, and the reservation
+        // deletes the bridges made so far).
+        let mut made = Vec::with_capacity(count as usize);
+        for (f, cid) in child_clusters.ids.clone().iter().enumerate() {
+            let kids: Vec<Member> = source
+                .members
+                .iter()
+                .zip(&ids[f])
+                .map(|(m, child)| Member {
+                    id: child.clone(),
+                    bridged: m.bridged.clone(),
+                })
+                .collect();
+            let bridge = kids
+                .iter()
+                .any(|m| !m.bridged.is_empty())
+                .then(|| k7d_net::cluster_bridge_name(cid));
+            if let Some(b) = &bridge {
+                wire(cid, b, true, &kids)?;
+                child_clusters.bridges.push(b.clone());
+            }
+            made.push(Cluster { members: kids, bridge });
+        }
+
         // Adopt (record and start) every child; a failure drops the ones
         // adopted so far and every reservation, which removes them all.
         let mut per_member: Vec<Vec<Arc<Mutex<Vm>>>> = (0..members.len()).map(|_| Vec::new()).collect();
@@ -408,17 +605,17 @@ impl Daemon {
                 });
             }
         }
-        for (f, cid) in child_clusters.ids.iter().enumerate() {
-            self.clusters.save(cid, &ids[f]).map_err(internal)?;
+        for (cid, c) in child_clusters.ids.iter().zip(&made) {
+            self.clusters.save(cid, c).map_err(internal)?;
         }
         // The child clusters first, then the children: a child deleted as
         // soon as it is reachable is taken out of its cluster.
-        let mut child_clusters = child_clusters;
         let names = std::mem::take(&mut child_clusters.ids);
+        child_clusters.bridges.clear();
         {
             let mut map = self.clusters.map();
-            for (f, cid) in names.iter().enumerate() {
-                map.insert(cid.clone(), ClusterSlot::Ready(ids[f].clone()));
+            for (cid, c) in names.iter().zip(made) {
+                map.insert(cid.clone(), ClusterSlot::Ready(c));
             }
         }
         for (r, vms) in held.into_iter().zip(per_member) {
@@ -441,6 +638,7 @@ impl Daemon {
         let mut held = ClusterReservation {
             clusters: &self.clusters,
             ids: Vec::new(),
+            bridges: Vec::new(),
         };
         let mut n = 0u32;
         while held.ids.len() < count as usize {

@@ -627,3 +627,100 @@ fn a_create_racing_a_delete_of_its_id_keeps_its_record() {
         c.call(&Request::Delete("x".into())).unwrap();
     }
 }
+
+/// The snapshot tree (`docs/fork.md`): every child knows its parent and
+/// every source its live children; a fork past the source's budget (live
+/// children, or the RAM they may commit) is refused with a sentence and
+/// makes nothing; a deleted child frees its place; a source deleted with
+/// live children leaves them running on the base they hold.
+#[test]
+fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
+    use k7d_vmm::daemon::api::ForkArgs;
+    let d = TestDaemon::start("fork-budget");
+    let mut cfg = k7d_tests::builtin("memwriter", 1, 8, &[16, 0x20_0000, 1]);
+    cfg.id = Some("bud".into());
+    cfg.fork.max_children = Some(3);
+    d.daemon
+        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+            config: cfg,
+            start: true,
+        }))
+        .unwrap();
+    let fork = |id: &str, count: u32| d.daemon.handle(Request::Fork(ForkArgs { id: id.into(), count }));
+    let info = |id: &str| {
+        let Reply::Vm(i) = d.daemon.handle(Request::Info(id.into())).unwrap() else {
+            panic!("info answered another type")
+        };
+        i
+    };
+    let ids = || {
+        let Reply::List(l) = d.daemon.handle(Request::List).unwrap() else {
+            panic!()
+        };
+        let mut v: Vec<String> = l.vms.into_iter().map(|v| v.id).collect();
+        v.sort();
+        v
+    };
+    fork("bud", 2).unwrap();
+    assert_eq!(info("bud").children, ["bud-f1", "bud-f2"]);
+    assert_eq!(info("bud-f1").parent.as_deref(), Some("bud"));
+    assert_eq!(info("bud").parent, None);
+
+    let before = ids();
+    let e = fork("bud", 2).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Conflict);
+    assert_eq!(
+        e.message,
+        "vm bud has 2 live fork children and its budget allows 3: 2 more are refused"
+    );
+    assert_eq!(ids(), before, "a refused fork makes nothing");
+    fork("bud", 1).unwrap();
+    assert_eq!(info("bud").children, ["bud-f1", "bud-f2", "bud-f3"]);
+    assert!(fork("bud", 1).is_err(), "the budget is full");
+
+    // A deleted child frees its place; the child's own children are its
+    // own tree (it inherits the budget: 3 of its own).
+    d.daemon.handle(Request::Delete("bud-f2".into())).unwrap();
+    assert_eq!(info("bud").children, ["bud-f1", "bud-f3"]);
+    fork("bud", 1).unwrap();
+    fork("bud-f1", 3).unwrap();
+    assert_eq!(info("bud-f1").children.len(), 3);
+    assert_eq!(info("bud-f1-f1").parent.as_deref(), Some("bud-f1"));
+
+    // The RAM budget: 8 MiB children, 20 MiB for all of them: two fit.
+    let mut cfg = k7d_tests::builtin("memwriter", 1, 8, &[16, 0x20_0000, 1]);
+    cfg.id = Some("ram".into());
+    cfg.fork.max_children_memory_mib = Some(20);
+    d.daemon
+        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+            config: cfg,
+            start: true,
+        }))
+        .unwrap();
+    fork("ram", 2).unwrap();
+    let e = fork("ram", 1).unwrap_err();
+    assert_eq!(
+        e.message,
+        "vm ram's 3 fork children would commit 24 MiB of guest RAM and its budget allows 20 MiB: 1 more are refused"
+    );
+
+    // Deleting a source with live children: they keep running on the base
+    // they hold, and say whose it was; a new VM under the old id is not
+    // their parent.
+    let counter = |id: &str| peek(&d, id, RESULTS_ADDR + result::LOOP_COUNTER);
+    d.daemon.handle(Request::Delete("bud".into())).unwrap();
+    let c0 = counter("bud-f3");
+    assert!(
+        wait_for(Duration::from_secs(10), || counter("bud-f3") > c0),
+        "a child of a deleted source runs on"
+    );
+    assert_eq!(info("bud-f3").status, "running");
+    assert_eq!(info("bud-f3").parent.as_deref(), Some("bud (deleted)"));
+    d.daemon
+        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+            config: idle("bud"),
+            start: false,
+        }))
+        .unwrap();
+    assert!(info("bud").children.is_empty(), "a new VM under the id has no children");
+}

@@ -215,6 +215,55 @@ pub struct VmConfig {
     /// Optional devices.
     #[serde(default)]
     pub devices: DevicesConfig,
+    /// What this VM's live fork children may hold (unset: no limit beyond
+    /// the daemon's per-request cap). Children inherit it.
+    #[serde(default, skip_serializing_if = "ForkBudget::is_unset")]
+    pub fork: ForkBudget,
+}
+
+/// A fork source's budget (`docs/fork.md`, "The snapshot tree"): how many
+/// live children it may have, and how much guest RAM they may commit
+/// together. A copy-on-write child can come to own every page of its RAM,
+/// so each counts its whole `memory_mib`. A fork that would pass either is
+/// refused with a sentence, before anything is paused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkBudget {
+    /// Live children at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_children: Option<u32>,
+    /// The guest RAM of all live children together, in MiB, at most.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_children_memory_mib: Option<u64>,
+}
+
+impl ForkBudget {
+    /// No limit set.
+    pub fn is_unset(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Why `more` children of `memory_mib` each cannot join `live` live
+    /// ones of source `id`, if they cannot.
+    pub fn refusal(&self, id: &str, live: u32, more: u32, memory_mib: u64) -> Option<String> {
+        let total = u64::from(live) + u64::from(more);
+        if let Some(max) = self.max_children
+            && total > u64::from(max)
+        {
+            return Some(format!(
+                "vm {id} has {live} live fork children and its budget allows {max}: {more} more are refused"
+            ));
+        }
+        if let Some(cap) = self.max_children_memory_mib {
+            let need = total.saturating_mul(memory_mib);
+            if need > cap {
+                return Some(format!(
+                    "vm {id}'s {total} fork children would commit {need} MiB of guest RAM and its budget allows {cap} MiB: {more} more are refused"
+                ));
+            }
+        }
+        None
+    }
 }
 
 impl Default for VmConfig {
@@ -226,6 +275,7 @@ impl Default for VmConfig {
             guest: GuestSpec::default(),
             serial: SerialConfig::default(),
             devices: DevicesConfig::default(),
+            fork: ForkBudget::default(),
         }
     }
 }

@@ -107,6 +107,12 @@ struct GuestArgs {
     /// A virtio-vsock device: `cid=N,uds=PATH`.
     #[arg(long)]
     vsock: Option<String>,
+    /// Fork budget: live fork children at most (children inherit it).
+    #[arg(long)]
+    max_children: Option<u32>,
+    /// Fork budget: the guest RAM all live fork children may commit together, in MiB.
+    #[arg(long = "max-children-memory")]
+    max_children_memory_mib: Option<u64>,
 }
 
 fn parse_disk(s: &str) -> Result<DiskConfig> {
@@ -230,6 +236,10 @@ impl GuestArgs {
                 disks: self.disks.iter().map(|d| parse_disk(d)).collect::<Result<_>>()?,
                 nics: self.nics.iter().map(|n| parse_nic(n)).collect::<Result<_>>()?,
                 vsock: self.vsock.as_deref().map(parse_vsock).transpose()?,
+            },
+            fork: k7d_vmm::config::ForkBudget {
+                max_children: self.max_children,
+                max_children_memory_mib: self.max_children_memory_mib,
             },
         })
     }

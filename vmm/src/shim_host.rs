@@ -68,6 +68,7 @@ pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
                 uds: spec.vsock_uds.clone(),
             }),
         },
+        fork: Default::default(),
     }
 }
 

@@ -354,6 +354,13 @@ pub struct VmInfo {
     pub first_exit_us_after_start: Option<u64>,
     /// vCPU exits so far.
     pub exits: u32,
+    /// The VM this one was forked from (it may be gone: a child keeps its
+    /// base alive).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    /// Its live fork children.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub children: Vec<String>,
 }
 
 /// `delete`'s result.
@@ -722,6 +729,7 @@ mod tests {
                     uds: "/run/k7d/v.sock".into(),
                 }),
             },
+            fork: Default::default(),
         }
     }
 
@@ -958,7 +966,8 @@ mod tests {
         (
             r#"{"v":1,"op":"create","args":{"config":{"colour":"red"}}}"#,
             ErrorCode::InvalidArgument,
-            "invalid arguments for `create`: unknown field `colour`, expected one of `id`, `vcpus`, `memory_mib`, `guest`, `serial`, `devices`",
+            // (the list of known fields has grown by `fork` since capture)
+            "invalid arguments for `create`: unknown field `colour`, expected one of `id`, `vcpus`, `memory_mib`, `guest`, `serial`, `devices`, `fork`",
         ),
         (
             r#"{"v":1,"op":"create","args":{"config":{}, "start": "yes"}}"#,
@@ -1048,6 +1057,8 @@ mod tests {
             ms_since_start: None,
             first_exit_us_after_start: Some(187),
             exits: 5,
+            parent: None,
+            children: Vec::new(),
         }
     }
 

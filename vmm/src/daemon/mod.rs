@@ -79,6 +79,15 @@ pub enum DaemonError {
     },
 }
 
+/// The VM a fork child came from.
+#[derive(Debug, Clone)]
+struct Parent {
+    id: String,
+    /// Deleted since (its children keep the base alive; a new VM that takes
+    /// the id is not their parent).
+    deleted: bool,
+}
+
 enum Slot {
     /// An id taken by a create, restore or fork still in progress.
     Reserved,
@@ -93,6 +102,9 @@ pub struct Daemon {
     store: Arc<RecordStore>,
     clusters: clusters::Clusters,
     vms: Mutex<HashMap<String, Slot>>,
+    /// The snapshot tree: each fork child (reserved or live) and the VM it
+    /// was forked from. Taken after `vms` when both are held.
+    parents: Mutex<HashMap<String, Parent>>,
     node: crate::config::NodeConfig,
     recorder: recorder::Recorder,
     _lock: crate::sys::FileLock,
@@ -134,12 +146,25 @@ impl Drop for Reservation<'_> {
             }
         }
         let mut map = self.daemon.vms();
+        let mut parents = self.daemon.parents();
         for id in &self.ids {
             if matches!(map.get(id), Some(Slot::Reserved)) {
                 map.remove(id);
+                parents.remove(id);
             }
         }
     }
+}
+
+/// The children of `id` in the tree `parents`, sorted.
+fn children_in(parents: &HashMap<String, Parent>, id: &str) -> Vec<String> {
+    let mut v: Vec<String> = parents
+        .iter()
+        .filter(|(_, p)| p.id == id && !p.deleted)
+        .map(|(c, _)| c.clone())
+        .collect();
+    v.sort();
+    v
 }
 
 fn internal(e: impl std::error::Error) -> ApiError {
@@ -335,6 +360,7 @@ impl Daemon {
                 store,
                 clusters,
                 vms: Mutex::new(HashMap::new()),
+                parents: Mutex::new(HashMap::new()),
                 node: crate::config::NodeConfig::default(),
                 recorder,
                 _lock: lock,
@@ -347,6 +373,15 @@ impl Daemon {
     pub fn with_node_config(mut self, node: crate::config::NodeConfig) -> Self {
         self.node = node;
         self
+    }
+
+    fn parents(&self) -> MutexGuard<'_, HashMap<String, Parent>> {
+        self.parents.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The live (or reserved) fork children of `id`, sorted.
+    fn children_of(&self, id: &str) -> Vec<String> {
+        children_in(&self.parents(), id)
     }
 
     fn vms(&self) -> MutexGuard<'_, HashMap<String, Slot>> {
@@ -494,6 +529,15 @@ impl Daemon {
             (Some(s), Some(f)) => Some(f.saturating_duration_since(s).as_micros() as u64),
             _ => None,
         };
+        // (Its own statement: the guard must be gone before `children_of`
+        // takes the lock again.)
+        let parent = self.parents().get(vm.id()).map(|p| {
+            if p.deleted {
+                format!("{} (deleted)", p.id)
+            } else {
+                p.id.clone()
+            }
+        });
         VmInfo {
             id: vm.id().to_string(),
             status: state.to_string(),
@@ -506,6 +550,8 @@ impl Daemon {
             ms_since_start,
             first_exit_us_after_start,
             exits: vm.control().exit_count(),
+            parent,
+            children: self.children_of(vm.id()),
         }
     }
 
@@ -563,8 +609,15 @@ impl Daemon {
     /// Reserves `count` free child ids of `source`: `<source>-f<n>`, the
     /// lowest `n` that neither a VM nor a record holds.
     fn reserve_children(&self, source: &str, count: u32) -> Result<Reservation<'_>, ApiError> {
+        // The source's budget (its config never changes) before the map:
+        // the map is never held while waiting for a VM's lock.
+        let (budget, memory_mib) = self.with_vm(source, |vm| (vm.config().fork, vm.config().memory_mib))?;
         let mut ids = Vec::new();
         let mut vms = self.vms();
+        let live = children_in(&self.parents(), source).len() as u32;
+        if let Some(why) = budget.refusal(source, live, count, memory_mib) {
+            return Err(ApiError::new(ErrorCode::Conflict, why));
+        }
         let mut n = 0u32;
         let complete = loop {
             if ids.len() == count as usize {
@@ -583,6 +636,18 @@ impl Daemon {
                 ids.push(cid);
             }
         };
+        {
+            let mut parents = self.parents();
+            for id in &ids {
+                parents.insert(
+                    id.clone(),
+                    Parent {
+                        id: source.to_string(),
+                        deleted: false,
+                    },
+                );
+            }
+        }
         drop(vms);
         // From here on, every return releases what was reserved.
         let held = Reservation { daemon: self, ids };
@@ -736,6 +801,13 @@ impl Daemon {
             let mut vms = self.vms();
             vms.insert(id.to_string(), Slot::Deleting);
             self.clusters.forget_member(id);
+            // Out of the snapshot tree: its children outlive it (they hold
+            // the base), a parent no more.
+            let mut parents = self.parents();
+            parents.remove(id);
+            for p in parents.values_mut().filter(|p| p.id == id) {
+                p.deleted = true;
+            }
         }
         // Dropping the last handle closes the vCPU fds, the VM fd and the memfd.
         drop(vm);

@@ -1,23 +1,28 @@
 //! Cluster fork (issue 16), side by side in one run: a cluster of 3 × 256
 //! MiB members forked under one pause against the sum of three single-VM
-//! forks of the same members (each its own pause), at 0 / 1 / 10 % of the
-//! pages dirtied since the bases froze; and a batch of N forks under one
-//! pause against N cluster forks one after another, per fork. Members are
-//! running idle guests (the pause and resume are part of each figure). The
-//! QEMU stand-in for three VMs is not measured here (`benches/benches/fork.rs`
-//! has QEMU's single-VM equivalent).
+//! forks of the same members (each its own pause) and against a QEMU
+//! stand-in for three VMs (QEMU has no fork: three QEMUs side by side, each
+//! stopped, migrated to a file on tmpfs, a new QEMU `-incoming` it, `cont`;
+//! the wall time until all three run, `k7d_benches::qemu_fork`), at 0 / 1 /
+//! 10 % of the pages dirtied since the bases froze; and a batch of N forks
+//! under one pause (fresh members, 1 % dirtied) against N cluster forks one
+//! after another, per fork. Members are running idle guests (the pause and
+//! resume are part of each figure).
 //!
 //! Goals (issue 16): a cluster fork ≤ 1.3× one single-VM fork of the same
 //! total RAM; a batch ≤ 0.5× a single cluster fork per cluster.
 //!
 //! Run: `cargo bench -p k7d-benches --bench cluster_fork` (root, /dev/kvm).
 //! `K7D_BENCH_FORKS` sets the samples per cell (default 11),
-//! `K7D_BENCH_BATCH` the batch size (default 8).
+//! `K7D_BENCH_BATCH` the batch size (default 50), `K7D_BENCH_BATCHES` the
+//! batches measured (default 5), `K7D_BENCH_QEMU_RUNS` the QEMU runs per
+//! cell (default 3; 0 skips QEMU).
 
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use k7d_benches::env_num;
+use k7d_benches::qemu_fork::QemuFork;
+use k7d_benches::{env_num, which};
 use k7d_vmm::config::{GuestSpec, VmConfig};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::vstate::cluster::ClusterPause;
@@ -66,9 +71,46 @@ fn ids(forks: usize, round: usize) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// The QEMU stand-in for a cluster: `MEMBERS` QEMU forks side by side,
+/// the wall time until the last one runs.
+fn qemu_cluster(q: &[QemuFork], dirty: u64, round: u32) -> Result<Duration> {
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        let runs: Vec<_> = q.iter().map(|q| s.spawn(move || q.run(dirty, round))).collect();
+        for r in runs {
+            r.join()
+                .map_err(|_| anyhow::anyhow!("a QEMU stand-in thread panicked"))??;
+        }
+        Ok::<(), anyhow::Error>(())
+    })?;
+    Ok(t.elapsed())
+}
+
 fn main() -> Result<()> {
     let samples = env_num("K7D_BENCH_FORKS", 11);
-    let batch = env_num("K7D_BENCH_BATCH", 8);
+    let batch = env_num("K7D_BENCH_BATCH", 50);
+    let batches = env_num("K7D_BENCH_BATCHES", 5);
+    let qemu_runs = env_num("K7D_BENCH_QEMU_RUNS", 3);
+    let scratch = std::path::Path::new("/dev/shm").join(format!("k7d-bench-cluster-{}", std::process::id()));
+    let qemu: Vec<QemuFork> = match (qemu_runs, which("qemu-system-x86_64")) {
+        (0, _) => Vec::new(),
+        (_, None) => {
+            println!("qemu-system-x86_64 not found: the QEMU column is skipped (apt-get install qemu-system-x86)");
+            Vec::new()
+        }
+        (_, Some(q)) => {
+            let bios = scratch.join("hello-bios.bin");
+            std::fs::create_dir_all(&scratch)?;
+            std::fs::write(&bios, k7d_guest::hello_bios_image())?;
+            (0..MEMBERS)
+                .map(|i| {
+                    let dir = scratch.join(format!("vm{i}"));
+                    std::fs::create_dir_all(&dir)?;
+                    Ok(QemuFork::new(&q, &bios, &dir, MIB))
+                })
+                .collect::<Result<_>>()?
+        }
+    };
     let members: Vec<Vm> = (0..MEMBERS)
         .map(|i| member(&format!("m{i}"), MIB))
         .collect::<Result<_>>()?;
@@ -81,8 +123,8 @@ fn main() -> Result<()> {
 
     println!("k7d cluster fork: {MEMBERS} running idle members of {MIB} MiB ({samples} samples per cell, medians)");
     println!(
-        "{:>6} {:>14} {:>16} {:>7} | {:>12}",
-        "dirty", "cluster ms", "3 singles ms", "ratio", "goal <= 1.3"
+        "{:>6} {:>14} {:>16} {:>7} | {:>12} | {:>14} {:>8}",
+        "dirty", "cluster ms", "3 singles ms", "ratio", "goal <= 1.3", "QEMU 3 VMs ms", "/QEMU"
     );
     let pages = (MIB << 20) / 4096;
     for (pct, n) in [(0.0, 0), (1.0, pages / 100), (10.0, pages / 10)] {
@@ -114,43 +156,83 @@ fn main() -> Result<()> {
             singles.push(sum);
         }
         let (c, s) = (median(cluster), median(singles));
+        let q = if qemu.is_empty() {
+            None
+        } else {
+            Some(median(
+                (0..qemu_runs)
+                    .map(|r| qemu_cluster(&qemu, n, r as u32))
+                    .collect::<Result<Vec<_>>>()?,
+            ))
+        };
         println!(
-            "{:>5}% {:>14.2} {:>16.2} {:>7.2} | {:>12}",
+            "{:>5}% {:>14.2} {:>16.2} {:>7.2} | {:>12} | {:>14} {:>8}",
             pct,
             ms(c),
             ms(s),
             ms(c) / ms(s),
-            if ms(c) <= 1.3 * ms(s) { "met" } else { "not met" }
+            if ms(c) <= 1.3 * ms(s) { "met" } else { "not met" },
+            q.map_or("-".into(), |q| format!("{:.1}", ms(q))),
+            q.map_or("-".into(), |q| format!("{:.3}", ms(c) / ms(q)))
         );
     }
 
-    let mut one = Vec::with_capacity(samples);
-    let mut per_fork = Vec::with_capacity(samples);
-    for r in 0..samples {
+    drop(refs);
+    for mut m in members {
+        m.stop();
+    }
+
+    // Batches: fresh members (bases frozen by a first fork), 1 % of their
+    // pages dirtied before each measurement, as a running cluster would.
+    let fresh: Vec<Vm> = (0..MEMBERS)
+        .map(|i| member(&format!("b{i}"), MIB))
+        .collect::<Result<_>>()?;
+    let refs: Vec<&Vm> = fresh.iter().collect();
+    let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;
+    drop(held.fork(&ids(1, 300), |_| VmOptions::default())?);
+    held.resume()?;
+    let n = pages / 100;
+    let mut singles = Vec::with_capacity(batches);
+    let mut per_fork = Vec::with_capacity(batches);
+    for r in 0..batches {
+        // `batch` cluster forks one after another (each its own pause)...
+        let mut sum = Duration::ZERO;
+        for f in 0..batch {
+            for m in &fresh {
+                dirty(m, MIB, n / batch as u64, (r * batch + f) as u32);
+            }
+            let t = Instant::now();
+            let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;
+            let c = held.fork(&ids(1, 1000 + r * batch + f), |_| VmOptions::default())?;
+            held.resume()?;
+            sum += t.elapsed();
+            drop(c);
+        }
+        singles.push(sum / batch as u32);
+        // ... against one batch of `batch` under one pause, after the same
+        // divergence.
+        for m in &fresh {
+            dirty(m, MIB, n, r as u32 ^ 0x77);
+        }
         let t = Instant::now();
         let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;
-        let c = held.fork(&ids(1, 100 + r), |_| VmOptions::default())?;
-        held.resume()?;
-        one.push(t.elapsed());
-        drop(c);
-        let t = Instant::now();
-        let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;
-        let c = held.fork(&ids(batch, 200 + r), |_| VmOptions::default())?;
+        let c = held.fork(&ids(batch, 5000 + r), |_| VmOptions::default())?;
         held.resume()?;
         per_fork.push(t.elapsed() / batch as u32);
         drop(c);
     }
-    let (o, b) = (median(one), median(per_fork));
+    let (o, b) = (median(singles), median(per_fork));
     println!(
-        "batch of {batch} under one pause: {:.2} ms per fork vs {:.2} ms for one cluster fork: {:.2}x (goal <= 0.5: {})",
+        "batch of {batch} under one pause: {:.2} ms per cluster vs {:.2} ms per cluster for {batch} single cluster forks: {:.2}x (goal <= 0.5: {})",
         ms(b),
         ms(o),
         ms(b) / ms(o),
         if ms(b) <= 0.5 * ms(o) { "met" } else { "not met" }
     );
     drop(refs);
-    for mut m in members {
+    for mut m in fresh {
         m.stop();
     }
+    let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
 }

@@ -22,7 +22,7 @@
 #     connection ended, no wrong answer), and every guest's eth0 has the
 #     source's IP and MAC.
 #  4. isolation: each of the three domains in turn is paused while the
-#     other two run; over 4 s no frame is sent towards the paused domain's
+#     other two run; over 3 s no frame is sent towards the paused domain's
 #     guests (tc matchall counters on the egress of its taps stand still)
 #     while the others' counters advance. Frames of one domain therefore
 #     never reach another. Then every domain flows again.
@@ -40,6 +40,9 @@ W=/tmp/k7d-cluster
 st=$W/state sock=$W/k7d.sock DLOG=$W/daemon.log
 rm -rf "$W" && mkdir -p "$W" || lab_fail "cannot make $W"
 dpid='' relayed=
+T0=$(lab_now)
+# at: seconds since the scenario began (in the notes: where the time goes).
+at() { lab_sub "$(lab_now)" "$T0"; }
 kct() { _t=$1; shift; timeout -s KILL "$_t" "$LAB_BIN" --socket "$sock" "$@"; }
 kc() { kct 60 "$@"; }
 log_of() { echo "$st/vms/$1/serial.log"; }
@@ -73,38 +76,57 @@ first() {
 }
 guest_error() { tr -d '\r' <"$(log_of "$1")" 2>/dev/null | sed -n 's/.*LAB-GUEST error //p' | head -n1; }
 # members CLUSTER: its member ids, in order (k7d cluster info's text).
-members() { kc cluster info "$1" | sed -n 's/^  \([^ ]*\) .*/\1/p'; }
-bridge_of() { kc cluster info "$1" | sed -n 's/^bridge \([^:]*\):.*/\1/p'; }
-tap_of() { kc info "$1" | sed -n 's/.*tap \([^,]*\),.*/\1/p' | head -n1; }
-mac_of() { kc info "$1" | sed -n 's/.*mac \([0-9a-f:]*\).*/\1/p' | head -n1; }
+# (asked once per cluster, as info_of below)
+cinfo() { [ -s "$W/cinfo-$1.txt" ] || kc cluster info "$1" >"$W/cinfo-$1.txt" 2>&1; cat "$W/cinfo-$1.txt"; }
+members() { cinfo "$1" | sed -n 's/^  \([^ ]*\) .*/\1/p'; }
+bridge_of() { cinfo "$1" | sed -n 's/^bridge \([^:]*\):.*/\1/p'; }
+# tap_of VM / mac_of VM: its NIC's tap and MAC, from `k7d info` (asked once
+# per VM: a CLI call is slow on the emulated machine).
+info_of() { [ -s "$W/info-$1.txt" ] || kc info "$1" >"$W/info-$1.txt" 2>&1 || fail "k7d info $1 failed: $(cat "$W/info-$1.txt")"; }
+tap_of() { info_of "$1"; sed -n 's/.*tap \([^,]*\),.*/\1/p' "$W/info-$1.txt" | head -n1; }
+mac_of() { info_of "$1"; sed -n 's/.*mac \([0-9a-f:]*\).*/\1/p' "$W/info-$1.txt" | head -n1; }
 ports() { ip -o link show master "$1" | sed -n 's/^[0-9]*: \([^:@]*\).*/\1/p' | sort | tr '\n' ' '; }
 ipv6_off() { [ "$(cat "/proc/sys/net/ipv6/conf/$1/disable_ipv6" 2>/dev/null || echo 1)" = 1 ]; }
-# egress PKTS: frames sent towards the guest on a tap (its matchall counter).
-egress() { tc -s filter show dev "$1" egress | sed -n 's/.*Sent [0-9]* bytes \([0-9]*\) pkt.*/\1/p' | head -n1; }
-sum_egress() { _s=0; for _t in "$@"; do _s=$((_s + $(egress "$_t"))); done; echo "$_s"; }
-# wait_flow SECS VM...: until every a among VMs (its lines carry rr)
-# answered 3 more requests and every b (rx) received more bytes than now.
+# sum_egress TAP...: the frames sent towards the guests on these taps (their
+# egress matchall counters), in one tc process (tc is slow to start on the
+# emulated machine).
+sum_egress() {
+  for _t in "$@"; do echo "filter show dev $_t egress"; done >"$W/tc-show.batch"
+  tc -s -batch "$W/tc-show.batch" | sed -n 's/.*Sent [0-9]* bytes \([0-9]*\) pkt.*/\1/p' | awk '{s += $1} END {print s + 0}'
+}
+# count VM: one awk over VM's log (the lab's one vCPU runs the guests
+# too: few processes per look): its first error line as "error: ...", else
+# the counter of its last complete status line (a: rr, b: rx), else 0.
+count() {
+  awk '{ sub(/\r+$/, "") }
+    /LAB-GUEST error / { if (e == "") e = $0 }
+    /LAB-GUEST st .* end$/ { n = 0; for (i = 1; i <= NF; i++) if ($i ~ /^(rr|rx)=/) n = substr($i, 4) + 0; l = n }
+    END { if (e != "") { sub(/.*LAB-GUEST error /, "", e); print "error: " e } else print l + 0 }' "$(log_of "$1")" 2>/dev/null || echo 0
+}
+# wait_flow SECS VM...: until every a among VMs answered 2 more requests
+# and every b received more bytes than now (their counters).
 wait_flow() {
   _secs=$1; shift
   _want=''
-  for _v in "$@"; do _want="$_want $_v:$(last "$_v" rr)$(last "$_v" rx)"; done
+  for _v in "$@"; do
+    _c=$(count "$_v")
+    case $_c in error:*) fail "$_v: ${_c#error: }" ;; esac
+    _want="$_want $_v:$_c"
+  done
   _i=0
   while :; do
     _ok=1
     for _p in $_want; do
       _v=${_p%%:*} _was=${_p#*:}
-      [ -z "$(guest_error "$_v")" ] || fail "$_v: $(guest_error "$_v")"
-      if [ -n "$(last "$_v" rr)" ]; then
-        [ "$(last "$_v" rr)" -ge $((${_was:-0} + 3)) ] || _ok=
-      else
-        _now=$(last "$_v" rx)
-        [ -n "$_now" ] && [ "$_now" -gt "${_was:-0}" ] || _ok=
-      fi
+      _now=$(count "$_v")
+      case $_now in error:*) fail "$_v: ${_now#error: }" ;; esac
+      # (a's counter counts requests, b's bytes: 2 more of either is flow)
+      [ "$_now" -ge $((_was + 2)) ] || _ok=
     done
     [ -n "$_ok" ] && return 0
     _i=$((_i + 1))
-    [ "$_i" -lt "$((_secs * 2))" ] || return 1
-    sleep 0.5
+    [ "$_i" -lt "$_secs" ] || return 1
+    sleep 1
   done
 }
 
@@ -135,13 +157,17 @@ done
 # Until a has answers from c and b has bytes from a (boot of three guests
 # on one emulated vCPU: ~30-60 s).
 i=0
-until [ "$(last a rr)" -ge 10 ] 2>/dev/null && [ "$(last b rx)" -ge 10240 ] 2>/dev/null; do
-  i=$((i + 1)); [ "$i" -lt 480 ] || fail "the source cluster did not get going within 240 s: a rr=$(last a rr) b rx=$(last b rx)"
-  for r in a b c; do [ -z "$(guest_error "$r")" ] || fail "source $r: $(guest_error "$r")"; done
-  sleep 0.5
+while :; do
+  ca=$(count a) cb=$(count b) cc=$(count c)
+  for p in "a:$ca" "b:$cb" "c:$cc"; do
+    case ${p#*:} in error:*) fail "source ${p%%:*}: ${p#*: }" ;; esac
+  done
+  [ "$ca" -ge 3 ] && [ "$cb" -ge 2048 ] && break
+  i=$((i + 1)); [ "$i" -lt 240 ] || fail "the source cluster did not get going within 240 s: a rr=$ca b rx=$cb"
+  sleep 1
 done
 src_ip_a=$(last a ip) src_ip_b=$(last b ip) src_ip_c=$(last c ip)
-lab_note "source running: a rr=$(last a rr) tx=$(last a tx), b rx=$(last b rx); ips $src_ip_a $src_ip_b $src_ip_c"
+lab_note "source running at $(at) s: a rr=$(last a rr) tx=$(last a tx), b rx=$(last b rx); ips $src_ip_a $src_ip_b $src_ip_c"
 
 # --- 2. the fork --------------------------------------------------------------------
 pre_rr=$(last a rr) pre_rx=$(last b rx)
@@ -192,15 +218,16 @@ for v in "$f1b" "$f2b"; do
   fr=$(first "$v" rx)
   [ "$fr" -ge "$pre_rx" ] || fail "child $v's first rx=$fr is below the source's $pre_rx before the fork"
 done
-lab_note "3. after the fork: source a rr=$(last a rr) b rx=$(last b rx); cl-f1 $f1a rr=$(first "$f1a" rr)->$(last "$f1a" rr) $f1b rx=$(first "$f1b" rx)->$(last "$f1b" rx); cl-f2 $f2a rr=$(first "$f2a" rr)->$(last "$f2a" rr) $f2b rx=$(first "$f2b" rx)->$(last "$f2b" rx); every eth0 has its source's IP and MAC"
+lab_note "3. at $(at) s, after the fork: source a rr=$(last a rr) b rx=$(last b rx); cl-f1 $f1a rr=$(first "$f1a" rr)->$(last "$f1a" rr) $f1b rx=$(first "$f1b" rx)->$(last "$f1b" rx); cl-f2 $f2a rr=$(first "$f2a" rr)->$(last "$f2a" rr) $f2b rx=$(first "$f2b" rx)->$(last "$f2b" rx); every eth0 has its source's IP and MAC"
 
 # --- 4. isolation: pause one domain, count frames sent towards it ---------------------
 for v in a b c $F1 $F2; do
   t=$(tap_of "$v")
-  tc qdisc add dev "$t" clsact && tc filter add dev "$t" egress matchall action ok ||
-    fail "tc matchall counter on $t failed"
+  echo "qdisc add dev $t clsact" >>"$W/tc-add.batch"
+  echo "filter add dev $t egress matchall action ok" >>"$W/tc-add.batch"
   eval "TAP_$(echo "$v" | tr -c 'a-z0-9\n' '_')=$t"
 done
+tc -batch "$W/tc-add.batch" >"$W/tc-add.out" 2>&1 || fail "tc matchall counters on the taps failed: $(cat "$W/tc-add.out")"
 taps() { for _v in "$@"; do eval "echo \$TAP_$(echo "$_v" | tr -c 'a-z0-9\n' '_')"; done; }
 for d in cl cl-f1 cl-f2; do
   case $d in
@@ -209,18 +236,18 @@ for d in cl cl-f1 cl-f2; do
     cl-f2) mine="$F2" others="a b c $F1" ;;
   esac
   for v in $mine; do kc pause "$v" >/dev/null 2>&1 || fail "k7d pause $v failed"; done
-  sleep 1
+  sleep 0.5
   m0=$(sum_egress $(taps $mine)) o0=$(sum_egress $(taps $others))
-  sleep 4
+  sleep 3
   m1=$(sum_egress $(taps $mine)) o1=$(sum_egress $(taps $others))
   for v in $mine; do kc resume "$v" >/dev/null 2>&1 || fail "k7d resume $v failed"; done
   [ "$m1" = "$m0" ] || fail "while $d was paused, $((m1 - m0)) frames were sent towards its guests: another domain's frames reach it"
   [ "$o1" -gt "$o0" ] || fail "while $d was paused the other domains sent nothing ($o0 -> $o1 frames): the check proves nothing"
-  lab_note "4. $d paused 4 s: frames towards its guests $m0 -> $m1; towards the others' $o0 -> $o1"
+  lab_note "4. $d paused 3 s (at $(at) s): frames towards its guests $m0 -> $m1; towards the others' $o0 -> $o1"
 done
 wait_flow 120 a b "$f1a" "$f1b" "$f2a" "$f2b" ||
   fail "not every domain flows after the isolation rounds: a rr=$(last a rr); $f1a rr=$(last "$f1a" rr); $f2a rr=$(last "$f2a" rr)"
-lab_note "4. every domain flows again: a rr=$(last a rr), $f1a rr=$(last "$f1a" rr), $f2a rr=$(last "$f2a" rr)"
+lab_note "4. at $(at) s every domain flows again: a rr=$(last a rr), $f1a rr=$(last "$f1a" rr), $f2a rr=$(last "$f2a" rr)"
 
 # --- 5. cleanup -----------------------------------------------------------------------
 mkdir -p "$W/logs"
@@ -254,5 +281,5 @@ drc=$?
 [ "$drc" = 0 ] || fail "the k7d daemon exited $drc on SIGTERM: $(tail -n3 "$DLOG" | tr '\n' ' ')"
 ! grep -q 'ERROR' "$DLOG" || fail "the daemon logged an error: $(grep -m1 'ERROR' "$DLOG")"
 relay_logs
-lab_note "5. cleanup: cl-f1 deleted with its bridge and taps while the source ran on; then cl and cl-f2: no VM, cluster, k7d link, record or memfd left; daemon exited 0"
+lab_note "5. at $(at) s, cleanup: cl-f1 deleted with its bridge and taps while the source ran on; then cl and cl-f2: no VM, cluster, k7d link, record or memfd left; daemon exited 0"
 lab_pass "k7d-cluster: 3-VM cluster forked twice on private bridges; TCP stream and request/response flow on in every fork with the source's IPs and MACs; no frame crosses domains; nothing left"

@@ -701,7 +701,7 @@ fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
     let e = fork("ram", 1).unwrap_err();
     assert_eq!(
         e.message,
-        "vm ram's 3 fork children would commit 24 MiB of guest RAM and its budget allows 20 MiB: 1 more are refused"
+        "vm ram's 3 fork children would commit 24 MiB of guest RAM and its budget allows 20 MiB: 1 more is refused"
     );
 
     // Deleting a source with live children: they keep running on the base

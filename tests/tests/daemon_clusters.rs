@@ -438,6 +438,25 @@ fn a_cluster_has_a_private_bridge_and_each_fork_one_of_its_own() {
             .unwrap();
     }
     let tap = |vm: &str, i: u16| nic_names(vm, i).tap;
+    // A tap somebody put on a bridge is theirs: the create is refused and
+    // changes nothing.
+    let theirs = "k7dxbrtheirs";
+    let ip = |args: &[&str]| {
+        let st = std::process::Command::new("ip").args(args).status().unwrap();
+        assert!(st.success(), "ip {args:?}");
+    };
+    ip(&["link", "add", theirs, "type", "bridge"]);
+    ip(&["link", "set", &tap("brb", 0), "master", theirs]);
+    let (code, msg) = err(&d, Request::ClusterCreate(cluster("brnet", &["bra", "brb", "brc"])));
+    assert_eq!(code, ErrorCode::Conflict, "{msg}");
+    assert!(msg.contains(&format!("is on bridge {theirs} already")), "{msg}");
+    assert!(
+        !link_exists(&bridge_of("brnet")),
+        "no bridge is left of the refused create"
+    );
+    assert_eq!(master_of(&tap("bra", 0)).unwrap(), None, "bra's tap was not moved");
+    assert_eq!(master_of(&tap("brb", 0)).unwrap().as_deref(), Some(theirs));
+    ip(&["link", "del", theirs]);
     let Reply::Cluster(info) = d
         .daemon
         .handle(Request::ClusterCreate(cluster("brnet", &["bra", "brb", "brc"])))

@@ -504,7 +504,7 @@ fn lab_k7d_cluster_forks_on_private_bridges() {
         "every eth0 has its source's IP and MAC",
         "4. cl-f2 paused 3 s",
         "every domain flows again",
-        "5. cleanup",
+        "cleanup: cl-f1 deleted",
     ] {
         assert!(notes.contains(want), "{want}: {notes}");
     }

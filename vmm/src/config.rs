@@ -251,14 +251,16 @@ impl ForkBudget {
             && total > u64::from(max)
         {
             return Some(format!(
-                "vm {id} has {live} live fork children and its budget allows {max}: {more} more are refused"
+                "vm {id} has {live} live fork children and its budget allows {max}: {more} more {} refused",
+                if more == 1 { "is" } else { "are" }
             ));
         }
         if let Some(cap) = self.max_children_memory_mib {
             let need = total.saturating_mul(memory_mib);
             if need > cap {
                 return Some(format!(
-                    "vm {id}'s {total} fork children would commit {need} MiB of guest RAM and its budget allows {cap} MiB: {more} more are refused"
+                    "vm {id}'s {total} fork children would commit {need} MiB of guest RAM and its budget allows {cap} MiB: {more} more {} refused",
+                    if more == 1 { "is" } else { "are" }
                 ));
             }
         }

@@ -775,6 +775,12 @@ fn print_vm(vm: &VmInfo) {
     if let Some(p) = &vm.serial_log {
         out!("  serial log: {}", p.display());
     }
+    if let Some(p) = &vm.parent {
+        out!("  forked from: {p}");
+    }
+    if !vm.children.is_empty() {
+        out!("  fork children: {}", vm.children.join(" "));
+    }
 }
 
 fn daemon(

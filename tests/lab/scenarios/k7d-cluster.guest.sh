@@ -10,7 +10,7 @@
 # Every second each prints one status line:
 #   LAB-GUEST st role=<r> ip=<address on eth0> mac=<eth0's MAC> <counters> end
 # with a: tx=<KiB handed to the stream> rr=<requests answered>, b: rx=<bytes
-# received>, c: nothing more. The trailing " end" marks a complete line (a
+# received>, c: nothing more; and a gratuitous ARP (a broadcast). The trailing " end" marks a complete line (a
 # fork child's log can begin in the middle of one). A connection that ends
 # (a reset: its nc exits) or an answer that is not the request is printed
 # as "LAB-GUEST error ..."; the scenario fails on any. The connections are
@@ -42,7 +42,13 @@ g "net role=$ROLE ip=$IP mac=$(cat /sys/class/net/eth0/address) end"
 # addr: the IPv4 address eth0 has now (read each time: after a fork, what
 # the child's kernel holds).
 addr() { ip -4 -o addr show dev eth0 | sed -n 's/.* inet \([0-9.]*\)\/.*/\1/p' | head -n1; }
-status() { g "st role=$ROLE ip=$(addr) mac=$(cat /sys/class/net/eth0/address) $* end"; }
+# status: the status line, and one gratuitous ARP (a broadcast: a bridge
+# floods it to every port, so a frame leaking between domains would reach
+# even a paused domain's taps, where the scenario counts frames).
+status() {
+  g "st role=$ROLE ip=$(addr) mac=$(cat /sys/class/net/eth0/address) $* end"
+  arping -q -U -c 1 -I eth0 "$IP" >/dev/null 2>&1 &
+}
 # gone PID NAME: reports once that connection NAME's nc has exited.
 gone() {
   kill -0 "$1" 2>/dev/null && return 1

@@ -24,8 +24,10 @@
 #  4. isolation: each of the three domains in turn is paused while the
 #     other two run; over 3 s no frame is sent towards the paused domain's
 #     guests (tc matchall counters on the egress of its taps stand still)
-#     while the others' counters advance. Frames of one domain therefore
-#     never reach another. Then every domain flows again.
+#     while the others' counters advance. Every guest broadcasts a
+#     gratuitous ARP each second, which a bridge floods to all its ports:
+#     a frame of one domain reaching another would show here. Then every
+#     domain flows again.
 #  5. cleanup: deleting fork cl-f1 takes its VMs, taps and bridge while the
 #     source runs on; deleting cl and cl-f2 leaves no VM, bridge, tap,
 #     record or memfd; the daemon exits 0 on SIGTERM with no ERROR.
@@ -86,7 +88,12 @@ info_of() { [ -s "$W/info-$1.txt" ] || kc info "$1" >"$W/info-$1.txt" 2>&1 || fa
 tap_of() { info_of "$1"; sed -n 's/.*tap \([^,]*\),.*/\1/p' "$W/info-$1.txt" | head -n1; }
 mac_of() { info_of "$1"; sed -n 's/.*mac \([0-9a-f:]*\).*/\1/p' "$W/info-$1.txt" | head -n1; }
 ports() { ip -o link show master "$1" | sed -n 's/^[0-9]*: \([^:@]*\).*/\1/p' | sort | tr '\n' ' '; }
-ipv6_off() { [ "$(cat "/proc/sys/net/ipv6/conf/$1/disable_ipv6" 2>/dev/null || echo 1)" = 1 ]; }
+# ipv6_off LINK: IPv6 is off on LINK (a kernel without IPv6 has it off everywhere).
+ipv6_off() {
+  [ -n "$1" ] || return 1
+  [ -d /proc/sys/net/ipv6 ] || return 0
+  [ "$(cat "/proc/sys/net/ipv6/conf/$1/disable_ipv6" 2>/dev/null)" = 1 ]
+}
 # sum_egress TAP...: the frames sent towards the guests on these taps (their
 # egress matchall counters), in one tc process (tc is slow to start on the
 # emulated machine).
@@ -145,6 +152,9 @@ for r in a b c; do
     --vcpus 1 --memory 256 --nic queues=1 >"$W/create-$r.out" 2>&1 || fail "k7d create $r failed: $(cat "$W/create-$r.out")"
 done
 kc cluster create cl a b c >"$W/cluster.out" 2>&1 || fail "k7d cluster create cl a b c failed: $(cat "$W/cluster.out")"
+# (info_of in this shell: its fail exits the scenario; tap_of and mac_of run
+# in command substitutions and read what it kept)
+for r in a b c; do info_of "$r"; [ -n "$(tap_of "$r")" ] || fail "k7d info $r names no tap"; done
 BR=$(bridge_of cl)
 [ -n "$BR" ] || fail "cluster cl has no bridge: $(kc cluster info cl | tr '\n' ' ')"
 want="$(for r in a b c; do tap_of "$r"; done | sort | tr '\n' ' ')"
@@ -178,6 +188,7 @@ lab_metric cluster_fork.source_paused_ms "$paused_ms" ms
 for c in cl cl-f1 cl-f2; do
   m=$(members "$c" | tr '\n' ' ')
   [ "$(echo "$m" | wc -w)" = 3 ] || fail "cluster $c has members '$m'"
+  for v in $m; do info_of "$v"; [ -n "$(tap_of "$v")" ] && [ -n "$(mac_of "$v")" ] || fail "k7d info $v names no tap or MAC"; done
 done
 F1=$(members cl-f1 | tr '\n' ' ') F2=$(members cl-f2 | tr '\n' ' ')
 bridges=''

@@ -358,7 +358,8 @@ pub struct VmInfo {
     /// base alive).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
-    /// Its live fork children.
+    /// Its fork children that are not deleted (running, stopped, or
+    /// being built by a fork in flight).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<String>,
 }

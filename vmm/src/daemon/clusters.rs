@@ -248,6 +248,23 @@ fn wire(cluster: &str, bridge: &str, create: bool, members: &[Member]) -> Result
     if ports.is_empty() {
         return Ok(());
     }
+    // A tap somebody put on a bridge is theirs: refused, nothing changed.
+    for (vm, nic, tap) in &ports {
+        match k7d_net::master_of(tap) {
+            Ok(Some(m)) if m != bridge => {
+                return Err(conflict(format!(
+                    "cluster {cluster}: vm {vm}'s nic {nic} (tap {tap}) is on bridge {m} already; only a bare tap goes on the cluster's bridge"
+                )));
+            }
+            Ok(_) => {}
+            Err(e) => {
+                return Err(ApiError::new(
+                    ErrorCode::Internal,
+                    format!("cluster {cluster}: cannot look at vm {vm}'s tap {tap}: {e}"),
+                ));
+            }
+        }
+    }
     if create {
         k7d_net::create_private_bridge(bridge).map_err(|e| {
             ApiError::new(

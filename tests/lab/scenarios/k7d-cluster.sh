@@ -76,7 +76,6 @@ first() {
   tr -d '\r' <"$(log_of "$1")" 2>/dev/null | grep -E 'LAB-GUEST st .* end$' | head -n1 |
     sed -n "s/.* $2=\([^ ]*\).*/\1/p"
 }
-guest_error() { tr -d '\r' <"$(log_of "$1")" 2>/dev/null | sed -n 's/.*LAB-GUEST error //p' | head -n1; }
 # members CLUSTER: its member ids, in order (k7d cluster info's text).
 # (asked once per cluster, as info_of below)
 cinfo() { [ -s "$W/cinfo-$1.txt" ] || kc cluster info "$1" >"$W/cinfo-$1.txt" 2>&1; cat "$W/cinfo-$1.txt"; }

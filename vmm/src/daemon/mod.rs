@@ -614,7 +614,7 @@ impl Daemon {
         let (budget, memory_mib) = self.with_vm(source, |vm| (vm.config().fork, vm.config().memory_mib))?;
         let mut ids = Vec::new();
         let mut vms = self.vms();
-        let live = children_in(&self.parents(), source).len() as u32;
+        let live = self.parents().values().filter(|p| p.id == source && !p.deleted).count() as u32;
         if let Some(why) = budget.refusal(source, live, count, memory_mib) {
             return Err(ApiError::new(ErrorCode::Conflict, why));
         }

@@ -9,6 +9,21 @@
 
 use std::time::Duration;
 
+/// The typical time of the tests' machine-speed reference: a fixed
+/// workload with no k7d code in it (fault in 16 MiB of freshly mapped memory,
+/// copy it into another fresh mapping, spawn and join 20 threads), median
+/// of 9, on the project's machines when nothing else runs (21-23 ms).
+///
+/// A timed test over its budget measures again together with this
+/// reference; when the reference ran `s` times slower than typical (another
+/// tenant took the host's cores), the limit of that second measurement is
+/// scaled by `s`, at most [`MAX_SLOWDOWN`]. A regression in k7d does not slow
+/// the reference, so it still fails.
+pub const REFERENCE_TYPICAL: Duration = Duration::from_millis(22);
+
+/// The most a slow machine scales a budget's limit by.
+pub const MAX_SLOWDOWN: f64 = 3.0;
+
 /// One budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Budget {

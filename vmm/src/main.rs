@@ -41,6 +41,26 @@ macro_rules! out {
 const DEFAULT_SOCKET: &str = "/run/k7d/k7d.sock";
 /// Default state directory.
 const DEFAULT_STATE_DIR: &str = "/run/k7d/state";
+/// Where LZ4 bzImages are unpacked once (`arch::x86_64::unpack`).
+const DEFAULT_KERNEL_CACHE: &str = "/var/cache/k7d/kernels";
+
+/// Where a bzImage's LZ4 payload is unpacked once, so that later boots load
+/// the kernel directly instead of running its decompressor in the guest.
+#[derive(Debug, Clone, clap::Args)]
+struct KernelCacheArgs {
+    /// Directory of unpacked kernels (created 0700; at most 4 are kept).
+    #[arg(long, env = "K7D_KERNEL_CACHE", default_value = DEFAULT_KERNEL_CACHE)]
+    kernel_cache: PathBuf,
+    /// Boot bzImages through their own decompressor, as QEMU does.
+    #[arg(long)]
+    no_kernel_cache: bool,
+}
+
+impl KernelCacheArgs {
+    fn dir(&self) -> Option<PathBuf> {
+        (!self.no_kernel_cache).then(|| self.kernel_cache.clone())
+    }
+}
 
 #[derive(Parser)]
 #[command(
@@ -277,6 +297,8 @@ enum Cmd {
         /// Node settings (JSON: max_net_queues, vhost_default).
         #[arg(long)]
         node_config: Option<PathBuf>,
+        #[command(flatten)]
+        kernels: KernelCacheArgs,
     },
     /// Run the daemon that owns VMs and serves the API.
     Daemon {
@@ -288,6 +310,8 @@ enum Cmd {
         node_config: Option<PathBuf>,
         #[command(flatten)]
         limits: DaemonLimits,
+        #[command(flatten)]
+        kernels: KernelCacheArgs,
     },
     #[command(flatten)]
     Api(ApiCmd),
@@ -527,21 +551,32 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             serial_log,
             quiet,
             node_config,
+            kernels,
         } => {
             init_logs("warn");
             let node = load_node(&node_config)?;
             confine(cli.seccomp)?;
-            run_foreground(&guest, timeout, serial_log, quiet, cli.json, process_start, node)
+            run_foreground(
+                &guest,
+                timeout,
+                serial_log,
+                quiet,
+                cli.json,
+                process_start,
+                node,
+                kernels.dir(),
+            )
         }
         Cmd::Daemon {
             state_dir,
             node_config,
             limits,
+            kernels,
         } => {
             init_logs("info");
             let node = load_node(&node_config)?;
             confine(cli.seccomp)?;
-            daemon(&state_dir, &cli.socket, node, &limits)
+            daemon(&state_dir, &cli.socket, node, &limits, kernels.dir())
         }
         Cmd::Net { cmd } => {
             init_logs("warn");
@@ -788,10 +823,11 @@ fn daemon(
     socket: &std::path::Path,
     node: NodeConfig,
     limits: &DaemonLimits,
+    kernel_cache: Option<PathBuf>,
 ) -> Result<ExitCode> {
     k7d_vmm::seccomp::ready().context("cannot confine k7d's threads")?;
     let (d, reconciled) = Daemon::open(state_dir)?;
-    let d = d.with_node_config(node);
+    let d = d.with_node_config(node).with_kernel_cache(kernel_cache);
     for r in &reconciled {
         eprintln!(
             "k7d: reconciled vm {} ({}, daemon pid {:?} is gone): record removed",
@@ -865,6 +901,7 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_foreground(
     guest: &GuestArgs,
     timeout: Option<f64>,
@@ -873,6 +910,7 @@ fn run_foreground(
     json_out: bool,
     process_start: Instant,
     node: NodeConfig,
+    kernel_cache: Option<PathBuf>,
 ) -> Result<ExitCode> {
     let id = format!("run-{}", std::process::id());
     let console = !quiet && !json_out;
@@ -887,9 +925,14 @@ fn run_foreground(
         &VmOptions {
             serial_log: log.clone(),
             node,
+            kernel_cache,
         },
     )?;
     let built = vm.created_at().elapsed();
+    // How the kernel went in: unpacked ELF (docs/linux-boot.md) or bzImage.
+    if let Some((step, took)) = vm.build_steps().iter().find(|(s, _)| s.starts_with("Linux loaded")) {
+        eprintln!("k7d: {step}: {:.1} ms", ms(*took));
+    }
     // The effective data plane of each NIC, settled once at build.
     for (i, d) in vm.devices().iter().filter(|d| d.kind == "virtio-net").enumerate() {
         let line = d.detail.split("; MSI-X").next().unwrap_or(&d.detail);

@@ -576,3 +576,83 @@ fn a_reader_that_goes_away_ends_the_cli_quietly() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(o.status.success(), "{:?}: {err}", o.status);
 }
+
+/// The Debian cloud kernel the lab fetched (`tests/lab/run.sh --fetch`).
+fn cached_cloud_kernel() -> Option<std::path::PathBuf> {
+    let cache = std::env::var_os("K7D_LAB_CACHE").map_or_else(
+        || std::path::PathBuf::from("/var/cache/k7d-lab"),
+        std::path::PathBuf::from,
+    );
+    std::fs::read_dir(cache.join("pkgs"))
+        .ok()?
+        .flatten()
+        .filter(|p| p.file_name().to_string_lossy().starts_with("linux-image-"))
+        .filter_map(|p| std::fs::read_dir(p.path().join("boot")).ok())
+        .flat_map(|d| d.flatten())
+        .map(|f| f.path())
+        .find(|f| {
+            let n = f.file_name().unwrap_or_default().to_string_lossy();
+            n.starts_with("vmlinuz-") && n.ends_with("-cloud-amd64")
+        })
+}
+
+/// `k7d run` (confined by its seccomp filter) unpacks Debian's LZ4 bzImage
+/// once into `--kernel-cache`, loads the ELF kernel, and uses the cached
+/// copy on the next run; `--no-kernel-cache` boots the bzImage as it is.
+/// (The guest cannot run on a PVM host; what is checked is what k7d does
+/// before it runs.)
+#[test]
+fn run_unpacks_an_lz4_kernel_once_into_its_cache() {
+    use std::os::unix::fs::MetadataExt;
+    let Some(kernel) = cached_cloud_kernel() else {
+        k7d_test_skip::skip(
+            "run_unpacks_an_lz4_kernel_once_into_its_cache",
+            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
+        );
+        return;
+    };
+    let dir = Scratch::new("kcache");
+    let cache = dir.0.join("kernels");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--memory",
+            "256",
+            "--timeout",
+            "0.3",
+            "--quiet",
+            "--kernel-cache",
+            cache.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let o = k7d(&args);
+        text(&o).1
+    };
+    let entries = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&cache)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    let err = run(&["--no-kernel-cache"]);
+    assert!(err.contains("k7d: Linux loaded (bzImage"), "{err}");
+    assert!(!cache.exists(), "--no-kernel-cache created {}", cache.display());
+
+    let err = run(&[]);
+    assert!(err.contains("k7d: Linux loaded (ELF kernel"), "{err}");
+    let first = entries();
+    assert_eq!(first.len(), 1, "{first:?}");
+    let elf = std::fs::read(&first[0]).unwrap();
+    assert!(elf.starts_with(b"\x7fELF"), "the cache entry is not an ELF kernel");
+    let ino = std::fs::metadata(&first[0]).unwrap().ino();
+
+    let err = run(&[]);
+    assert!(err.contains("k7d: Linux loaded (ELF kernel"), "{err}");
+    assert_eq!(entries(), first);
+    assert_eq!(
+        std::fs::metadata(&first[0]).unwrap().ino(),
+        ino,
+        "the cached kernel was written again"
+    );
+}

@@ -106,6 +106,8 @@ pub struct Daemon {
     /// was forked from. Taken after `vms` when both are held.
     parents: Mutex<HashMap<String, Parent>>,
     node: crate::config::NodeConfig,
+    /// Where LZ4 bzImages are unpacked once (`VmOptions::kernel_cache`).
+    kernel_cache: Option<PathBuf>,
     recorder: recorder::Recorder,
     _lock: crate::sys::FileLock,
 }
@@ -362,6 +364,7 @@ impl Daemon {
                 vms: Mutex::new(HashMap::new()),
                 parents: Mutex::new(HashMap::new()),
                 node: crate::config::NodeConfig::default(),
+                kernel_cache: None,
                 recorder,
                 _lock: lock,
             },
@@ -372,6 +375,14 @@ impl Daemon {
     /// Uses `node` (network queue/vhost policy) for every VM it builds.
     pub fn with_node_config(mut self, node: crate::config::NodeConfig) -> Self {
         self.node = node;
+        self
+    }
+
+    /// Unpacks LZ4 bzImages once into `dir` and boots their ELF kernels
+    /// (`arch::x86_64::unpack`); without it every boot runs the guest's
+    /// decompressor.
+    pub fn with_kernel_cache(mut self, dir: Option<PathBuf>) -> Self {
+        self.kernel_cache = dir;
         self
     }
 
@@ -559,6 +570,7 @@ impl Daemon {
         VmOptions {
             serial_log: Some(serial_log.to_path_buf()),
             node: self.node,
+            kernel_cache: self.kernel_cache.clone(),
         }
     }
 

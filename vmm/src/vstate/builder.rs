@@ -192,13 +192,20 @@ impl Vm {
                             mmio64: None,
                         }),
                         irq0_override: false,
+                        kernel_cache: opts.kernel_cache.as_deref(),
                     },
                 )?)
             }
             _ => None,
         };
-        if linux.is_some() {
-            clock.done("Linux loaded (kernel, initrd, boot params, e820, ACPI, page tables)");
+        match linux.as_ref().map(|e| e.kind) {
+            Some(arch::KernelKind::Elf) => {
+                clock.done("Linux loaded (ELF kernel, initrd, boot params, e820, ACPI, page tables)")
+            }
+            Some(arch::KernelKind::BzImage) => {
+                clock.done("Linux loaded (bzImage, initrd, boot params, e820, ACPI, page tables)")
+            }
+            None => {}
         }
         vm_fd
             .create_irq_chip()

@@ -157,6 +157,10 @@ pub struct VmOptions {
     pub serial_log: Option<PathBuf>,
     /// Node-wide settings (network queue/vhost policy).
     pub node: crate::config::NodeConfig,
+    /// Where LZ4 bzImages are unpacked once and cached
+    /// (`arch::x86_64::unpack`); `None` boots them through their own
+    /// decompressor.
+    pub kernel_cache: Option<PathBuf>,
 }
 
 /// A VM.

@@ -290,10 +290,35 @@ fn prefault(mem: &GuestMemoryMmap, addr: u64, len: u64) {
     }
 }
 
-/// Loads the kernel at `path` into `mem`, whose RAM below the MMIO hole ends at `low_end`.
-pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path, low_end: u64) -> Result<LoadedKernel, BootError> {
+/// Loads the kernel at `path` into `mem`, whose RAM below the MMIO hole ends
+/// at `low_end`. With `unpacked` (the ELF a bzImage at `path` carries, see
+/// [`super::unpack`]), the ELF is loaded instead and the bzImage's own setup
+/// header goes in the zero page: the guest skips its decompressor.
+pub fn load_kernel(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    low_end: u64,
+    unpacked: Option<&Path>,
+) -> Result<LoadedKernel, BootError> {
     let (mut f, len) = open(path, "kernel")?;
     let info = probe_open_kernel(path, &mut f, len)?;
+    let (path, mut f, populate, info) = match unpacked {
+        Some(elf_path) if info.kind == KernelKind::BzImage => {
+            let (mut ef, elen) = open(elf_path, "unpacked kernel")?;
+            let elf = probe_open_kernel(elf_path, &mut ef, elen)?;
+            if elf.kind != KernelKind::Elf {
+                return Err(not_kernel(elf_path, "the unpacked kernel is not an ELF vmlinux"));
+            }
+            let merged = KernelInfo {
+                kind: KernelKind::Elf,
+                header: info.header,
+                needs_ram_to: info.needs_ram_to.max(elf.needs_ram_to),
+            };
+            // Populate up to the ELF's end: its segments start at 16 MiB.
+            (elf_path, ef, elf.needs_ram_to.saturating_sub(HIMEM_START), merged)
+        }
+        _ => (path, f, len, info),
+    };
     if info.needs_ram_to > low_end {
         return Err(BootError::KernelTooBig {
             path: path.to_path_buf(),
@@ -302,7 +327,7 @@ pub fn load_kernel(mem: &GuestMemoryMmap, path: &Path, low_end: u64) -> Result<L
         });
     }
     f.rewind().map_err(|e| bad_kernel(path, e.to_string()))?;
-    prefault(mem, HIMEM_START, len);
+    prefault(mem, HIMEM_START, populate);
     let himem = Some(GuestAddress(HIMEM_START));
     let r: KernelLoaderResult = match info.kind {
         KernelKind::BzImage => BzImage::load(mem, None, &mut f, himem),

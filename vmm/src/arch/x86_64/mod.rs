@@ -13,7 +13,9 @@
 //!
 //! Modules: [`layout`] (addresses, e820), [`boot`] (kernel/initrd/cmdline,
 //! zero page), [`gdt`], [`regs`] (page tables, registers, vCPU setup),
-//! [`msr`], [`cpuid`], [`acpi`], [`pm`].
+//! [`msr`], [`cpuid`], [`acpi`], [`pm`], [`unpack`] (a bzImage's LZ4
+//! payload unpacked on the host once, so later boots skip the guest's
+//! decompressor).
 
 pub mod acpi;
 pub mod boot;
@@ -23,6 +25,7 @@ pub mod layout;
 pub mod msr;
 pub mod pm;
 pub mod regs;
+pub mod unpack;
 
 use std::path::{Path, PathBuf};
 
@@ -79,6 +82,10 @@ pub struct LinuxBootConfig<'a> {
     pub pci: Option<PciConfig>,
     /// See [`AcpiConfig::irq0_override`] (false with KVM's default routing).
     pub irq0_override: bool,
+    /// Where unpacked kernels are cached ([`unpack`]). `Some`: an LZ4
+    /// bzImage boots from its unpacked ELF (unpacked now if not there yet);
+    /// `None`: every bzImage boots through its own decompressor.
+    pub kernel_cache: Option<&'a Path>,
 }
 
 /// Where and how the boot vCPU starts; returned by [`configure_linux`].
@@ -212,7 +219,16 @@ pub fn configure_linux(mem: &GuestMemoryMmap, cfg: &LinuxBootConfig) -> Result<B
         )));
     }
 
-    let kernel = boot::load_kernel(mem, cfg.kernel, low_end)?;
+    let unpacked = cfg
+        .kernel_cache
+        .and_then(|cache| match unpack::unpacked(cfg.kernel, cache) {
+            Ok(elf) => elf,
+            Err(e) => {
+                tracing::warn!("{e}; the kernel boots through its own decompressor");
+                None
+            }
+        });
+    let kernel = boot::load_kernel(mem, cfg.kernel, low_end, unpacked.as_deref())?;
     let header = kernel.info.header;
     let initrd = match cfg.initrd {
         Some(path) => {

@@ -88,6 +88,7 @@ fn cfg<'a>(kernel: &'a Path, initrd: Option<&'a Path>, cmdline: &'a str, vcpus: 
             mmio64: None,
         }),
         irq0_override: false,
+        kernel_cache: None,
     }
 }
 
@@ -349,9 +350,160 @@ fn real_debian_cloud_kernel_if_cached() {
     let (ri, _) = e.initrd.unwrap();
     assert!(ri >= info.needs_ram_to);
 
+    // Unpacked on the host (Debian packs it with LZ4), it boots as the ELF
+    // it carries: entered at `startup_64` at its link address, its own header
+    // in the zero page.
+    let cache = TempDir::new("realcache");
+    let ram = GuestRam::new("arch-real-elf", 256 << 20).unwrap();
+    let cmdline = default_cmdline(true);
+    let mut c = cfg(&path, Some(&initrd.0), &cmdline, 2);
+    c.kernel_cache = Some(&cache.0);
+    let e = configure_linux(ram.memory(), &c).unwrap();
+    assert_eq!(e.kind, KernelKind::Elf);
+    let elf_path = cache.entries().pop().expect("the unpacked kernel is cached");
+    let unpacked = std::fs::read(&elf_path).unwrap();
+    assert!(unpacked.starts_with(b"\x7fELF") && unpacked.len() > image.len());
+    // e_entry: the physical `startup_64`, at the kernel's 16 MiB link address.
+    let e_entry = u64::from_le_bytes(unpacked[24..32].try_into().unwrap());
+    assert_eq!(e.entry, GuestAddress(e_entry));
+    assert_eq!(e.kernel.0, 0x100_0000);
+    let hv = zero_page(ram.memory()).hdr.version;
+    assert_eq!(hv, version);
+    let (ri, _) = e.initrd.unwrap();
+    assert!(ri >= e.kernel.1);
+    eprintln!(
+        "unpacked: {} MiB ELF from a {} MiB bzImage, image in guest RAM {:#x}..{:#x}",
+        unpacked.len() >> 20,
+        image.len() >> 20,
+        e.kernel.0,
+        e.kernel.1
+    );
+
     // A truncated copy is refused before anything is loaded.
     let cut = TempFile::new("realcut", &image[..image.len() / 2]);
     let msg = probe_kernel(&cut.0).unwrap_err().to_string();
     one_sentence(&msg, &cut.0);
     assert!(msg.contains("truncated bzImage"), "{msg}");
+}
+
+/// A bzImage whose payload is `vmlinux` packed as the kernel's build packs
+/// it (`CONFIG_KERNEL_LZ4`), with the payload fields of its setup header set.
+fn lz4_bzimage(vmlinux: &[u8]) -> Vec<u8> {
+    let payload = super::unpack::tests::pack(vmlinux, 4096);
+    let mut b = bzimage((payload.len() + 15) & !15, 1);
+    b[1024..1024 + payload.len()].copy_from_slice(&payload);
+    put(&mut b, 0x248, 0u32.to_le_bytes()); // payload_offset
+    put(&mut b, 0x24c, (payload.len() as u32).to_le_bytes()); // payload_length
+    b
+}
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> Self {
+        let p = std::env::temp_dir().join(format!("k7d-arch-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        Self(p)
+    }
+
+    fn entries(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(&self.0)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[test]
+fn an_lz4_bzimage_boots_from_its_elf_unpacked_once() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let code: Vec<u8> = (0..0x3000u32).map(|i| (i * 13) as u8).collect();
+    let vmlinux = elf(2, 62, &code);
+    let image = lz4_bzimage(&vmlinux);
+    let k = TempFile::new("lz4bz", &image);
+    let cache = TempDir::new("kcache");
+    let boot = |kernel_cache: Option<&Path>| {
+        let ram = GuestRam::new("arch-lz4", 64 << 20).unwrap();
+        let mut c = cfg(&k.0, None, DEFAULT_CMDLINE, 1);
+        c.kernel_cache = kernel_cache;
+        let e = configure_linux(ram.memory(), &c).unwrap();
+        (ram, e)
+    };
+    let (ram, e) = boot(Some(&cache.0));
+    assert_eq!(e.kind, KernelKind::Elf);
+    assert_eq!(e.entry, GuestAddress(0x100_0000));
+    let mut back = vec![0u8; code.len()];
+    ram.memory().read_slice(&mut back, GuestAddress(0x100_0000)).unwrap();
+    assert_eq!(back, code);
+    // The zero page carries the bzImage's own header (its protocol version
+    // and alignment), not the one built for a bare vmlinux.
+    let h = zero_page(ram.memory()).hdr;
+    let (version, align, tol) = (h.version, h.kernel_alignment, h.type_of_loader);
+    assert_eq!((version, align, tol), (0x020f, 0x20_0000, 0xff));
+    // One private cache entry, the ELF itself.
+    let entries = cache.entries();
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert_eq!(std::fs::read(&entries[0]).unwrap(), vmlinux);
+    let meta = std::fs::metadata(&entries[0]).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::metadata(&cache.0).unwrap().permissions().mode() & 0o777, 0o700);
+    // The second boot uses it as it is.
+    let (_, e2) = boot(Some(&cache.0));
+    assert_eq!(e2.kind, KernelKind::Elf);
+    let again = std::fs::metadata(&entries[0]).unwrap();
+    assert_eq!((again.ino(), again.mtime_nsec()), (meta.ino(), meta.mtime_nsec()));
+    // Without a cache the bzImage boots through its decompressor.
+    assert_eq!(boot(None).1.kind, KernelKind::BzImage);
+    // A cache entry someone else could write is not trusted: it is replaced.
+    std::fs::set_permissions(&entries[0], std::fs::Permissions::from_mode(0o666)).unwrap();
+    std::fs::write(&entries[0], b"not a kernel").unwrap();
+    let (ram, e3) = boot(Some(&cache.0));
+    assert_eq!(e3.kind, KernelKind::Elf);
+    ram.memory().read_slice(&mut back, GuestAddress(0x100_0000)).unwrap();
+    assert_eq!(back, code);
+    assert_eq!(std::fs::read(&entries[0]).unwrap(), vmlinux);
+    // A rewritten kernel is unpacked again under its new identity, and the
+    // cache keeps the newest four.
+    for round in 0..5u8 {
+        let mut code2 = code.clone();
+        code2[0] = round;
+        // File times tick with the kernel's clock (jiffies): a rewrite in
+        // the same tick would keep the identity.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&k.0, lz4_bzimage(&elf(2, 62, &code2))).unwrap();
+        let (ram, e) = boot(Some(&cache.0));
+        assert_eq!(e.kind, KernelKind::Elf);
+        let mut first = [0u8; 1];
+        ram.memory().read_slice(&mut first, GuestAddress(0x100_0000)).unwrap();
+        assert_eq!(first[0], round);
+    }
+    assert_eq!(cache.entries().len(), super::unpack::KEEP, "{:?}", cache.entries());
+}
+
+#[test]
+fn a_kernel_that_cannot_be_unpacked_boots_its_decompressor_and_leaves_nothing() {
+    let cache = TempDir::new("kcache-bad");
+    let code: Vec<u8> = (0..0x2000u32).map(|i| i as u8).collect();
+    let mut corrupt = lz4_bzimage(&elf(2, 62, &code));
+    for x in &mut corrupt[1024 + 8..1024 + 64] {
+        *x = 0xff;
+    }
+    let not_elf = lz4_bzimage(&[0x5a; 0x3000]);
+    let plain = bzimage(0x2000, 1); // its payload is not LZ4
+    for (name, image) in [("corrupt", corrupt), ("notelf", not_elf), ("plain", plain)] {
+        let k = TempFile::new(name, &image);
+        let ram = GuestRam::new("arch-lz4-bad", 64 << 20).unwrap();
+        let mut c = cfg(&k.0, None, DEFAULT_CMDLINE, 1);
+        c.kernel_cache = Some(&cache.0);
+        let e = configure_linux(ram.memory(), &c).unwrap();
+        assert_eq!(e.kind, KernelKind::BzImage, "{name}");
+        assert!(cache.entries().is_empty(), "{name}: {:?}", cache.entries());
+    }
 }

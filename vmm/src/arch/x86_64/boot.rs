@@ -298,14 +298,22 @@ pub fn load_kernel(
     mem: &GuestMemoryMmap,
     path: &Path,
     low_end: u64,
-    unpacked: Option<&Path>,
+    unpacked: Option<super::unpack::Unpacked>,
 ) -> Result<LoadedKernel, BootError> {
     let (mut f, len) = open(path, "kernel")?;
     let info = probe_open_kernel(path, &mut f, len)?;
+    let elf_path;
     let (path, mut f, populate, info) = match unpacked {
-        Some(elf_path) if info.kind == KernelKind::BzImage => {
-            let (mut ef, elen) = open(elf_path, "unpacked kernel")?;
-            let elf = probe_open_kernel(elf_path, &mut ef, elen)?;
+        Some(u) if info.kind == KernelKind::BzImage => {
+            elf_path = u.path;
+            let elf_path = elf_path.as_path();
+            let mut ef = u.file;
+            let elen = ef.metadata().map_err(|e| BootError::Unreadable {
+                what: "unpacked kernel",
+                path: elf_path.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+            let elf = probe_open_kernel(elf_path, &mut ef, elen.len())?;
             if elf.kind != KernelKind::Elf {
                 return Err(not_kernel(elf_path, "the unpacked kernel is not an ELF vmlinux"));
             }

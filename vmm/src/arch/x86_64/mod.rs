@@ -228,7 +228,7 @@ pub fn configure_linux(mem: &GuestMemoryMmap, cfg: &LinuxBootConfig) -> Result<B
                 None
             }
         });
-    let kernel = boot::load_kernel(mem, cfg.kernel, low_end, unpacked.as_deref())?;
+    let kernel = boot::load_kernel(mem, cfg.kernel, low_end, unpacked)?;
     let header = kernel.info.header;
     let initrd = match cfg.initrd {
         Some(path) => {

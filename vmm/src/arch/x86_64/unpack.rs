@@ -134,21 +134,37 @@ fn cache_name(meta: &std::fs::Metadata) -> String {
     )
 }
 
-/// Whether `path` is a cache entry this process may trust: a regular file
-/// (not a link) owned by this user that no one else can write.
-fn trusted(path: &Path) -> bool {
+/// An unpacked kernel: its cache path (for messages) and the file, open
+/// (the loader reads this descriptor, so a concurrent eviction of the path
+/// cannot take it away between the check and the load).
+#[derive(Debug)]
+pub struct Unpacked {
+    /// Where it is cached.
+    pub path: PathBuf,
+    /// Open for reading.
+    pub file: File,
+}
+
+/// The cache entry at `path`, open, if this process may trust it: a regular
+/// file (not a link: `O_NOFOLLOW`) owned by this user that no one else can
+/// write, checked on the open descriptor.
+fn open_trusted(path: &Path) -> Option<File> {
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .ok()?;
+    let m = f.metadata().ok()?;
     // SAFETY: geteuid has no preconditions and cannot fail.
     let me = unsafe { libc::geteuid() };
-    std::fs::symlink_metadata(path)
-        .map(|m| m.file_type().is_file() && m.uid() == me && m.mode() & 0o022 == 0)
-        .unwrap_or(false)
+    (m.file_type().is_file() && m.uid() == me && m.mode() & 0o022 == 0).then_some(f)
 }
 
 /// The unpacked ELF of bzImage `kernel` in `cache`: found there, or unpacked
 /// now and written there. `Ok(None)`: the kernel's payload is not LZ4 (it
 /// boots through its own decompressor). An error says why in one sentence;
 /// the caller boots the bzImage instead and nothing is left behind.
-pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<PathBuf>, String> {
+pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<Unpacked>, String> {
     let mut f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
@@ -161,8 +177,8 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<PathBuf>, String> 
         return Err(format!("{} is not a regular file", kernel.display()));
     }
     let path = cache.join(cache_name(&meta));
-    if trusted(&path) {
-        return Ok(Some(path));
+    if let Some(file) = open_trusted(&path) {
+        return Ok(Some(Unpacked { path, file }));
     }
     let Some(payload) = lz4_payload(&mut f, meta.len()).map_err(|e| format!("{}: {e}", kernel.display()))? else {
         return Ok(None);
@@ -180,9 +196,14 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<PathBuf>, String> 
         .mode(0o700)
         .create(cache)
         .map_err(|e| format!("cannot create the kernel cache {}: {e}", cache.display()))?;
-    let tmp = cache.join(format!(".{}.{}.tmp", cache_name(&meta), std::process::id()));
+    // Unique per process and call: two VMs of one daemon may unpack the
+    // same kernel at once (the second rename wins; both files are equal).
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = cache.join(format!(".{}.{}.{seq}.tmp", cache_name(&meta), std::process::id()));
     let written = (|| {
         let mut out = std::fs::OpenOptions::new()
+            .read(true)
             .write(true)
             .create_new(true)
             .mode(0o600)
@@ -190,12 +211,16 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<PathBuf>, String> 
             .open(&tmp)?;
         out.write_all(&elf)?;
         out.sync_all()?;
-        std::fs::rename(&tmp, &path)
+        std::fs::rename(&tmp, &path)?;
+        Ok::<File, std::io::Error>(out)
     })();
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(format!("cannot write {}: {e}", path.display()));
-    }
+    let file = match written {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(format!("cannot write {}: {e}", path.display()));
+        }
+    };
     evict(cache, &path);
     tracing::info!(
         "unpacked {} ({} MiB of LZ4) into {} ({} MiB)",
@@ -204,7 +229,7 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<PathBuf>, String> 
         path.display(),
         elf.len() >> 20
     );
-    Ok(Some(path))
+    Ok(Some(Unpacked { path, file }))
 }
 
 /// Keeps the [`KEEP`] most recently written kernels of `cache` (`keep` among

@@ -119,7 +119,11 @@ fi
 
 if [ -z "${K7D_SKIP_LAB:-}" ]; then
   phase "nested lab (real Linux guests)"
-  cargo test --release -p k7d-tests --test lab -- --ignored --test-threads=1 --nocapture
+  # Two scenarios at a time: each L1 is one TCG thread, the host has 2 cores
+  # (docs/lab.md, K7D_LAB_SLOTS); boot-compare runs alone (exclusive=yes).
+  slots=${K7D_LAB_SLOTS:-$(( $(nproc) >= 2 ? 2 : 1 ))}
+  K7D_LAB_SLOTS=$slots cargo test --release -p k7d-tests --test lab -- --ignored \
+    --test-threads="$slots" --nocapture
 else
   said_skip "nested lab (K7D_SKIP_LAB is set)"
 fi

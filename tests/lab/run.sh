@@ -218,6 +218,39 @@ cat "${IMAGES[@]}" "$OUT/work/run.cpio" >"$OUT/work/l1-initrd.cpio"
 t_prep=$(date +%s.%N)
 log "prepared in $(awk -v a="$t_start" -v b="$t_prep" 'BEGIN{printf "%.1f", b-a}') s: L1 $L1_KREL, L2 $L2_KREL, $(du -m "$OUT/work/l1-initrd.cpio" | cut -f1) MiB initramfs; booting L1 (timeout ${TIMEOUT}s)"
 
+# --- a run slot -------------------------------------------------------------------
+# The preparation above (cached images) ran under $CACHE/lock. The L1 run
+# takes one of K7D_LAB_SLOTS slots (default 1: one L1 at a time). An L1 with
+# one vCPU is one busy TCG thread, so a 2-core host runs two scenarios side by
+# side (CI does: tests/run-all.sh). A scenario whose header says
+# "# lab: exclusive=yes" (its figures are the measurement, e.g. boot-compare)
+# takes every slot, so it runs alone.
+SLOTS=${K7D_LAB_SLOTS:-1}
+[[ $SLOTS =~ ^[1-8]$ ]] || die "K7D_LAB_SLOTS=$SLOTS: 1 to 8 slots"
+exec 9>&-
+slot_deadline=$(( $(date +%s) + TIMEOUT ))
+if [[ $(header "$SCRIPT" exclusive no) == yes || $SLOTS == 1 ]]; then
+  for ((i = 0; i < SLOTS; i++)); do
+    exec {fd}>"$CACHE/slot.$i"
+    flock -w "$TIMEOUT" "$fd" || die "no lab slot within ${TIMEOUT}s ($CACHE/slot.$i is held)"
+  done
+  SLOT=all
+else
+  SLOT=
+  while [[ -z $SLOT ]]; do
+    for ((i = 0; i < SLOTS; i++)); do
+      exec {fd}>"$CACHE/slot.$i"
+      if flock -n "$fd"; then SLOT=$i; break; fi
+      exec {fd}>&-
+    done
+    [[ -n $SLOT ]] && break
+    (( $(date +%s) < slot_deadline )) || die "no lab slot free within ${TIMEOUT}s"
+    sleep 1
+  done
+fi
+t_slot=$(date +%s.%N)
+[[ $SLOTS == 1 ]] || log "lab slot: $SLOT of $SLOTS (waited $(awk -v a="$t_prep" -v b="$t_slot" 'BEGIN{printf "%.1f", b-a}') s)"
+
 # --- boot L1 --------------------------------------------------------------------
 L0_QEMU=("${K7D_LAB_QEMU:-qemu-system-x86_64}")
 # L1's vCPUs: one unless the scenario asks otherwise (docs/lab.md, "l1-smp").
@@ -267,7 +300,7 @@ elif ! grep -q '^LAB-PASS' "$OUT/l1.log"; then reason="no LAB-PASS line"
 fi
 status=pass; [[ -z $reason ]] || status=fail
 prep_s=$(awk -v a="$t_start" -v b="$t_prep" 'BEGIN{printf "%.1f", b-a}')
-l1_s=$(awk -v a="$t_prep" -v b="$t_end" 'BEGIN{printf "%.1f", b-a}')
+l1_s=$(awk -v a="$t_slot" -v b="$t_end" 'BEGIN{printf "%.1f", b-a}')
 # result.json: the verdict, the times and every LAB-METRIC / LAB-NOTE line.
 SCEN="$SCEN" STATUS="$status" REASON="$reason" PREP="$prep_s" L1S="$l1_s" L1K="$L1_KREL" L2K="$L2_KREL" OUTD="$OUT" \
   LC_ALL=C awk '

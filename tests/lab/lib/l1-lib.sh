@@ -149,6 +149,40 @@ lab_diag() {
 }
 
 # lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.
+# lab_alive PID: the process runs (an exited, unreaped child is a zombie:
+# kill -0 still works on it).
+lab_alive() { [ -e "/proc/$1" ] && [ "$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" != Z ]; }
+
+# lab_daemon_start STATE_DIR SOCKET LOG: starts "$LAB_BIN daemon" in the
+# background (its stderr to LOG), sets dpid, and waits up to 30 s for its
+# API to answer. Calls the scenario's fail (which must exist) if the daemon
+# exits or does not answer.
+lab_daemon_start() {
+  "$LAB_BIN" daemon --state-dir "$1" --socket "$2" 2>"$3" &
+  dpid=$!
+  local i=0
+  while ! timeout -s KILL 10 "$LAB_BIN" --socket "$2" list >/dev/null 2>&1; do
+    i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not come up within 30 s: $(tail -n3 "$3")"
+    lab_alive "$dpid" || fail "the k7d daemon exited at start: $(tail -n3 "$3")"
+    sleep 0.1
+  done
+}
+
+# lab_daemon_stop LOG: SIGTERM to $dpid; it must exit 0 within 30 s and
+# leave no ERROR in LOG (else the scenario's fail).
+lab_daemon_stop() {
+  kill -TERM "$dpid"
+  local i=0 rc
+  while lab_alive "$dpid"; do
+    i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not exit within 30 s of SIGTERM"
+    sleep 0.1
+  done
+  wait "$dpid"
+  rc=$?
+  [ "$rc" = 0 ] || fail "the k7d daemon exited $rc on SIGTERM: $(tail -n3 "$1" | tr '\n' ' ')"
+  ! grep -q 'ERROR' "$1" || fail "the daemon logged an error: $(grep -m1 'ERROR' "$1")"
+}
+
 lab_guest() { sed -n "s/.*LAB-GUEST $1=\([^[:space:]]*\).*/\1/p" "/tmp/l2-$2.log" | tr -d '\r' | head -n1; }
 lab_guest_init_uptime() { sed -n 's/.*LAB-GUEST init uptime=\([0-9.]*\).*/\1/p' "/tmp/l2-$1.log" | head -n1; }
 

@@ -1,6 +1,7 @@
 # lab: description=boot-to-init of k7d next to QEMU pc + SeaBIOS and QEMU microvm (direct kernel boot), same kernel, initramfs, command line and L1, interleaved runs
 # lab: default=yes
 # lab: timeout=1200
+# lab: exclusive=yes
 # lab: needs=qemu
 # lab: bin=required
 # lab: guest-modules=virtio_pci virtio_mmio virtio-rng
@@ -29,14 +30,16 @@ lab_vmm microvm 'qemu-system-x86_64 -M microvm -accel kvm -cpu host -smp 2 -m 25
 # the ELF kernel (docs/linux-boot.md); the first k7d boot of the series pays
 # the unpack. LAB_DECOMP=1 adds k7d booting the bzImage through the guest's
 # decompressor (--no-kernel-cache), as QEMU does, to show the difference.
-extra=()
+extra=
 if [ "${LAB_DECOMP:-0}" = 1 ]; then
   lab_vmm k7d_decomp '"$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD"
   --cmdline "$LAB_CMDLINE" --vcpus 2 --memory 256 --rng --no-kernel-cache'
-  extra=(k7d_decomp)
+  extra=k7d_decomp
 fi
-lab_boot_series "${LAB_RUNS:-3}" k7d k7d_default "${extra[@]}" qemu microvm
-lab_waterfall k7d k7d_default "${extra[@]}" qemu microvm
+# shellcheck disable=SC2086 # $extra: no name or one (L1's shell has no arrays)
+lab_boot_series "${LAB_RUNS:-3}" k7d k7d_default $extra qemu microvm
+# shellcheck disable=SC2086
+lab_waterfall k7d k7d_default $extra qemu microvm
 for m in spawn_to_init guest_init_uptime wall; do lab_ratio k7d qemu "$m"; lab_ratio k7d microvm "$m"; done
 for m in spawn_to_init guest_init_uptime; do lab_ratio k7d_default qemu "$m"; lab_ratio k7d_default microvm "$m"; done
 lab_pass "boot-compare: ${LAB_RUNS:-3} boots each"

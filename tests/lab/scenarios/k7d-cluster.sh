@@ -48,7 +48,6 @@ at() { lab_sub "$(lab_now)" "$T0"; }
 kct() { _t=$1; shift; timeout -s KILL "$_t" "$LAB_BIN" --socket "$sock" "$@"; }
 kc() { kct 60 "$@"; }
 log_of() { echo "$st/vms/$1/serial.log"; }
-daemon_alive() { [ -e "/proc/$dpid" ] && [ "$(sed 's/.*) //' "/proc/$dpid/stat" 2>/dev/null | cut -d' ' -f1)" != Z ]; }
 # relay_logs: every VM's serial log to l2.log (once).
 relay_logs() {
   [ -z "$relayed" ] || return 0
@@ -61,7 +60,7 @@ relay_logs() {
   done
 }
 fail() {
-  [ -z "$dpid" ] || ! daemon_alive || lab_diag cluster "$dpid" "$(log_of a)"
+  [ -z "$dpid" ] || ! lab_alive "$dpid" || lab_diag cluster "$dpid" "$(log_of a)"
   relay_logs
   [ ! -s "$DLOG" ] || echo "lab: k7d daemon log (tail): $(tail -n 5 "$DLOG" | tr '\n' ' ')"
   lab_fail "$*"
@@ -138,14 +137,7 @@ wait_flow() {
 
 # --- the daemon and the cluster ---------------------------------------------------
 export K7D_DUMP_FILE=$W/k7d-dump
-"$LAB_BIN" daemon --state-dir "$st" --socket "$sock" 2>"$DLOG" &
-dpid=$!
-i=0
-while ! kc list >/dev/null 2>&1; do
-  i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not come up within 30 s: $(tail -n3 "$DLOG")"
-  daemon_alive || fail "the k7d daemon exited at start: $(tail -n3 "$DLOG")"
-  sleep 0.1
-done
+lab_daemon_start "$st" "$sock" "$DLOG"
 for r in a b c; do
   kc create --id "$r" --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" --cmdline "$LAB_CMDLINE lab.role=$r" \
     --vcpus 1 --memory 256 --nic queues=1 >"$W/create-$r.out" 2>&1 || fail "k7d create $r failed: $(cat "$W/create-$r.out")"
@@ -280,16 +272,7 @@ left=$(ls -A "$st/vms" "$st/clusters" 2>&1 | grep -v ':$' | grep -v '^$')
 [ -z "$left" ] || fail "the state dir still holds: $(echo "$left" | tr '\n' ' ')"
 memfds=$(for f in /proc/"$dpid"/fd/*; do readlink "$f"; done 2>/dev/null | grep -c memfd)
 [ "$memfds" = 0 ] || fail "the daemon still holds $memfds memfds"
-kill -TERM "$dpid"
-i=0
-while daemon_alive; do
-  i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not exit within 30 s of SIGTERM"
-  sleep 0.1
-done
-wait "$dpid"
-drc=$?
-[ "$drc" = 0 ] || fail "the k7d daemon exited $drc on SIGTERM: $(tail -n3 "$DLOG" | tr '\n' ' ')"
-! grep -q 'ERROR' "$DLOG" || fail "the daemon logged an error: $(grep -m1 'ERROR' "$DLOG")"
+lab_daemon_stop "$DLOG"
 relay_logs
 lab_note "5. at $(at) s, cleanup: cl-f1 deleted with its bridge and taps while the source ran on; then cl and cl-f2: no VM, cluster, k7d link, record or memfd left; daemon exited 0"
 lab_pass "k7d-cluster: 3-VM cluster forked twice on private bridges; TCP stream and request/response flow on in every fork with the source's IPs and MACs; no frame crosses domains; nothing left"

@@ -68,7 +68,7 @@ fail() {
   fi
   if [ -e "$W/stall" ]; then
     set -- "stalled: $(cat "$W/stall") (evidence: LAB-DIAG lines in l1.log); then: $*"
-  elif [ -n "$dpid" ] && daemon_alive; then
+  elif [ -n "$dpid" ] && lab_alive "$dpid"; then
     lab_diag fork "$dpid" "${CH_LOG:-$SRC_LOG}"
   fi
   touch "$W/watch.stop"
@@ -165,8 +165,6 @@ vm_fds() {
   done
   echo "$_m"
 }
-# daemon_alive: the daemon runs (an exited, unreaped child is a zombie: kill -0 still works on it).
-daemon_alive() { [ -e "/proc/$dpid" ] && [ "$(sed 's/.*) //' "/proc/$dpid/stat" 2>/dev/null | cut -d' ' -f1)" != Z ]; }
 
 # fork_watchdog: lab_run_l2's stall watchdog for the daemon's guests. While
 # they run, each prints a tick at least every ~1.5 s (and the heartbeat every
@@ -195,14 +193,7 @@ fork_watchdog() {
 # --- the daemon and the source VM --------------------------------------------
 # The daemon writes its SIGUSR1 dump (lab_diag) here as well as to its log.
 export K7D_DUMP_FILE=$W/k7d-dump
-"$LAB_BIN" daemon --state-dir "$st" --socket "$sock" 2>"$DLOG" &
-dpid=$!
-i=0
-while ! kc list >/dev/null 2>&1; do
-  i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not come up within 30 s: $(tail -n3 "$DLOG")"
-  daemon_alive || fail "the k7d daemon exited at start: $(tail -n3 "$DLOG")"
-  sleep 0.1
-done
+lab_daemon_start "$st" "$sock" "$DLOG"
 # FORK_NIC (k7d-fork-vhost): a NIC too, e.g. "vhost=on" (its data plane is
 # checked in the source and the child below).
 kc create --id "$SRC" --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" --cmdline "$LAB_CMDLINE" \
@@ -437,17 +428,8 @@ done
 # writes after it went to overlays). Not a check: what the file holds after a
 # fork is the daemon's business.
 lab_note "image after both VMs: sector 0 holds '$(dd if="$IMG" bs=512 count=1 2>/dev/null | tr -d '\000' | tr '\n' ' ')' (the child went on from n=$c1)"
-kill -TERM "$dpid"
-i=0
-while daemon_alive; do
-  i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not exit within 30 s of SIGTERM"
-  sleep 0.1
-done
-wait "$dpid"
-drc=$?
-[ "$drc" = 0 ] || fail "the k7d daemon exited $drc on SIGTERM: $(tail -n3 "$DLOG" | tr '\n' ' ')"
+lab_daemon_stop "$DLOG"
 [ ! -e "$sock" ] || fail "the daemon left its socket $sock"
-! grep -q 'ERROR' "$DLOG" || fail "the daemon logged an error: $(grep -m1 'ERROR' "$DLOG")"
 lab_note "cleanup: both VMs stopped and deleted, list empty, no records, $run_threads vCPU/blk threads and $run_fds memfd/overlay fds while both ran and none after; daemon exited 0"
 lab_note "timings of an emulated machine (L1 is QEMU TCG, one vCPU for both guests): not performance figures"
 lab_pass "k7d-fork: child $CH forked in $fork_ms ms ticks on ($C_ticks ticks), clocks forward, sleep 1 = $C_smin..$C_smax s, disk as of the fork (n=$c1), diverged from the paused source; nothing left"

@@ -642,3 +642,28 @@ fn test_binary(name: &str) -> Result<PathBuf> {
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
         .with_context(|| format!("cargo named no executable for the test {name}"))
 }
+
+/// What a Linux VM costs beyond its guest (issue 13): the daemon's PSS with
+/// 0, 1 and 20 idle Linux VMs in L1, guest RAM counted apart. The figures
+/// are reported (the goal, <= 3 MiB per VM, is a target, not asserted); what
+/// is asserted is that 20 VMs ran and were measured, that each guest's RAM
+/// shows up as such, and that the VMM's part stays below a guest's worth
+/// (a per-VM leak of guest-sized buffers would fail it).
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_memory_per_linux_vm() {
+    if pending("k7d-memory") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("k7d-memory", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(r["status"], "pass", "{r:#}");
+    let guest = metric(&r, "k7d.guest_ram_mib_per_vm_of_20");
+    let per_vm = metric(&r, "k7d.vmm_mib_per_vm_of_20");
+    assert!(guest > 8.0, "guest RAM per VM {guest} MiB: the guests did not run");
+    assert!(
+        (0.0..guest).contains(&per_vm),
+        "the VMM's part per VM is {per_vm} MiB (guest RAM {guest} MiB)"
+    );
+    assert!(metric(&r, "k7d.vmm_mib_1vm") >= 0.0);
+}

@@ -95,7 +95,8 @@ rm -rf "$OUT" && mkdir -p "$OUT/work"
 OUT=$(realpath "$OUT")
 t_start=$(date +%s.%N)
 
-# One lab at a time per cache: a second run waits (it would halve the first's CPU).
+# One preparation at a time per cache (the cached images); the L1 run takes a
+# slot below ("a run slot").
 mkdir -p "$CACHE"
 exec 9>"$CACHE/lock"
 flock -w "$TIMEOUT" 9 || die "another lab run holds $CACHE/lock"

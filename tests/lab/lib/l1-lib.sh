@@ -148,7 +148,6 @@ lab_diag() {
   grep -v 'LAB-GUEST hb' "$_dlog" | grep -v k7d-dump | tail -n 15 | sed "s/^/LAB-DIAG $_dl:   /"
 }
 
-# lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.
 # lab_alive PID: the process runs (an exited, unreaped child is a zombie:
 # kill -0 still works on it).
 lab_alive() { [ -e "/proc/$1" ] && [ "$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)" != Z ]; }
@@ -160,9 +159,9 @@ lab_alive() { [ -e "/proc/$1" ] && [ "$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/nu
 lab_daemon_start() {
   "$LAB_BIN" daemon --state-dir "$1" --socket "$2" 2>"$3" &
   dpid=$!
-  local i=0
+  local deadline=$(( $(date +%s) + 30 ))
   while ! timeout -s KILL 10 "$LAB_BIN" --socket "$2" list >/dev/null 2>&1; do
-    i=$((i + 1)); [ "$i" -lt 300 ] || fail "the k7d daemon did not come up within 30 s: $(tail -n3 "$3")"
+    [ "$(date +%s)" -lt "$deadline" ] || fail "the k7d daemon did not come up within 30 s: $(tail -n3 "$3")"
     lab_alive "$dpid" || fail "the k7d daemon exited at start: $(tail -n3 "$3")"
     sleep 0.1
   done
@@ -183,6 +182,7 @@ lab_daemon_stop() {
   ! grep -q 'ERROR' "$1" || fail "the daemon logged an error: $(grep -m1 'ERROR' "$1")"
 }
 
+# lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.
 lab_guest() { sed -n "s/.*LAB-GUEST $1=\([^[:space:]]*\).*/\1/p" "/tmp/l2-$2.log" | tr -d '\r' | head -n1; }
 lab_guest_init_uptime() { sed -n 's/.*LAB-GUEST init uptime=\([0-9.]*\).*/\1/p' "/tmp/l2-$1.log" | head -n1; }
 

@@ -52,6 +52,9 @@ pub struct KernelInfo {
     /// Bytes of guest RAM the kernel needs from its load address to run
     /// (bzImage: `init_size` at `pref_address`; ELF: up to the end of its segments).
     pub needs_ram_to: u64,
+    /// The lowest guest address the image is loaded at (bzImage: 1 MiB,
+    /// its protected-mode code; ELF: its lowest segment).
+    pub start: u64,
 }
 
 /// A kernel in guest memory.
@@ -123,7 +126,7 @@ pub fn probe_kernel(path: &Path) -> Result<KernelInfo, BootError> {
     probe_open_kernel(path, &mut f, len)
 }
 
-fn probe_open_kernel(path: &Path, f: &mut File, len: u64) -> Result<KernelInfo, BootError> {
+pub(super) fn probe_open_kernel(path: &Path, f: &mut File, len: u64) -> Result<KernelInfo, BootError> {
     if len == 0 {
         return Err(not_kernel(path, "the file is empty"));
     }
@@ -185,6 +188,7 @@ fn probe_open_kernel(path: &Path, f: &mut File, len: u64) -> Result<KernelInfo, 
         kind: KernelKind::BzImage,
         header: h,
         needs_ram_to,
+        start: HIMEM_START,
     })
 }
 
@@ -230,6 +234,7 @@ fn probe_elf(path: &Path, f: &mut File, len: u64, head: &[u8]) -> Result<KernelI
     let mut ph = vec![0u8; (phnum * 56) as usize];
     read_at(f, phoff, &mut ph).map_err(|e| bad_kernel(path, format!("its program headers cannot be read: {e}")))?;
     let mut end = 0u64;
+    let mut start = u64::MAX;
     let mut entry_in_segment = false;
     for p in ph.chunks_exact(56) {
         if le32(p, 0) != PT_LOAD {
@@ -249,6 +254,7 @@ fn probe_elf(path: &Path, f: &mut File, len: u64, head: &[u8]) -> Result<KernelI
             return Err(bad_kernel(path, format!("a segment loads at {paddr:#x}, below 1 MiB")));
         }
         end = end.max(paddr.saturating_add(memsz));
+        start = start.min(paddr);
         entry_in_segment |= (paddr..paddr.saturating_add(memsz)).contains(&entry);
     }
     if end == 0 {
@@ -273,6 +279,7 @@ fn probe_elf(path: &Path, f: &mut File, len: u64, head: &[u8]) -> Result<KernelI
         kind: KernelKind::Elf,
         header,
         needs_ram_to: end,
+        start,
     })
 }
 
@@ -302,40 +309,69 @@ pub fn load_kernel(
 ) -> Result<LoadedKernel, BootError> {
     let (mut f, len) = open(path, "kernel")?;
     let info = probe_open_kernel(path, &mut f, len)?;
+    let user_path = path;
     let elf_path;
-    let (path, mut f, populate, info) = match unpacked {
+    // The unpacked ELF, if it is still the file at `path` and the loader
+    // takes it; else the bzImage boots as it is (one warning says why).
+    let usable = match unpacked {
         Some(u) if info.kind == KernelKind::BzImage => {
-            elf_path = u.path;
-            let elf_path = elf_path.as_path();
+            let same = super::unpack::identity(&mut f).is_ok_and(|id| id == u.source);
             let mut ef = u.file;
-            let elen = ef.metadata().map_err(|e| BootError::Unreadable {
-                what: "unpacked kernel",
-                path: elf_path.to_path_buf(),
-                reason: e.to_string(),
-            })?;
-            let elf = probe_open_kernel(elf_path, &mut ef, elen.len())?;
-            if elf.kind != KernelKind::Elf {
-                return Err(not_kernel(elf_path, "the unpacked kernel is not an ELF vmlinux"));
+            let probed = ef
+                .metadata()
+                .map_err(|e| e.to_string())
+                .and_then(|m| probe_open_kernel(&u.path, &mut ef, m.len()).map_err(|e| e.to_string()));
+            match (same, probed) {
+                (true, Ok(elf)) if elf.kind == KernelKind::Elf => Some((u.path, ef, elf)),
+                (false, _) => {
+                    tracing::warn!(
+                        "{} changed while it was unpacked; it boots through its own decompressor",
+                        path.display()
+                    );
+                    None
+                }
+                (true, r) => {
+                    tracing::warn!(
+                        "the unpacked kernel {} is not usable ({}); {} boots through its own decompressor",
+                        u.path.display(),
+                        r.err().unwrap_or_else(|| "not an ELF vmlinux".into()),
+                        path.display()
+                    );
+                    None
+                }
             }
+        }
+        _ => None,
+    };
+    let (path, mut f, populate, info) = match usable {
+        Some((p, ef, elf)) => {
+            elf_path = p;
             let merged = KernelInfo {
                 kind: KernelKind::Elf,
                 header: info.header,
                 needs_ram_to: info.needs_ram_to.max(elf.needs_ram_to),
+                start: elf.start,
             };
-            // Populate up to the ELF's end: its segments start at 16 MiB.
-            (elf_path, ef, elf.needs_ram_to.saturating_sub(HIMEM_START), merged)
+            (
+                elf_path.as_path(),
+                ef,
+                (elf.start, elf.needs_ram_to.saturating_sub(elf.start)),
+                merged,
+            )
         }
-        _ => (path, f, len, info),
+        None => (path, f, (HIMEM_START, len), info),
     };
     if info.needs_ram_to > low_end {
         return Err(BootError::KernelTooBig {
-            path: path.to_path_buf(),
+            path: user_path.to_path_buf(),
             need_mib: mib(info.needs_ram_to),
             have_mib: mib(low_end),
         });
     }
     f.rewind().map_err(|e| bad_kernel(path, e.to_string()))?;
-    prefault(mem, HIMEM_START, populate);
+    // Populate what the loader writes: from the image's first byte (1 MiB
+    // for a bzImage, the lowest segment of an ELF) to its end.
+    prefault(mem, populate.0, populate.1);
     let himem = Some(GuestAddress(HIMEM_START));
     let r: KernelLoaderResult = match info.kind {
         KernelKind::BzImage => BzImage::load(mem, None, &mut f, himem),

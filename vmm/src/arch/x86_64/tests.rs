@@ -470,7 +470,9 @@ fn an_lz4_bzimage_boots_from_its_elf_unpacked_once() {
     assert_eq!(back, code);
     assert_eq!(std::fs::read(&entries[0]).unwrap(), vmlinux);
     // A rewritten kernel is unpacked again under its new identity, and the
-    // cache keeps the newest four.
+    // cache keeps the newest four; files that are not its own stay.
+    std::fs::write(cache.0.join("notes.txt"), b"not the cache's").unwrap();
+    std::fs::write(cache.0.join("old.vmlinux"), b"not the cache's either").unwrap();
     for round in 0..5u8 {
         let mut code2 = code.clone();
         code2[0] = round;
@@ -484,7 +486,19 @@ fn an_lz4_bzimage_boots_from_its_elf_unpacked_once() {
         ram.memory().read_slice(&mut first, GuestAddress(0x100_0000)).unwrap();
         assert_eq!(first[0], round);
     }
-    assert_eq!(cache.entries().len(), super::unpack::KEEP, "{:?}", cache.entries());
+    let names: Vec<String> = cache
+        .entries()
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names.len(), super::unpack::KEEP + 2, "{names:?}");
+    assert!(names.iter().any(|n| n == "notes.txt") && names.iter().any(|n| n == "old.vmlinux"));
+    // A cache directory others can write is not used.
+    std::fs::set_permissions(&cache.0, std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    std::fs::write(&k.0, lz4_bzimage(&elf(2, 62, &code[1..]))).unwrap();
+    assert_eq!(boot(Some(&cache.0)).1.kind, KernelKind::BzImage);
+    assert_eq!(cache.entries().len(), super::unpack::KEEP + 2);
 }
 
 #[test]
@@ -496,8 +510,17 @@ fn a_kernel_that_cannot_be_unpacked_boots_its_decompressor_and_leaves_nothing() 
         *x = 0xff;
     }
     let not_elf = lz4_bzimage(&[0x5a; 0x3000]);
+    // An ELF the loader would refuse (a shared object, not an executable).
+    let mut dyn_elf = elf(2, 62, &code);
+    put(&mut dyn_elf, 16, 3u16.to_le_bytes());
+    let dyn_elf = lz4_bzimage(&dyn_elf);
     let plain = bzimage(0x2000, 1); // its payload is not LZ4
-    for (name, image) in [("corrupt", corrupt), ("notelf", not_elf), ("plain", plain)] {
+    for (name, image) in [
+        ("corrupt", corrupt),
+        ("notelf", not_elf),
+        ("dynelf", dyn_elf),
+        ("plain", plain),
+    ] {
         let k = TempFile::new(name, &image);
         let ram = GuestRam::new("arch-lz4-bad", 64 << 20).unwrap();
         let mut c = cfg(&k.0, None, DEFAULT_CMDLINE, 1);

@@ -34,19 +34,32 @@ const PAYLOAD_OFFSET: usize = 0x248;
 const PAYLOAD_LENGTH: usize = 0x24c;
 const SETUP_SECTS: usize = 0x1f1;
 const VERSION: usize = 0x206;
+const HDRS: usize = 0x202;
 const SUFFIX: &str = ".vmlinux";
+/// The largest honest payload: every block of [`MAX_UNPACKED`] at its bound,
+/// with its size word, a magic between frames and the trailer.
+const MAX_PAYLOAD: u64 = ((MAX_UNPACKED / LZ4_LEGACY_BLOCK) * (LZ4_MAX_BLOCK_IN + 8) + 8) as u64;
+/// How much of the kernel file's tail goes into its cache key.
+const TAIL_KEYED: u64 = 64 << 10;
 
 fn le32(b: &[u8], o: usize) -> Option<u32> {
     Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?))
 }
 
 /// The compressed payload of the bzImage open in `f` (`len` bytes), if it
-/// is LZ4; `Ok(None)` for any other compression or an old boot protocol.
+/// is LZ4; `Ok(None)` for anything that is not a bzImage (no "HdrS"), any
+/// other compression or an old boot protocol.
 pub fn lz4_payload(f: &mut File, len: u64) -> Result<Option<Vec<u8>>, String> {
     let mut head = vec![0u8; 0x260];
+    if len < head.len() as u64 {
+        return Ok(None);
+    }
     f.seek(SeekFrom::Start(0))
         .and_then(|_| f.read_exact(&mut head))
         .map_err(|e| format!("its setup header cannot be read: {e}"))?;
+    if le32(&head, HDRS) != Some(u32::from_le_bytes(*b"HdrS")) {
+        return Ok(None);
+    }
     let version = u16::from_le_bytes([head[VERSION], head[VERSION + 1]]);
     if version < 0x0208 {
         return Ok(None);
@@ -60,6 +73,11 @@ pub fn lz4_payload(f: &mut File, len: u64) -> Result<Option<Vec<u8>>, String> {
     if plen < 8 || start.saturating_add(u64::from(plen)) > len {
         return Err(format!(
             "its payload ({plen} bytes at {start}) does not lie inside its {len} bytes"
+        ));
+    }
+    if u64::from(plen) > MAX_PAYLOAD {
+        return Err(format!(
+            "its payload of {plen} bytes is larger than any kernel of at most {MAX_UNPACKED} bytes packs to"
         ));
     }
     let mut magic = [0u8; 4];
@@ -96,6 +114,9 @@ pub fn lz4_legacy(data: &[u8]) -> Result<Vec<u8>, String> {
     let mut out = vec![0u8; want];
     let (mut pos, mut filled) = (4usize, 0usize);
     while pos < body_end {
+        if body_end - pos < 4 {
+            return Err(format!("a block header at offset {pos} is truncated"));
+        }
         let size = le32(data, pos).ok_or("a block header is truncated")? as usize;
         pos += 4;
         if size as u32 == LZ4_LEGACY_MAGIC {
@@ -118,20 +139,80 @@ pub fn lz4_legacy(data: &[u8]) -> Result<Vec<u8>, String> {
     Ok(out)
 }
 
-/// The cache file's name: the kernel file's identity (device, inode, size,
-/// modification and change times). A rewritten or replaced kernel gets a new
-/// name; `ctime` cannot be set back by a file's owner.
-fn cache_name(meta: &std::fs::Metadata) -> String {
-    format!(
-        "{:x}-{:x}-{:x}-{:x}.{:x}-{:x}.{:x}{SUFFIX}",
+/// The kernel file's identity, which names its cache entry: device, inode,
+/// size, modification and change times, and a hash of its last 64 KiB (the
+/// end of the payload and its size trailer), so that a same-size rewrite
+/// within one tick of a coarse file clock still gets a new name. `ctime`
+/// cannot be set back by a file's owner. Reads the tail through `f`.
+pub fn identity(f: &mut File) -> std::io::Result<String> {
+    use sha2::Digest;
+    let meta = f.metadata()?;
+    let tail = meta.len().min(TAIL_KEYED);
+    let mut buf = vec![0u8; tail as usize];
+    f.seek(SeekFrom::Start(meta.len() - tail))?;
+    f.read_exact(&mut buf)?;
+    let h = sha2::Sha256::digest(&buf);
+    Ok(format!(
+        "{:x}-{:x}-{:x}-{:x}.{:x}-{:x}.{:x}-{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}{:02x}",
         meta.dev(),
         meta.ino(),
         meta.size(),
         meta.mtime(),
         meta.mtime_nsec(),
         meta.ctime(),
-        meta.ctime_nsec()
-    )
+        meta.ctime_nsec(),
+        h[0],
+        h[1],
+        h[2],
+        h[3],
+        h[4],
+        h[5],
+        h[6],
+        h[7]
+    ))
+}
+
+/// Whether `name` is one of this cache's files: an entry
+/// (`<identity>.vmlinux`) or a temp file of one (`.<identity>.vmlinux.<pid>.<n>.tmp`).
+/// Eviction touches nothing else, whatever else the directory holds.
+fn ours(name: &str) -> bool {
+    let identity = |s: &str| {
+        !s.is_empty()
+            && s.split(['-', '.']).count() == 8
+            && s.chars().all(|c| c.is_ascii_hexdigit() || c == '-' || c == '.')
+    };
+    if let Some(id) = name.strip_suffix(SUFFIX) {
+        return identity(id);
+    }
+    let Some(rest) = name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) else {
+        return false;
+    };
+    let mut parts = rest.rsplitn(3, '.');
+    let (seq, pid, entry) = (parts.next(), parts.next(), parts.next());
+    let digits = |s: Option<&str>| s.is_some_and(|s| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit()));
+    digits(seq) && digits(pid) && entry.and_then(|e| e.strip_suffix(SUFFIX)).is_some_and(identity)
+}
+
+/// Creates `cache` (0700) if needed and checks that it is a private
+/// directory of this user: not a link, owned by the effective user, not
+/// writable by group or others (else another user could plant an entry).
+fn private_dir(cache: &Path) -> Result<(), String> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(cache)
+        .map_err(|e| format!("cannot create the kernel cache {}: {e}", cache.display()))?;
+    let m = std::fs::symlink_metadata(cache)
+        .map_err(|e| format!("cannot stat the kernel cache {}: {e}", cache.display()))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !m.file_type().is_dir() || m.uid() != me || m.mode() & 0o022 != 0 {
+        return Err(format!(
+            "the kernel cache {} is not a private directory of this user (a link, another owner, or writable by others)",
+            cache.display()
+        ));
+    }
+    Ok(())
 }
 
 /// An unpacked kernel: its cache path (for messages) and the file, open
@@ -139,6 +220,9 @@ fn cache_name(meta: &std::fs::Metadata) -> String {
 /// cannot take it away between the check and the load).
 #[derive(Debug)]
 pub struct Unpacked {
+    /// The kernel file it was unpacked from, by [`identity`]: the loader
+    /// boots it only if the file it opens is still that one.
+    pub source: String,
     /// Where it is cached.
     pub path: PathBuf,
     /// Open for reading.
@@ -176,31 +260,24 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<Unpacked>, String>
     if !meta.is_file() {
         return Err(format!("{} is not a regular file", kernel.display()));
     }
-    let path = cache.join(cache_name(&meta));
+    let source = identity(&mut f).map_err(|e| format!("cannot read {}: {e}", kernel.display()))?;
+    let path = cache.join(format!("{source}{SUFFIX}"));
     if let Some(file) = open_trusted(&path) {
-        return Ok(Some(Unpacked { path, file }));
+        return Ok(Some(Unpacked { source, path, file }));
     }
     let Some(payload) = lz4_payload(&mut f, meta.len()).map_err(|e| format!("{}: {e}", kernel.display()))? else {
         return Ok(None);
     };
+    // Before the work: a cache that cannot be written or trusted is found
+    // out without unpacking 50 MiB for nothing.
+    private_dir(cache)?;
     let elf = lz4_legacy(&payload).map_err(|e| format!("{}: {e}", kernel.display()))?;
     drop(payload);
-    if elf.len() < 64 || !elf.starts_with(b"\x7fELF") || elf[4] != 2 || u16::from_le_bytes([elf[18], elf[19]]) != 62 {
-        return Err(format!(
-            "{}: its payload unpacks to something other than an x86-64 ELF kernel",
-            kernel.display()
-        ));
-    }
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(cache)
-        .map_err(|e| format!("cannot create the kernel cache {}: {e}", cache.display()))?;
     // Unique per process and call: two VMs of one daemon may unpack the
     // same kernel at once (the second rename wins; both files are equal).
     static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let tmp = cache.join(format!(".{}.{}.{seq}.tmp", cache_name(&meta), std::process::id()));
+    let tmp = cache.join(format!(".{source}{SUFFIX}.{}.{seq}.tmp", std::process::id()));
     let written = (|| {
         let mut out = std::fs::OpenOptions::new()
             .read(true)
@@ -208,17 +285,27 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<Unpacked>, String>
             .create_new(true)
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW)
-            .open(&tmp)?;
-        out.write_all(&elf)?;
-        out.sync_all()?;
-        std::fs::rename(&tmp, &path)?;
-        Ok::<File, std::io::Error>(out)
+            .open(&tmp)
+            .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+        out.write_all(&elf)
+            .and_then(|()| out.sync_all())
+            .map_err(|e| format!("cannot write {}: {e}", tmp.display()))?;
+        // Only a kernel the loader will take is cached: the same checks as
+        // a vmlinux given as --kernel (x86-64 executable, segments in the
+        // file and above 1 MiB, the entry inside one).
+        let info = super::boot::probe_open_kernel(&tmp, &mut out, elf.len() as u64)
+            .map_err(|e| format!("{}: its payload unpacks to no usable kernel: {e}", kernel.display()))?;
+        if info.kind != super::boot::KernelKind::Elf {
+            return Err(format!("{}: its payload unpacks to no ELF kernel", kernel.display()));
+        }
+        std::fs::rename(&tmp, &path).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        Ok(out)
     })();
     let file = match written {
         Ok(f) => f,
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
-            return Err(format!("cannot write {}: {e}", path.display()));
+            return Err(e);
         }
     };
     evict(cache, &path);
@@ -229,7 +316,7 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<Unpacked>, String>
         path.display(),
         elf.len() >> 20
     );
-    Ok(Some(Unpacked { path, file }))
+    Ok(Some(Unpacked { source, path, file }))
 }
 
 /// Keeps the [`KEEP`] most recently written kernels of `cache` (`keep` among
@@ -240,6 +327,9 @@ fn evict(cache: &Path, keep: &Path) {
         .flatten()
         .filter_map(|e| {
             let name = e.file_name().into_string().ok()?;
+            if !ours(&name) {
+                return None;
+            }
             let m = e.metadata().ok()?;
             let stale_tmp = name.ends_with(".tmp")
                 && m.modified()
@@ -301,10 +391,37 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn eviction_knows_its_own_names_only() {
+        let id = "803-1a2b-d88e40-674a1b2c.1f-674a1b2c.1f-0123456789abcdef";
+        assert!(ours(&format!("{id}.vmlinux")));
+        assert!(ours(&format!(".{id}.vmlinux.4242.0.tmp")));
+        for other in [
+            "vmlinuz-6.1.0-57-cloud-amd64",
+            "notes.vmlinux",
+            ".x.tmp",
+            "a-b-c-d.e-f.g-h.vmlinux.old",
+            &format!(".{id}.vmlinux.x.0.tmp"),
+            &format!("{id}.vmlinux.tmp"),
+            "",
+        ] {
+            assert!(!ours(other), "{other}");
+        }
+    }
+
+    #[test]
     fn malformed_frames_are_refused_in_one_sentence() {
         let data = sample(100_000);
         let good = pack(&data, 4096);
         let cases: Vec<(Vec<u8>, &str)> = vec![
+            // A block header cut short right before the trailer (1 to 3 bytes).
+            (
+                [&LZ4_LEGACY_MAGIC.to_le_bytes()[..], &[7], &1u32.to_le_bytes()].concat(),
+                "truncated",
+            ),
+            (
+                [&LZ4_LEGACY_MAGIC.to_le_bytes()[..], &[7, 7, 7], &1u32.to_le_bytes()].concat(),
+                "truncated",
+            ),
             (b"junk".to_vec(), "not an LZ4 legacy frame"),
             (
                 {

@@ -41,7 +41,8 @@ macro_rules! out {
 const DEFAULT_SOCKET: &str = "/run/k7d/k7d.sock";
 /// Default state directory.
 const DEFAULT_STATE_DIR: &str = "/run/k7d/state";
-/// Where LZ4 bzImages are unpacked once (`arch::x86_64::unpack`).
+/// Where LZ4 bzImages are unpacked once (`arch::x86_64::unpack`) when k7d
+/// runs as root; other users get their own cache (see [`default_kernel_cache`]).
 const DEFAULT_KERNEL_CACHE: &str = "/var/cache/k7d/kernels";
 
 /// Where a bzImage's LZ4 payload is unpacked once, so that later boots load
@@ -49,8 +50,10 @@ const DEFAULT_KERNEL_CACHE: &str = "/var/cache/k7d/kernels";
 #[derive(Debug, Clone, clap::Args)]
 struct KernelCacheArgs {
     /// Directory of unpacked kernels (created 0700; at most 4 are kept).
-    #[arg(long, env = "K7D_KERNEL_CACHE", default_value = DEFAULT_KERNEL_CACHE)]
-    kernel_cache: PathBuf,
+    /// Default: /var/cache/k7d/kernels as root, else
+    /// $XDG_CACHE_HOME/k7d/kernels or ~/.cache/k7d/kernels.
+    #[arg(long, env = "K7D_KERNEL_CACHE")]
+    kernel_cache: Option<PathBuf>,
     /// Boot bzImages through their own decompressor, as QEMU does.
     #[arg(long)]
     no_kernel_cache: bool,
@@ -58,8 +61,42 @@ struct KernelCacheArgs {
 
 impl KernelCacheArgs {
     fn dir(&self) -> Option<PathBuf> {
-        (!self.no_kernel_cache).then(|| self.kernel_cache.clone())
+        if self.no_kernel_cache {
+            return None;
+        }
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let euid = unsafe { libc::geteuid() };
+        self.kernel_cache.clone().or_else(|| {
+            default_kernel_cache(
+                euid,
+                std::env::var_os("XDG_CACHE_HOME").as_deref(),
+                std::env::var_os("HOME").as_deref(),
+            )
+        })
     }
+}
+
+/// The kernel cache a user gets without `--kernel-cache`: the node's for
+/// root, the user's own cache directory otherwise (a relative or missing
+/// `XDG_CACHE_HOME` falls back to `~/.cache`, as the XDG spec says); `None`
+/// (boot the decompressor) when there is no home to put it in.
+fn default_kernel_cache(
+    euid: u32,
+    xdg_cache_home: Option<&std::ffi::OsStr>,
+    home: Option<&std::ffi::OsStr>,
+) -> Option<PathBuf> {
+    if euid == 0 {
+        return Some(PathBuf::from(DEFAULT_KERNEL_CACHE));
+    }
+    let base = xdg_cache_home
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| {
+            home.map(PathBuf::from)
+                .filter(|p| p.is_absolute())
+                .map(|h| h.join(".cache"))
+        })?;
+    Some(base.join("k7d").join("kernels"))
 }
 
 #[derive(Parser)]
@@ -1001,4 +1038,36 @@ fn run_foreground(
         (r, false) if r.is_clean() => ExitCode::SUCCESS,
         (StopReason::VcpuError { .. } | StopReason::SeccompDenied { .. }, _) | (_, false) => ExitCode::FAILURE,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+    use std::path::PathBuf;
+
+    use super::default_kernel_cache;
+
+    #[test]
+    fn the_default_kernel_cache_is_the_nodes_for_root_and_the_users_own_otherwise() {
+        let home = Some(OsStr::new("/home/ann"));
+        assert_eq!(
+            default_kernel_cache(0, None, home),
+            Some(PathBuf::from("/var/cache/k7d/kernels"))
+        );
+        assert_eq!(
+            default_kernel_cache(1000, Some(OsStr::new("/xdg")), home),
+            Some(PathBuf::from("/xdg/k7d/kernels"))
+        );
+        assert_eq!(
+            default_kernel_cache(1000, None, home),
+            Some(PathBuf::from("/home/ann/.cache/k7d/kernels"))
+        );
+        // A relative XDG_CACHE_HOME is ignored, as the XDG spec says.
+        assert_eq!(
+            default_kernel_cache(1000, Some(OsStr::new("rel")), home),
+            Some(PathBuf::from("/home/ann/.cache/k7d/kernels"))
+        );
+        assert_eq!(default_kernel_cache(1000, None, None), None);
+        assert_eq!(default_kernel_cache(1000, None, Some(OsStr::new("rel"))), None);
+    }
 }

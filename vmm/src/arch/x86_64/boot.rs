@@ -298,39 +298,43 @@ fn prefault(mem: &GuestMemoryMmap, addr: u64, len: u64) {
 }
 
 /// Loads the kernel at `path` into `mem`, whose RAM below the MMIO hole ends
-/// at `low_end`. With `unpacked` (the ELF a bzImage at `path` carries, see
-/// [`super::unpack`]), the ELF is loaded instead and the bzImage's own setup
-/// header goes in the zero page: the guest skips its decompressor.
+/// at `low_end`. With `kernel_cache`, a bzImage with an LZ4 payload is
+/// unpacked there once ([`super::unpack`]) and the ELF it carries is loaded
+/// instead, with the bzImage's own setup header in the zero page: the guest
+/// skips its decompressor.
 pub fn load_kernel(
     mem: &GuestMemoryMmap,
     path: &Path,
     low_end: u64,
-    unpacked: Option<super::unpack::Unpacked>,
+    kernel_cache: Option<&Path>,
 ) -> Result<LoadedKernel, BootError> {
     let (mut f, len) = open(path, "kernel")?;
     let info = probe_open_kernel(path, &mut f, len)?;
     let user_path = path;
     let elf_path;
-    // The unpacked ELF, if it is still the file at `path` and the loader
-    // takes it; else the bzImage boots as it is (one warning says why).
+    // A bzImage is unpacked (or found unpacked) from the descriptor just
+    // probed, so the ELF is that file's. It boots if the loader takes it;
+    // else the bzImage boots as it is (one warning says why).
+    let unpacked = match kernel_cache {
+        Some(cache) if info.kind == KernelKind::BzImage => match super::unpack::unpacked(path, &mut f, cache) {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!("{e}; the kernel boots through its own decompressor");
+                None
+            }
+        },
+        _ => None,
+    };
     let usable = match unpacked {
-        Some(u) if info.kind == KernelKind::BzImage => {
-            let same = super::unpack::identity(&mut f).is_ok_and(|id| id == u.source);
+        Some(u) => {
             let mut ef = u.file;
             let probed = ef
                 .metadata()
                 .map_err(|e| e.to_string())
                 .and_then(|m| probe_open_kernel(&u.path, &mut ef, m.len()).map_err(|e| e.to_string()));
-            match (same, probed) {
-                (true, Ok(elf)) if elf.kind == KernelKind::Elf => Some((u.path, ef, elf)),
-                (false, _) => {
-                    tracing::warn!(
-                        "{} changed while it was unpacked; it boots through its own decompressor",
-                        path.display()
-                    );
-                    None
-                }
-                (true, r) => {
+            match probed {
+                Ok(elf) if elf.kind == KernelKind::Elf => Some((u.path, ef, elf)),
+                r => {
                     tracing::warn!(
                         "the unpacked kernel {} is not usable ({}); {} boots through its own decompressor",
                         u.path.display(),
@@ -341,7 +345,7 @@ pub fn load_kernel(
                 }
             }
         }
-        _ => None,
+        None => None,
     };
     let (path, mut f, populate, info) = match usable {
         Some((p, ef, elf)) => {

@@ -219,16 +219,7 @@ pub fn configure_linux(mem: &GuestMemoryMmap, cfg: &LinuxBootConfig) -> Result<B
         )));
     }
 
-    let unpacked = cfg
-        .kernel_cache
-        .and_then(|cache| match unpack::unpacked(cfg.kernel, cache) {
-            Ok(elf) => elf,
-            Err(e) => {
-                tracing::warn!("{e}; the kernel boots through its own decompressor");
-                None
-            }
-        });
-    let kernel = boot::load_kernel(mem, cfg.kernel, low_end, unpacked)?;
+    let kernel = boot::load_kernel(mem, cfg.kernel, low_end, cfg.kernel_cache)?;
     let header = kernel.info.header;
     let initrd = match cfg.initrd {
         Some(path) => {

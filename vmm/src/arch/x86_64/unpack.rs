@@ -220,9 +220,6 @@ fn private_dir(cache: &Path) -> Result<(), String> {
 /// cannot take it away between the check and the load).
 #[derive(Debug)]
 pub struct Unpacked {
-    /// The kernel file it was unpacked from, by [`identity`]: the loader
-    /// boots it only if the file it opens is still that one.
-    pub source: String,
     /// Where it is cached.
     pub path: PathBuf,
     /// Open for reading.
@@ -244,28 +241,24 @@ fn open_trusted(path: &Path) -> Option<File> {
     (m.file_type().is_file() && m.uid() == me && m.mode() & 0o022 == 0).then_some(f)
 }
 
-/// The unpacked ELF of bzImage `kernel` in `cache`: found there, or unpacked
-/// now and written there. `Ok(None)`: the kernel's payload is not LZ4 (it
+/// The unpacked ELF of bzImage `kernel`, open as `f` (the loader's own
+/// descriptor, already probed), in `cache`: found there, or unpacked now and
+/// written there. `Ok(None)`: the kernel's payload is not LZ4 (it
 /// boots through its own decompressor). An error says why in one sentence;
 /// the caller boots the bzImage instead and nothing is left behind.
-pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<Unpacked>, String> {
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(kernel)
-        .map_err(|e| format!("cannot open {}: {e}", kernel.display()))?;
+pub fn unpacked(kernel: &Path, f: &mut File, cache: &Path) -> Result<Option<Unpacked>, String> {
     let meta = f
         .metadata()
         .map_err(|e| format!("cannot stat {}: {e}", kernel.display()))?;
     if !meta.is_file() {
         return Err(format!("{} is not a regular file", kernel.display()));
     }
-    let source = identity(&mut f).map_err(|e| format!("cannot read {}: {e}", kernel.display()))?;
+    let source = identity(f).map_err(|e| format!("cannot read {}: {e}", kernel.display()))?;
     let path = cache.join(format!("{source}{SUFFIX}"));
     if let Some(file) = open_trusted(&path) {
-        return Ok(Some(Unpacked { source, path, file }));
+        return Ok(Some(Unpacked { path, file }));
     }
-    let Some(payload) = lz4_payload(&mut f, meta.len()).map_err(|e| format!("{}: {e}", kernel.display()))? else {
+    let Some(payload) = lz4_payload(f, meta.len()).map_err(|e| format!("{}: {e}", kernel.display()))? else {
         return Ok(None);
     };
     // Before the work: a cache that cannot be written or trusted is found
@@ -316,7 +309,7 @@ pub fn unpacked(kernel: &Path, cache: &Path) -> Result<Option<Unpacked>, String>
         path.display(),
         elf.len() >> 20
     );
-    Ok(Some(Unpacked { source, path, file }))
+    Ok(Some(Unpacked { path, file }))
 }
 
 /// Keeps the [`KEEP`] most recently written kernels of `cache` (`keep` among

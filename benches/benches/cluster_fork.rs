@@ -5,8 +5,10 @@
 //! a file on tmpfs, a new QEMU `-incoming` it, `cont`, timed from `stop` to
 //! `cont` and summed over the three, `k7d_benches::qemu_fork`), at 0 / 1 /
 //! 10 % of the pages dirtied since the bases froze; and a batch of N forks
-//! under one pause (fresh members, 1 % dirtied) against N cluster forks one
-//! after another, per fork. Members are running idle guests (the pause and
+//! under one pause (fresh members, 1 % dirtied; as the daemon does, the
+//! members are re-based first when that costs less than every child
+//! copying their divergence, so the batch shares one capture) against N
+//! cluster forks one after another, per fork. Members are running idle guests (the pause and
 //! resume are part of each figure).
 //!
 //! Goals (issue 16): a cluster fork ≤ 1.3× one single-VM fork of the same
@@ -213,8 +215,10 @@ fn main() -> Result<()> {
         for m in &fresh {
             dirty(m, MIB, n, r as u32 ^ 0x77);
         }
+        // As the daemon forks a batch: members re-based first when that
+        // costs less than every child copying their divergence.
         let t = Instant::now();
-        let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;
+        let held = ClusterPause::pause_for_batch(&refs, batch as u32, Duration::from_secs(2))?;
         let c = held.fork(&ids(batch, 5000 + r), |_| VmOptions::default())?;
         held.resume()?;
         per_fork.push(t.elapsed() / batch as u32);

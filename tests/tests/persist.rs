@@ -46,7 +46,7 @@ fn timers_survive(name: &str, vcpus: u8, counters: &[u64]) {
             ..Default::default()
         },
         &state,
-        src.memfd(),
+        &src.memfd(),
     )
     .unwrap();
     // The clone starts from the source's counters, not from zero.
@@ -133,7 +133,7 @@ fn restore_refuses_a_state_that_does_not_fit() {
         &builtin("smp", 2, 8, &[]),
         &VmOptions::default(),
         &state,
-        src.memfd(),
+        &src.memfd(),
     )
     .err()
     .expect("a 1-vCPU state restored into 2 vCPUs");

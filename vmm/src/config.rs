@@ -235,6 +235,13 @@ pub struct ForkBudget {
     /// The guest RAM of all live children together, in MiB, at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_children_memory_mib: Option<u64>,
+    /// Re-base this VM (a new base holding its RAM as it is, built while
+    /// it runs) once it has been forked and has diverged from its base by
+    /// this percentage of its RAM (1 to 100): its forks then copy at most
+    /// about that much (`docs/fork.md`, "Re-basing"). Unset: never on its
+    /// own (`k7d rebase` does it on request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rebase_at_percent: Option<u32>,
 }
 
 impl ForkBudget {
@@ -361,6 +368,9 @@ pub enum ConfigError {
     /// Unknown builtin or bad args.
     #[error("guest: {0}")]
     Guest(String),
+    /// A fork setting is out of range.
+    #[error("{0}")]
+    Fork(String),
     /// A disk image is unusable.
     #[error("disk {path} cannot be used: {reason}")]
     Disk {
@@ -439,6 +449,13 @@ impl VmConfig {
                 max,
                 host,
             });
+        }
+        if let Some(p) = self.fork.rebase_at_percent
+            && !(1..=100).contains(&p)
+        {
+            return Err(ConfigError::Fork(format!(
+                "rebase_at_percent = {p} is out of range: use 1 to 100 (percent of the VM's RAM)"
+            )));
         }
         if purpose == Purpose::Create && self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {
             return Err(ConfigError::Guest(

@@ -170,6 +170,9 @@ struct GuestArgs {
     /// Fork budget: the guest RAM all live fork children may commit together, in MiB.
     #[arg(long = "max-children-memory")]
     max_children_memory_mib: Option<u64>,
+    /// Re-base the VM on its own once it has diverged from its fork base by this percentage of its RAM (1-100).
+    #[arg(long = "rebase-at")]
+    rebase_at_percent: Option<u32>,
 }
 
 fn parse_disk(s: &str) -> Result<DiskConfig> {
@@ -297,6 +300,7 @@ impl GuestArgs {
             fork: k7d_vmm::config::ForkBudget {
                 max_children: self.max_children,
                 max_children_memory_mib: self.max_children_memory_mib,
+                rebase_at_percent: self.rebase_at_percent,
             },
         })
     }
@@ -454,6 +458,10 @@ enum ApiCmd {
         #[arg(long, default_value_t = 1)]
         count: u32,
     },
+    /// Give a forked VM a new base holding its RAM as it is now (built
+    /// while it runs, paused for the last round only): its next forks copy
+    /// only what it writes from now on.
+    Rebase { id: String },
     /// Read u32 words of a VM's guest RAM (debugging).
     Peek {
         id: String,
@@ -706,6 +714,7 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
         ApiCmd::Peek { id, addr, count } => Request::Peek(PeekArgs { id, addr, count }),
         ApiCmd::Fork { id, count } => Request::Fork(ForkArgs { id, count }),
         ApiCmd::List => Request::List,
+        ApiCmd::Rebase { id } => Request::Rebase(id),
         ApiCmd::Cluster(c) => match c {
             ClusterCmd::Create { id, members } => Request::ClusterCreate(ClusterArgs { id, members }),
             ClusterCmd::Add { id, members } => Request::ClusterAdd(ClusterArgs { id, members }),
@@ -785,6 +794,9 @@ fn print_reply(reply: &Reply) {
             for c in &f.clusters {
                 out!("cluster {c}");
             }
+            if !f.rebased.is_empty() {
+                out!("re-based first (the batch shares one capture): {}", f.rebased.join(" "));
+            }
             out!("source {} paused for {:.2} ms", f.id, f.source_paused_ms);
         }
         Reply::Cluster(c) => {
@@ -812,6 +824,15 @@ fn print_reply(reply: &Reply) {
             out!("{}", words.join(" "));
         }
         Reply::List(l) => print_list(l),
+        Reply::Rebased(r) => out!(
+            "re-based {}: {:.1} MiB had diverged from its base; new base {:.1} MiB in {:.1} ms ({} rounds, paused {:.2} ms)",
+            r.id,
+            r.diverged_mib,
+            r.base_mib,
+            r.took_ms,
+            r.rounds,
+            r.paused_ms
+        ),
         Reply::Version(v) => out!("k7d daemon {} (API version {}, pid {})", v.k7d, v.api_version, v.pid),
     }
 }
@@ -895,6 +916,8 @@ fn daemon(
     };
     let d = std::sync::Arc::new(d);
     let server = Server::start_with(d.clone(), socket, cfg)?;
+    let _rebaser = k7d_vmm::daemon::Rebaser::start(&d, k7d_vmm::daemon::REBASE_PERIOD)
+        .context("cannot spawn the re-base thread")?;
     tracing::info!(state_dir = %state_dir.display(), pid = std::process::id(), "k7d daemon ready");
     while !INTERRUPTED.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));

@@ -479,6 +479,16 @@ fn fork_makes_running_children_that_continue_from_the_source() {
     let a = peek(&dir.0, "s", TICKS);
     std::thread::sleep(Duration::from_millis(100));
     assert!(peek(&dir.0, "s", TICKS) > a, "the source did not resume");
+    // A new base for the source, by the CLI; it ticks on.
+    let o = cli(&dir.0, &["rebase", "s"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success() && out.starts_with("re-based s: "), "{out} {err}");
+    let a = peek(&dir.0, "s", TICKS);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        peek(&dir.0, "s", TICKS) > a,
+        "the source did not resume after its re-base"
+    );
     // Bad counts are one sentence and create nothing.
     let o = cli(&dir.0, &["fork", "s", "--count", "0"]);
     assert_eq!(o.status.code(), Some(1));

@@ -572,10 +572,10 @@ fn an_idle_vm_snapshot_reads_and_writes_only_the_pages_it_populated() {
     std::thread::sleep(Duration::from_millis(100));
     pause(&vm);
     let allocated = |f: &File| f.metadata().unwrap().blocks() * 512;
-    let before = allocated(vm.memfd());
+    let before = allocated(&vm.memfd());
     let dest = s.0.join("snap");
     vm.snapshot(&dest, false).unwrap();
-    let after = allocated(vm.memfd());
+    let after = allocated(&vm.memfd());
     assert!(
         after <= before + (64 << 10),
         "the snapshot populated the idle guest's RAM: {before} -> {after} bytes allocated"
@@ -590,9 +590,9 @@ fn an_idle_vm_snapshot_reads_and_writes_only_the_pages_it_populated() {
     let r = restore("snf-idle-r", &dest).unwrap();
     // (Below 16 MiB: a host that gives shmem huge pages allocates 2 MiB at a time.)
     assert!(
-        allocated(r.memfd()) < 16 << 20,
+        allocated(&r.memfd()) < 16 << 20,
         "the restore populated {} bytes",
-        allocated(r.memfd())
+        allocated(&r.memfd())
     );
     assert_eq!(fingerprint(&r), fingerprint(&vm));
     vm.stop();

@@ -72,6 +72,10 @@ pub enum Request {
     ClusterDelete(#[serde(with = "id_args")] String),
     /// Every cluster.
     ClusterList,
+    /// Give a fork source a new base holding its RAM as it is now (built
+    /// while it runs; paused for the last round only), so its next fork
+    /// copies only what it writes from now on.
+    Rebase(#[serde(with = "id_args")] String),
 }
 
 /// `cluster_create`'s and `cluster_add`'s arguments.
@@ -172,7 +176,7 @@ mod id_args {
 
 impl Request {
     /// Every op, as named on the wire.
-    pub const OPS: [&'static str; 18] = [
+    pub const OPS: [&'static str; 19] = [
         "create",
         "start",
         "pause",
@@ -191,6 +195,7 @@ impl Request {
         "cluster_info",
         "cluster_delete",
         "cluster_list",
+        "rebase",
     ];
 
     /// This request's op, as named on the wire.
@@ -214,6 +219,7 @@ impl Request {
             Self::ClusterInfo(_) => "cluster_info",
             Self::ClusterDelete(_) => "cluster_delete",
             Self::ClusterList => "cluster_list",
+            Self::Rebase(_) => "rebase",
         }
     }
 
@@ -242,9 +248,13 @@ impl Request {
                 }
                 Ok(())
             }
-            Self::Start(v) | Self::Pause(v) | Self::Resume(v) | Self::Stop(v) | Self::Delete(v) | Self::Info(v) => {
-                id(v)
-            }
+            Self::Start(v)
+            | Self::Pause(v)
+            | Self::Resume(v)
+            | Self::Stop(v)
+            | Self::Delete(v)
+            | Self::Info(v)
+            | Self::Rebase(v) => id(v),
             Self::Snapshot(a) => id(&a.id),
             Self::Restore(a) => a.id.as_deref().map_or(Ok(()), id),
             Self::Fork(a) => {
@@ -362,6 +372,13 @@ pub struct VmInfo {
     /// being built by a fork in flight).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub children: Vec<String>,
+    /// Times this fork source was given a new base (`rebase`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rebases: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// `delete`'s result.
@@ -409,6 +426,10 @@ pub struct Forked {
     /// children are listed fork by fork, in member order).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub clusters: Vec<String>,
+    /// The sources given a new base for this batch before it was captured
+    /// (`docs/fork.md`, "Re-basing"): its children copied nothing.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rebased: Vec<String>,
 }
 
 /// A cluster as `cluster_create`, `cluster_add` and `cluster_info` answer it.
@@ -514,6 +535,8 @@ pub enum Reply {
     Cluster(ClusterInfo),
     /// `cluster_list`.
     Clusters(ClusterList),
+    /// `rebase`.
+    Rebased(crate::vstate::rebase::Rebased),
 }
 
 impl Reply {
@@ -538,6 +561,7 @@ impl Reply {
             Request::Peek(_) => Self::Peek(from_value(result)?),
             Request::List => Self::List(from_value(result)?),
             Request::Version => Self::Version(from_value(result)?),
+            Request::Rebase(_) => Self::Rebased(from_value(result)?),
         })
     }
 }
@@ -797,6 +821,8 @@ mod tests {
             Request::ClusterInfo("lab".into()),
             Request::ClusterDelete("lab".into()),
             Request::ClusterList,
+            // Newer: re-basing a fork source.
+            Request::Rebase("web".into()),
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {
@@ -818,7 +844,8 @@ mod tests {
                 | Request::ClusterAdd(_)
                 | Request::ClusterInfo(_)
                 | Request::ClusterDelete(_)
-                | Request::ClusterList => {}
+                | Request::ClusterList
+                | Request::Rebase(_) => {}
             }
             if !seen.contains(&r.op()) {
                 seen.push(r.op());
@@ -917,12 +944,12 @@ mod tests {
         (
             r#"{"v":1,"op":"explode"}"#,
             ErrorCode::BadRequest,
-            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list)",
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase)",
         ),
         (
             r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
             ErrorCode::BadRequest,
-            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list)",
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase)",
         ),
         (
             r#"{"v":2,"op":"list"}"#,
@@ -1060,6 +1087,7 @@ mod tests {
             exits: 5,
             parent: None,
             children: Vec::new(),
+            rebases: 0,
         }
     }
 
@@ -1097,6 +1125,7 @@ mod tests {
                 pause_ms: 0.25,
                 source_paused_ms: 3.5,
                 clusters: vec!["lab-f1".into()],
+                rebased: vec!["web".into()],
             }),
             Request::Peek(_) => Reply::Peek(Peeked {
                 id: "web".into(),
@@ -1141,6 +1170,15 @@ mod tests {
                     members: vec!["a".into(), "b".into()],
                     bridge: None,
                 }],
+            }),
+            Request::Rebase(_) => Reply::Rebased(crate::vstate::rebase::Rebased {
+                id: "web".into(),
+                diverged_mib: 25.5,
+                base_mib: 256.0,
+                recopied_pages: 17,
+                rounds: 2,
+                paused_ms: 0.8,
+                took_ms: 130.5,
             }),
         }
     }

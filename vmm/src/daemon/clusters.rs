@@ -558,8 +558,9 @@ impl Daemon {
             guards[i] = Some(lock_vm(&handles[i]));
         }
         let refs: Vec<&Vm> = guards.iter().flatten().map(|g| &**g).collect();
-        let pause = ClusterPause::pause(&refs, PAUSE_TIMEOUT).map_err(vm_error)?;
+        let pause = ClusterPause::pause_for_batch(&refs, count, PAUSE_TIMEOUT).map_err(vm_error)?;
         let pause_ms = ms(pause.took());
+        let rebased: Vec<String> = pause.rebased().iter().map(|r| r.id.clone()).collect();
         let built = pause.fork(&ids, |cid| {
             self.options(logs.get(cid).map_or(Path::new(""), PathBuf::as_path))
         });
@@ -644,6 +645,7 @@ impl Daemon {
             pause_ms,
             source_paused_ms,
             clusters: names,
+            rebased,
         })
     }
 

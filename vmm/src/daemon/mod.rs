@@ -8,9 +8,12 @@
 pub mod api;
 pub mod client;
 mod clusters;
+mod rebaser;
 mod recorder;
 pub mod server;
 pub mod store;
+
+pub use rebaser::{REBASE_PERIOD, Rebaser};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,6 +21,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::config::VmConfig;
+use crate::vstate::cluster::ClusterPause;
 use crate::vstate::vm::{Vm, VmError, VmOptions, VmState};
 use api::{
     ApiError, Deleted, ErrorCode, Forked, ForkedChild, Peeked, Reply, Request, Response, SnapshotWritten, VersionInfo,
@@ -458,6 +462,11 @@ impl Daemon {
             Request::ClusterInfo(id) => Reply::Cluster(self.cluster_info(&id)?),
             Request::ClusterDelete(id) => Reply::Deleted(self.cluster_delete(&id)?),
             Request::ClusterList => Reply::Clusters(self.cluster_list()),
+            Request::Rebase(id) => {
+                let vm = self.get(&id)?;
+                let g = lock_vm(&vm);
+                Reply::Rebased(g.rebase(PAUSE_TIMEOUT).map_err(vm_error)?)
+            }
         })
     }
 
@@ -563,6 +572,7 @@ impl Daemon {
             exits: vm.control().exit_count(),
             parent,
             children: self.children_of(vm.id()),
+            rebases: vm.rebases(),
         }
     }
 
@@ -759,19 +769,34 @@ impl Daemon {
     fn fork(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
         let source = self.get(id)?;
         let held = self.reserve_children(id, count)?;
-        let (built, pause_ms, source_paused_ms) = {
+        let (built, pause_ms, source_paused_ms, rebased) = {
             let g = lock_vm(&source);
-            with_paused(&g, |vm, paused| {
-                let t0 = Instant::now();
-                let mut built = Vec::with_capacity(held.ids().len());
-                for cid in held.ids() {
-                    let serial_log = self.store.runtime_dir(cid).map_err(internal)?.join("serial.log");
-                    let t = Instant::now();
-                    let child = vm.fork(cid, &self.options(&serial_log)).map_err(vm_error)?;
-                    built.push((child, serial_log, t.elapsed()));
+            if count >= 2 && matches!(g.state(), VmState::Running | VmState::Paused | VmState::Created) {
+                // A batch: one capture for all its children, re-based first
+                // when that costs less than every child copying what the
+                // source diverged (`docs/fork.md`, "Re-basing").
+                let pause = ClusterPause::pause_for_batch(&[&*g], count, PAUSE_TIMEOUT).map_err(vm_error)?;
+                let rebased = pause.rebased().iter().map(|r| r.id.clone()).collect();
+                let built = self.build_children(&g, &held);
+                let (pause_ms, held_ms) = (ms(pause.took()), ms(pause.held_for()));
+                match (built, pause.resume()) {
+                    (Ok(b), Ok(())) => (b, pause_ms, held_ms, rebased),
+                    (Err(e), Ok(())) => return Err(e),
+                    (Ok(_), Err(r)) => return Err(vm_error(r)),
+                    (Err(e), Err(r)) => {
+                        return Err(ApiError::new(
+                            e.code,
+                            format!("{e}; resuming vm {id} afterwards failed too: {}", vm_error(r)),
+                        ));
+                    }
                 }
-                Ok((built, ms(paused), ms(paused + t0.elapsed())))
-            })?
+            } else {
+                with_paused(&g, |vm, paused| {
+                    let t0 = Instant::now();
+                    let built = self.build_children(vm, &held)?;
+                    Ok((built, ms(paused), ms(paused + t0.elapsed()), Vec::new()))
+                })?
+            }
         };
         // Every child or none: when one cannot be recorded or started, the
         // `?` drops the ones adopted before it (which stops them) and then
@@ -793,7 +818,20 @@ impl Daemon {
             pause_ms,
             source_paused_ms,
             clusters: Vec::new(),
+            rebased,
         })
+    }
+
+    /// Builds a child of the paused `vm` for every id `held` reserved.
+    fn build_children(&self, vm: &Vm, held: &Reservation<'_>) -> Result<Vec<(Vm, PathBuf, Duration)>, ApiError> {
+        let mut built = Vec::with_capacity(held.ids().len());
+        for cid in held.ids() {
+            let serial_log = self.store.runtime_dir(cid).map_err(internal)?.join("serial.log");
+            let t = Instant::now();
+            let child = vm.fork(cid, &self.options(&serial_log)).map_err(vm_error)?;
+            built.push((child, serial_log, t.elapsed()));
+        }
+        Ok(built)
     }
 
     fn delete(&self, id: &str) -> Result<Deleted, ApiError> {
@@ -862,7 +900,7 @@ mod tests {
     const V1_ANSWERS: [(&str, &str); 6] = [
         (
             r#"{"v":1,"op":"explode"}"#,
-            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list)"}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase)"}}"#,
         ),
         (
             r#"{"v":2,"op":"list"}"#,

@@ -110,7 +110,7 @@ impl Vm {
     ) -> Result<Self, VmError> {
         persist::check_fits(config, state)?;
         let ram = GuestRam::new(id, config.memory_bytes())?;
-        snapshot::copy_sparse(memory, ram.memfd(), ram.size()).map_err(snapshot_io)?;
+        snapshot::copy_sparse(memory, &ram.memfd(), ram.size()).map_err(snapshot_io)?;
         Self::build(id, config, opts, BuildPlan::Restore { state, ram })
     }
 
@@ -317,6 +317,7 @@ impl Vm {
             build_steps: clock.steps,
             started: None,
             pauses: Default::default(),
+            rebases: Default::default(),
         })
     }
 }

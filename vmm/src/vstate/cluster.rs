@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::rebase::Rebased;
 use super::vm::{Vm, VmError, VmOptions, VmState};
 
 /// The members of a cluster held still: built by [`ClusterPause::pause`],
@@ -15,6 +16,8 @@ pub struct ClusterPause<'a> {
     paused: Vec<&'a Vm>,
     since: Instant,
     took: Duration,
+    /// The members re-based for this batch ([`ClusterPause::pause_for_batch`]).
+    rebased: Vec<Rebased>,
 }
 
 /// The children of one cluster fork.
@@ -36,6 +39,7 @@ impl<'a> ClusterPause<'a> {
             paused: Vec::with_capacity(members.len()),
             since,
             took: Duration::ZERO,
+            rebased: Vec::new(),
         };
         for m in members {
             if !matches!(m.state(), VmState::Running) {
@@ -47,6 +51,37 @@ impl<'a> ClusterPause<'a> {
         }
         held.took = since.elapsed();
         Ok(held)
+    }
+
+    /// [`ClusterPause::pause`] for a batch of `count` forks: each member
+    /// whose divergence makes the batch's children copy more than a re-base
+    /// would ([`Vm::batch_gains_from_rebase`]) gets a new base first, built
+    /// while it runs; the last rounds run under this one pause, and the
+    /// batch's children then share that capture and copy nothing. Still
+    /// one pause per member. A failed re-base resumes every member.
+    pub fn pause_for_batch(members: &[&'a Vm], count: u32, timeout: Duration) -> Result<Self, VmError> {
+        let mut pending = Vec::with_capacity(members.len());
+        for m in members {
+            if matches!(m.state(), VmState::Running | VmState::Paused | VmState::Created)
+                && m.batch_gains_from_rebase(count)?
+            {
+                pending.push((*m, m.rebase_prepare()?));
+            }
+        }
+        let mut held = Self::pause(members, timeout)?;
+        let paused_at = held.since;
+        for (m, p) in pending {
+            // On `?`, dropping `held` resumes every member it paused.
+            let was_running = held.paused.iter().any(|v| std::ptr::eq(*v, m));
+            held.rebased.push(m.rebase_finish(p, was_running.then_some(paused_at))?);
+        }
+        held.took = held.since.elapsed();
+        Ok(held)
+    }
+
+    /// The members re-based for this batch, with what each re-base did.
+    pub fn rebased(&self) -> &[Rebased] {
+        &self.rebased
     }
 
     /// How long parking every member took.

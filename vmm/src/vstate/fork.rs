@@ -101,11 +101,17 @@ impl RamWriters {
     /// Folds what the devices wrote since the last call into `ram`'s
     /// diverged set. Every device is paused.
     pub(super) fn harvest_into(&self, ram: &GuestRam) {
-        let mut pages = Vec::new();
+        ram.add_diverged_gpas(self.drain().into_iter());
+    }
+
+    /// The guest addresses the devices wrote since the last call (every
+    /// device is paused).
+    pub(super) fn drain(&self) -> Vec<u64> {
+        let mut gpas = Vec::new();
         for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
-            log.drain(&mut |gpa| pages.push(gpa.0));
+            log.drain(&mut |gpa| gpas.push(gpa.0));
         }
-        ram.add_diverged_gpas(pages.into_iter());
+        gpas
     }
 
     /// Asks every device for its records, once (devices paused: a kernel

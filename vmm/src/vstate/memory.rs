@@ -51,6 +51,15 @@ pub enum MemoryError {
     /// Copying a page into a child failed.
     #[error("cannot copy page {0} into the child")]
     Copy(u64),
+    /// Building a new base failed.
+    #[error("{what}")]
+    Base {
+        /// What failed.
+        what: &'static str,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// KVM refused a memslot.
     #[error("KVM refused memslot {slot}")]
     Memslot {
@@ -74,7 +83,9 @@ pub enum MemoryError {
 /// through a page it has not touched yet (the MAP_PRIVATE-over-a-live-file
 /// hazard); `tests/tests/fork.rs` guards it.
 pub struct GuestRam {
-    memfd: Arc<File>,
+    /// The memfd the mapping shows: the VM's own RAM, or once frozen its
+    /// base (a re-base replaces it, `vmm/src/vstate/rebase.rs`).
+    memfd: std::sync::RwLock<Arc<File>>,
     mem: GuestMemoryMmap,
     size: u64,
     frozen: std::sync::atomic::AtomicBool,
@@ -98,7 +109,7 @@ impl GuestRam {
         if !parent.is_frozen() {
             return Err(MemoryError::NotFrozen);
         }
-        Self::map(parent.memfd.clone(), parent.size, libc::MAP_PRIVATE, true)
+        Self::map(parent.memfd(), parent.size, libc::MAP_PRIVATE, true)
     }
 
     fn map(memfd: Arc<File>, size: u64, share: i32, frozen: bool) -> Result<Self, MemoryError> {
@@ -135,7 +146,7 @@ impl GuestRam {
         let mem = GuestMemoryMmap::from_regions(regions).map_err(MemoryError::Layout)?;
         let pages = size.div_ceil(PAGE) as usize;
         Ok(Self {
-            memfd,
+            memfd: std::sync::RwLock::new(memfd),
             mem,
             size,
             frozen: std::sync::atomic::AtomicBool::new(frozen),
@@ -156,6 +167,18 @@ impl GuestRam {
         if self.is_frozen() {
             return Ok(());
         }
+        self.remap_private_over(&self.memfd())?;
+        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Writes the VMM made before the freeze are in the base already.
+        for region in self.mem.iter() {
+            region.get_mmap().bitmap().reset();
+        }
+        Ok(())
+    }
+
+    /// Remaps every region privately over `file` at the same host
+    /// addresses. Every writer of guest RAM is paused.
+    fn remap_private_over(&self, file: &File) -> Result<(), MemoryError> {
         for (_, off, len) in layout(self.size) {
             let host = self
                 .mem
@@ -163,14 +186,30 @@ impl GuestRam {
                 .map_err(|_| MemoryError::Freeze(std::io::Error::from_raw_os_error(libc::EFAULT)))?;
             let len =
                 usize::try_from(len).map_err(|_| MemoryError::Freeze(std::io::Error::other("region too large")))?;
-            // SAFETY: `host..host+len` is one of our own regions' mappings of
-            // this very memfd at `off`, mapped shared until now: the private
-            // mapping shows exactly the same bytes, and vm-memory only holds
-            // the address (it unmaps the range on drop, whatever maps it).
-            unsafe { crate::sys::remap_private(host, len, &self.memfd, off) }.map_err(MemoryError::Freeze)?;
+            // SAFETY: `host..host+len` is one of our own regions' mappings,
+            // at `off` of a file that holds exactly the bytes the VM sees
+            // there (its memfd at a freeze, a new base at a re-base), with
+            // every writer paused: the private mapping shows the same bytes,
+            // and vm-memory and the devices' views only hold the address
+            // (vm-memory unmaps the range on drop, whatever maps it).
+            unsafe { crate::sys::remap_private(host, len, file, off) }.map_err(MemoryError::Freeze)?;
         }
-        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
-        // Writes the VMM made before the freeze are in the base already.
+        Ok(())
+    }
+
+    /// Makes `base` this VM's frozen base: `base` holds exactly the RAM this
+    /// VM sees now (every writer paused, every write harvested), the
+    /// mapping is remapped privately over it at the same addresses (the
+    /// VM's private copies go back to the host), and nothing differs from
+    /// the base any more. The old base lives on in the children that map it.
+    pub fn switch_base(&self, base: File) -> Result<(), MemoryError> {
+        if !self.is_frozen() {
+            return Err(MemoryError::NotFrozen);
+        }
+        let base = Arc::new(base);
+        self.remap_private_over(&base)?;
+        *self.memfd.write().unwrap_or_else(|p| p.into_inner()) = base;
+        self.diverged.lock().unwrap_or_else(|p| p.into_inner()).fill(0);
         for region in self.mem.iter() {
             region.get_mmap().bitmap().reset();
         }
@@ -181,6 +220,16 @@ impl GuestRam {
     /// dirty log (vCPU writes) and vm-memory's bitmaps (writes the VMM made
     /// through this mapping). Call with every writer paused.
     pub fn harvest(&self, vm: &VmFd) -> Result<(), MemoryError> {
+        self.take_writes(vm).map(drop)
+    }
+
+    /// [`GuestRam::harvest`], returning the pages written since the last
+    /// harvest (bitmap words over the whole RAM, page `i` is bit `i % 64`
+    /// of word `i / 64`). Safe while the VM runs: KVM write-protects the
+    /// pages it reports, and vm-memory marks a page after writing it, so a
+    /// write that lands after this harvest is in the next one.
+    pub fn take_writes(&self, vm: &VmFd) -> Result<Vec<u64>, MemoryError> {
+        let mut words = vec![0u64; self.size.div_ceil(PAGE).div_ceil(64) as usize];
         for (slot, region) in self.mem.iter().enumerate() {
             let slot = slot as u32;
             let first = memfd_offset_of(region.start_addr().0) / PAGE;
@@ -188,11 +237,106 @@ impl GuestRam {
             let kvm_bits = vm
                 .get_dirty_log(slot, len)
                 .map_err(|source| MemoryError::Memslot { slot, source })?;
-            self.add_diverged(&kvm_bits, first);
+            or_bits(&mut words, &kvm_bits, first);
             let vmm_bits = region.get_mmap().bitmap().get_and_reset();
-            self.add_diverged(&vmm_bits, first);
+            or_bits(&mut words, &vmm_bits, first);
         }
-        Ok(())
+        self.add_diverged(&words, 0);
+        Ok(words)
+    }
+
+    /// How many pages differ from the base.
+    pub fn diverged_count(&self) -> u64 {
+        let d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
+        d.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+
+    /// The set of pages that differ from the base (words as
+    /// [`GuestRam::take_writes`]).
+    pub fn diverged_words(&self) -> Vec<u64> {
+        self.diverged.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Writes the pages set in `words` (as [`GuestRam::take_writes`]) from
+    /// this VM's mapping into `file` at their memfd offsets, a run of
+    /// consecutive pages per `pwrite`; returns the pages written. The
+    /// kernel allocates and fills `file`'s pages itself, which costs a
+    /// fifth of faulting them into a mapping on this host (`docs/fork.md`).
+    pub fn write_pages_to(&self, file: &File, words: &[u64]) -> Result<u64, MemoryError> {
+        let pages = self.size.div_ceil(PAGE);
+        let mut written = 0;
+        let mut page = 0u64;
+        while page < pages {
+            let word = words.get((page / 64) as usize).copied().unwrap_or(0);
+            if word >> (page % 64) == 0 {
+                page = (page / 64 + 1) * 64;
+                continue;
+            }
+            if word & (1 << (page % 64)) == 0 {
+                page += 1;
+                continue;
+            }
+            let first = page;
+            let gpa = gpa_of(first * PAGE);
+            let mut n = 1u64;
+            // A run never crosses the MMIO hole (nor the end of RAM).
+            while first + n < pages
+                && words.get(((first + n) / 64) as usize).copied().unwrap_or(0) & (1 << ((first + n) % 64)) != 0
+                && gpa_of((first + n) * PAGE) == gpa + n * PAGE
+            {
+                n += 1;
+            }
+            let len = usize::try_from(n * PAGE).map_err(|_| MemoryError::Copy(first))?;
+            let slice = self
+                .mem
+                .get_slice(GuestAddress(gpa), len)
+                .map_err(|_| MemoryError::Copy(first))?;
+            k7d_sys::fd::pwrite_volatile(file, &slice, first * PAGE).map_err(|source| MemoryError::Base {
+                what: "cannot write diverged pages into the new base",
+                source,
+            })?;
+            written += n;
+            page = first + n;
+        }
+        Ok(written)
+    }
+
+    /// Copies what the current base holds (its data extents; holes stay
+    /// holes) into `file`, in the kernel (`copy_file_range`, reads and
+    /// writes where the kernel cannot); returns the bytes copied.
+    pub fn copy_base_to(&self, file: &File) -> Result<u64, MemoryError> {
+        let base = self.memfd();
+        let mut copied = 0;
+        for r in data_extents(&base, self.size) {
+            let mut off = r.start;
+            while off < r.end {
+                let want = usize::try_from((r.end - off).min(1 << 30)).unwrap_or(1 << 30);
+                let n = match k7d_sys::file::copy_file_range(&*base, file, off, want) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e)
+                        if matches!(
+                            e.raw_os_error(),
+                            Some(libc::EXDEV | libc::ENOSYS | libc::EOPNOTSUPP | libc::EINVAL)
+                        ) =>
+                    {
+                        copy_by_hand(&base, file, off, want).map_err(|source| MemoryError::Base {
+                            what: "cannot copy the old base into the new one",
+                            source,
+                        })?
+                    }
+                    Err(source) => {
+                        return Err(MemoryError::Base {
+                            what: "cannot copy the old base into the new one",
+                            source,
+                        });
+                    }
+                };
+                off += n as u64;
+                copied += n as u64;
+            }
+        }
+        Ok(copied)
     }
 
     /// Reads `buf.len()` bytes of RAM at memfd offset `off` as this VM sees
@@ -203,7 +347,7 @@ impl GuestRam {
     /// every writer paused and, after a fork, just after a harvest.
     pub fn read_as_seen(&self, off: u64, buf: &mut [u8]) -> Result<(), std::io::Error> {
         use std::os::unix::fs::FileExt;
-        self.memfd.read_exact_at(buf, off)?;
+        self.memfd().read_exact_at(buf, off)?;
         if !self.is_frozen() {
             return Ok(());
         }
@@ -258,6 +402,23 @@ impl GuestRam {
                 }
             }
         }
+    }
+
+    /// The pages holding these guest physical addresses (words as
+    /// [`GuestRam::take_writes`]; addresses outside RAM are ignored), also
+    /// marked as differing from the base.
+    pub fn words_of_gpas(&self, gpas: &[u64]) -> Vec<u64> {
+        let mut words = vec![0u64; self.size.div_ceil(PAGE).div_ceil(64) as usize];
+        for &gpa in gpas {
+            if self.mem.address_in_range(GuestAddress(gpa)) {
+                let page = memfd_offset_of(gpa) / PAGE;
+                if let Some(slot) = words.get_mut((page / 64) as usize) {
+                    *slot |= 1 << (page % 64);
+                }
+            }
+        }
+        self.add_diverged(&words, 0);
+        words
     }
 
     /// Page indexes that differ from the base.
@@ -355,9 +516,10 @@ impl GuestRam {
         &self.mem
     }
 
-    /// The memfd backing all of RAM.
-    pub fn memfd(&self) -> &File {
-        &self.memfd
+    /// The memfd backing all of RAM (once frozen: the base this VM's
+    /// private mapping is over).
+    pub fn memfd(&self) -> Arc<File> {
+        self.memfd.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// RAM size in bytes.
@@ -368,6 +530,31 @@ impl GuestRam {
 
 /// Guest page size used for divergence tracking.
 pub const PAGE: u64 = 4096;
+
+/// ORs `bits` (a bitmap whose bit 0 is page `first`) into `words`.
+fn or_bits(words: &mut [u64], bits: &[u64], first: u64) {
+    for (wi, &w) in bits.iter().enumerate() {
+        let mut b = w;
+        while b != 0 {
+            let i = b.trailing_zeros() as u64;
+            b &= b - 1;
+            let page = first + wi as u64 * 64 + i;
+            if let Some(slot) = words.get_mut((page / 64) as usize) {
+                *slot |= 1 << (page % 64);
+            }
+        }
+    }
+}
+
+/// Copies `[off, off + len)` of `src` into `dst` at the same offset with a
+/// buffer (where `copy_file_range` cannot); returns the bytes copied.
+fn copy_by_hand(src: &File, dst: &File, off: u64, len: usize) -> std::io::Result<usize> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; len.min(1 << 20)];
+    let n = src.read_at(&mut buf, off)?;
+    dst.write_all_at(&buf[..n], off)?;
+    Ok(n)
+}
 
 /// The guest physical address of memfd offset `off`.
 pub fn gpa_of(off: u64) -> u64 {

@@ -8,6 +8,7 @@ mod fork;
 pub mod irq;
 pub mod memory;
 pub mod persist;
+pub mod rebase;
 pub mod snapshot;
 mod standby;
 pub mod vcpu;

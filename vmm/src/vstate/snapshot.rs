@@ -314,7 +314,8 @@ fn data_chunks(size: u64, chunk: u64, extents: impl Iterator<Item = Range<u64>>)
 fn write_memory(dst: &File, ram: &GuestRam, chunk: u64) -> io::Result<Vec<String>> {
     let size = ram.size();
     dst.set_len(size)?;
-    let mut data = data_chunks(size, chunk, data_extents(ram.memfd(), size));
+    let memfd = ram.memfd();
+    let mut data = data_chunks(size, chunk, data_extents(&memfd, size));
     if ram.is_frozen() {
         for p in ram.diverged_pages() {
             if let Some(b) = data.get_mut((p * PAGE / chunk) as usize) {
@@ -803,7 +804,7 @@ impl Opened {
             if sha256_hex(b) != e.sha256[c] {
                 return Err(mismatch(&self.memory_path, r));
             }
-            write_nonzero_pages(ram.memfd(), b, r.start).map_err(io_err("cannot write the restored guest memory"))?;
+            write_nonzero_pages(&ram.memfd(), b, r.start).map_err(io_err("cannot write the restored guest memory"))?;
         }
         Ok(())
     }

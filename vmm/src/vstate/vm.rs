@@ -197,12 +197,19 @@ pub struct Vm {
     pub(super) started: Option<Instant>,
     /// Successful pauses so far (a cluster fork pauses each member once).
     pub(super) pauses: std::sync::atomic::AtomicU64,
+    /// Re-bases so far (`Vm::rebase`).
+    pub(super) rebases: std::sync::atomic::AtomicU64,
 }
 
 impl Vm {
     /// How many times this VM was paused (successfully) since it was built.
     pub fn pauses(&self) -> u64 {
         self.pauses.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Re-bases so far (on request or by the daemon's threshold).
+    pub fn rebases(&self) -> u64 {
+        self.rebases.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// This VM's RAM (fork tests compare children with their source).
@@ -235,8 +242,9 @@ impl Vm {
         self.ram.memory()
     }
 
-    /// The memfd holding guest RAM.
-    pub fn memfd(&self) -> &File {
+    /// The memfd holding guest RAM (after a fork: the base this VM's
+    /// private mapping is over).
+    pub fn memfd(&self) -> Arc<File> {
         self.ram.memfd()
     }
 

@@ -25,6 +25,20 @@ fn differing_pages(a: &[u8], b: &[u8]) -> usize {
     a.chunks(4096).zip(b.chunks(4096)).filter(|(x, y)| x != y).count()
 }
 
+/// How many descriptors of this process are guest RAM memfds named `name`.
+fn memfds(name: &str) -> usize {
+    let want = format!("/memfd:{name} ");
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .map(|l| l.to_string_lossy().starts_with(&want))
+                .unwrap_or(false)
+        })
+        .count()
+}
+
 fn opts(dir: &TempDir, name: &str) -> VmOptions {
     VmOptions {
         serial_log: Some(dir.0.join(format!("{name}.log"))),
@@ -172,8 +186,17 @@ fn a_rebased_source_forks_exactly_and_copies_only_what_it_wrote_since() {
         0,
         "the source saw its child's writes"
     );
-    assert_eq!(differing_pages(&ram(&first), &at_first), 0);
-    drop((grandchild, first));
+    drop(grandchild);
+    // Old bases go with their last user: the first one lives while its
+    // child does, and nothing else keeps it open.
+    drop(old_base);
+    let open = memfds("k7d-ram-src");
+    drop(first);
+    assert_eq!(
+        memfds("k7d-ram-src"),
+        open - 1,
+        "the first base stayed open after its last child went"
+    );
     child.stop();
     src.stop();
 }
@@ -228,6 +251,9 @@ fn the_daemon_rebases_a_source_past_its_threshold_and_leaves_the_others() {
         "the thread did not re-base a source past its threshold"
     );
     assert_eq!(rebases("manual"), 0);
+    // auto's child inherits the threshold and diverges as fast (it runs
+    // the same guest), but was never forked: nobody would copy from it.
+    assert_eq!(rebases("auto-f1"), 0, "a child that was never forked was re-based");
     let Reply::Rebased(r) = d.daemon.handle(Request::Rebase("manual".into())).unwrap() else {
         panic!("rebase answered another type")
     };

@@ -916,12 +916,14 @@ fn daemon(
     };
     let d = std::sync::Arc::new(d);
     let server = Server::start_with(d.clone(), socket, cfg)?;
-    let _rebaser = k7d_vmm::daemon::Rebaser::start(&d, k7d_vmm::daemon::REBASE_PERIOD)
+    let rebaser = k7d_vmm::daemon::Rebaser::start(&d, k7d_vmm::daemon::REBASE_PERIOD)
         .context("cannot spawn the re-base thread")?;
     tracing::info!(state_dir = %state_dir.display(), pid = std::process::id(), "k7d daemon ready");
     while !INTERRUPTED.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
     }
+    // No re-base starts from now on (one under way ends first).
+    drop(rebaser);
     // Shut down on a thread of its own and wait for it a bounded time: a
     // request that is still running (and may hold a VM) cannot keep the
     // daemon from exiting.

@@ -777,7 +777,27 @@ impl Daemon {
                 // source diverged (`docs/fork.md`, "Re-basing").
                 let pause = ClusterPause::pause_for_batch(&[&*g], count, PAUSE_TIMEOUT).map_err(vm_error)?;
                 let rebased = pause.rebased().iter().map(|r| r.id.clone()).collect();
-                let built = self.build_children(&g, &held);
+                let rows: Vec<Vec<String>> = held.ids().iter().map(|c| vec![c.clone()]).collect();
+                let logs: Vec<PathBuf> = held
+                    .ids()
+                    .iter()
+                    .map(|c| Ok(self.store.runtime_dir(c).map_err(internal)?.join("serial.log")))
+                    .collect::<Result<_, ApiError>>()?;
+                let built = pause
+                    .fork(&rows, |cid| {
+                        let i = held.ids().iter().position(|c| c == cid).unwrap_or(0);
+                        self.options(&logs[i])
+                    })
+                    .map_err(vm_error)
+                    .map(|c| {
+                        c.vms
+                            .into_iter()
+                            .flatten()
+                            .zip(c.times.into_iter().flatten())
+                            .zip(logs.iter().cloned())
+                            .map(|((vm, t), log)| (vm, log, t))
+                            .collect::<Vec<_>>()
+                    });
                 let (pause_ms, held_ms) = (ms(pause.took()), ms(pause.held_for()));
                 match (built, pause.resume()) {
                     (Ok(b), Ok(())) => (b, pause_ms, held_ms, rebased),

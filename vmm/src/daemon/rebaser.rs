@@ -4,10 +4,11 @@
 //! about that much whatever the source did since its first fork
 //! (`docs/fork.md`, "Re-basing").
 
-use std::sync::mpsc::{RecvTimeoutError, Sender, channel};
+use std::collections::HashMap;
+use std::sync::mpsc::{RecvTimeoutError, Sender, TryRecvError, channel};
 use std::sync::{Arc, Mutex, TryLockError, Weak};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::{Daemon, PAUSE_TIMEOUT, Slot};
 use crate::vstate::memory::PAGE;
@@ -15,6 +16,9 @@ use crate::vstate::vm::{Vm, VmState};
 
 /// How often the thread looks at each fork source's divergence.
 pub const REBASE_PERIOD: Duration = Duration::from_millis(500);
+
+/// How long a VM whose re-base (or divergence reading) failed is left alone.
+const FAILED_WAIT: Duration = Duration::from_secs(30);
 
 /// The running `k7d-rebase` thread; dropping it stops and joins it.
 pub struct Rebaser {
@@ -24,20 +28,25 @@ pub struct Rebaser {
 
 impl Rebaser {
     /// Starts the thread: every `period` it reads the divergence of each VM
-    /// of `daemon` that has a threshold (KVM's dirty log and the VMM's
-    /// bitmaps, harvested while the VM runs) and re-bases those past it.
-    /// It holds the daemon weakly, and skips a VM a request holds.
+    /// of `daemon` that has a threshold and has been forked (KVM's dirty
+    /// log and the VMM's bitmaps, harvested while the VM runs) and
+    /// re-bases those past it. It holds the daemon and the VMs weakly,
+    /// skips a VM a request holds, and stops between two VMs when dropped.
     pub fn start(daemon: &Arc<Daemon>, period: Duration) -> std::io::Result<Self> {
         let weak: Weak<Daemon> = Arc::downgrade(daemon);
         let (tx, rx) = channel::<()>();
         let thread = std::thread::Builder::new().name("k7d-rebase".into()).spawn(move || {
+            let mut not_before = HashMap::new();
             loop {
                 match rx.recv_timeout(period) {
                     Err(RecvTimeoutError::Timeout) => {}
                     Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
                 }
                 let Some(d) = weak.upgrade() else { return };
-                d.rebase_diverged();
+                let stop = || !matches!(rx.try_recv(), Err(TryRecvError::Empty));
+                if !d.rebase_diverged(period, &mut not_before, &stop) {
+                    return;
+                }
             }
         })?;
         Ok(Self {
@@ -57,19 +66,36 @@ impl Drop for Rebaser {
 }
 
 impl Daemon {
-    /// One pass of the `k7d-rebase` thread over every VM.
-    pub(super) fn rebase_diverged(&self) {
-        let vms: Vec<Arc<Mutex<Vm>>> = self
+    /// One pass of the `k7d-rebase` thread over every VM; false when
+    /// `stop` said to stop. A VM re-based waits at least ten times what its
+    /// re-base took before the next (at most a tenth of a core on one
+    /// VM's re-bases), one whose re-base failed waits [`FAILED_WAIT`].
+    pub(super) fn rebase_diverged(
+        &self,
+        period: Duration,
+        not_before: &mut HashMap<String, Instant>,
+        stop: &dyn Fn() -> bool,
+    ) -> bool {
+        let vms: Vec<(String, Weak<Mutex<Vm>>)> = self
             .vms
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .values()
-            .filter_map(|s| match s {
-                Slot::Vm(v) => Some(v.clone()),
+            .iter()
+            .filter_map(|(id, s)| match s {
+                Slot::Vm(v) => Some((id.clone(), Arc::downgrade(v))),
                 _ => None,
             })
             .collect();
-        for vm in vms {
+        not_before.retain(|id, _| vms.iter().any(|(v, _)| v == id));
+        for (id, vm) in vms {
+            if stop() {
+                return false;
+            }
+            if not_before.get(&id).is_some_and(|t| Instant::now() < *t) {
+                continue;
+            }
+            // Deleted meanwhile: its last handle is not ours to hold.
+            let Some(vm) = vm.upgrade() else { continue };
             let g = match vm.try_lock() {
                 Ok(g) => g,
                 Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -78,22 +104,32 @@ impl Daemon {
             let Some(pct) = g.config().fork.rebase_at_percent else {
                 continue;
             };
-            if !g.ram().is_frozen() || !matches!(g.state(), VmState::Running | VmState::Paused) {
+            // A fork child that was never forked itself has nobody to copy
+            // its divergence into.
+            if !g.has_been_forked() || !matches!(g.state(), VmState::Running | VmState::Paused) {
                 continue;
             }
             let pages = match g.divergence() {
                 Ok(p) => p,
                 Err(e) => {
-                    tracing::warn!(vm = %g.id(), error = %e, "cannot read how far the vm diverged from its fork base");
+                    tracing::warn!(vm = %id, error = %e, "cannot read how far the vm diverged from its fork base");
+                    not_before.insert(id, Instant::now() + FAILED_WAIT);
                     continue;
                 }
             };
             if pages * PAGE * 100 < g.ram().size() * u64::from(pct) {
                 continue;
             }
-            if let Err(e) = g.rebase(PAUSE_TIMEOUT) {
-                tracing::warn!(vm = %g.id(), error = %e, "re-basing the vm failed; it keeps its base");
-            }
+            let t = Instant::now();
+            let wait = match g.rebase(PAUSE_TIMEOUT) {
+                Ok(_) => (t.elapsed() * 10).max(period),
+                Err(e) => {
+                    tracing::warn!(vm = %id, error = %e, "the vm's threshold re-base failed");
+                    FAILED_WAIT
+                }
+            };
+            not_before.insert(id, Instant::now() + wait);
         }
+        true
     }
 }

@@ -318,6 +318,7 @@ impl Vm {
             started: None,
             pauses: Default::default(),
             rebases: Default::default(),
+            forked: Default::default(),
         })
     }
 }

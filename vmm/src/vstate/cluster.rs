@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 use super::rebase::Rebased;
 use super::vm::{Vm, VmError, VmOptions, VmState};
 
+/// Most threads that build a batch's children at once.
+pub const MAX_BUILDERS: usize = 4;
+
 /// The members of a cluster held still: built by [`ClusterPause::pause`],
 /// resumed by [`ClusterPause::resume`] or, failing that, on drop.
 pub struct ClusterPause<'a> {
@@ -58,22 +61,36 @@ impl<'a> ClusterPause<'a> {
     /// would ([`Vm::batch_gains_from_rebase`]) gets a new base first, built
     /// while it runs; the last rounds run under this one pause, and the
     /// batch's children then share that capture and copy nothing. Still
-    /// one pause per member. A failed re-base resumes every member.
+    /// one pause per member. The re-base only saves time: a member whose
+    /// re-base fails keeps its base (with every page it wrote still in its
+    /// diverged set) and the batch goes on without it, with a warning.
     pub fn pause_for_batch(members: &[&'a Vm], count: u32, timeout: Duration) -> Result<Self, VmError> {
         let mut pending = Vec::with_capacity(members.len());
         for m in members {
-            if matches!(m.state(), VmState::Running | VmState::Paused | VmState::Created)
-                && m.batch_gains_from_rebase(count)?
+            if !matches!(m.state(), VmState::Running | VmState::Paused | VmState::Created) {
+                continue;
+            }
+            match m
+                .batch_gains_from_rebase(count)
+                .and_then(|yes| yes.then(|| m.rebase_prepare()).transpose())
             {
-                pending.push((*m, m.rebase_prepare()?));
+                Ok(Some(p)) => pending.push((*m, p)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged")
+                }
             }
         }
         let mut held = Self::pause(members, timeout)?;
         let paused_at = held.since;
         for (m, p) in pending {
-            // On `?`, dropping `held` resumes every member it paused.
             let was_running = held.paused.iter().any(|v| std::ptr::eq(*v, m));
-            held.rebased.push(m.rebase_finish(p, was_running.then_some(paused_at))?);
+            match m.rebase_finish(p, was_running.then_some(paused_at)) {
+                Ok(r) => held.rebased.push(r),
+                Err(e) => {
+                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged")
+                }
+            }
         }
         held.took = held.since.elapsed();
         Ok(held)
@@ -96,7 +113,10 @@ impl<'a> ClusterPause<'a> {
 
     /// Forks every member at this instant: `ids[f][m]` names fork `f`'s
     /// child of member `m`, built with `opts(id)`. Every child or none.
-    pub fn fork(&self, ids: &[Vec<String>], opts: impl Fn(&str) -> VmOptions) -> Result<Children, VmError> {
+    /// Each member is captured once for the batch ([`Vm::capture`]), and
+    /// the children are built from the captures on as many threads as the
+    /// host has cores, at most [`MAX_BUILDERS`].
+    pub fn fork(&self, ids: &[Vec<String>], opts: impl Fn(&str) -> VmOptions + Sync) -> Result<Children, VmError> {
         if let Some(f) = ids.iter().position(|row| row.len() != self.members.len()) {
             return Err(VmError::Refused(format!(
                 "fork {f} names {} children for {} members",
@@ -104,21 +124,93 @@ impl<'a> ClusterPause<'a> {
                 self.members.len()
             )));
         }
-        let mut vms = Vec::with_capacity(ids.len());
+        let builders = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(MAX_BUILDERS);
+        self.fork_on(ids, &opts, builders)
+    }
+
+    /// [`ClusterPause::fork`] on at most `builders` threads.
+    pub fn fork_on(
+        &self,
+        ids: &[Vec<String>],
+        opts: &(impl Fn(&str) -> VmOptions + Sync),
+        builders: usize,
+    ) -> Result<Children, VmError> {
+        // One capture per member for the whole batch (a member's first
+        // capture freezes its base).
+        let captures: Vec<_> = self.members.iter().map(|m| m.capture()).collect::<Result<_, _>>()?;
+        let mut vms: Vec<Vec<Vm>> = Vec::with_capacity(ids.len());
         let mut times = Vec::with_capacity(ids.len());
+
+        // Every (fork, member) job taken in turn by the builders; each
+        // result in its slot.
+        let jobs: Vec<(usize, usize)> = (0..ids.len())
+            .flat_map(|f| (0..self.members.len()).map(move |m| (f, m)))
+            .collect();
+        type Built = Option<Result<(Vm, Duration), VmError>>;
+        let slots: Vec<std::sync::Mutex<Built>> = jobs.iter().map(|_| std::sync::Mutex::new(None)).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let build = || {
+            loop {
+                let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&(f, m)) = jobs.get(j) else { return };
+                let id = &ids[f][m];
+                let t = Instant::now();
+                let r = self.members[m]
+                    .fork_from(&captures[m], id, &opts(id))
+                    .map(|vm| (vm, t.elapsed()));
+                let failed = r.is_err();
+                *slots[j].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+                if failed {
+                    // No more jobs for anyone: the batch fails as a whole.
+                    next.store(jobs.len(), std::sync::atomic::Ordering::Relaxed);
+                    return;
+                }
+            }
+        };
+        let threads = builders.clamp(1, jobs.len().max(1));
+        if threads == 1 {
+            build();
+        } else {
+            std::thread::scope(|s| {
+                for _ in 1..threads {
+                    s.spawn(build);
+                }
+                build();
+            });
+        }
+        let mut results = slots
+            .into_iter()
+            .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()));
+        let mut first_err = None;
         for row in ids {
             let mut forks = Vec::with_capacity(row.len());
             let mut took = Vec::with_capacity(row.len());
-            for (m, id) in self.members.iter().zip(row) {
-                let t = Instant::now();
-                // On `?`, the children built so far are dropped (never started).
-                forks.push(m.fork(id, &opts(id))?);
-                took.push(t.elapsed());
+            for _ in row {
+                match results.next().flatten() {
+                    Some(Ok((vm, t))) => {
+                        forks.push(vm);
+                        took.push(t);
+                    }
+                    Some(Err(e)) => {
+                        first_err.get_or_insert(e);
+                    }
+                    None => {}
+                }
             }
             vms.push(forks);
             times.push(took);
         }
-        Ok(Children { vms, times })
+        // Every child or none: on a failure every child built is dropped
+        // (never started).
+        match first_err {
+            Some(e) => Err(e),
+            None if vms.iter().any(|row| row.len() != self.members.len()) => {
+                Err(VmError::Refused("a fork of the batch was not built".into()))
+            }
+            None => Ok(Children { vms, times }),
+        }
     }
 
     /// Resumes the members this pause parked, every one even when one

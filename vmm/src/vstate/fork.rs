@@ -21,6 +21,15 @@ impl Vm {
     /// fork freezes the base and switches KVM's dirty log on; neither VM sees
     /// the other's later writes. The child is built, not started.
     pub fn fork(&self, child_id: &str, opts: &VmOptions) -> Result<Self, VmError> {
+        let capture = self.capture()?;
+        self.fork_from(&capture, child_id, opts)
+    }
+
+    /// The fork instant of this paused VM, from which any number of
+    /// children are built ([`Vm::fork_from`]; a batch captures once):
+    /// the refusals, the freeze on a first fork, the harvest of what
+    /// diverged, and the machine state. Valid while the VM stays paused.
+    pub fn capture(&self) -> Result<Capture, VmError> {
         if !matches!(self.state(), VmState::Paused | VmState::Created) {
             return Err(self.state_error("fork"));
         }
@@ -54,7 +63,25 @@ impl Vm {
             self.ram_writers.clear();
             self.ram.harvest(&self.vm_fd)?;
         }
-        let state = self.save_state()?;
+        self.forked.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(Capture {
+            state: self.save_state()?,
+            pauses: self.pauses(),
+        })
+    }
+
+    /// A child built from `capture`, this VM's fork instant: its RAM is
+    /// copy-on-write over the frozen base plus the pages that diverged,
+    /// its machine state the capture's. Built, not started.
+    pub fn fork_from(&self, capture: &Capture, child_id: &str, opts: &VmOptions) -> Result<Self, VmError> {
+        // The capture holds only while this VM has stood still since.
+        if !matches!(self.state(), VmState::Paused | VmState::Created) || capture.pauses != self.pauses() {
+            return Err(VmError::Refused(format!(
+                "vm {} ran since its fork instant was captured: capture it again",
+                self.id
+            )));
+        }
+        let state = &capture.state;
         // Each device hands over what its twin in the child takes (blk: a
         // copy-on-write view of its disk as of now), in bus order.
         let mut backends = VecDeque::with_capacity(self.virtio.len());
@@ -78,12 +105,20 @@ impl Vm {
             &config,
             opts,
             BuildPlan::Fork {
-                state: &state,
+                state,
                 parent: &self.ram,
                 backends,
             },
         )
     }
+}
+
+/// A paused VM's fork instant ([`Vm::capture`]): its machine state, and
+/// which pause it belongs to (a capture from before the VM last ran is
+/// refused).
+pub struct Capture {
+    state: super::persist::MachineState,
+    pauses: u64,
 }
 
 /// The records the devices keep of the guest RAM they write beside the VM's

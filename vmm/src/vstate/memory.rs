@@ -14,7 +14,7 @@ use kvm_ioctls::VmFd;
 use thiserror::Error;
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::mmap::MmapRegionBuilder;
-use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion, GuestRegionMmap};
 
 /// Guest memory with per-page dirty bitmaps (vm-memory's bitmap backend).
 pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<AtomicBitmap>;
@@ -92,6 +92,32 @@ pub struct GuestRam {
     /// Pages (by index over the whole RAM) that differ from the base since
     /// the freeze: every harvest of KVM's dirty log and device bitmaps is ORed in.
     diverged: std::sync::Mutex<Vec<u64>>,
+    /// The regions' mappings, owned here (vm-memory's regions only point
+    /// at them, and hold no file: after a re-base nothing keeps an old
+    /// base open but the children that map it). Unmapped on drop, after
+    /// every user of the address (see `Vm`'s field order).
+    _maps: Vec<Mapping>,
+}
+
+/// One owned mapping of guest RAM.
+struct Mapping {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a `Mapping` is an address range this process owns; it is only
+// unmapped on drop, which needs `&mut`, and the bytes are reached through
+// vm-memory, which synchronizes as it does for its own mappings.
+unsafe impl Send for Mapping {}
+// SAFETY: as above: shared references never touch the range.
+unsafe impl Sync for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the range is ours (mapped by `map`), and the `GuestRam`
+        // that owns it is being dropped, after every user of the address.
+        unsafe { crate::sys::unmap(self.ptr, self.len) };
+    }
 }
 
 impl GuestRam {
@@ -116,15 +142,21 @@ impl GuestRam {
         let size_mib = size >> 20;
         let page = NonZeroUsize::new(crate::sys::page_size()).unwrap_or(NonZeroUsize::MIN);
         let mut regions = Vec::new();
+        let mut maps = Vec::new();
         for (gpa, off, len) in layout(size) {
             let len = usize::try_from(len).map_err(|_| MemoryError::Memfd {
                 size_mib,
                 source: std::io::Error::other("region larger than the address space"),
             })?;
-            let region = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
-                .with_file_offset(FileOffset::from_arc(memfd.clone(), off))
+            let ptr = crate::sys::map_file(len, &memfd, off, share).map_err(MemoryError::Freeze)?;
+            maps.push(Mapping { ptr, len });
+            let builder = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
                 .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(share | libc::MAP_NORESERVE)
+                .with_mmap_flags(share | libc::MAP_NORESERVE);
+            // SAFETY: `ptr` is `len` bytes mapped just above, owned by
+            // `maps`, which this `GuestRam` keeps (and unmaps) after its
+            // regions; the region does not own it.
+            let region = unsafe { builder.with_raw_mmap_pointer(ptr) }
                 .build()
                 .map_err(MemoryError::Mmap)?;
             // A VM's own RAM (not a fork's private view) asks for 2 MiB pages:
@@ -151,6 +183,7 @@ impl GuestRam {
             size,
             frozen: std::sync::atomic::AtomicBool::new(frozen),
             diverged: std::sync::Mutex::new(vec![0; pages.div_ceil(64)]),
+            _maps: maps,
         })
     }
 

@@ -72,8 +72,11 @@ impl Vm {
     pub fn rebase(&self, pause_timeout: Duration) -> Result<Rebased, VmError> {
         let running = matches!(self.state(), VmState::Running);
         let r = self.rebase_and_hold(pause_timeout)?;
-        if running {
-            self.resume()?;
+        if running && let Err(e) = self.resume() {
+            return Err(VmError::DeviceState(format!(
+                "vm {} was re-based, but resuming it afterwards failed: {e}",
+                self.id
+            )));
         }
         Ok(r)
     }
@@ -185,7 +188,7 @@ impl Vm {
     /// The last round of a re-base and the switch; the VM is paused (since
     /// `paused_at`, if this re-base paused it) or never started.
     pub(super) fn rebase_finish(&self, p: PendingBase, paused_at: Option<Instant>) -> Result<Rebased, VmError> {
-        if matches!(self.state(), VmState::Running) {
+        if !matches!(self.state(), VmState::Paused | VmState::Created) {
             return Err(self.state_error("finish a re-base"));
         }
         let n = self.last_round(p.file)?;

@@ -199,12 +199,20 @@ pub struct Vm {
     pub(super) pauses: std::sync::atomic::AtomicU64,
     /// Re-bases so far (`Vm::rebase`).
     pub(super) rebases: std::sync::atomic::AtomicU64,
+    /// Whether this VM has been a fork source (captured: `Vm::capture`).
+    pub(super) forked: std::sync::atomic::AtomicBool,
 }
 
 impl Vm {
     /// How many times this VM was paused (successfully) since it was built.
     pub fn pauses(&self) -> u64 {
         self.pauses.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether this VM has been a fork source (a fork child has not, until
+    /// it is forked in turn).
+    pub fn has_been_forked(&self) -> bool {
+        self.forked.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Re-bases so far (on request or by the daemon's threshold).

@@ -14,7 +14,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use k7d_devices::pci::{MsixVectors, NoopMsiRouter};
-use k7d_devices::virtio::block::{Block, BlockError, CLUSTER_SIZE, DeviceMemory, DiskAt, DiskImage, features, status};
+use k7d_devices::virtio::block::{
+    Block, BlockError, CLUSTER_SIZE, DeviceMemory, DiskAt, DiskBudget, DiskImage, features, status,
+};
 use k7d_devices::virtio::{
     ActivateContext, ActiveQueue, GuestMemoryTracked, Interrupt, InterruptStatus, VIRTIO_F_VERSION_1, VirtioDevice,
 };
@@ -184,6 +186,52 @@ fn partial_cluster_writes_read_back_on_both_sides() {
     assert_eq!(src.overlay_bytes(), 7 * CS);
     assert_eq!(child.overlay_bytes(), 3 * CS);
     assert_eq!(std::fs::read(&path).unwrap(), orig, "the frozen base is never written");
+}
+
+#[test]
+fn the_children_s_overlays_stay_within_their_source_s_disk_budget() {
+    let dir = TestDir::new("budget");
+    let path = dir.image("disk.img", &pattern(64 * CS as usize, 0));
+    let src = DiskImage::open(&path, false).unwrap();
+    let budget = std::sync::Arc::new(DiskBudget::new(10 * CS));
+    src.set_children_budget(budget.clone());
+    let mem = plain_memory();
+    let write = |disk: &DiskImage, off: u64, len: usize| {
+        mem.write_slice(&vec![0x77; len], GuestAddress(STAGE)).unwrap();
+        mem.write_all_volatile_to(GuestAddress(STAGE), &mut DiskAt { disk, offset: off }, len)
+    };
+    let a = src.fork().unwrap();
+    let b = src.fork().unwrap();
+    // The source's own writes are not its children's.
+    write(&src, 0, 20 * CS as usize).unwrap();
+    assert_eq!(budget.used(), 0);
+    // a takes 6 clusters (a partial write takes its whole cluster), b 3.
+    write(&a, 0, 5 * CS as usize + 512).unwrap();
+    write(&b, 40 * CS, 3 * CS as usize).unwrap();
+    assert_eq!(budget.used(), 9 * CS);
+    // Rewriting present clusters costs nothing; 2 new ones do not fit.
+    write(&a, 0, 6 * CS as usize).unwrap();
+    let e = write(&b, 50 * CS, 2 * CS as usize).unwrap_err();
+    assert!(e.to_string().contains("No space left on device"), "{e}");
+    assert_eq!(budget.used(), 9 * CS, "a refused write charges nothing");
+    assert_ne!(
+        dread(&b, &mem, 50 * CS, 16),
+        vec![0x77; 16],
+        "a refused write wrote nothing"
+    );
+    write(&b, 50 * CS, CS as usize).unwrap();
+    assert_eq!(budget.used(), 10 * CS);
+    // A fork copies the source's 20 clusters into its child's overlay:
+    // refused with a sentence, and nothing is left of it.
+    let e = src.fork().unwrap_err().to_string();
+    assert!(e.contains("budget allows"), "{e}");
+    assert_eq!(budget.used(), 10 * CS);
+    // A child that goes gives its clusters back.
+    drop(a);
+    assert_eq!(budget.used(), 4 * CS);
+    drop(b);
+    assert_eq!(budget.used(), 0);
+    assert_eq!(dir.overlay_fds(), 1, "only the source's own overlay is left");
 }
 
 #[test]

@@ -235,6 +235,11 @@ pub struct ForkBudget {
     /// The guest RAM of all live children together, in MiB, at most.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_children_memory_mib: Option<u64>,
+    /// What the copy-on-write disk overlays of all live children may hold
+    /// together, in MiB: a fork whose copy would pass it is refused, and a
+    /// child's write past it fails with an I/O error in the guest.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_children_disk_mib: Option<u64>,
     /// Re-base this VM (a new base holding its RAM as it is, built while
     /// it runs) once it has been forked and has diverged from its base by
     /// this percentage of its RAM (1 to 100): its forks then copy at most
@@ -252,13 +257,23 @@ impl ForkBudget {
 
     /// Why `more` children of `memory_mib` each cannot join `live` live
     /// ones of source `id`, if they cannot.
-    pub fn refusal(&self, id: &str, live: u32, more: u32, memory_mib: u64) -> Option<String> {
+    /// `disk_used`: bytes the live children's disk overlays hold now.
+    pub fn refusal(&self, id: &str, live: u32, more: u32, memory_mib: u64, disk_used: u64) -> Option<String> {
         let total = u64::from(live) + u64::from(more);
         if let Some(max) = self.max_children
             && total > u64::from(max)
         {
             return Some(format!(
                 "vm {id} has {live} live fork children and its budget allows {max}: {more} more {} refused",
+                if more == 1 { "is" } else { "are" }
+            ));
+        }
+        if let Some(cap) = self.max_children_disk_mib
+            && disk_used >= cap << 20
+        {
+            return Some(format!(
+                "vm {id}'s fork children hold {:.1} MiB of copy-on-write disk and its budget allows {cap} MiB: {more} more {} refused",
+                disk_used as f64 / (1u64 << 20) as f64,
                 if more == 1 { "is" } else { "are" }
             ));
         }
@@ -568,6 +583,26 @@ impl VmConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_children_disk_budget_refuses_a_fork_in_one_sentence() {
+        let b = ForkBudget {
+            max_children_disk_mib: Some(2),
+            ..Default::default()
+        };
+        assert_eq!(
+            b.refusal("db", 3, 1, 64, (2 << 20) - 4096),
+            None,
+            "under the cap: allowed"
+        );
+        assert_eq!(
+            b.refusal("db", 3, 2, 64, 3 << 20).as_deref(),
+            Some(
+                "vm db's fork children hold 3.0 MiB of copy-on-write disk and its budget allows 2 MiB: 2 more are refused"
+            )
+        );
+        assert_eq!(ForkBudget::default().refusal("db", 3, 1, 64, u64::MAX), None, "no cap");
+    }
 
     #[test]
     fn ids() {

@@ -170,6 +170,9 @@ struct GuestArgs {
     /// Fork budget: the guest RAM all live fork children may commit together, in MiB.
     #[arg(long = "max-children-memory")]
     max_children_memory_mib: Option<u64>,
+    /// Fork budget: what the copy-on-write disk overlays of all live fork children may hold together, in MiB.
+    #[arg(long = "max-children-disk")]
+    max_children_disk_mib: Option<u64>,
     /// Re-base the VM on its own once it has diverged from its fork base by this percentage of its RAM (1-100).
     #[arg(long = "rebase-at")]
     rebase_at_percent: Option<u32>,
@@ -300,6 +303,7 @@ impl GuestArgs {
             fork: k7d_vmm::config::ForkBudget {
                 max_children: self.max_children,
                 max_children_memory_mib: self.max_children_memory_mib,
+                max_children_disk_mib: self.max_children_disk_mib,
                 rebase_at_percent: self.rebase_at_percent,
             },
         })

@@ -30,7 +30,7 @@ use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use k7d_sys::file::{Fallocate, Lock, copy_file_range, fallocate, flock, next_data};
 use tracing::{info, warn};
@@ -51,6 +51,53 @@ const WORD_BITS: u64 = u64::BITS as u64;
 /// Bytes moved per `read`/`write` when `copy_file_range` is unavailable.
 const COPY_CHUNK: usize = 256 * 1024;
 
+/// What the copy-on-write overlays of one fork source's children may hold
+/// together (`fork.max_children_disk_mib`): each new cluster a child's
+/// overlay takes, by a write or by the copy a fork makes, is charged here
+/// first, and a write that would pass the cap fails with `ENOSPC` (the
+/// guest's request completes with an I/O error, as on a full thin pool);
+/// a child's overlay gives its clusters back when it goes.
+#[derive(Debug)]
+pub struct DiskBudget {
+    cap: u64,
+    used: std::sync::atomic::AtomicU64,
+}
+
+impl DiskBudget {
+    /// A budget of `cap` bytes.
+    pub fn new(cap: u64) -> Self {
+        Self {
+            cap,
+            used: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes the children's overlays hold now.
+    pub fn used(&self) -> u64 {
+        self.used.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The cap in bytes.
+    pub fn cap(&self) -> u64 {
+        self.cap
+    }
+
+    fn charge(&self, bytes: u64) -> std::io::Result<()> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.used
+            .fetch_update(SeqCst, SeqCst, |u| u.checked_add(bytes).filter(|n| *n <= self.cap))
+            .map(drop)
+            .map_err(|_| std::io::Error::from_raw_os_error(libc::ENOSPC))
+    }
+
+    fn release(&self, bytes: u64) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let _ = self
+            .used
+            .fetch_update(SeqCst, SeqCst, |u| Some(u.saturating_sub(bytes)));
+    }
+}
+
 /// A raw disk image, with the copy-on-write overlay a fork installs.
 #[derive(Debug)]
 pub struct DiskImage {
@@ -63,6 +110,8 @@ pub struct DiskImage {
     /// Set at most once, by the first [`DiskImage::fork`] of a writable
     /// image (or at birth for a fork child); the base is frozen from then on.
     overlay: OnceLock<Overlay>,
+    /// What this image's fork children's overlays may hold together.
+    children_budget: OnceLock<Arc<DiskBudget>>,
 }
 
 impl DiskImage {
@@ -140,6 +189,7 @@ impl DiskImage {
             path,
             overlay_dir,
             overlay: OnceLock::new(),
+            children_budget: OnceLock::new(),
         })
     }
 
@@ -175,6 +225,18 @@ impl DiskImage {
     /// overlay and every write now lands there.
     pub fn is_frozen(&self) -> bool {
         self.overlay.get().is_some()
+    }
+
+    /// Charges this image's fork children's overlays to `budget` (shared
+    /// by the disks of one VM); set once, before the first fork.
+    pub fn set_children_budget(&self, budget: Arc<DiskBudget>) {
+        let _ = self.children_budget.set(budget);
+    }
+
+    /// What this image's fork children's overlays hold now, if it has a
+    /// budget for them.
+    pub fn children_budget_used(&self) -> Option<u64> {
+        self.children_budget.get().map(|b| b.used())
     }
 
     /// Bytes the copy-on-write overlay holds (present clusters; 0 without
@@ -244,7 +306,11 @@ impl DiskImage {
                     installed
                 }
             };
-            OnceLock::from(parent.duplicate(self.overlay_dir.as_deref(), &self.path)?)
+            OnceLock::from(parent.duplicate(
+                self.overlay_dir.as_deref(),
+                &self.path,
+                self.children_budget.get().cloned(),
+            )?)
         };
         let child = DiskImage {
             file,
@@ -253,6 +319,7 @@ impl DiskImage {
             path: self.path.clone(),
             overlay_dir: self.overlay_dir.clone(),
             overlay,
+            children_budget: OnceLock::new(),
         };
         info!(
             path = self.path,
@@ -309,6 +376,16 @@ struct Overlay {
     /// sits in an `Arc` shared with the device, so it is locked (uncontended:
     /// once per transfer, not per cluster).
     map: Mutex<ClusterMap>,
+    /// The budget a fork child's overlay is charged to (its source's).
+    budget: Option<Arc<DiskBudget>>,
+}
+
+impl Drop for Overlay {
+    fn drop(&mut self) {
+        if let Some(b) = &self.budget {
+            b.release(self.charged());
+        }
+    }
 }
 
 impl Overlay {
@@ -318,6 +395,7 @@ impl Overlay {
             file: tmpfile(dir, len)?,
             len,
             map: Mutex::new(ClusterMap::default()),
+            budget: None,
         })
     }
 
@@ -331,26 +409,77 @@ impl Overlay {
         self.map().count.saturating_mul(CLUSTER_SIZE).min(self.len)
     }
 
-    /// A new overlay with a copy of this one's present clusters.
-    fn duplicate(&self, dir: Option<&Path>, path: &str) -> Result<Self, DiskError> {
+    /// A new overlay with a copy of this one's present clusters, charged to
+    /// `budget` (refused when they do not fit).
+    fn duplicate(&self, dir: Option<&Path>, path: &str, budget: Option<Arc<DiskBudget>>) -> Result<Self, DiskError> {
         let map = self.map().clone();
-        let file = tmpfile(dir, self.len).map_err(|source| DiskError::Overlay {
-            path: path.to_owned(),
-            source,
-        })?;
+        let bytes = map.count.saturating_mul(CLUSTER_SIZE);
+        if let Some(b) = &budget {
+            b.charge(bytes).map_err(|_| DiskError::ChildrenBudget {
+                path: path.to_owned(),
+                need: bytes,
+                used: b.used(),
+                cap: b.cap(),
+            })?;
+        }
+        let file = match tmpfile(dir, self.len) {
+            Ok(f) => f,
+            Err(source) => {
+                if let Some(b) = &budget {
+                    b.release(bytes);
+                }
+                return Err(DiskError::Overlay {
+                    path: path.to_owned(),
+                    source,
+                });
+            }
+        };
+        // From here the new overlay gives the charge back when it goes,
+        // also on a failed copy below.
+        let fresh = Self {
+            file,
+            len: self.len,
+            map: Mutex::new(map.clone()),
+            budget,
+        };
         for (first, end) in map.runs() {
             let start = first.saturating_mul(CLUSTER_SIZE);
             let stop = end.saturating_mul(CLUSTER_SIZE).min(self.len);
-            copy_data(&self.file, &file, start, stop).map_err(|source| DiskError::OverlayCopy {
+            copy_data(&self.file, &fresh.file, start, stop).map_err(|source| DiskError::OverlayCopy {
                 path: path.to_owned(),
                 source,
             })?;
         }
-        Ok(Self {
-            file,
-            len: self.len,
-            map: Mutex::new(map),
-        })
+        Ok(fresh)
+    }
+
+    /// Charges the clusters of `[first, end)` that are not present yet to
+    /// the budget, if any (`ENOSPC` past it; nothing is written then);
+    /// returns the bytes charged, which a failed write refunds.
+    fn charge(&self, map: &ClusterMap, first: u64, end: u64) -> std::io::Result<u64> {
+        let Some(b) = &self.budget else { return Ok(0) };
+        let mut new = 0u64;
+        let mut c = first;
+        while c < end {
+            let (present, n) = map.run(c, end - c);
+            if !present {
+                new += n;
+            }
+            c += n.max(1);
+        }
+        let bytes = new.saturating_mul(CLUSTER_SIZE);
+        b.charge(bytes).map(|()| bytes)
+    }
+
+    fn refund(&self, bytes: u64) {
+        if let Some(b) = &self.budget {
+            b.release(bytes);
+        }
+    }
+
+    /// What this overlay is charged: every present cluster, whole.
+    fn charged(&self) -> u64 {
+        self.map().count.saturating_mul(CLUSTER_SIZE)
     }
 
     /// Reads `buf.len()` bytes at `offset` into guest memory: each run of
@@ -409,7 +538,11 @@ impl Overlay {
                 // Whole clusters from here on: the last boundary before
                 // `end`, or the end of the image (a short last cluster).
                 let full_end = if end == self.len { end } else { end - end % CLUSTER_SIZE };
-                src.write_to(&self.file, pos, pos - offset, full_end - pos)?;
+                let charged = self.charge(&map, c, full_end.div_ceil(CLUSTER_SIZE))?;
+                if let Err(e) = src.write_to(&self.file, pos, pos - offset, full_end - pos) {
+                    self.refund(charged);
+                    return Err(e);
+                }
                 map.mark(c, full_end.div_ceil(CLUSTER_SIZE));
                 pos = full_end;
                 continue;
@@ -418,13 +551,18 @@ impl Overlay {
             if map.contains(c) {
                 src.write_to(&self.file, pos, pos - offset, piece_end - pos)?;
             } else {
+                let charged = self.charge(&map, c, c + 1)?;
                 let mut bounce = [0u8; CLUSTER_SIZE as usize];
                 // `c_end - c_start <= CLUSTER_SIZE`: these are in bounds.
                 let cluster = &mut bounce[..(c_end - c_start) as usize];
-                read_full_at(base, cluster, c_start)?;
                 let (lo, hi) = ((pos - c_start) as usize, (piece_end - c_start) as usize);
-                src.copy_to(pos - offset, &mut cluster[lo..hi])?;
-                self.file.write_all_at(cluster, c_start)?;
+                let copied = read_full_at(base, cluster, c_start)
+                    .and_then(|()| src.copy_to(pos - offset, &mut cluster[lo..hi]))
+                    .and_then(|()| self.file.write_all_at(cluster, c_start));
+                if let Err(e) = copied {
+                    self.refund(charged);
+                    return Err(e);
+                }
                 map.mark(c, c + 1);
             }
             pos = piece_end;

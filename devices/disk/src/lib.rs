@@ -16,7 +16,7 @@
 pub mod image;
 pub mod request;
 
-pub use image::{CLUSTER_SIZE, DiskAt, DiskImage, FileAt};
+pub use image::{CLUSTER_SIZE, DiskAt, DiskBudget, DiskImage, FileAt};
 
 use thiserror::Error;
 use vm_memory::GuestMemoryMmap;
@@ -68,6 +68,20 @@ pub enum DiskError {
         /// Why.
         #[source]
         source: std::io::Error,
+    },
+    /// A fork child's overlay would pass its source's disk budget.
+    #[error(
+        "the disk {path}'s copy-on-write copy for a new fork child needs {need} bytes and the source's children hold {used} of the {cap} bytes their budget allows"
+    )]
+    ChildrenBudget {
+        /// The image path.
+        path: String,
+        /// Bytes the new overlay copies.
+        need: u64,
+        /// Bytes the live children's overlays hold.
+        used: u64,
+        /// The budget.
+        cap: u64,
     },
     /// Creating a copy-on-write overlay file failed.
     #[error("creating the copy-on-write overlay for {path} failed")]

@@ -633,11 +633,13 @@ impl Daemon {
     fn reserve_children(&self, source: &str, count: u32) -> Result<Reservation<'_>, ApiError> {
         // The source's budget (its config never changes) before the map:
         // the map is never held while waiting for a VM's lock.
-        let (budget, memory_mib) = self.with_vm(source, |vm| (vm.config().fork, vm.config().memory_mib))?;
+        let (budget, memory_mib, disk_used) = self.with_vm(source, |vm| {
+            (vm.config().fork, vm.config().memory_mib, vm.children_disk_bytes())
+        })?;
         let mut ids = Vec::new();
         let mut vms = self.vms();
         let live = self.parents().values().filter(|p| p.id == source && !p.deleted).count() as u32;
-        if let Some(why) = budget.refusal(source, live, count, memory_mib) {
+        if let Some(why) = budget.refusal(source, live, count, memory_mib, disk_used) {
             return Err(ApiError::new(ErrorCode::Conflict, why));
         }
         let mut n = 0u32;

@@ -238,6 +238,13 @@ impl Vm {
                 disks: &mut disks,
             };
             add_linux_platform(&vm_fd, &ram, &control, config, opts, out, fork_backends)?;
+            // One disk budget for all this VM's children, over its disks.
+            if let Some(cap) = config.fork.max_children_disk_mib {
+                let budget = Arc::new(k7d_devices::virtio::block::DiskBudget::new(cap.saturating_mul(1 << 20)));
+                for d in &disks {
+                    d.set_children_budget(budget.clone());
+                }
+            }
         }
         clock.done("devices");
 

@@ -215,6 +215,12 @@ impl Vm {
         self.forked.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// What the copy-on-write disk overlays of this VM's live fork children
+    /// hold now (their disk budget's use; 0 without a budget).
+    pub fn children_disk_bytes(&self) -> u64 {
+        self.disks.iter().find_map(|d| d.children_budget_used()).unwrap_or(0)
+    }
+
     /// Re-bases so far (on request or by the daemon's threshold).
     pub fn rebases(&self) -> u64 {
         self.rebases.load(std::sync::atomic::Ordering::Relaxed)

@@ -128,7 +128,6 @@ fn uffd_register(child: *mut u8, len: usize) -> Result<i32> {
         features: UFFD_FEATURE_MINOR_SHMEM,
         ioctls: 0,
     };
-    ioctl(fd, UFFDIO_API, &mut api).context("UFFDIO_API with minor faults on shmem")?;
     let mut reg = UffdioRegister {
         range: UffdioRange {
             start: child as u64,
@@ -137,8 +136,14 @@ fn uffd_register(child: *mut u8, len: usize) -> Result<i32> {
         mode: UFFDIO_REGISTER_MODE_MINOR,
         ioctls: 0,
     };
-    ioctl(fd, UFFDIO_REGISTER, &mut reg).context("UFFDIO_REGISTER (minor)")?;
-    Ok(fd)
+    let r = ioctl(fd, UFFDIO_API, &mut api)
+        .context("UFFDIO_API with minor faults on shmem")
+        .and_then(|()| ioctl(fd, UFFDIO_REGISTER, &mut reg).context("UFFDIO_REGISTER (minor)"));
+    if r.is_err() {
+        // SAFETY: our own descriptor, closed once, on this failure only.
+        unsafe { libc::close(fd) };
+    }
+    r.map(|()| fd)
 }
 
 /// The handler: answers page faults until `stop`, spinning on a

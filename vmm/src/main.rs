@@ -926,8 +926,6 @@ fn daemon(
     while !INTERRUPTED.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
     }
-    // No re-base starts from now on (one under way ends first).
-    drop(rebaser);
     // Shut down on a thread of its own and wait for it a bounded time: a
     // request that is still running (and may hold a VM) cannot keep the
     // daemon from exiting.
@@ -938,6 +936,9 @@ fn daemon(
     let shutdown = std::thread::Builder::new()
         .name("k7d-shutdown".into())
         .spawn(move || {
+            // No re-base starts from now on (one under way ends first,
+            // within the bound).
+            drop(rebaser);
             // Half the bound for connections to finish their requests, the
             // rest for stopping and deleting the VMs.
             server.shutdown_within(bound / 2);

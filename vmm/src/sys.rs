@@ -225,19 +225,22 @@ pub unsafe fn remap_private(addr: *mut u8, len: usize, fd: &File, offset: u64) -
     Ok(())
 }
 
-/// A new mapping of `len` bytes of `fd` at `offset`, read-write, with
-/// `flags` (`MAP_SHARED` or `MAP_PRIVATE`) and `MAP_NORESERVE`. The
-/// caller owns it ([`unmap`]).
-pub fn map_file(len: usize, fd: &File, offset: u64, flags: i32) -> io::Result<*mut u8> {
+/// Maps `len` bytes of `fd` at `offset` over `[addr, addr + len)`
+/// (`MAP_FIXED`), read-write, `flags` `MAP_SHARED` or `MAP_PRIVATE`, with
+/// `MAP_NORESERVE`.
+///
+/// # Safety
+/// `[addr, addr + len)` must be a mapping this process owns whose old
+/// contents nobody relies on.
+pub unsafe fn remap_fixed(addr: *mut u8, len: usize, fd: &File, offset: u64, flags: i32) -> io::Result<()> {
     let off = libc::off_t::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: a new mapping the kernel places (no address given); nothing
-    // else refers to it yet.
+    // SAFETY: the caller guarantees the range is ours; MAP_FIXED replaces it.
     let p = unsafe {
         libc::mmap(
-            std::ptr::null_mut(),
+            addr.cast(),
             len,
             libc::PROT_READ | libc::PROT_WRITE,
-            flags | libc::MAP_NORESERVE,
+            flags | libc::MAP_FIXED | libc::MAP_NORESERVE,
             fd.as_raw_fd(),
             off,
         )
@@ -245,19 +248,7 @@ pub fn map_file(len: usize, fd: &File, offset: u64, flags: i32) -> io::Result<*m
     if p == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
-    Ok(p.cast())
-}
-
-/// Unmaps `[addr, addr + len)`.
-///
-/// # Safety
-/// The range must be a mapping the caller owns and nothing may use it
-/// afterwards.
-pub unsafe fn unmap(addr: *mut u8, len: usize) {
-    // SAFETY: the caller owns the range and gives it up.
-    if unsafe { libc::munmap(addr.cast(), len) } != 0 {
-        tracing::warn!(error = %io::Error::last_os_error(), "munmap of guest RAM failed");
-    }
+    Ok(())
 }
 
 /// This process's effective uid.

@@ -32,9 +32,11 @@
 #     ticks, and after the resume both run on with the child ahead; in both VMs
 #     every tick reads prev = n-1 and disk = n, so each VM's disk follows its
 #     own counter only (a shared disk would show the other VM's numbers).
-#  7b. re-base (issue 16): `k7d rebase src` while it runs, then a second
-#     fork: that child ticks on from the source's counter, and every tick
-#     reads prev = n-1 and disk = n (metric rebase.ms); it is deleted.
+#  7b. re-base (issue 16): `k7d rebase src` while it runs (info counts it),
+#     then `fork --count 2` (one capture, children built in parallel): each
+#     child ticks 12 times on from the source's counter, every tick reads
+#     prev = n-1 and disk = n, clocks never go back (metric rebase.ms);
+#     both are deleted.
 #  8. cleanup: stop + delete both VMs; `list` is empty, the records are gone,
 #     no vCPU / virtio-blk thread, memfd or overlay fd is left in the daemon,
 #     and the daemon exits 0 on SIGTERM with no ERROR in its log and its
@@ -320,34 +322,44 @@ $(last_tick "$CH_LOG")
 EOF
 src_end=$(last_n "$SRC_LOG") ch_end=$(last_n "$CH_LOG")
 
-# --- 7b. re-base (issue 16): the running source gets a new base, and a
-# second child forked from it runs on the source's RAM and disk as of that
-# fork: every tick reads prev = n-1 and disk = n (a page the re-base lost,
-# page cache or the shell's counter, breaks that or the guest).
+# --- 7b. re-base (issue 16): the running source gets a new base, and two
+# children forked from it in one batch (one capture, built in parallel)
+# run on the source's RAM and disk as of that fork: every tick reads
+# prev = n-1 and disk = n (a page the re-base lost, page cache or the
+# shell's counter, breaks that or the guest).
 rb_n=$(last_n "$SRC_LOG")
 kct 180 --json rebase "$SRC" >"$W/rebase.json" 2>"$W/rebase.err" || fail "k7d rebase $SRC failed: $(cat "$W/rebase.err" "$W/rebase.json" | tr '\n' ' ')"
 rb_div=$(json_num diverged_mib "$W/rebase.json") rb_ms=$(json_num took_ms "$W/rebase.json") rb_p=$(json_num paused_ms "$W/rebase.json")
 [ -n "$rb_ms" ] || fail "k7d rebase: no took_ms in the answer: $(tr '\n' ' ' <"$W/rebase.json")"
-kct 180 --json fork "$SRC" --count 1 >"$W/fork2.json" 2>"$W/fork2.err" || fail "k7d fork $SRC after its re-base failed: $(cat "$W/fork2.err" "$W/fork2.json" | tr '\n' ' ')"
-CH2=$(sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' "$W/fork2.json" | sort -u | grep -vxF "$SRC")
-[ -n "$CH2" ] && [ "$(echo "$CH2" | wc -l)" = 1 ] || fail "k7d fork after the re-base: not exactly one child id: $(tr '\n' ' ' <"$W/fork2.json")"
-kc --json info "$CH2" >"$W/child2-info.json" 2>&1 || fail "k7d --json info $CH2 failed: $(cat "$W/child2-info.json")"
-CH2_LOG=$(json_str serial_log "$W/child2-info.json")
-i=0
-while [ "$(last_n "$CH2_LOG" 2>/dev/null || echo 0)" -lt $((rb_n + 12)) ]; do
-  [ -z "$(guest_error "$CH2_LOG")" ] || fail "the re-based source's child: $(guest_error "$CH2_LOG")"
-  i=$((i + 1))
-  [ "$i" -lt 180 ] || fail "the re-based source's child $CH2 did not tick 12 times in 180 s (last n=$(last_n "$CH2_LOG"), source n=$rb_n at the re-base)"
-  sleep 1
+kc --json info "$SRC" >"$W/src-info2.json" 2>&1 || fail "k7d --json info $SRC failed: $(cat "$W/src-info2.json")"
+[ "$(json_num rebases "$W/src-info2.json")" = 1 ] || fail "k7d info $SRC does not count its re-base: $(tr '\n' ' ' <"$W/src-info2.json")"
+kct 180 --json fork "$SRC" --count 2 >"$W/fork2.json" 2>"$W/fork2.err" || fail "k7d fork $SRC --count 2 after its re-base failed: $(cat "$W/fork2.err" "$W/fork2.json" | tr '\n' ' ')"
+KIDS=$(sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' "$W/fork2.json" | sort -u | grep -vxF "$SRC")
+[ "$(echo "$KIDS" | wc -l)" = 2 ] || fail "k7d fork --count 2 after the re-base: not two child ids: $(tr '\n' ' ' <"$W/fork2.json")"
+rb_notes=
+for K in $KIDS; do
+  kc --json info "$K" >"$W/$K-info.json" 2>&1 || fail "k7d --json info $K failed: $(cat "$W/$K-info.json")"
+  K_LOG=$(json_str serial_log "$W/$K-info.json")
+  [ -n "$K_LOG" ] || fail "k7d --json info $K reports no serial_log: $(tr '\n' ' ' <"$W/$K-info.json")"
+  i=0
+  while :; do
+    eval "$(summary R_ "$K_LOG")"
+    [ "$R_ticks" -ge 12 ] && break
+    [ -z "$(guest_error "$K_LOG")" ] || fail "the re-based source's child $K: $(guest_error "$K_LOG")"
+    i=$((i + 1))
+    [ "$i" -lt 180 ] || fail "the re-based source's child $K did not tick 12 times in 180 s ($R_ticks ticks, source n=$rb_n at the re-base)"
+    sleep 1
+  done
+  tr -d '\r' <"$K_LOG" >"/tmp/l2-fork-$K.log"
+  [ "$R_badp" = 0 ] && [ "$R_badd" = 0 ] || fail "the re-based source's child $K: its disk does not follow its counter: $R_whyd"
+  [ "$R_back" = 0 ] && [ "$R_dback" = 0 ] && [ "$R_ushort" = 0 ] || fail "the re-based source's child $K: $R_why"
+  [ "$R_gaps" -le 2 ] || fail "the re-based source's child $K: $R_gaps gaps in its ticks"
+  [ "$R_fn" -ge "$rb_n" ] || fail "the re-based source's child $K started at n=$R_fn, before the source's n=$rb_n at the re-base"
+  rb_notes="$rb_notes $K n=$R_fn..$R_ln ($R_ticks ticks)"
+  kc delete "$K" >"$W/delete-$K.out" 2>&1 || fail "k7d delete $K failed: $(cat "$W/delete-$K.out")"
 done
-eval "$(summary R_ "$CH2_LOG")"
-[ "$R_badp" = 0 ] && [ "$R_badd" = 0 ] || fail "the re-based source's child: its disk does not follow its counter: $R_whyd"
-[ "$R_back" = 0 ] && [ "$R_dback" = 0 ] || fail "the re-based source's child: $R_why"
-[ "$R_fn" -ge "$rb_n" ] || fail "the re-based source's child started at n=$R_fn, before the source's n=$rb_n at the re-base"
-tr -d '\r' <"$CH2_LOG" >/tmp/l2-fork-child2.log
-kc delete "$CH2" >"$W/delete-child2.out" 2>&1 || fail "k7d delete $CH2 failed: $(cat "$W/delete-child2.out")"
 lab_metric rebase.ms "$rb_ms" ms
-lab_note "re-base: k7d rebase $SRC at n=$rb_n: ${rb_div:-?} MiB had diverged, took ${rb_ms} ms, source paused ${rb_p:-?} ms; its child $CH2 ticked n=$R_fn..$R_ln ($R_ticks ticks), every tick read prev = n-1 and disk = n"
+lab_note "re-base: k7d rebase $SRC at n=$rb_n: ${rb_div:-?} MiB had diverged, took ${rb_ms} ms, source paused ${rb_p:-?} ms; then fork --count 2:$rb_notes, every tick read prev = n-1 and disk = n"
 
 # Stop both; keep their logs (delete removes the runtime dirs). The guests
 # stop printing now: the stall watchdog's job is done.

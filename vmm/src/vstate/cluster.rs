@@ -117,13 +117,6 @@ impl<'a> ClusterPause<'a> {
     /// the children are built from the captures on as many threads as the
     /// host has cores, at most [`MAX_BUILDERS`].
     pub fn fork(&self, ids: &[Vec<String>], opts: impl Fn(&str) -> VmOptions + Sync) -> Result<Children, VmError> {
-        if let Some(f) = ids.iter().position(|row| row.len() != self.members.len()) {
-            return Err(VmError::Refused(format!(
-                "fork {f} names {} children for {} members",
-                ids[f].len(),
-                self.members.len()
-            )));
-        }
         let builders = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
             .min(MAX_BUILDERS);
@@ -137,6 +130,23 @@ impl<'a> ClusterPause<'a> {
         opts: &(impl Fn(&str) -> VmOptions + Sync),
         builders: usize,
     ) -> Result<Children, VmError> {
+        if let Some(f) = ids.iter().position(|row| row.len() != self.members.len()) {
+            return Err(VmError::Refused(format!(
+                "fork {f} names {} children for {} members",
+                ids[f].len(),
+                self.members.len()
+            )));
+        }
+        if ids.is_empty() {
+            return Ok(Children {
+                vms: Vec::new(),
+                times: Vec::new(),
+            });
+        }
+        // Every member's refusals before any member is frozen.
+        for m in &self.members {
+            m.check_forkable()?;
+        }
         // One capture per member for the whole batch (a member's first
         // capture freezes its base).
         let captures: Vec<_> = self.members.iter().map(|m| m.capture()).collect::<Result<_, _>>()?;
@@ -175,7 +185,14 @@ impl<'a> ClusterPause<'a> {
         } else {
             std::thread::scope(|s| {
                 for _ in 1..threads {
-                    s.spawn(build);
+                    // A builder that cannot start leaves its jobs to the others.
+                    if let Err(e) = std::thread::Builder::new()
+                        .name("k7d-fork-build".into())
+                        .spawn_scoped(s, build)
+                    {
+                        tracing::warn!(error = %e, "cannot start another fork builder; fewer build the batch");
+                        break;
+                    }
                 }
                 build();
             });

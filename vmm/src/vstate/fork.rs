@@ -30,22 +30,7 @@ impl Vm {
     /// the refusals, the freeze on a first fork, the harvest of what
     /// diverged, and the machine state. Valid while the VM stays paused.
     pub fn capture(&self) -> Result<Capture, VmError> {
-        if !matches!(self.state(), VmState::Paused | VmState::Created) {
-            return Err(self.state_error("fork"));
-        }
-        // Refusals first, before the first fork freezes anything: the
-        // config's, then each device's own.
-        if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
-            return Err(VmError::Refused(format!(
-                "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",
-                self.id
-            )));
-        }
-        for d in &self.virtio {
-            let dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            dev.can_fork()
-                .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id)))?;
-        }
+        self.check_forkable()?;
         // Every device's records of the guest pages it writes, asked for
         // once: at this VM's first fork (before the freeze), or for a fork
         // child, frozen from birth, at its own first fork (blk's own view
@@ -67,7 +52,28 @@ impl Vm {
         Ok(Capture {
             state: self.save_state()?,
             pauses: self.pauses(),
+            rebases: self.rebases(),
         })
+    }
+
+    /// Whether this VM can be forked now, checked before anything is
+    /// frozen: its state, the config's refusals, then each device's own.
+    pub fn check_forkable(&self) -> Result<(), VmError> {
+        if !matches!(self.state(), VmState::Paused | VmState::Created) {
+            return Err(self.state_error("fork"));
+        }
+        if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
+            return Err(VmError::Refused(format!(
+                "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",
+                self.id
+            )));
+        }
+        for d in &self.virtio {
+            let dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            dev.can_fork()
+                .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id)))?;
+        }
+        Ok(())
     }
 
     /// A child built from `capture`, this VM's fork instant: its RAM is
@@ -75,9 +81,12 @@ impl Vm {
     /// its machine state the capture's. Built, not started.
     pub fn fork_from(&self, capture: &Capture, child_id: &str, opts: &VmOptions) -> Result<Self, VmError> {
         // The capture holds only while this VM has stood still since.
-        if !matches!(self.state(), VmState::Paused | VmState::Created) || capture.pauses != self.pauses() {
+        if !matches!(self.state(), VmState::Paused | VmState::Created)
+            || capture.pauses != self.pauses()
+            || capture.rebases != self.rebases()
+        {
             return Err(VmError::Refused(format!(
-                "vm {} ran since its fork instant was captured: capture it again",
+                "vm {} ran or was re-based since its fork instant was captured: capture it again",
                 self.id
             )));
         }
@@ -114,11 +123,12 @@ impl Vm {
 }
 
 /// A paused VM's fork instant ([`Vm::capture`]): its machine state, and
-/// which pause it belongs to (a capture from before the VM last ran is
-/// refused).
+/// which pause and which base it belongs to (a capture from before the VM
+/// last ran, or before a re-base, is refused).
 pub struct Capture {
     state: super::persist::MachineState,
     pauses: u64,
+    rebases: u64,
 }
 
 /// The records the devices keep of the guest RAM they write beside the VM's

@@ -92,32 +92,6 @@ pub struct GuestRam {
     /// Pages (by index over the whole RAM) that differ from the base since
     /// the freeze: every harvest of KVM's dirty log and device bitmaps is ORed in.
     diverged: std::sync::Mutex<Vec<u64>>,
-    /// The regions' mappings, owned here (vm-memory's regions only point
-    /// at them, and hold no file: after a re-base nothing keeps an old
-    /// base open but the children that map it). Unmapped on drop, after
-    /// every user of the address (see `Vm`'s field order).
-    _maps: Vec<Mapping>,
-}
-
-/// One owned mapping of guest RAM.
-struct Mapping {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: a `Mapping` is an address range this process owns; it is only
-// unmapped on drop, which needs `&mut`, and the bytes are reached through
-// vm-memory, which synchronizes as it does for its own mappings.
-unsafe impl Send for Mapping {}
-// SAFETY: as above: shared references never touch the range.
-unsafe impl Sync for Mapping {}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: the range is ours (mapped by `map`), and the `GuestRam`
-        // that owns it is being dropped, after every user of the address.
-        unsafe { crate::sys::unmap(self.ptr, self.len) };
-    }
 }
 
 impl GuestRam {
@@ -142,23 +116,27 @@ impl GuestRam {
         let size_mib = size >> 20;
         let page = NonZeroUsize::new(crate::sys::page_size()).unwrap_or(NonZeroUsize::MIN);
         let mut regions = Vec::new();
-        let mut maps = Vec::new();
         for (gpa, off, len) in layout(size) {
             let len = usize::try_from(len).map_err(|_| MemoryError::Memfd {
                 size_mib,
                 source: std::io::Error::other("region larger than the address space"),
             })?;
-            let ptr = crate::sys::map_file(len, &memfd, off, share).map_err(MemoryError::Freeze)?;
-            maps.push(Mapping { ptr, len });
-            let builder = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
+            // vm-memory owns the address range (an anonymous reservation,
+            // unmapped when the last handle to the region goes, as with any
+            // region of its own) but holds no file: the memfd is mapped over
+            // it here. So nothing but the VMs that map a base keeps it open
+            // (a re-base's old base goes with its last child), and a clone
+            // of the memory handle keeps the range mapped as long as it lives.
+            let region = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
                 .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(share | libc::MAP_NORESERVE);
-            // SAFETY: `ptr` is `len` bytes mapped just above, owned by
-            // `maps`, which this `GuestRam` keeps (and unmaps) after its
-            // regions; the region does not own it.
-            let region = unsafe { builder.with_raw_mmap_pointer(ptr) }
+                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
                 .build()
                 .map_err(MemoryError::Mmap)?;
+            // SAFETY: `region` is `len` bytes that vm-memory just reserved
+            // and nobody uses yet; the memfd replaces them at the same
+            // address and vm-memory unmaps the range, whatever maps it.
+            unsafe { crate::sys::remap_fixed(region.as_ptr(), len, &memfd, off, share) }
+                .map_err(MemoryError::Freeze)?;
             // A VM's own RAM (not a fork's private view) asks for 2 MiB pages:
             // one fault and one page-cache entry per 2 MiB instead of 512,
             // which is most of a Linux guest's boot under nested
@@ -183,7 +161,6 @@ impl GuestRam {
             size,
             frozen: std::sync::atomic::AtomicBool::new(frozen),
             diverged: std::sync::Mutex::new(vec![0; pages.div_ceil(64)]),
-            _maps: maps,
         })
     }
 
@@ -224,7 +201,8 @@ impl GuestRam {
             // there (its memfd at a freeze, a new base at a re-base), with
             // every writer paused: the private mapping shows the same bytes,
             // and vm-memory and the devices' views only hold the address
-            // (vm-memory unmaps the range on drop, whatever maps it).
+            // (vm-memory unmaps the range when its region goes, whatever
+            // maps it then).
             unsafe { crate::sys::remap_private(host, len, file, off) }.map_err(MemoryError::Freeze)?;
         }
         Ok(())
@@ -267,14 +245,18 @@ impl GuestRam {
             let slot = slot as u32;
             let first = memfd_offset_of(region.start_addr().0) / PAGE;
             let len = usize::try_from(region.len()).unwrap_or(usize::MAX);
+            // Each region's bits join the diverged set as soon as they are
+            // read (KVM and vm-memory cleared them): a failure at a later
+            // region loses none.
             let kvm_bits = vm
                 .get_dirty_log(slot, len)
                 .map_err(|source| MemoryError::Memslot { slot, source })?;
+            self.add_diverged(&kvm_bits, first);
             or_bits(&mut words, &kvm_bits, first);
             let vmm_bits = region.get_mmap().bitmap().get_and_reset();
+            self.add_diverged(&vmm_bits, first);
             or_bits(&mut words, &vmm_bits, first);
         }
-        self.add_diverged(&words, 0);
         Ok(words)
     }
 

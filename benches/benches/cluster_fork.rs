@@ -24,29 +24,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use k7d_benches::qemu_fork::QemuFork;
-use k7d_benches::{env_num, which};
-use k7d_vmm::config::{GuestSpec, VmConfig};
+use k7d_benches::{env_num, idle_vm, which};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::vstate::cluster::ClusterPause;
 use k7d_vmm::{Vm, VmOptions};
 
 const MIB: u64 = 256;
 const MEMBERS: usize = 3;
-
-fn member(id: &str, mib: u64) -> Result<Vm> {
-    let cfg = VmConfig {
-        id: Some(id.into()),
-        memory_mib: mib,
-        guest: GuestSpec::Builtin {
-            name: "idle".into(),
-            args: vec![],
-        },
-        ..Default::default()
-    };
-    let mut vm = Vm::new(id, &cfg, &VmOptions::default())?;
-    vm.start()?;
-    Ok(vm)
-}
 
 /// Dirties `n` pages of `vm` spread over its RAM (above 1 MiB).
 fn dirty(vm: &Vm, mib: u64, n: u64, round: u32) {
@@ -106,7 +90,7 @@ fn main() -> Result<()> {
         }
     };
     let members: Vec<Vm> = (0..MEMBERS)
-        .map(|i| member(&format!("m{i}"), MIB))
+        .map(|i| idle_vm(&format!("m{i}"), MIB))
         .collect::<Result<_>>()?;
     std::thread::sleep(Duration::from_millis(20));
     let refs: Vec<&Vm> = members.iter().collect();
@@ -186,7 +170,7 @@ fn main() -> Result<()> {
     // Batches: fresh members (bases frozen by a first fork), 1 % of their
     // pages dirtied before each measurement, as a running cluster would.
     let fresh: Vec<Vm> = (0..MEMBERS)
-        .map(|i| member(&format!("b{i}"), MIB))
+        .map(|i| idle_vm(&format!("b{i}"), MIB))
         .collect::<Result<_>>()?;
     let refs: Vec<&Vm> = fresh.iter().collect();
     let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;

@@ -17,27 +17,11 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use k7d_benches::env_num;
-use k7d_vmm::config::{GuestSpec, VmConfig};
+use k7d_benches::{env_num, idle_vm};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 
 const MIB: u64 = 256;
-
-fn source(id: &str) -> Result<Vm> {
-    let cfg = VmConfig {
-        id: Some(id.into()),
-        memory_mib: MIB,
-        guest: GuestSpec::Builtin {
-            name: "idle".into(),
-            args: vec![],
-        },
-        ..Default::default()
-    };
-    let mut vm = Vm::new(id, &cfg, &VmOptions::default())?;
-    vm.start()?;
-    Ok(vm)
-}
 
 /// Dirties `n` pages spread over the RAM (above 1 MiB), the same pages
 /// for every round (so the divergence stays `n` pages).
@@ -68,7 +52,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let samples = env_num("K7D_BENCH_FORKS", 11).max(1);
-    let vm = source("src")?;
+    let vm = idle_vm("src", MIB)?;
     std::thread::sleep(Duration::from_millis(20));
     fork(&vm, "first")?;
     let pages = (MIB << 20) / 4096;

@@ -101,3 +101,20 @@ pub fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
+
+/// A started VM running the embedded `idle` guest with `mib` MiB of RAM
+/// (the fork benches' sources and cluster members).
+pub fn idle_vm(id: &str, mib: u64) -> Result<k7d_vmm::Vm> {
+    let cfg = k7d_vmm::config::VmConfig {
+        id: Some(id.into()),
+        memory_mib: mib,
+        guest: k7d_vmm::config::GuestSpec::Builtin {
+            name: "idle".into(),
+            args: vec![],
+        },
+        ..Default::default()
+    };
+    let mut vm = k7d_vmm::Vm::new(id, &cfg, &k7d_vmm::VmOptions::default())?;
+    vm.start()?;
+    Ok(vm)
+}

@@ -207,22 +207,8 @@ pub use k7d_sys::file::page_size;
 /// only if the file holds what the old mapping showed, as for a shared
 /// mapping of the same file).
 pub unsafe fn remap_private(addr: *mut u8, len: usize, fd: &File, offset: u64) -> io::Result<()> {
-    let off = libc::off_t::try_from(offset).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: the caller guarantees the range is ours; MAP_FIXED replaces it atomically.
-    let p = unsafe {
-        libc::mmap(
-            addr.cast(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
-            fd.as_raw_fd(),
-            off,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    // SAFETY: the caller's guarantees are `remap_fixed`'s.
+    unsafe { remap_fixed(addr, len, fd, offset, libc::MAP_PRIVATE) }
 }
 
 /// Maps `len` bytes of `fd` at `offset` over `[addr, addr + len)`

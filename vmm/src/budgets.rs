@@ -50,13 +50,13 @@ pub const VM_BUILD_LINUX: Budget = Budget {
 /// `pause` of a running 1-vCPU VM (busy guest) until every vCPU is parked.
 pub const PAUSE: Budget = Budget {
     name: "pause",
-    limit: Duration::from_micros(100),
+    limit: Duration::from_micros(200),
 };
 
 /// `resume` of a paused VM until the guest runs again (its counter moves).
 pub const RESUME: Budget = Budget {
     name: "resume",
-    limit: Duration::from_micros(100),
+    limit: Duration::from_micros(200),
 };
 
 /// `Vm::fork` of a paused 256 MiB VM whose base is frozen and nothing

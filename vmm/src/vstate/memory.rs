@@ -280,38 +280,17 @@ impl GuestRam {
     pub fn write_pages_to(&self, file: &File, words: &[u64]) -> Result<u64, MemoryError> {
         let pages = self.size.div_ceil(PAGE);
         let mut written = 0;
-        let mut page = 0u64;
-        while page < pages {
-            let word = words.get((page / 64) as usize).copied().unwrap_or(0);
-            if word >> (page % 64) == 0 {
-                page = (page / 64 + 1) * 64;
-                continue;
-            }
-            if word & (1 << (page % 64)) == 0 {
-                page += 1;
-                continue;
-            }
-            let first = page;
-            let gpa = gpa_of(first * PAGE);
-            let mut n = 1u64;
-            // A run never crosses the MMIO hole (nor the end of RAM).
-            while first + n < pages
-                && words.get(((first + n) / 64) as usize).copied().unwrap_or(0) & (1 << ((first + n) % 64)) != 0
-                && gpa_of((first + n) * PAGE) == gpa + n * PAGE
-            {
-                n += 1;
-            }
+        for (first, n) in page_runs(set_bits(words).into_iter().filter(|&p| p < pages)) {
             let len = usize::try_from(n * PAGE).map_err(|_| MemoryError::Copy(first))?;
             let slice = self
                 .mem
-                .get_slice(GuestAddress(gpa), len)
+                .get_slice(GuestAddress(gpa_of(first * PAGE)), len)
                 .map_err(|_| MemoryError::Copy(first))?;
             k7d_sys::fd::pwrite_volatile(file, &slice, first * PAGE).map_err(|source| MemoryError::Base {
                 what: "cannot write diverged pages into the new base",
                 source,
             })?;
             written += n;
-            page = first + n;
         }
         Ok(written)
     }
@@ -391,18 +370,11 @@ impl GuestRam {
     /// ORs page indexes (bitmap words over the whole RAM) into the set of
     /// pages that differ from the base.
     pub fn add_diverged(&self, words: &[u64], first_page: u64) {
-        let mut d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
-        for (wi, &w) in words.iter().enumerate() {
-            let mut bits = w;
-            while bits != 0 {
-                let b = bits.trailing_zeros() as u64;
-                bits &= bits - 1;
-                let page = first_page + wi as u64 * 64 + b;
-                if let Some(slot) = d.get_mut((page / 64) as usize) {
-                    *slot |= 1 << (page % 64);
-                }
-            }
-        }
+        or_bits(
+            &mut self.diverged.lock().unwrap_or_else(|p| p.into_inner()),
+            words,
+            first_page,
+        );
     }
 
     /// Marks the pages holding these guest physical addresses as differing
@@ -438,17 +410,7 @@ impl GuestRam {
 
     /// Page indexes that differ from the base.
     pub fn diverged_pages(&self) -> Vec<u64> {
-        let d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
-        let mut v = Vec::new();
-        for (wi, &w) in d.iter().enumerate() {
-            let mut bits = w;
-            while bits != 0 {
-                let b = bits.trailing_zeros() as u64;
-                bits &= bits - 1;
-                v.push(wi as u64 * 64 + b);
-            }
-        }
-        v
+        set_bits(&self.diverged.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Copies `pages` (ascending indexes over the whole RAM) from `src`'s view
@@ -456,19 +418,8 @@ impl GuestRam {
     /// base. Runs of consecutive pages are copied host mapping to host mapping
     /// in one go (no bounce buffer), and marked diverged under one lock.
     pub fn copy_diverged_from(&self, src: &GuestRam, pages: &[u64]) -> Result<(), MemoryError> {
-        let mut i = 0;
-        while i < pages.len() {
-            let first = pages[i];
+        for (first, n) in page_runs(pages.iter().copied()) {
             let gpa = gpa_of(first * PAGE);
-            let mut n = 1u64;
-            // Extend while the next page is the next one in guest-physical
-            // space too (a run never crosses the MMIO hole).
-            while i + (n as usize) < pages.len()
-                && pages[i + n as usize] == first + n
-                && gpa_of((first + n) * PAGE) == gpa + n * PAGE
-            {
-                n += 1;
-            }
             let len = usize::try_from(n * PAGE).map_err(|_| MemoryError::Copy(first))?;
             let from = src
                 .mem
@@ -479,7 +430,6 @@ impl GuestRam {
                 .get_slice(GuestAddress(gpa), len)
                 .map_err(|_| MemoryError::Copy(first))?;
             from.copy_to_volatile_slice(to);
-            i += n as usize;
         }
         let mut d = self.diverged.lock().unwrap_or_else(|p| p.into_inner());
         for &p in pages {
@@ -559,6 +509,34 @@ fn or_bits(words: &mut [u64], bits: &[u64], first: u64) {
             }
         }
     }
+}
+
+/// The indexes of the set bits of `words` (bit `i % 64` of word `i / 64`),
+/// ascending.
+fn set_bits(words: &[u64]) -> Vec<u64> {
+    let mut v = Vec::new();
+    for (wi, &w) in words.iter().enumerate() {
+        let mut bits = w;
+        while bits != 0 {
+            v.push(wi as u64 * 64 + u64::from(bits.trailing_zeros()));
+            bits &= bits - 1;
+        }
+    }
+    v
+}
+
+/// Ascending page indexes grouped into `(first, count)` runs of pages that
+/// are consecutive in the memfd and in guest-physical space too (a run
+/// never crosses the MMIO hole): one copy or write per run.
+fn page_runs(pages: impl IntoIterator<Item = u64>) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for p in pages {
+        match runs.last_mut() {
+            Some((first, n)) if p == *first + *n && gpa_of(p * PAGE) == gpa_of(*first * PAGE) + *n * PAGE => *n += 1,
+            _ => runs.push((p, 1)),
+        }
+    }
+    runs
 }
 
 /// Copies `[off, off + len)` of `src` into `dst` at the same offset with a
@@ -667,6 +645,17 @@ mod tests {
             !flags.split(' ').any(|f| f == "hg"),
             "a fork's private view was advised: {flags}"
         );
+    }
+
+    #[test]
+    fn runs_group_consecutive_pages_but_never_across_the_hole() {
+        let h = MMIO_HOLE_START / PAGE;
+        assert_eq!(set_bits(&[0b1110, 1 << 63, 1]), vec![1, 2, 3, 127, 128]);
+        assert_eq!(
+            page_runs([1, 2, 3, 5, 127, 128, h - 2, h - 1, h, h + 1]),
+            vec![(1, 3), (5, 1), (127, 2), (h - 2, 2), (h, 2)]
+        );
+        assert!(page_runs(std::iter::empty()).is_empty());
     }
 
     #[test]

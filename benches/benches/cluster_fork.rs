@@ -8,8 +8,12 @@
 //! under one pause (fresh members, 1 % dirtied; as the daemon does, the
 //! members are re-based first when that costs less than every child
 //! copying their divergence, so the batch shares one capture) against N
-//! cluster forks one after another, per fork. Members are running idle guests (the pause and
-//! resume are part of each figure).
+//! cluster forks one after another, per fork; both twice in the same
+//! rounds: with every child built from scratch ("shells off"), and with
+//! every child built in a shell made ahead ("shells ready": the pool is
+//! filled before each timed fork, for the singles and the batch alike, and
+//! what one shell costs to make is printed beside). Members are running
+//! idle guests (the pause and resume are part of each figure).
 //!
 //! Goals (issue 16): a cluster fork ≤ 1.3× one single-VM fork of the same
 //! total RAM; a batch ≤ 0.5× a single cluster fork per cluster.
@@ -27,6 +31,7 @@ use k7d_benches::qemu_fork::QemuFork;
 use k7d_benches::{env_num, idle_vm, which};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::vstate::cluster::ClusterPause;
+use k7d_vmm::vstate::shell::ShellPool;
 use k7d_vmm::{Vm, VmOptions};
 
 const MIB: u64 = 256;
@@ -177,44 +182,65 @@ fn main() -> Result<()> {
     drop(held.fork(&ids(1, 300), |_| VmOptions::default())?);
     held.resume()?;
     let n = pages / 100;
-    let mut singles = Vec::with_capacity(batches);
-    let mut per_fork = Vec::with_capacity(batches);
+    let shape = fresh[0].shape();
+    let pool = ShellPool::new();
+    // [shells off, shells ready] x [single cluster forks, batch], per cluster.
+    let mut cells: [[Vec<Duration>; 2]; 2] = Default::default();
+    let mut shell_cost = Vec::new();
     for r in 0..batches {
-        // `batch` cluster forks one after another (each its own pause)...
-        let mut sum = Duration::ZERO;
-        for f in 0..batch {
-            for m in &fresh {
-                dirty(m, MIB, n / batch as u64, (r * batch + f) as u32);
+        for (mode, cell) in cells.iter_mut().enumerate() {
+            let shells = (mode == 1).then_some(&*pool);
+            // `batch` cluster forks one after another (each its own pause)...
+            let mut sum = Duration::ZERO;
+            for f in 0..batch {
+                for m in &fresh {
+                    dirty(m, MIB, n / batch as u64, (r * batch + f) as u32);
+                }
+                if let Some(p) = shells {
+                    p.fill(shape, MEMBERS)?;
+                }
+                let t = Instant::now();
+                let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;
+                let c = held.fork_in(&ids(1, 1000 + r * batch + f), |_| VmOptions::default(), shells)?;
+                held.resume()?;
+                sum += t.elapsed();
+                drop(c);
             }
+            cell[0].push(sum / batch as u32);
+            // ... against one batch of `batch` under one pause, after the
+            // same divergence.
+            for m in &fresh {
+                dirty(m, MIB, n, r as u32 ^ 0x77);
+            }
+            if let Some(p) = shells {
+                let t = Instant::now();
+                let made = p.fill(shape, MEMBERS * batch)?;
+                shell_cost.push(t.elapsed() / made.max(1) as u32);
+            }
+            // As the daemon forks a batch: members re-based first when that
+            // costs less than every child copying their divergence.
             let t = Instant::now();
-            let held = ClusterPause::pause(&refs, Duration::from_secs(2))?;
-            let c = held.fork(&ids(1, 1000 + r * batch + f), |_| VmOptions::default())?;
+            let held = ClusterPause::pause_for_batch(&refs, batch as u32, Duration::from_secs(2))?;
+            let c = held.fork_in(&ids(batch, 5000 + r), |_| VmOptions::default(), shells)?;
             held.resume()?;
-            sum += t.elapsed();
+            cell[1].push(t.elapsed() / batch as u32);
             drop(c);
         }
-        singles.push(sum / batch as u32);
-        // ... against one batch of `batch` under one pause, after the same
-        // divergence.
-        for m in &fresh {
-            dirty(m, MIB, n, r as u32 ^ 0x77);
-        }
-        // As the daemon forks a batch: members re-based first when that
-        // costs less than every child copying their divergence.
-        let t = Instant::now();
-        let held = ClusterPause::pause_for_batch(&refs, batch as u32, Duration::from_secs(2))?;
-        let c = held.fork(&ids(batch, 5000 + r), |_| VmOptions::default())?;
-        held.resume()?;
-        per_fork.push(t.elapsed() / batch as u32);
-        drop(c);
     }
-    let (o, b) = (median(singles), median(per_fork));
+    for (mode, [singles, per_fork]) in cells.into_iter().enumerate() {
+        let (o, b) = (median(singles), median(per_fork));
+        println!(
+            "batch of {batch} under one pause, {}: {:.2} ms per cluster vs {:.2} ms per cluster for {batch} single cluster forks: {:.2}x (goal <= 0.5: {})",
+            if mode == 0 { "shells off" } else { "shells ready" },
+            ms(b),
+            ms(o),
+            ms(b) / ms(o),
+            if ms(b) <= 0.5 * ms(o) { "met" } else { "not met" }
+        );
+    }
     println!(
-        "batch of {batch} under one pause: {:.2} ms per cluster vs {:.2} ms per cluster for {batch} single cluster forks: {:.2}x (goal <= 0.5: {})",
-        ms(b),
-        ms(o),
-        ms(b) / ms(o),
-        if ms(b) <= 0.5 * ms(o) { "met" } else { "not met" }
+        "a shell made ahead (KVM VM, memslots, irqchip, PIT, vCPU, its confined thread): {:.2} ms each, off the fork path",
+        ms(median(shell_cost))
     );
     drop(refs);
     for mut m in fresh {

@@ -19,6 +19,7 @@ use k7d_devices::virtio::block::{
 };
 use k7d_devices::virtio::{
     ActivateContext, ActiveQueue, GuestMemoryTracked, Interrupt, InterruptStatus, VIRTIO_F_VERSION_1, VirtioDevice,
+    VirtioError,
 };
 use virtio_bindings::virtio_blk as b;
 use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
@@ -225,6 +226,15 @@ fn the_children_s_overlays_stay_within_their_source_s_disk_budget() {
     // refused with a sentence, and nothing is left of it.
     let e = src.fork().unwrap_err().to_string();
     assert!(e.contains("budget allows"), "{e}");
+    assert_eq!(budget.used(), 10 * CS);
+    // Through the device, the fork path's seam: a refusal (the daemon
+    // answers `conflict`), not a device fault.
+    let mut dev = Block::new(src, "budget").unwrap();
+    match dev.fork_backend() {
+        Err(VirtioError::OverBudget(m)) => assert!(m.contains("budget allows"), "{m}"),
+        Err(other) => panic!("over its budget, the blk device failed another way: {other}"),
+        Ok(_) => panic!("the blk device forked past its budget"),
+    }
     assert_eq!(budget.used(), 10 * CS);
     // A child that goes gives its clusters back.
     drop(a);

@@ -311,21 +311,28 @@ fn cluster_fork_is_within_budget() {
         |n: usize| -> Vec<Vec<String>> { (0..n).map(|f| (0..3).map(|m| format!("c{f}-{m}")).collect()).collect() };
     drop(held.fork(&ids(1), |_| VmOptions::default()).unwrap());
     held.resume().unwrap();
-    let batch = |forks: usize| -> Vec<Duration> {
+    let pool = k7d_vmm::vstate::shell::ShellPool::new();
+    let batch = |forks: usize, shells: bool| -> Vec<Duration> {
         (0..11)
             .map(|_| {
+                let pool = shells.then(|| {
+                    pool.fill(refs[0].shape(), 3 * forks).unwrap();
+                    &*pool
+                });
                 let t = Instant::now();
                 let held = ClusterPause::pause(&refs, Duration::from_secs(2)).unwrap();
-                let children = held.fork(&ids(forks), |_| VmOptions::default()).unwrap();
+                let children = held.fork_in(&ids(forks), |_| VmOptions::default(), pool).unwrap();
                 held.resume().unwrap();
                 let d = t.elapsed() / forks as u32;
+                assert!(children.vms.iter().flatten().all(|c| c.built_in_shell() == shells));
                 drop(children);
                 d
             })
             .collect()
     };
-    check(budgets::CLUSTER_FORK_3X256M_CLEAN, || batch(1));
-    check(budgets::CLUSTER_BATCH_8_PER_FORK, || batch(8));
+    check(budgets::CLUSTER_FORK_3X256M_CLEAN, || batch(1, false));
+    check(budgets::CLUSTER_BATCH_8_PER_FORK, || batch(8, false));
+    check(budgets::CLUSTER_BATCH_8_IN_SHELLS_PER_FORK, || batch(8, true));
     drop(refs);
     for m in &mut members {
         m.stop();

@@ -247,7 +247,17 @@ pub struct ForkBudget {
     /// own (`k7d rebase` does it on request).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebase_at_percent: Option<u32>,
+    /// Keep this many VM shells (KVM VM, memslots, irqchip, vCPUs and
+    /// their threads, made ahead; 1 to [`MAX_SHELLS`]) ready for this VM's
+    /// fork children: the daemon makes them in the background, and a fork
+    /// builds its children in them (`docs/fork.md`, "Shells"). Not
+    /// inherited by the children.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shells: Option<u32>,
 }
+
+/// The most shells one VM may ask to keep ready (`fork.shells`).
+pub const MAX_SHELLS: u32 = 64;
 
 impl ForkBudget {
     /// No limit set.
@@ -470,6 +480,13 @@ impl VmConfig {
         {
             return Err(ConfigError::Fork(format!(
                 "rebase_at_percent = {p} is out of range: use 1 to 100 (percent of the VM's RAM)"
+            )));
+        }
+        if let Some(n) = self.fork.shells
+            && !(1..=MAX_SHELLS).contains(&n)
+        {
+            return Err(ConfigError::Fork(format!(
+                "shells = {n} is out of range: use 1 to {MAX_SHELLS} (shells kept ready for this VM's fork children)"
             )));
         }
         if purpose == Purpose::Create && self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {

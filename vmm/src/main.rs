@@ -176,6 +176,9 @@ struct GuestArgs {
     /// Re-base the VM on its own once it has diverged from its fork base by this percentage of its RAM (1-100).
     #[arg(long = "rebase-at")]
     rebase_at_percent: Option<u32>,
+    /// Keep this many VM shells ready for the VM's fork children (1-64; made by the daemon in the background).
+    #[arg(long = "fork-shells")]
+    shells: Option<u32>,
 }
 
 fn parse_disk(s: &str) -> Result<DiskConfig> {
@@ -305,6 +308,7 @@ impl GuestArgs {
                 max_children_memory_mib: self.max_children_memory_mib,
                 max_children_disk_mib: self.max_children_disk_mib,
                 rebase_at_percent: self.rebase_at_percent,
+                shells: self.shells,
             },
         })
     }
@@ -793,7 +797,13 @@ fn print_reply(reply: &Reply) {
         ),
         Reply::Forked(f) => {
             for c in &f.children {
-                out!("vm {}: {} (forked in {:.2} ms)", c.info.id, c.info.status, c.fork_ms);
+                let shell = if c.shell { ", in a shell made ahead" } else { "" };
+                out!(
+                    "vm {}: {} (forked in {:.2} ms{shell})",
+                    c.info.id,
+                    c.info.status,
+                    c.fork_ms
+                );
             }
             for c in &f.clusters {
                 out!("cluster {c}");
@@ -878,6 +888,12 @@ fn print_vm(vm: &VmInfo) {
     if !vm.children.is_empty() {
         out!("  fork children: {}", vm.children.join(" "));
     }
+    if vm.rebases > 0 {
+        out!("  re-based: {} times", vm.rebases);
+    }
+    if let (Some(want), Some(ready)) = (vm.config.fork.shells, vm.shells_ready) {
+        out!("  shells ready for its fork children: {ready} of {want}");
+    }
 }
 
 fn daemon(
@@ -922,6 +938,8 @@ fn daemon(
     let server = Server::start_with(d.clone(), socket, cfg)?;
     let rebaser = k7d_vmm::daemon::Rebaser::start(&d, k7d_vmm::daemon::REBASE_PERIOD)
         .context("cannot spawn the re-base thread")?;
+    let keeper = k7d_vmm::daemon::ShellKeeper::start(&d, k7d_vmm::daemon::SHELL_PERIOD)
+        .context("cannot spawn the shell thread")?;
     tracing::info!(state_dir = %state_dir.display(), pid = std::process::id(), "k7d daemon ready");
     while !INTERRUPTED.load(Ordering::SeqCst) {
         std::thread::sleep(Duration::from_millis(100));
@@ -939,6 +957,7 @@ fn daemon(
             // No re-base starts from now on (one under way ends first,
             // within the bound).
             drop(rebaser);
+            drop(keeper);
             // Half the bound for connections to finish their requests, the
             // rest for stopping and deleting the VMs.
             server.shutdown_within(bound / 2);

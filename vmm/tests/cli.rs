@@ -489,6 +489,58 @@ fn fork_makes_running_children_that_continue_from_the_source() {
         peek(&dir.0, "s", TICKS) > a,
         "the source did not resume after its re-base"
     );
+    // A VM that asks for shells: the daemon makes them, and its forks'
+    // children are built in them and tick on from the source's count.
+    let o = cli(
+        &dir.0,
+        &[
+            "create",
+            "--id",
+            "w",
+            "--builtin",
+            "tscdeadline",
+            "--memory",
+            "8",
+            "--fork-shells",
+            "2",
+            "--start",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let t0 = Instant::now();
+    loop {
+        let (out, _) = text(&cli(&dir.0, &["info", "w"]));
+        if out.contains("shells ready for its fork children: 2 of 2") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the daemon made no shells for w: {out}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    while peek(&dir.0, "w", TICKS) < 200 {
+        assert!(t0.elapsed() < Duration::from_secs(20), "w never ticked");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let o = cli(&dir.0, &["fork", "w", "--count", "2"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    assert_eq!(out.matches(", in a shell made ahead)").count(), 2, "{out}");
+    for c in ["w-f1", "w-f2"] {
+        let a = peek(&dir.0, c, TICKS);
+        assert!(a >= 200, "{c} started from {a}, not from the source's count");
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(peek(&dir.0, c, TICKS) > a, "{c}, built in a shell, is not ticking");
+        assert!(cli(&dir.0, &["delete", c]).status.success());
+    }
+    assert!(cli(&dir.0, &["delete", "w"]).status.success());
+    let o = cli(
+        &dir.0,
+        &["create", "--builtin", "idle", "--memory", "8", "--fork-shells", "65"],
+    );
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("shells = 65 is out of range"), "{:?}", text(&o));
     // Bad counts are one sentence and create nothing.
     let o = cli(&dir.0, &["fork", "s", "--count", "0"]);
     assert_eq!(o.status.code(), Some(1));

@@ -97,6 +97,10 @@ pub const ISR_CONFIG: u8 = 2;
 /// Errors from virtio devices.
 #[derive(Debug, Error)]
 pub enum VirtioError {
+    /// A fork child's copy does not fit the budget its source's owner set
+    /// (a refusal, not a fault: deleting children makes room).
+    #[error("{0}")]
+    OverBudget(String),
     /// The device cannot be carried into a fork's child.
     #[error("its {device} device {why}")]
     NotForkable {

@@ -33,6 +33,10 @@ pub const API_VERSION: u32 = 1;
 /// A request: its `op` and its `args`, as they travel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", content = "args", rename_all = "snake_case", deny_unknown_fields)]
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one request per API call, parsed and handled once: boxing the VM config saves a few hundred bytes of stack, nothing else"
+)]
 pub enum Request {
     /// Build a VM (and start it when `start`).
     Create(CreateArgs),
@@ -375,6 +379,10 @@ pub struct VmInfo {
     /// Times this fork source was given a new base (`rebase`).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub rebases: u64,
+    /// Shells ready for its fork children, when it asks for some
+    /// (`fork.shells`; shared with the VMs of the same vCPUs and RAM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shells_ready: Option<u32>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -409,6 +417,9 @@ pub struct ForkedChild {
     pub info: VmInfo,
     /// How long building it took.
     pub fork_ms: f64,
+    /// Whether it was built in a shell made ahead (`fork.shells`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub shell: bool,
 }
 
 /// `fork`'s result.
@@ -1088,6 +1099,7 @@ mod tests {
             parent: None,
             children: Vec::new(),
             rebases: 0,
+            shells_ready: None,
         }
     }
 
@@ -1116,10 +1128,12 @@ mod tests {
                     ForkedChild {
                         info: info("web-f1"),
                         fork_ms: 3.259828,
+                        shell: true,
                     },
                     ForkedChild {
                         info: info("web-f2"),
                         fork_ms: 0.1,
+                        shell: false,
                     },
                 ],
                 pause_ms: 0.25,

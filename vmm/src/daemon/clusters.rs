@@ -561,9 +561,11 @@ impl Daemon {
         let pause = ClusterPause::pause_for_batch(&refs, count, PAUSE_TIMEOUT).map_err(vm_error)?;
         let pause_ms = ms(pause.took());
         let rebased: Vec<String> = pause.rebased().iter().map(|r| r.id.clone()).collect();
-        let built = pause.fork(&ids, |cid| {
-            self.options(logs.get(cid).map_or(Path::new(""), PathBuf::as_path))
-        });
+        let built = pause.fork_in(
+            &ids,
+            |cid| self.options(logs.get(cid).map_or(Path::new(""), PathBuf::as_path)),
+            Some(&self.shells),
+        );
         let source_paused_ms = ms(pause.held_for());
         let resumed = pause.resume();
         drop(refs);
@@ -615,11 +617,13 @@ impl Daemon {
             for (m, (child, took)) in fork.into_iter().zip(times).enumerate() {
                 let cid = child.id().to_string();
                 let log = logs.remove(&cid).unwrap_or_default();
+                let shell = child.built_in_shell();
                 let (vm, info) = self.adopt(&cid, child, log, true)?;
                 per_member[m].push(vm);
                 out.push(ForkedChild {
                     info,
                     fork_ms: ms(took),
+                    shell,
                 });
             }
         }

@@ -11,9 +11,11 @@ mod clusters;
 mod rebaser;
 mod recorder;
 pub mod server;
+mod shells;
 pub mod store;
 
 pub use rebaser::{REBASE_PERIOD, Rebaser};
+pub use shells::{SHELL_PERIOD, ShellKeeper};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -22,6 +24,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::config::VmConfig;
 use crate::vstate::cluster::ClusterPause;
+use crate::vstate::shell::ShellPool;
 use crate::vstate::vm::{Vm, VmError, VmOptions, VmState};
 use api::{
     ApiError, Deleted, ErrorCode, Forked, ForkedChild, Peeked, Reply, Request, Response, SnapshotWritten, VersionInfo,
@@ -113,6 +116,8 @@ pub struct Daemon {
     /// Where LZ4 bzImages are unpacked once (`VmOptions::kernel_cache`).
     kernel_cache: Option<PathBuf>,
     recorder: recorder::Recorder,
+    /// Shells made ahead for fork children (`fork.shells`, `shells.rs`).
+    shells: Arc<ShellPool>,
     _lock: crate::sys::FileLock,
 }
 
@@ -370,10 +375,16 @@ impl Daemon {
                 node: crate::config::NodeConfig::default(),
                 kernel_cache: None,
                 recorder,
+                shells: ShellPool::new(),
                 _lock: lock,
             },
             reconciled,
         ))
+    }
+
+    /// Shells ready in the pool, all shapes (`fork.shells`).
+    pub fn shells_ready(&self) -> usize {
+        self.shells.total()
     }
 
     /// Uses `node` (network queue/vhost policy) for every VM it builds.
@@ -573,6 +584,7 @@ impl Daemon {
             parent,
             children: self.children_of(vm.id()),
             rebases: vm.rebases(),
+            shells_ready: vm.config().fork.shells.map(|_| self.shells.count(vm.shape()) as u32),
         }
     }
 
@@ -786,10 +798,14 @@ impl Daemon {
                     .map(|c| Ok(self.store.runtime_dir(c).map_err(internal)?.join("serial.log")))
                     .collect::<Result<_, ApiError>>()?;
                 let built = pause
-                    .fork(&rows, |cid| {
-                        let i = held.ids().iter().position(|c| c == cid).unwrap_or(0);
-                        self.options(&logs[i])
-                    })
+                    .fork_in(
+                        &rows,
+                        |cid| {
+                            let i = held.ids().iter().position(|c| c == cid).unwrap_or(0);
+                            self.options(&logs[i])
+                        },
+                        Some(&self.shells),
+                    )
                     .map_err(vm_error)
                     .map(|c| {
                         c.vms
@@ -826,11 +842,13 @@ impl Daemon {
         let mut vms = Vec::with_capacity(built.len());
         let mut children = Vec::with_capacity(built.len());
         for ((child, serial_log, took), cid) in built.into_iter().zip(held.ids()) {
+            let from_shell = child.built_in_shell();
             let (vm, info) = self.adopt(cid, child, serial_log, true)?;
             vms.push(vm);
             children.push(ForkedChild {
                 info,
                 fork_ms: ms(took),
+                shell: from_shell,
             });
         }
         held.fill(vms);
@@ -850,7 +868,11 @@ impl Daemon {
         for cid in held.ids() {
             let serial_log = self.store.runtime_dir(cid).map_err(internal)?.join("serial.log");
             let t = Instant::now();
-            let child = vm.fork(cid, &self.options(&serial_log)).map_err(vm_error)?;
+            let capture = vm.capture().map_err(vm_error)?;
+            let shell = self.shells.take(vm.shape());
+            let child = vm
+                .fork_from_shell(&capture, cid, &self.options(&serial_log), shell)
+                .map_err(vm_error)?;
             built.push((child, serial_log, t.elapsed()));
         }
         Ok(built)

@@ -23,6 +23,7 @@ use super::device_manager::{Wiring, add_linux_platform, build_devices, restore_v
 use super::fork::RamWriters;
 use super::memory::{GuestMemoryMmap, GuestRam};
 use super::persist::{self, MachineState};
+use super::shell::Shell;
 use super::snapshot;
 use super::snapshot::snapshot_io;
 use super::vcpu::{self, VcpuSetupError};
@@ -30,7 +31,7 @@ use super::vm::{Vm, VmError, VmOptions, io};
 use crate::arch::x86_64 as arch;
 use crate::config::{GuestSpec, VmConfig};
 
-const TSS_ADDR: usize = 0xfffb_d000;
+pub(super) const TSS_ADDR: usize = 0xfffb_d000;
 const BSP_STACK: u64 = 0x7000;
 
 /// What a build starts from.
@@ -53,6 +54,9 @@ pub(super) enum BuildPlan<'a> {
         parent: &'a GuestRam,
         /// What each device's twin takes (`VirtioDevice::fork_backend`).
         backends: VecDeque<ForkBackend>,
+        /// KVM objects made ahead for the child (`vstate/shell.rs`), of
+        /// the child's shape.
+        shell: Option<Shell>,
     },
 }
 
@@ -121,15 +125,28 @@ impl Vm {
     pub(super) fn build(id: &str, config: &VmConfig, opts: &VmOptions, plan: BuildPlan<'_>) -> Result<Self, VmError> {
         let created = Instant::now();
         let mut clock = StepClock::new();
-        let (state, ram_source, fork_backends) = match plan {
-            BuildPlan::Boot => (None, None, None),
-            BuildPlan::Restore { state, ram } => (Some(state), Some(RamSource::Ready(ram)), None),
+        let (state, ram_source, fork_backends, shell) = match plan {
+            BuildPlan::Boot => (None, None, None, None),
+            BuildPlan::Restore { state, ram } => (Some(state), Some(RamSource::Ready(ram)), None, None),
             BuildPlan::Fork {
                 state,
                 parent,
                 backends,
-            } => (Some(state), Some(RamSource::ChildOf(parent)), Some(backends)),
+                shell,
+            } => (Some(state), Some(RamSource::ChildOf(parent)), Some(backends), shell),
         };
+        let (shell_threads, shell_vcpus, shell_parts) = match shell {
+            Some(Shell {
+                standby,
+                control,
+                vcpus,
+                vm_fd,
+                ram,
+                ..
+            }) => (Some((control, standby)), vcpus, Some((vm_fd, ram))),
+            None => (None, Vec::new(), None),
+        };
+        let from_shell = shell_parts.is_some();
         // Every guest-file error comes before any KVM object exists. A
         // restored or forked guest's RAM already holds its image: the files
         // are not opened again (they may be gone or changed).
@@ -143,15 +160,30 @@ impl Vm {
         };
         clock.done("guest files checked");
         // The vCPU threads confine themselves while the machine is built.
-        let control = Arc::new(VmControl::new(id));
-        let standby = super::standby::Standby::spawn(u32::from(config.vcpus), &control)
-            .map_err(io("cannot spawn the vCPU threads"))?;
+        let (control, standby) = match shell_threads {
+            Some((control, standby)) => {
+                control.name(id);
+                (control, standby)
+            }
+            None => {
+                let control = Arc::new(VmControl::new(id));
+                let standby = super::standby::Standby::spawn(u32::from(config.vcpus), &control)
+                    .map_err(io("cannot spawn the vCPU threads"))?;
+                (control, standby)
+            }
+        };
         clock.done("vCPU threads spawned");
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
-        let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
-        if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
-            tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
-        }
+        let (vm_fd, reserved) = match shell_parts {
+            Some((vm_fd, ram)) => (vm_fd, Some(ram)),
+            None => {
+                let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
+                if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
+                    tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
+                }
+                (vm_fd, None)
+            }
+        };
         // Memslots before the irqchip: once KVM has a memslot of its own (the
         // irqchip adds one), every new slot waits for an SRCU grace period,
         // ~7 ms on these hosts (see CHALLENGES.md).
@@ -159,15 +191,21 @@ impl Vm {
             None => (GuestRam::new(id, config.memory_bytes())?, false),
             Some(RamSource::Ready(ram)) => (ram, false),
             Some(RamSource::ChildOf(parent)) => {
-                let ram = GuestRam::new_child(parent)?;
+                let ram = match reserved {
+                    // The shell's memslots already point at the reservation.
+                    Some(reserved) => GuestRam::new_child_in(parent, reserved)?,
+                    None => GuestRam::new_child(parent)?,
+                };
                 ram.copy_diverged_from(parent, &parent.diverged_pages())?;
                 // A child can be forked in turn: it tracks its own writes.
                 (ram, true)
             }
         };
         clock.done("KVM VM and guest RAM");
-        ram.register(&vm_fd, dirty_log)?;
-        clock.done("memslot");
+        if !from_shell {
+            ram.register(&vm_fd, dirty_log)?;
+            clock.done("memslot");
+        }
         let is_linux = matches!(config.guest, GuestSpec::Linux { .. });
         // A restored guest's RAM already holds its kernel, tables and state.
         let linux = match (&config.guest, state) {
@@ -207,14 +245,16 @@ impl Vm {
             }
             None => {}
         }
-        vm_fd
-            .create_irq_chip()
-            .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
+        if !from_shell {
+            vm_fd
+                .create_irq_chip()
+                .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+            let pit = kvm_pit_config {
+                flags: KVM_PIT_SPEAKER_DUMMY,
+                ..Default::default()
+            };
+            vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
+        }
         if let Some(st) = state {
             persist::restore_vm(&vm_fd, &st.vm)?;
         }
@@ -250,14 +290,22 @@ impl Vm {
 
         let n = u32::from(config.vcpus);
         let mut pending = Vec::with_capacity(config.vcpus.into());
+        let mut shell_vcpus = shell_vcpus.into_iter();
         for i in 0..n {
-            let v = vm_fd.create_vcpu(i.into()).map_err(|source| VcpuSetupError {
-                index: i,
-                what: "KVM_CREATE_VCPU",
-                source,
-            })?;
+            // A shell's vCPU comes with the CPUID a new VM gets already set.
+            let (v, cpuid_set) = match shell_vcpus.next() {
+                Some((v, cpuid)) => (v, Some(cpuid)),
+                None => {
+                    let v = vm_fd.create_vcpu(i.into()).map_err(|source| VcpuSetupError {
+                        index: i,
+                        what: "KVM_CREATE_VCPU",
+                        source,
+                    })?;
+                    (v, None)
+                }
+            };
             match (&linux, state) {
-                (_, Some(st)) => persist::restore_vcpu(&v, i, &st.vcpus[i as usize])?,
+                (_, Some(st)) => persist::restore_vcpu(&v, i, &st.vcpus[i as usize], cpuid_set.as_deref())?,
                 (Some(entry), None) => arch::setup_linux_vcpu(&kvm, &v, i, n, entry)?,
                 (None, None) => {
                     let cpuid = vcpu::cpuid_for(&kvm, i)?;
@@ -322,6 +370,7 @@ impl Vm {
             ram,
             created,
             build_steps: clock.steps,
+            in_shell: from_shell,
             started: None,
             pauses: Default::default(),
             rebases: Default::default(),

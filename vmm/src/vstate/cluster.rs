@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use super::rebase::Rebased;
+use super::shell::ShellPool;
 use super::vm::{Vm, VmError, VmOptions, VmState};
 
 /// Most threads that build a batch's children at once.
@@ -65,33 +66,43 @@ impl<'a> ClusterPause<'a> {
     /// re-base fails keeps its base (with every page it wrote still in its
     /// diverged set) and the batch goes on without it, with a warning.
     pub fn pause_for_batch(members: &[&'a Vm], count: u32, timeout: Duration) -> Result<Self, VmError> {
-        let mut pending = Vec::with_capacity(members.len());
-        for m in members {
+        let threads = builders();
+        // The members' new bases are built side by side, while they run.
+        let prepared = on_threads(members, threads, |m| {
             if !matches!(m.state(), VmState::Running | VmState::Paused | VmState::Created) {
-                continue;
+                return None;
             }
             match m
                 .batch_gains_from_rebase(count)
                 .and_then(|yes| yes.then(|| m.rebase_prepare()).transpose())
             {
-                Ok(Some(p)) => pending.push((*m, p)),
-                Ok(None) => {}
+                Ok(p) => p,
                 Err(e) => {
-                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged")
+                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged");
+                    None
                 }
             }
-        }
+        });
+        let pending: Vec<_> = members
+            .iter()
+            .zip(prepared)
+            .filter_map(|(m, p)| p.map(|p| (*m, std::sync::Mutex::new(Some(p)))))
+            .collect();
         let mut held = Self::pause(members, timeout)?;
         let paused_at = held.since;
-        for (m, p) in pending {
-            let was_running = held.paused.iter().any(|v| std::ptr::eq(*v, m));
+        let paused = &held.paused;
+        let finished = on_threads(&pending, threads, |(m, p)| {
+            let p = p.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+            let was_running = paused.iter().any(|v| std::ptr::eq(*v, *m));
             match m.rebase_finish(p, was_running.then_some(paused_at)) {
-                Ok(r) => held.rebased.push(r),
+                Ok(r) => Some(r),
                 Err(e) => {
-                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged")
+                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged");
+                    None
                 }
             }
-        }
+        });
+        held.rebased.extend(finished.into_iter().flatten());
         held.took = held.since.elapsed();
         Ok(held)
     }
@@ -117,18 +128,28 @@ impl<'a> ClusterPause<'a> {
     /// the children are built from the captures on as many threads as the
     /// host has cores, at most [`MAX_BUILDERS`].
     pub fn fork(&self, ids: &[Vec<String>], opts: impl Fn(&str) -> VmOptions + Sync) -> Result<Children, VmError> {
-        let builders = std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(MAX_BUILDERS);
-        self.fork_on(ids, &opts, builders)
+        self.fork_in(ids, opts, None)
     }
 
-    /// [`ClusterPause::fork`] on at most `builders` threads.
+    /// [`ClusterPause::fork`], each child built in a shell taken from
+    /// `shells` while the pool has one of its shape (`vstate/shell.rs`),
+    /// the others from scratch.
+    pub fn fork_in(
+        &self,
+        ids: &[Vec<String>],
+        opts: impl Fn(&str) -> VmOptions + Sync,
+        shells: Option<&ShellPool>,
+    ) -> Result<Children, VmError> {
+        self.fork_on(ids, &opts, builders(), shells)
+    }
+
+    /// [`ClusterPause::fork_in`] on at most `builders` threads.
     pub fn fork_on(
         &self,
         ids: &[Vec<String>],
         opts: &(impl Fn(&str) -> VmOptions + Sync),
         builders: usize,
+        shells: Option<&ShellPool>,
     ) -> Result<Children, VmError> {
         if let Some(f) = ids.iter().position(|row| row.len() != self.members.len()) {
             return Err(VmError::Refused(format!(
@@ -167,8 +188,10 @@ impl<'a> ClusterPause<'a> {
                 let Some(&(f, m)) = jobs.get(j) else { return };
                 let id = &ids[f][m];
                 let t = Instant::now();
-                let r = self.members[m]
-                    .fork_from(&captures[m], id, &opts(id))
+                let member = self.members[m];
+                let shell = shells.and_then(|p| p.take(member.shape()));
+                let r = member
+                    .fork_from_shell(&captures[m], id, &opts(id), shell)
                     .map(|vm| (vm, t.elapsed()));
                 let failed = r.is_err();
                 *slots[j].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
@@ -241,6 +264,48 @@ impl Drop for ClusterPause<'_> {
     fn drop(&mut self) {
         let _ = resume_all(std::mem::take(&mut self.paused));
     }
+}
+
+/// How many threads build a batch: one per core, at most [`MAX_BUILDERS`].
+fn builders() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_BUILDERS)
+}
+
+/// `f` of every item, on up to `threads` threads (this one included), in
+/// the items' order.
+fn on_threads<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let threads = threads.clamp(1, items.len().max(1));
+    if threads == 1 {
+        return items.iter().map(f).collect();
+    }
+    let slots: Vec<std::sync::Mutex<Option<R>>> = items.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let work = || {
+        loop {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let Some(item) = items.get(i) else { return };
+            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(f(item));
+        }
+    };
+    std::thread::scope(|s| {
+        for _ in 1..threads {
+            // A thread that cannot start leaves its items to the others.
+            if let Err(e) = std::thread::Builder::new()
+                .name("k7d-fork-build".into())
+                .spawn_scoped(s, work)
+            {
+                tracing::warn!(error = %e, "cannot start another fork thread; fewer do the work");
+                break;
+            }
+        }
+        work();
+    });
+    slots
+        .into_iter()
+        .filter_map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .collect()
 }
 
 fn resume_all(paused: Vec<&Vm>) -> Result<(), VmError> {

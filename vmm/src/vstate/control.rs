@@ -102,7 +102,8 @@ pub enum ControlError {
 
 /// Shared control block of one VM.
 pub struct VmControl {
-    vm_id: String,
+    /// Set once: at creation, or when a shell's block goes to its VM.
+    vm_id: OnceLock<String>,
     ctl: Mutex<Ctl>,
     cv: Condvar,
     threads: Mutex<Vec<libc::pthread_t>>,
@@ -113,8 +114,16 @@ pub struct VmControl {
 impl VmControl {
     /// A control block for `vm_id`.
     pub fn new(vm_id: &str) -> Self {
+        let c = Self::unnamed();
+        c.name(vm_id);
+        c
+    }
+
+    /// A control block for a VM not known yet (a shell's, `vstate/shell.rs`):
+    /// [`VmControl::name`] gives it its VM.
+    pub fn unnamed() -> Self {
         Self {
-            vm_id: vm_id.to_string(),
+            vm_id: OnceLock::new(),
             ctl: Mutex::new(Ctl {
                 target: Target::Run,
                 nvcpus: 0,
@@ -134,9 +143,16 @@ impl VmControl {
         self.ctl.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Names the VM this block controls; only the first name counts.
+    pub fn name(&self, vm_id: &str) {
+        if self.vm_id.set(vm_id.to_string()).is_err() {
+            tracing::warn!(vm = vm_id, was = self.vm_id(), "a VM control block was named twice");
+        }
+    }
+
     /// The VM's id.
     pub fn vm_id(&self) -> &str {
-        &self.vm_id
+        self.vm_id.get().map_or("(unnamed)", String::as_str)
     }
 
     /// Sets the callback run once, by the last vCPU thread to leave.

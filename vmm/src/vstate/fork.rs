@@ -7,11 +7,12 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use k7d_devices::virtio::RamWriteLog;
+use k7d_devices::virtio::{RamWriteLog, VirtioError};
 
 use super::builder::BuildPlan;
 use super::device_manager::{VirtioHandle, pin_macs};
 use super::memory::GuestRam;
+use super::shell::{Shape, Shell};
 use super::vm::{Vm, VmError, VmOptions, VmState};
 
 impl Vm {
@@ -80,6 +81,30 @@ impl Vm {
     /// copy-on-write over the frozen base plus the pages that diverged,
     /// its machine state the capture's. Built, not started.
     pub fn fork_from(&self, capture: &Capture, child_id: &str, opts: &VmOptions) -> Result<Self, VmError> {
+        self.fork_from_shell(capture, child_id, opts, None)
+    }
+
+    /// [`Vm::fork_from`], built in `shell` (made ahead, `vstate/shell.rs`)
+    /// when one is given. A shell of another shape is refused.
+    pub fn fork_from_shell(
+        &self,
+        capture: &Capture,
+        child_id: &str,
+        opts: &VmOptions,
+        shell: Option<Shell>,
+    ) -> Result<Self, VmError> {
+        if let Some(s) = &shell
+            && s.shape() != self.shape()
+        {
+            return Err(VmError::Refused(format!(
+                "a shell for {} vCPUs and {} MiB cannot hold a child of vm {} ({} vCPUs, {} MiB)",
+                s.shape().vcpus,
+                s.shape().ram >> 20,
+                self.id,
+                self.config.vcpus,
+                self.ram.size() >> 20
+            )));
+        }
         // The capture holds only while this VM has stood still since.
         if !matches!(self.state(), VmState::Paused | VmState::Created)
             || capture.pauses != self.pauses()
@@ -96,13 +121,17 @@ impl Vm {
         let mut backends = VecDeque::with_capacity(self.virtio.len());
         for d in &self.virtio {
             let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            backends.push_back(
-                dev.fork_backend()
-                    .map_err(|e| VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id)))?,
-            );
+            backends.push_back(dev.fork_backend().map_err(|e| match e {
+                // Over a budget its owner set: refused, like every budget.
+                VirtioError::OverBudget(_) => VmError::Refused(format!("vm {} could not be forked: {e}", self.id)),
+                e => VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id)),
+            })?);
         }
         let mut config = self.config.clone();
         config.id = Some(child_id.to_string());
+        // Shells are kept for the VMs that ask, not for every child of
+        // theirs (a batch of 50 would ask for 50 times as many).
+        config.fork.shells = None;
         // Own taps (named after the child), same MACs: the guest's driver
         // already holds the MAC.
         pin_macs(&mut config, &self.id);
@@ -117,8 +146,19 @@ impl Vm {
                 state,
                 parent: &self.ram,
                 backends,
+                shell,
             },
         )
+    }
+}
+
+impl Vm {
+    /// What a shell for this VM's fork children must fit.
+    pub fn shape(&self) -> Shape {
+        Shape {
+            vcpus: self.config.vcpus,
+            ram: self.ram.size(),
+        }
     }
 }
 

@@ -112,29 +112,47 @@ impl GuestRam {
         Self::map(parent.memfd(), parent.size, libc::MAP_PRIVATE, true)
     }
 
+    /// RAM for a fork child over `reserved`, address space reserved ahead
+    /// of the fork for `parent`'s size ([`reserve`], a VM shell's, whose
+    /// memslots may already point at it): the frozen base of `parent` is
+    /// mapped privately over it.
+    pub fn new_child_in(parent: &GuestRam, reserved: GuestMemoryMmap) -> Result<Self, MemoryError> {
+        if !parent.is_frozen() {
+            return Err(MemoryError::NotFrozen);
+        }
+        Self::map_over(reserved, parent.memfd(), parent.size, libc::MAP_PRIVATE, true)
+    }
+
     fn map(memfd: Arc<File>, size: u64, share: i32, frozen: bool) -> Result<Self, MemoryError> {
-        let size_mib = size >> 20;
-        let page = NonZeroUsize::new(crate::sys::page_size()).unwrap_or(NonZeroUsize::MIN);
-        let mut regions = Vec::new();
-        for (gpa, off, len) in layout(size) {
-            let len = usize::try_from(len).map_err(|_| MemoryError::Memfd {
-                size_mib,
-                source: std::io::Error::other("region larger than the address space"),
-            })?;
-            // vm-memory owns the address range (an anonymous reservation,
-            // unmapped when the last handle to the region goes, as with any
-            // region of its own) but holds no file: the memfd is mapped over
-            // it here. So nothing but the VMs that map a base keeps it open
-            // (a re-base's old base goes with its last child), and a clone
-            // of the memory handle keeps the range mapped as long as it lives.
-            let region = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
-                .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
-                .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
-                .build()
-                .map_err(MemoryError::Mmap)?;
-            // SAFETY: `region` is `len` bytes that vm-memory just reserved
-            // and nobody uses yet; the memfd replaces them at the same
-            // address and vm-memory unmaps the range, whatever maps it.
+        Self::map_over(reserve(size)?, memfd, size, share, frozen)
+    }
+
+    fn map_over(
+        mem: GuestMemoryMmap,
+        memfd: Arc<File>,
+        size: u64,
+        share: i32,
+        frozen: bool,
+    ) -> Result<Self, MemoryError> {
+        let expected = layout(size);
+        if mem.num_regions() != expected.len()
+            || mem
+                .iter()
+                .zip(&expected)
+                .any(|(r, &(gpa, _, len))| r.start_addr().0 != gpa || r.len() != len)
+        {
+            return Err(MemoryError::Memfd {
+                size_mib: size >> 20,
+                source: std::io::Error::other("the reserved address space does not fit this RAM's layout"),
+            });
+        }
+        for (region, (_, off, _)) in mem.iter().zip(expected) {
+            let len = region.len() as usize;
+            // SAFETY: `region` is `len` bytes that vm-memory reserved (see
+            // `reserve`) and that nothing but a memslot of a VM that has not
+            // run points at; the memfd replaces them at the same address
+            // (KVM drops whatever it mapped there through its MMU notifier)
+            // and vm-memory unmaps the range, whatever maps it.
             unsafe { crate::sys::remap_fixed(region.as_ptr(), len, &memfd, off, share) }
                 .map_err(MemoryError::Freeze)?;
             // A VM's own RAM (not a fork's private view) asks for 2 MiB pages:
@@ -145,15 +163,12 @@ impl GuestRam {
             if share == libc::MAP_SHARED
                 && let Err(e) = crate::sys::advise_huge_pages(region.as_ptr(), len)
             {
-                tracing::debug!("guest RAM at {gpa:#x}: MADV_HUGEPAGE refused ({e}); 4 KiB pages");
+                tracing::debug!(
+                    "guest RAM at {:#x}: MADV_HUGEPAGE refused ({e}); 4 KiB pages",
+                    region.start_addr().0
+                );
             }
-            let region = GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or_else(|| MemoryError::Memfd {
-                size_mib,
-                source: std::io::Error::other("region wraps the guest address space"),
-            })?;
-            regions.push(region);
         }
-        let mem = GuestMemoryMmap::from_regions(regions).map_err(MemoryError::Layout)?;
         let pages = size.div_ceil(PAGE) as usize;
         Ok(Self {
             memfd: std::sync::RwLock::new(memfd),
@@ -446,28 +461,7 @@ impl GuestRam {
     /// tens of MiB) pays for at every page. The fork path switches it on when
     /// it prepares a VM as a fork source ([`GuestRam::set_dirty_log`]).
     pub fn register(&self, vm: &VmFd, dirty_log: bool) -> Result<(), MemoryError> {
-        for (slot, region) in self.mem.iter().enumerate() {
-            let slot = slot as u32;
-            let host = self
-                .mem
-                .get_host_address(region.start_addr())
-                .map_err(|_| MemoryError::Memslot {
-                    slot,
-                    source: kvm_ioctls::Error::new(libc::EFAULT),
-                })?;
-            let r = kvm_userspace_memory_region {
-                slot,
-                flags: if dirty_log { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
-                guest_phys_addr: region.start_addr().0,
-                memory_size: region.len(),
-                userspace_addr: host as u64,
-            };
-            // SAFETY: the region maps `memory_size` bytes at `userspace_addr`, and the
-            // mapping lives as long as `self`, which the VM that uses it never outlives
-            // (the VM fd is closed before this memory is dropped; see `Vm`'s field order).
-            unsafe { vm.set_user_memory_region(r) }.map_err(|source| MemoryError::Memslot { slot, source })?;
-        }
-        Ok(())
+        register(&self.mem, vm, dirty_log)
     }
 
     /// Switches KVM's dirty log on or off for every memslot (re-registers
@@ -491,6 +485,65 @@ impl GuestRam {
     pub fn size(&self) -> u64 {
         self.size
     }
+}
+
+/// Reserves address space for `size` bytes of guest RAM laid out as
+/// [`layout`] says, one vm-memory region per RAM region, mapping nothing
+/// yet ([`GuestRam`] maps a memfd over it).
+///
+/// vm-memory owns the address range (an anonymous reservation, unmapped
+/// when the last handle to the region goes, as with any region of its own)
+/// but holds no file: so nothing but the VMs that map a base keeps it open
+/// (a re-base's old base goes with its last child), and a clone of the
+/// memory handle keeps the range mapped as long as it lives.
+pub fn reserve(size: u64) -> Result<GuestMemoryMmap, MemoryError> {
+    let size_mib = size >> 20;
+    let page = NonZeroUsize::new(crate::sys::page_size()).unwrap_or(NonZeroUsize::MIN);
+    let mut regions = Vec::new();
+    for (gpa, _, len) in layout(size) {
+        let len = usize::try_from(len).map_err(|_| MemoryError::Memfd {
+            size_mib,
+            source: std::io::Error::other("region larger than the address space"),
+        })?;
+        let region = MmapRegionBuilder::new_with_bitmap(len, AtomicBitmap::new(len, page))
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE)
+            .build()
+            .map_err(MemoryError::Mmap)?;
+        let region = GuestRegionMmap::new(region, GuestAddress(gpa)).ok_or_else(|| MemoryError::Memfd {
+            size_mib,
+            source: std::io::Error::other("region wraps the guest address space"),
+        })?;
+        regions.push(region);
+    }
+    GuestMemoryMmap::from_regions(regions).map_err(MemoryError::Layout)
+}
+
+/// Registers every region of `mem` with KVM as a memslot (slot = region
+/// index), with KVM's dirty log on or off.
+pub fn register(mem: &GuestMemoryMmap, vm: &VmFd, dirty_log: bool) -> Result<(), MemoryError> {
+    for (slot, region) in mem.iter().enumerate() {
+        let slot = slot as u32;
+        let host = mem
+            .get_host_address(region.start_addr())
+            .map_err(|_| MemoryError::Memslot {
+                slot,
+                source: kvm_ioctls::Error::new(libc::EFAULT),
+            })?;
+        let r = kvm_userspace_memory_region {
+            slot,
+            flags: if dirty_log { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
+            guest_phys_addr: region.start_addr().0,
+            memory_size: region.len(),
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the region maps `memory_size` bytes at `userspace_addr`,
+        // and the mapping lives as long as `mem`, which the VM that uses it
+        // never outlives (the VM fd is closed before this memory is
+        // dropped; see `Vm`'s and `Shell`'s field order).
+        unsafe { vm.set_user_memory_region(r) }.map_err(|source| MemoryError::Memslot { slot, source })?;
+    }
+    Ok(())
 }
 
 /// Guest page size used for divergence tracking.

@@ -9,6 +9,7 @@ pub mod irq;
 pub mod memory;
 pub mod persist;
 pub mod rebase;
+pub mod shell;
 pub mod snapshot;
 mod standby;
 pub mod vcpu;

@@ -6,7 +6,7 @@
 //! (`benches/benches/seccomp.rs`). A VM dropped before it starts drops its
 //! standby threads' channels: they end without running anything.
 
-use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::mpsc::{Receiver, Sender, SyncSender, channel, sync_channel};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 
@@ -25,24 +25,42 @@ pub(crate) struct Job {
 /// One thread per vCPU, confined or confining, none running yet.
 pub(crate) struct Standby {
     threads: Vec<(SyncSender<Job>, JoinHandle<()>)>,
+    /// One message per thread once it has confined itself (or failed to).
+    confined: std::sync::Mutex<Receiver<()>>,
 }
 
 impl Standby {
     /// Spawns `n` threads named `vcpu0..` working for `vm`.
     pub(crate) fn spawn(n: u32, vm: &Arc<VmControl>) -> std::io::Result<Self> {
         // On an error, the threads spawned so far end as `standby` drops.
+        let (confined_tx, confined) = channel();
         let mut standby = Self {
             threads: Vec::with_capacity(n as usize),
+            confined: std::sync::Mutex::new(confined),
         };
         for index in 0..n {
             let (tx, rx) = sync_channel(1);
             let vm = Arc::downgrade(vm);
+            let confined = confined_tx.clone();
             let handle = std::thread::Builder::new()
                 .name(format!("vcpu{index}"))
-                .spawn(move || body(index, vm, rx))?;
+                .spawn(move || body(index, vm, rx, confined))?;
             standby.threads.push((tx, handle));
         }
         Ok(standby)
+    }
+
+    /// Waits, at most `timeout`, until every thread has confined itself
+    /// (or failed to: `Vm::start` reports that): a shell made ahead is done
+    /// with its work when it is handed out. False on the timeout.
+    pub(crate) fn wait_confined(&self, timeout: std::time::Duration) -> bool {
+        let until = std::time::Instant::now() + timeout;
+        let confined = self.confined.lock().unwrap_or_else(|p| p.into_inner());
+        (0..self.threads.len()).all(|_| {
+            confined
+                .recv_timeout(until.saturating_duration_since(std::time::Instant::now()))
+                .is_ok()
+        })
     }
 
     /// Hands each thread its vCPU, in order. Returns the handles of the
@@ -84,11 +102,13 @@ fn join_quietly(handle: JoinHandle<()>) {
     }
 }
 
-fn body(index: u32, vm: Weak<VmControl>, rx: Receiver<Job>) {
+fn body(index: u32, vm: Weak<VmControl>, rx: Receiver<Job>, done: Sender<()>) {
     // The filters are in place (or failed, which `Vm::start` reports
     // before it hands out any vCPU) once the process's set-up is done.
     seccomp::wait_set_up();
     let confined = seccomp::enter(ThreadKind::Vcpu, &format!("vcpu{index}"), Some(vm));
+    let _ = done.send(());
+    drop(done);
     let Ok(job) = rx.recv() else {
         return; // the VM never started
     };

@@ -194,6 +194,8 @@ pub struct Vm {
     pub(super) created: Instant,
     /// How long each step of the build took (`build_steps`).
     pub(super) build_steps: BuildSteps,
+    /// Built in a shell made ahead.
+    pub(super) in_shell: bool,
     pub(super) started: Option<Instant>,
     /// Successful pauses so far (a cluster fork pauses each member once).
     pub(super) pauses: std::sync::atomic::AtomicU64,
@@ -297,6 +299,11 @@ impl Vm {
     /// The steps of this VM's build and how long each took.
     pub fn build_steps(&self) -> &[(&'static str, Duration)] {
         &self.build_steps
+    }
+
+    /// Whether this VM was built in a shell made ahead (`vstate/shell.rs`).
+    pub fn built_in_shell(&self) -> bool {
+        self.in_shell
     }
 
     /// When `start` ran.

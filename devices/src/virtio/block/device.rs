@@ -292,6 +292,9 @@ impl VirtioDevice for Block {
 
     fn fork_backend(&mut self) -> Result<ForkBackend, VirtioError> {
         let disk = self.fork_disk().map_err(|e| {
+            if let BlockError::Disk(d @ k7d_disk::DiskError::ChildrenBudget { .. }) = &e {
+                return VirtioError::OverBudget(d.to_string());
+            }
             let cause = std::error::Error::source(&e)
                 .map(|c| format!(": {c}"))
                 .unwrap_or_default();

@@ -1,0 +1,151 @@
+//! The `k7d-shells` thread: keeps the daemon's pool of VM shells
+//! (`vstate/shell.rs`) at what its VMs ask for (`VmConfig.fork.shells`),
+//! so that their fork children are built in shells made ahead instead of
+//! from scratch (`docs/fork.md`, "Shells").
+//!
+//! The pool holds, for each shape (vCPUs, RAM), the sum of what the live
+//! VMs of that shape ask for, and at most [`POOL_CAP`] shells in all. A
+//! shell no VM asks for any more goes at the next pass.
+
+use std::collections::HashMap;
+use std::sync::mpsc::{RecvTimeoutError, Sender, TryRecvError, channel};
+use std::sync::{Arc, Mutex, TryLockError, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::{Daemon, Slot};
+use crate::vstate::shell::{Shape, Shell};
+use crate::vstate::vm::{Vm, VmState};
+
+/// How often the thread tops the pool up.
+pub const SHELL_PERIOD: Duration = Duration::from_millis(100);
+
+/// The most shells the pool holds, all shapes together (each holds a KVM
+/// VM, its PIT's kernel thread, and a parked thread per vCPU).
+pub const POOL_CAP: usize = 256;
+
+/// How long a shape whose shell could not be made is left alone.
+const FAILED_WAIT: Duration = Duration::from_secs(30);
+
+/// The running `k7d-shells` thread; dropping it stops and joins it.
+pub struct ShellKeeper {
+    stop: Option<Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ShellKeeper {
+    /// Starts the thread: every `period` it tops the pool of `daemon` up to
+    /// what its VMs ask for, one shell at a time, and drops the shells no
+    /// VM asks for. It holds the daemon and the VMs weakly, and stops
+    /// between two shells when dropped.
+    pub fn start(daemon: &Arc<Daemon>, period: Duration) -> std::io::Result<Self> {
+        let weak: Weak<Daemon> = Arc::downgrade(daemon);
+        let (tx, rx) = channel::<()>();
+        let thread = std::thread::Builder::new().name("k7d-shells".into()).spawn(move || {
+            let mut state = KeeperState::default();
+            loop {
+                match rx.recv_timeout(period) {
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+                }
+                let Some(d) = weak.upgrade() else { return };
+                let stop = || !matches!(rx.try_recv(), Err(TryRecvError::Empty));
+                if !d.keep_shells(&mut state, &stop) {
+                    return;
+                }
+            }
+        })?;
+        Ok(Self {
+            stop: Some(tx),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for ShellKeeper {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What the thread remembers between passes.
+#[derive(Default)]
+pub(super) struct KeeperState {
+    /// What each VM asked for when last seen unlocked (a VM a request
+    /// holds keeps its share).
+    wants: HashMap<String, (Shape, u32)>,
+    /// Shapes whose last shell failed, and until when they rest.
+    failed: HashMap<Shape, Instant>,
+}
+
+impl Daemon {
+    /// One pass of the `k7d-shells` thread; false when `stop` said to stop.
+    pub(super) fn keep_shells(&self, state: &mut KeeperState, stop: &dyn Fn() -> bool) -> bool {
+        let vms: Vec<(String, Weak<Mutex<Vm>>)> = self
+            .vms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|(id, s)| match s {
+                Slot::Vm(v) => Some((id.clone(), Arc::downgrade(v))),
+                _ => None,
+            })
+            .collect();
+        state.wants.retain(|id, _| vms.iter().any(|(v, _)| v == id));
+        for (id, vm) in vms {
+            let Some(vm) = vm.upgrade() else {
+                state.wants.remove(&id);
+                continue;
+            };
+            let g = match vm.try_lock() {
+                Ok(g) => g,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            match g.config().fork.shells {
+                Some(n) if !matches!(g.state(), VmState::Stopped { .. }) => {
+                    state.wants.insert(id, (g.shape(), n));
+                }
+                _ => {
+                    state.wants.remove(&id);
+                }
+            }
+        }
+        let mut targets: HashMap<Shape, usize> = HashMap::new();
+        for &(shape, n) in state.wants.values() {
+            *targets.entry(shape).or_default() += n as usize;
+        }
+        let gone = self.shells.trim(|shape| targets.get(&shape).copied().unwrap_or(0));
+        if gone > 0 {
+            tracing::debug!(gone, "shells no VM asks for dropped");
+        }
+        state.failed.retain(|_, t| Instant::now() < *t);
+        for (shape, want) in targets {
+            if state.failed.contains_key(&shape) {
+                continue;
+            }
+            while self.shells.count(shape) < want && self.shells.total() < POOL_CAP {
+                if stop() {
+                    return false;
+                }
+                match Shell::new(shape) {
+                    Ok(s) => self.shells.put(s),
+                    Err(e) => {
+                        tracing::warn!(
+                            vcpus = shape.vcpus,
+                            ram_mib = shape.ram >> 20,
+                            error = %e,
+                            "cannot make a VM shell; forks build their children from scratch"
+                        );
+                        state.failed.insert(shape, Instant::now() + FAILED_WAIT);
+                        break;
+                    }
+                }
+            }
+        }
+        true
+    }
+}

@@ -1,0 +1,185 @@
+//! VM shells: what a fork child needs before any of its state goes in,
+//! made ahead of a fork. A shell is a KVM VM with its irqchip and PIT,
+//! memslots over reserved (still empty) address space, its vCPUs created
+//! with their CPUID set, and its vCPU threads spawned and confined (with
+//! their control block, named when the shell becomes a VM). On this host
+//! making one costs 1.5–2 ms, most of a child's build (`KVM_CREATE_VM`
+//! alone ~0.4 ms, the memslots ~0.3 ms, irqchip + PIT ~0.3 ms, a vCPU and
+//! its CPUID ~0.3 ms, a confined thread ~0.1 ms); a child built in a shell
+//! only maps its parent's base over the reservation (KVM's MMU notifier
+//! drops whatever the slot showed before), restores the capture's state
+//! and wires its devices (`Vm::fork_from_shell`).
+//!
+//! A shell holds nothing of any guest: no RAM content, no device, no state.
+//! It fits every fork child of its [`Shape`]. A [`ShellPool`] keeps shells
+//! by shape; the daemon fills one in the background for the VMs that ask
+//! (`VmConfig.fork.shells`, `vmm/src/daemon/shells.rs`).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_cpuid_entry2, kvm_pit_config};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+
+use super::control::VmControl;
+use super::memory::{self, GuestMemoryMmap};
+use super::standby::Standby;
+use super::vcpu::{self, VcpuSetupError};
+use super::vm::{VmError, io};
+
+/// What a shell fits: children with this many vCPUs and this much RAM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Shape {
+    /// vCPUs.
+    pub vcpus: u8,
+    /// Guest RAM in bytes.
+    pub ram: u64,
+}
+
+/// A KVM VM ready for a fork child's state (see the module docs).
+pub struct Shell {
+    // Drop order: the threads (they end unused), the vCPU fds, then the VM
+    // fd, then the address space the memslots point at.
+    pub(super) standby: Standby,
+    pub(super) control: Arc<VmControl>,
+    pub(super) vcpus: Vec<(VcpuFd, Vec<kvm_cpuid_entry2>)>,
+    pub(super) vm_fd: Arc<VmFd>,
+    pub(super) ram: GuestMemoryMmap,
+    shape: Shape,
+}
+
+impl Shell {
+    /// Makes a shell of `shape`: KVM VM, memslots with the dirty log on over
+    /// reserved address space, irqchip and PIT, vCPUs with the CPUID a new
+    /// VM gets.
+    pub fn new(shape: Shape) -> Result<Self, VmError> {
+        let control = Arc::new(VmControl::unnamed());
+        let standby = Standby::spawn(u32::from(shape.vcpus), &control).map_err(io("cannot spawn the vCPU threads"))?;
+        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
+        if let Err(e) = vm_fd.set_tss_address(super::builder::TSS_ADDR) {
+            tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
+        }
+        // Memslots before the irqchip, as in `Vm::build` (CHALLENGES.md).
+        let ram = memory::reserve(shape.ram)?;
+        memory::register(&ram, &vm_fd, true)?;
+        vm_fd
+            .create_irq_chip()
+            .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+        let pit = kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        };
+        vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
+        let mut vcpus = Vec::with_capacity(shape.vcpus.into());
+        for i in 0..u32::from(shape.vcpus) {
+            let v = vm_fd.create_vcpu(i.into()).map_err(|source| VcpuSetupError {
+                index: i,
+                what: "KVM_CREATE_VCPU",
+                source,
+            })?;
+            let cpuid = vcpu::cpuid_for(&kvm, i)?;
+            v.set_cpuid2(&cpuid).map_err(|source| VcpuSetupError {
+                index: i,
+                what: "KVM_SET_CPUID2",
+                source,
+            })?;
+            // What KVM holds now (it adjusts some leaves as it takes them),
+            // which is what a capture of a VM that has not run reads.
+            let held = v
+                .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+                .map_err(|source| VcpuSetupError {
+                    index: i,
+                    what: "KVM_GET_CPUID2",
+                    source,
+                })?;
+            vcpus.push((v, held.as_slice().to_vec()));
+        }
+        // Ready means no work left: the threads have confined themselves.
+        if !standby.wait_confined(std::time::Duration::from_secs(5)) {
+            return Err(VmError::Refused(
+                "a shell's vCPU threads did not confine themselves within 5 s".into(),
+            ));
+        }
+        Ok(Self {
+            standby,
+            control,
+            vcpus,
+            vm_fd,
+            ram,
+            shape,
+        })
+    }
+
+    /// The children this shell fits.
+    pub fn shape(&self) -> Shape {
+        self.shape
+    }
+}
+
+/// Shells by shape, taken by fork children and put in by whoever fills it.
+#[derive(Default)]
+pub struct ShellPool {
+    shells: Mutex<HashMap<Shape, Vec<Shell>>>,
+}
+
+impl ShellPool {
+    /// An empty pool.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    /// A shell of `shape`, if one is ready.
+    pub fn take(&self, shape: Shape) -> Option<Shell> {
+        self.lock().get_mut(&shape).and_then(Vec::pop)
+    }
+
+    /// Adds a shell.
+    pub fn put(&self, shell: Shell) {
+        self.lock().entry(shell.shape).or_default().push(shell);
+    }
+
+    /// Makes shells of `shape` until the pool holds `n` of them. Returns how
+    /// many it made; on an error the ones made so far stay.
+    pub fn fill(&self, shape: Shape, n: usize) -> Result<usize, VmError> {
+        let mut made = 0;
+        while self.count(shape) < n {
+            // Made outside the lock: taking a shell never waits for one.
+            self.put(Shell::new(shape)?);
+            made += 1;
+        }
+        Ok(made)
+    }
+
+    /// Shells of `shape` ready.
+    pub fn count(&self, shape: Shape) -> usize {
+        self.lock().get(&shape).map_or(0, Vec::len)
+    }
+
+    /// Shells ready, all shapes.
+    pub fn total(&self) -> usize {
+        self.lock().values().map(Vec::len).sum()
+    }
+
+    /// Drops shells until at most `keep(shape)` of each shape are left.
+    /// Returns how many went.
+    pub fn trim(&self, keep: impl Fn(Shape) -> usize) -> usize {
+        // Dropped outside the lock (closing a KVM VM takes a while).
+        let mut gone = Vec::new();
+        {
+            let mut shells = self.lock();
+            for (shape, list) in shells.iter_mut() {
+                let k = keep(*shape);
+                if list.len() > k {
+                    gone.extend(list.drain(k..));
+                }
+            }
+            shells.retain(|_, list| !list.is_empty());
+        }
+        gone.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Shape, Vec<Shell>>> {
+        self.shells.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}

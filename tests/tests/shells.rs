@@ -44,9 +44,14 @@ fn counter(vm: &Vm) -> u32 {
 
 /// A `memwriter` that keeps dirtying its 64 pages.
 fn churning(dir: &TempDir, name: &str) -> Vm {
+    churning_on(dir, name, 1)
+}
+
+/// [`churning`] with `vcpus` vCPUs (the others wait for a SIPI).
+fn churning_on(dir: &TempDir, name: &str, vcpus: u8) -> Vm {
     let vm = boot(
         name,
-        &builtin("memwriter", 1, SIZE / MIB, &[PAGES, BASE, 1]),
+        &builtin("memwriter", vcpus, SIZE / MIB, &[PAGES, BASE, 1]),
         &dir.0.join(format!("{name}.log")),
     );
     assert!(
@@ -83,7 +88,6 @@ fn children_built_in_shells_equal_their_sources_and_run_on_their_own() {
         assert_eq!(pool.count(shape), 0);
         assert_eq!(pool.fill(shape, SHELLS).unwrap(), SHELLS);
         assert_eq!(pool.count(shape), SHELLS);
-        std::thread::sleep(Duration::from_micros(300));
         let refs: Vec<&Vm> = members.iter().collect();
         let held = ClusterPause::pause_for_batch(&refs, PER_BATCH as u32, Duration::from_secs(2)).unwrap();
         let at_fork: Vec<Vec<u8>> = refs.iter().map(|m| ram(m)).collect();
@@ -100,7 +104,13 @@ fn children_built_in_shells_equal_their_sources_and_run_on_their_own() {
             }
         }
         if b == 49 {
-            kept = children.vms.into_iter().next().and_then(|f| f.into_iter().next());
+            // A child of member a built in a shell (which jobs got shells
+            // depends on the builders' order).
+            kept = children
+                .vms
+                .into_iter()
+                .filter_map(|f| f.into_iter().next())
+                .find(Vm::built_in_shell);
         }
     }
     assert_eq!(
@@ -125,6 +135,18 @@ fn children_built_in_shells_equal_their_sources_and_run_on_their_own() {
     source.memory().write_obj(0xbeef_u32, GuestAddress(0xa000)).unwrap();
     assert_ne!(read_u32(source, 0x9000), 0xc0ffee, "the source saw its child's write");
     assert_ne!(read_u32(&child, 0xa000), 0xbeef, "the child saw its source's write");
+    // Forked in turn: what the guest wrote through the shell's memslots
+    // reaches KVM's dirty log (the shell registered them with it on), so
+    // the grandchild equals the child page for page.
+    child.pause(Duration::from_secs(2)).unwrap();
+    let child_now = ram(&child);
+    let grandchild = child.fork("grandchild", &opts("grandchild")).unwrap();
+    assert_eq!(
+        differing_pages(&child_now, &ram(&grandchild)),
+        0,
+        "the grandchild of a child built in a shell differs from it"
+    );
+    drop(grandchild);
     child.stop();
     for m in &mut members {
         m.stop();
@@ -135,6 +157,7 @@ fn children_built_in_shells_equal_their_sources_and_run_on_their_own() {
 fn a_shell_of_another_shape_is_refused_and_the_source_forks_after() {
     let _one = serial();
     let dir = TempDir::new("shells-shape");
+    let threads = vcpu_threads();
     let mut src = churning(&dir, "src");
     src.pause(Duration::from_secs(2)).unwrap();
     let capture = src.capture().unwrap();
@@ -157,6 +180,33 @@ fn a_shell_of_another_shape_is_refused_and_the_source_forks_after() {
     drop(child);
     src.resume().unwrap();
     src.stop();
+    drop(src);
+
+    // Two vCPUs: the child built in a 2-vCPU shell runs.
+    let mut src = churning_on(&dir, "src2", 2);
+    src.pause(Duration::from_secs(2)).unwrap();
+    let shell = Shell::new(src.shape()).unwrap();
+    assert_eq!(shell.shape().vcpus, 2);
+    let capture = src.capture().unwrap();
+    let mut child = src
+        .fork_from_shell(&capture, "child2", &VmOptions::default(), Some(shell))
+        .unwrap();
+    assert!(child.built_in_shell());
+    let c0 = counter(&child);
+    child.start().unwrap();
+    assert!(
+        wait_for(Duration::from_secs(5), || counter(&child) > c0 + 2000),
+        "the 2-vCPU child built in a shell did not run"
+    );
+    child.stop();
+    drop(child);
+    src.stop();
+    drop(src);
+    assert!(
+        wait_for(Duration::from_secs(5), || vcpu_threads() == threads),
+        "vCPU threads left behind: {} (was {threads})",
+        vcpu_threads()
+    );
 }
 
 #[test]
@@ -169,19 +219,26 @@ fn a_pool_fills_trims_and_leaves_no_thread_or_fd() {
     assert_eq!(pool.fill(shape, 3).unwrap(), 0, "a full pool makes none");
     assert_eq!((pool.count(shape), pool.total()), (3, 3));
     assert_eq!(vcpu_threads(), threads + 6, "each shell parks one thread per vCPU");
+    assert_eq!(pool.total_vcpus(), 6);
     assert_eq!(pool.trim(|_| 1), 2);
     assert_eq!(pool.count(shape), 1);
-    assert_eq!(vcpu_threads(), threads + 2, "a trimmed shell's threads end");
+    assert!(
+        wait_for(Duration::from_secs(5), || vcpu_threads() == threads + 2),
+        "a trimmed shell's threads did not end: {}",
+        vcpu_threads()
+    );
     let other = Shape { vcpus: 1, ram: 2 * MIB };
     assert!(pool.take(other).is_none(), "no shell of another shape is handed out");
     let s = pool.take(shape).expect("one shell left");
     assert_eq!(s.shape(), shape);
     drop(s);
     drop(pool);
-    assert_eq!(
-        (vcpu_threads(), open_fds().len()),
-        (threads, fds),
-        "shells left threads or fds behind"
+    assert!(
+        wait_for(Duration::from_secs(5), || (vcpu_threads(), open_fds().len())
+            == (threads, fds)),
+        "shells left threads or fds behind: {} threads (was {threads}), {} fds (was {fds})",
+        vcpu_threads(),
+        open_fds().len()
     );
 }
 
@@ -204,6 +261,19 @@ fn the_daemon_keeps_shells_for_the_vms_that_ask_and_forks_into_them() {
     assert_eq!(
         e.message,
         "shells = 65 is out of range: use 1 to 64 (shells kept ready for this VM's fork children)"
+    );
+    let mut big = builtin("memwriter", 8, 8, &[64, 0x20_0000, 1]);
+    big.fork.shells = Some(64);
+    let e = d
+        .daemon
+        .handle(Request::Create(CreateArgs {
+            config: big,
+            start: false,
+        }))
+        .unwrap_err();
+    assert_eq!(
+        e.message,
+        "shells = 64 of 8 vCPUs each would hold 512 vCPUs, more than 256: ask for fewer shells"
     );
     create("src", Some(3)).unwrap();
     let ready = |id: &str| {

@@ -248,16 +248,21 @@ pub struct ForkBudget {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebase_at_percent: Option<u32>,
     /// Keep this many VM shells (KVM VM, memslots, irqchip, vCPUs and
-    /// their threads, made ahead; 1 to [`MAX_SHELLS`]) ready for this VM's
-    /// fork children: the daemon makes them in the background, and a fork
-    /// builds its children in them (`docs/fork.md`, "Shells"). Not
-    /// inherited by the children.
+    /// their threads, made ahead; 1 to [`MAX_SHELLS`], at most
+    /// [`MAX_SHELL_VCPUS`] vCPUs in all) ready for this VM's fork children:
+    /// the daemon makes them in the background (on Linux 6.7 or later), and
+    /// a fork builds its children in them (`docs/fork.md`, "Shells made
+    /// ahead"). Not inherited by the children.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shells: Option<u32>,
 }
 
 /// The most shells one VM may ask to keep ready (`fork.shells`).
 pub const MAX_SHELLS: u32 = 64;
+
+/// The most vCPUs the shells one VM asks for may hold together
+/// (`fork.shells` × `vcpus`): each is a vCPU fd and a parked thread.
+pub const MAX_SHELL_VCPUS: u32 = 256;
 
 impl ForkBudget {
     /// No limit set.
@@ -487,6 +492,15 @@ impl VmConfig {
         {
             return Err(ConfigError::Fork(format!(
                 "shells = {n} is out of range: use 1 to {MAX_SHELLS} (shells kept ready for this VM's fork children)"
+            )));
+        }
+        if let Some(n) = self.fork.shells
+            && n * u32::from(self.vcpus) > MAX_SHELL_VCPUS
+        {
+            return Err(ConfigError::Fork(format!(
+                "shells = {n} of {} vCPUs each would hold {} vCPUs, more than {MAX_SHELL_VCPUS}: ask for fewer shells",
+                self.vcpus,
+                n * u32::from(self.vcpus)
             )));
         }
         if purpose == Purpose::Create && self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {

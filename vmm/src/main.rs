@@ -904,6 +904,12 @@ fn daemon(
     kernel_cache: Option<PathBuf>,
 ) -> Result<ExitCode> {
     k7d_vmm::seccomp::ready().context("cannot confine k7d's threads")?;
+    // A few fds per VM and per shell: the default soft limit (1024) would
+    // stop a busy node long before its memory does.
+    match k7d_vmm::sys::raise_nofile_limit() {
+        Ok(n) => tracing::debug!(open_files = n, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit; it stays as it was"),
+    }
     let (d, reconciled) = Daemon::open(state_dir)?;
     let d = d.with_node_config(node).with_kernel_cache(kernel_cache);
     for r in &reconciled {

@@ -382,7 +382,8 @@ impl Daemon {
         ))
     }
 
-    /// Shells ready in the pool, all shapes (`fork.shells`).
+    /// Shells ready in the pool, all shapes (`fork.shells`; shared by
+    /// shape: a fork of any VM of a shape takes them).
     pub fn shells_ready(&self) -> usize {
         self.shells.total()
     }

@@ -4,8 +4,11 @@
 //! from scratch (`docs/fork.md`, "Shells").
 //!
 //! The pool holds, for each shape (vCPUs, RAM), the sum of what the live
-//! VMs of that shape ask for, and at most [`POOL_CAP`] shells in all. A
-//! shell no VM asks for any more goes at the next pass.
+//! VMs of that shape ask for, and shells of at most [`POOL_VCPUS`] vCPUs in
+//! all. A shell no VM asks for any more goes at the next pass. Shells are
+//! the node's, shared by shape: a fork of any VM of that shape takes them.
+//! On a host older than Linux 6.7 the pool stays empty
+//! ([`crate::vstate::shell::check_host`]).
 
 use std::collections::HashMap;
 use std::sync::mpsc::{RecvTimeoutError, Sender, TryRecvError, channel};
@@ -20,9 +23,10 @@ use crate::vstate::vm::{Vm, VmState};
 /// How often the thread tops the pool up.
 pub const SHELL_PERIOD: Duration = Duration::from_millis(100);
 
-/// The most shells the pool holds, all shapes together (each holds a KVM
-/// VM, its PIT's kernel thread, and a parked thread per vCPU).
-pub const POOL_CAP: usize = 256;
+/// The most vCPUs the pool's shells hold, all shapes together (each shell
+/// holds a KVM VM and its PIT's kernel thread, and per vCPU an fd and a
+/// parked thread).
+pub const POOL_VCPUS: usize = 256;
 
 /// How long a shape whose shell could not be made is left alone.
 const FAILED_WAIT: Duration = Duration::from_secs(30);
@@ -79,6 +83,8 @@ pub(super) struct KeeperState {
     wants: HashMap<String, (Shape, u32)>,
     /// Shapes whose last shell failed, and until when they rest.
     failed: HashMap<Shape, Instant>,
+    /// Whether the host was found unable to use shells (said once).
+    unsupported: bool,
 }
 
 impl Daemon {
@@ -94,7 +100,8 @@ impl Daemon {
                 _ => None,
             })
             .collect();
-        state.wants.retain(|id, _| vms.iter().any(|(v, _)| v == id));
+        let live: std::collections::HashSet<&str> = vms.iter().map(|(id, _)| id.as_str()).collect();
+        state.wants.retain(|id, _| live.contains(id.as_str()));
         for (id, vm) in vms {
             let Some(vm) = vm.upgrade() else {
                 state.wants.remove(&id);
@@ -123,11 +130,21 @@ impl Daemon {
             tracing::debug!(gone, "shells no VM asks for dropped");
         }
         state.failed.retain(|_, t| Instant::now() < *t);
+        if !targets.is_empty()
+            && let Err(e) = crate::vstate::shell::check_host()
+        {
+            if !state.unsupported {
+                tracing::warn!(error = %e, "no VM shells on this host; forks build their children from scratch");
+                state.unsupported = true;
+            }
+            return true;
+        }
         for (shape, want) in targets {
             if state.failed.contains_key(&shape) {
                 continue;
             }
-            while self.shells.count(shape) < want && self.shells.total() < POOL_CAP {
+            while self.shells.count(shape) < want && self.shells.total_vcpus() + usize::from(shape.vcpus) <= POOL_VCPUS
+            {
                 if stop() {
                     return false;
                 }

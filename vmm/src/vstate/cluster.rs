@@ -86,7 +86,7 @@ impl<'a> ClusterPause<'a> {
         let pending: Vec<_> = members
             .iter()
             .zip(prepared)
-            .filter_map(|(m, p)| p.map(|p| (*m, std::sync::Mutex::new(Some(p)))))
+            .filter_map(|(m, p)| p.flatten().map(|p| (*m, std::sync::Mutex::new(Some(p)))))
             .collect();
         let mut held = Self::pause(members, timeout)?;
         let paused_at = held.since;
@@ -102,7 +102,7 @@ impl<'a> ClusterPause<'a> {
                 }
             }
         });
-        held.rebased.extend(finished.into_iter().flatten());
+        held.rebased.extend(finished.into_iter().flatten().flatten());
         held.took = held.since.elapsed();
         Ok(held)
     }
@@ -274,11 +274,12 @@ fn builders() -> usize {
 }
 
 /// `f` of every item, on up to `threads` threads (this one included), in
-/// the items' order.
-fn on_threads<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
+/// the items' order (`None` for an item no thread got to, which only a
+/// panic, propagated here, can cause).
+fn on_threads<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<Option<R>> {
     let threads = threads.clamp(1, items.len().max(1));
     if threads == 1 {
-        return items.iter().map(f).collect();
+        return items.iter().map(|i| Some(f(i))).collect();
     }
     let slots: Vec<std::sync::Mutex<Option<R>>> = items.iter().map(|_| std::sync::Mutex::new(None)).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
@@ -304,7 +305,7 @@ fn on_threads<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R
     });
     slots
         .into_iter()
-        .filter_map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()))
+        .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()))
         .collect()
 }
 

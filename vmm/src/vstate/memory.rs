@@ -538,9 +538,11 @@ pub fn register(mem: &GuestMemoryMmap, vm: &VmFd, dirty_log: bool) -> Result<(),
             userspace_addr: host as u64,
         };
         // SAFETY: the region maps `memory_size` bytes at `userspace_addr`,
-        // and the mapping lives as long as `mem`, which the VM that uses it
-        // never outlives (the VM fd is closed before this memory is
-        // dropped; see `Vm`'s and `Shell`'s field order).
+        // and the mapping lives as long as `mem`. A VM that runs never
+        // outlives it (the VM fd is closed before this memory is dropped;
+        // see `Vm`'s and `Shell`'s field order); a build that fails may
+        // drop it first, but that VM never ran and KVM reaches a slot's
+        // memory only on a vCPU's fault.
         unsafe { vm.set_user_memory_region(r) }.map_err(|source| MemoryError::Memslot { slot, source })?;
     }
     Ok(())

@@ -53,6 +53,10 @@ impl Shell {
     /// reserved address space, irqchip and PIT, vCPUs with the CPUID a new
     /// VM gets.
     pub fn new(shape: Shape) -> Result<Self, VmError> {
+        check_host()?;
+        // The reservation first: on an error below, the VM fd (and the
+        // memslots over it) closes before the address space is unmapped.
+        let ram = memory::reserve(shape.ram)?;
         let control = Arc::new(VmControl::unnamed());
         let standby = Standby::spawn(u32::from(shape.vcpus), &control).map_err(io("cannot spawn the vCPU threads"))?;
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
@@ -61,7 +65,6 @@ impl Shell {
             tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
         }
         // Memslots before the irqchip, as in `Vm::build` (CHALLENGES.md).
-        let ram = memory::reserve(shape.ram)?;
         memory::register(&ram, &vm_fd, true)?;
         vm_fd
             .create_irq_chip()
@@ -117,6 +120,25 @@ impl Shell {
     }
 }
 
+/// Whether this host can use shells: KVM before Linux 6.7 takes a VM's
+/// first TSC write from user space that lands within a second of what the
+/// vCPU's own clock reads since its creation as a request to stay in sync
+/// and ignores its value. A shell's vCPU is created long before the child's
+/// TSC is written, so a source about as old as the shell would give its
+/// child a TSC that went back in time. Since 6.7 (`user_set_tsc`) the first
+/// write always holds.
+pub fn check_host() -> Result<(), VmError> {
+    match crate::sys::kernel_version() {
+        Some(v) if v >= (6, 7) => Ok(()),
+        Some((major, minor)) => Err(VmError::Refused(format!(
+            "VM shells need Linux 6.7 or later on the host (older KVM can drop a restored TSC written long after its vCPU was created); this host runs {major}.{minor}"
+        ))),
+        None => Err(VmError::Refused(
+            "VM shells need Linux 6.7 or later on the host, and this host's kernel release cannot be read".into(),
+        )),
+    }
+}
+
 /// Shells by shape, taken by fork children and put in by whoever fills it.
 #[derive(Default)]
 pub struct ShellPool {
@@ -159,6 +181,14 @@ impl ShellPool {
     /// Shells ready, all shapes.
     pub fn total(&self) -> usize {
         self.lock().values().map(Vec::len).sum()
+    }
+
+    /// vCPUs of the shells ready (each holds a vCPU fd and a parked thread).
+    pub fn total_vcpus(&self) -> usize {
+        self.lock()
+            .iter()
+            .map(|(shape, list)| usize::from(shape.vcpus) * list.len())
+            .sum()
     }
 
     /// Drops shells until at most `keep(shape)` of each shape are left.

@@ -144,7 +144,11 @@ pub fn pid_alive(pid: u32) -> bool {
 /// The host kernel's release as (major, minor), from
 /// `/proc/sys/kernel/osrelease` ("6.18.0-1-amd64" → (6, 18)).
 pub fn kernel_version() -> Option<(u32, u32)> {
-    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    parse_kernel_release(&std::fs::read_to_string("/proc/sys/kernel/osrelease").ok()?)
+}
+
+/// "6.18.0-1-amd64\n" → (6, 18).
+pub fn parse_kernel_release(release: &str) -> Option<(u32, u32)> {
     let mut parts = release.trim().split(['.', '-']);
     let major = parts.next()?.parse().ok()?;
     let minor = parts.next()?.parse().ok()?;
@@ -500,5 +504,19 @@ pub fn prepare_malloc() {
     std::hint::black_box(&blocks);
     for b in blocks.into_iter().rev() {
         drop(b);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_kernel_release;
+
+    #[test]
+    fn kernel_release_parses() {
+        assert_eq!(parse_kernel_release("6.18.0-1-amd64\n"), Some((6, 18)));
+        assert_eq!(parse_kernel_release("6.1.0-28-cloud-amd64"), Some((6, 1)));
+        assert_eq!(parse_kernel_release("5.15-rc1"), Some((5, 15)));
+        assert_eq!(parse_kernel_release("6"), None);
+        assert_eq!(parse_kernel_release("x.y"), None);
     }
 }

@@ -128,7 +128,12 @@ impl Shell {
 /// child a TSC that went back in time. Since 6.7 (`user_set_tsc`) the first
 /// write always holds.
 pub fn check_host() -> Result<(), VmError> {
-    match crate::sys::kernel_version() {
+    supported(crate::sys::kernel_version())
+}
+
+/// [`check_host`] for a kernel release read as (major, minor).
+fn supported(version: Option<(u32, u32)>) -> Result<(), VmError> {
+    match version {
         Some(v) if v >= (6, 7) => Ok(()),
         Some((major, minor)) => Err(VmError::Refused(format!(
             "VM shells need Linux 6.7 or later on the host (older KVM can drop a restored TSC written long after its vCPU was created); this host runs {major}.{minor}"
@@ -211,5 +216,24 @@ impl ShellPool {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Shape, Vec<Shell>>> {
         self.shells.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::supported;
+
+    #[test]
+    fn shells_need_linux_6_7_or_later() {
+        for ok in [(6, 7), (6, 18), (7, 0)] {
+            assert!(supported(Some(ok)).is_ok(), "{ok:?}");
+        }
+        let e = supported(Some((6, 1))).unwrap_err().to_string();
+        assert!(
+            e.contains("need Linux 6.7 or later") && e.ends_with("this host runs 6.1"),
+            "{e}"
+        );
+        assert!(supported(Some((5, 15))).is_err());
+        assert!(supported(None).is_err());
     }
 }

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod client;
 mod clusters;
+mod periodic;
 mod rebaser;
 mod recorder;
 pub mod server;

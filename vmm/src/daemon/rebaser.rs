@@ -5,11 +5,10 @@
 //! (`docs/fork.md`, "Re-basing").
 
 use std::collections::HashMap;
-use std::sync::mpsc::{RecvTimeoutError, Sender, TryRecvError, channel};
 use std::sync::{Arc, Mutex, TryLockError, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::periodic::Periodic;
 use super::{Daemon, PAUSE_TIMEOUT, Slot};
 use crate::vstate::memory::PAGE;
 use crate::vstate::vm::{Vm, VmState};
@@ -21,10 +20,7 @@ pub const REBASE_PERIOD: Duration = Duration::from_millis(500);
 const FAILED_WAIT: Duration = Duration::from_secs(30);
 
 /// The running `k7d-rebase` thread; dropping it stops and joins it.
-pub struct Rebaser {
-    stop: Option<Sender<()>>,
-    thread: Option<JoinHandle<()>>,
-}
+pub struct Rebaser(#[expect(dead_code, reason = "held for its Drop")] Periodic);
 
 impl Rebaser {
     /// Starts the thread: every `period` it reads the divergence of each VM
@@ -33,35 +29,11 @@ impl Rebaser {
     /// re-bases those past it. It holds the daemon and the VMs weakly,
     /// skips a VM a request holds, and stops between two VMs when dropped.
     pub fn start(daemon: &Arc<Daemon>, period: Duration) -> std::io::Result<Self> {
-        let weak: Weak<Daemon> = Arc::downgrade(daemon);
-        let (tx, rx) = channel::<()>();
-        let thread = std::thread::Builder::new().name("k7d-rebase".into()).spawn(move || {
-            let mut not_before = HashMap::new();
-            loop {
-                match rx.recv_timeout(period) {
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
-                }
-                let Some(d) = weak.upgrade() else { return };
-                let stop = || !matches!(rx.try_recv(), Err(TryRecvError::Empty));
-                if !d.rebase_diverged(period, &mut not_before, &stop) {
-                    return;
-                }
-            }
-        })?;
-        Ok(Self {
-            stop: Some(tx),
-            thread: Some(thread),
+        let mut not_before = HashMap::new();
+        Periodic::start("k7d-rebase", daemon, period, move |d, stop| {
+            d.rebase_diverged(period, &mut not_before, stop)
         })
-    }
-}
-
-impl Drop for Rebaser {
-    fn drop(&mut self) {
-        drop(self.stop.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        .map(Self)
     }
 }
 

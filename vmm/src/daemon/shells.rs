@@ -11,11 +11,10 @@
 //! ([`crate::vstate::shell::check_host`]).
 
 use std::collections::HashMap;
-use std::sync::mpsc::{RecvTimeoutError, Sender, TryRecvError, channel};
 use std::sync::{Arc, Mutex, TryLockError, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use super::periodic::Periodic;
 use super::{Daemon, Slot};
 use crate::vstate::shell::{Shape, Shell};
 use crate::vstate::vm::{Vm, VmState};
@@ -32,10 +31,7 @@ pub const POOL_VCPUS: usize = 256;
 const FAILED_WAIT: Duration = Duration::from_secs(30);
 
 /// The running `k7d-shells` thread; dropping it stops and joins it.
-pub struct ShellKeeper {
-    stop: Option<Sender<()>>,
-    thread: Option<JoinHandle<()>>,
-}
+pub struct ShellKeeper(#[expect(dead_code, reason = "held for its Drop")] Periodic);
 
 impl ShellKeeper {
     /// Starts the thread: every `period` it tops the pool of `daemon` up to
@@ -43,35 +39,11 @@ impl ShellKeeper {
     /// VM asks for. It holds the daemon and the VMs weakly, and stops
     /// between two shells when dropped.
     pub fn start(daemon: &Arc<Daemon>, period: Duration) -> std::io::Result<Self> {
-        let weak: Weak<Daemon> = Arc::downgrade(daemon);
-        let (tx, rx) = channel::<()>();
-        let thread = std::thread::Builder::new().name("k7d-shells".into()).spawn(move || {
-            let mut state = KeeperState::default();
-            loop {
-                match rx.recv_timeout(period) {
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
-                }
-                let Some(d) = weak.upgrade() else { return };
-                let stop = || !matches!(rx.try_recv(), Err(TryRecvError::Empty));
-                if !d.keep_shells(&mut state, &stop) {
-                    return;
-                }
-            }
-        })?;
-        Ok(Self {
-            stop: Some(tx),
-            thread: Some(thread),
+        let mut state = KeeperState::default();
+        Periodic::start("k7d-shells", daemon, period, move |d, stop| {
+            d.keep_shells(&mut state, stop)
         })
-    }
-}
-
-impl Drop for ShellKeeper {
-    fn drop(&mut self) {
-        drop(self.stop.take());
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        .map(Self)
     }
 }
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use k7d_devices::virtio::ForkBackend;
 use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config};
-use kvm_ioctls::Kvm;
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::control::VmControl;
@@ -31,7 +31,7 @@ use super::vm::{Vm, VmError, VmOptions, io};
 use crate::arch::x86_64 as arch;
 use crate::config::{GuestSpec, VmConfig};
 
-pub(super) const TSS_ADDR: usize = 0xfffb_d000;
+const TSS_ADDR: usize = 0xfffb_d000;
 const BSP_STACK: u64 = 0x7000;
 
 /// What a build starts from.
@@ -176,13 +176,7 @@ impl Vm {
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
         let (vm_fd, reserved) = match shell_parts {
             Some((vm_fd, ram)) => (vm_fd, Some(ram)),
-            None => {
-                let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
-                if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
-                    tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
-                }
-                (vm_fd, None)
-            }
+            None => (create_vm(&kvm)?, None),
         };
         // Memslots before the irqchip: once KVM has a memslot of its own (the
         // irqchip adds one), every new slot waits for an SRCU grace period,
@@ -246,14 +240,7 @@ impl Vm {
             None => {}
         }
         if !from_shell {
-            vm_fd
-                .create_irq_chip()
-                .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
-            let pit = kvm_pit_config {
-                flags: KVM_PIT_SPEAKER_DUMMY,
-                ..Default::default()
-            };
-            vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
+            create_irqchip_and_pit(&vm_fd)?;
         }
         if let Some(st) = state {
             persist::restore_vm(&vm_fd, &st.vm)?;
@@ -295,25 +282,13 @@ impl Vm {
             // A shell's vCPU comes with the CPUID a new VM gets already set.
             let (v, cpuid_set) = match shell_vcpus.next() {
                 Some((v, cpuid)) => (v, Some(cpuid)),
-                None => {
-                    let v = vm_fd.create_vcpu(i.into()).map_err(|source| VcpuSetupError {
-                        index: i,
-                        what: "KVM_CREATE_VCPU",
-                        source,
-                    })?;
-                    (v, None)
-                }
+                None => (create_vcpu(&vm_fd, i)?, None),
             };
             match (&linux, state) {
                 (_, Some(st)) => persist::restore_vcpu(&v, i, &st.vcpus[i as usize], cpuid_set.as_deref())?,
                 (Some(entry), None) => arch::setup_linux_vcpu(&kvm, &v, i, n, entry)?,
                 (None, None) => {
-                    let cpuid = vcpu::cpuid_for(&kvm, i)?;
-                    v.set_cpuid2(&cpuid).map_err(|source| VcpuSetupError {
-                        index: i,
-                        what: "KVM_SET_CPUID2",
-                        source,
-                    })?;
+                    vcpu::set_default_cpuid(&kvm, &v, i)?;
                     if i == 0 {
                         vcpu::setup_real_mode(&v, i, k7d_guest::LOAD_ADDR, BSP_STACK)?;
                     } else {
@@ -377,6 +352,38 @@ impl Vm {
             forked: Default::default(),
         })
     }
+}
+
+/// A KVM VM with its TSS placed (where the host wants one).
+pub(super) fn create_vm(kvm: &Kvm) -> Result<Arc<VmFd>, VmError> {
+    let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
+    if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
+        tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
+    }
+    Ok(vm_fd)
+}
+
+/// The in-kernel irqchip (PIC, IOAPIC, LAPICs) and PIT, after the
+/// memslots (CHALLENGES.md: a slot added after the irqchip's own waits for
+/// an SRCU grace period).
+pub(super) fn create_irqchip_and_pit(vm_fd: &VmFd) -> Result<(), VmError> {
+    vm_fd
+        .create_irq_chip()
+        .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))
+}
+
+/// vCPU `index` of `vm_fd`.
+pub(super) fn create_vcpu(vm_fd: &VmFd, index: u32) -> Result<VcpuFd, VcpuSetupError> {
+    vm_fd.create_vcpu(index.into()).map_err(|source| VcpuSetupError {
+        index,
+        what: "KVM_CREATE_VCPU",
+        source,
+    })
 }
 
 pub(super) fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {

@@ -68,21 +68,26 @@ impl<'a> ClusterPause<'a> {
     pub fn pause_for_batch(members: &[&'a Vm], count: u32, timeout: Duration) -> Result<Self, VmError> {
         let threads = builders();
         // The members' new bases are built side by side, while they run.
-        let prepared = on_threads(members, threads, |m| {
-            if !matches!(m.state(), VmState::Running | VmState::Paused | VmState::Created) {
-                return None;
-            }
-            match m
-                .batch_gains_from_rebase(count)
-                .and_then(|yes| yes.then(|| m.rebase_prepare()).transpose())
-            {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged");
-                    None
+        let prepared = on_threads(
+            members,
+            threads,
+            |m| {
+                if !matches!(m.state(), VmState::Running | VmState::Paused | VmState::Created) {
+                    return None;
                 }
-            }
-        });
+                match m
+                    .batch_gains_from_rebase(count)
+                    .and_then(|yes| yes.then(|| m.rebase_prepare()).transpose())
+                {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged");
+                        None
+                    }
+                }
+            },
+            |_| false,
+        );
         let pending: Vec<_> = members
             .iter()
             .zip(prepared)
@@ -91,17 +96,22 @@ impl<'a> ClusterPause<'a> {
         let mut held = Self::pause(members, timeout)?;
         let paused_at = held.since;
         let paused = &held.paused;
-        let finished = on_threads(&pending, threads, |(m, p)| {
-            let p = p.lock().unwrap_or_else(|e| e.into_inner()).take()?;
-            let was_running = paused.iter().any(|v| std::ptr::eq(*v, *m));
-            match m.rebase_finish(p, was_running.then_some(paused_at)) {
-                Ok(r) => Some(r),
-                Err(e) => {
-                    tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged");
-                    None
+        let finished = on_threads(
+            &pending,
+            threads,
+            |(m, p)| {
+                let p = p.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+                let was_running = paused.iter().any(|v| std::ptr::eq(*v, *m));
+                match m.rebase_finish(p, was_running.then_some(paused_at)) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        tracing::warn!(vm = %m.id(), error = %e, "no re-base before the batch; its children copy what it diverged");
+                        None
+                    }
                 }
-            }
-        });
+            },
+            |_| false,
+        );
         held.rebased.extend(finished.into_iter().flatten().flatten());
         held.took = held.since.elapsed();
         Ok(held)
@@ -179,50 +189,22 @@ impl<'a> ClusterPause<'a> {
         let jobs: Vec<(usize, usize)> = (0..ids.len())
             .flat_map(|f| (0..self.members.len()).map(move |m| (f, m)))
             .collect();
-        type Built = Option<Result<(Vm, Duration), VmError>>;
-        let slots: Vec<std::sync::Mutex<Built>> = jobs.iter().map(|_| std::sync::Mutex::new(None)).collect();
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let build = || {
-            loop {
-                let j = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&(f, m)) = jobs.get(j) else { return };
+        // The first failure stops the builders: the batch fails as a whole.
+        let built = on_threads(
+            &jobs,
+            builders,
+            |&(f, m)| {
                 let id = &ids[f][m];
                 let t = Instant::now();
                 let member = self.members[m];
                 let shell = shells.and_then(|p| p.take(member.shape()));
-                let r = member
+                member
                     .fork_from_shell(&captures[m], id, &opts(id), shell)
-                    .map(|vm| (vm, t.elapsed()));
-                let failed = r.is_err();
-                *slots[j].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
-                if failed {
-                    // No more jobs for anyone: the batch fails as a whole.
-                    next.store(jobs.len(), std::sync::atomic::Ordering::Relaxed);
-                    return;
-                }
-            }
-        };
-        let threads = builders.clamp(1, jobs.len().max(1));
-        if threads == 1 {
-            build();
-        } else {
-            std::thread::scope(|s| {
-                for _ in 1..threads {
-                    // A builder that cannot start leaves its jobs to the others.
-                    if let Err(e) = std::thread::Builder::new()
-                        .name("k7d-fork-build".into())
-                        .spawn_scoped(s, build)
-                    {
-                        tracing::warn!(error = %e, "cannot start another fork builder; fewer build the batch");
-                        break;
-                    }
-                }
-                build();
-            });
-        }
-        let mut results = slots
-            .into_iter()
-            .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()));
+                    .map(|vm| (vm, t.elapsed()))
+            },
+            Result::is_err,
+        );
+        let mut results = built.into_iter();
         let mut first_err = None;
         for row in ids {
             let mut forks = Vec::with_capacity(row.len());
@@ -274,35 +256,49 @@ fn builders() -> usize {
 }
 
 /// `f` of every item, on up to `threads` threads (this one included), in
-/// the items' order (`None` for an item no thread got to, which only a
-/// panic, propagated here, can cause).
-fn on_threads<T: Sync, R: Send>(items: &[T], threads: usize, f: impl Fn(&T) -> R + Sync) -> Vec<Option<R>> {
+/// the items' order, each item taken in turn by the next free thread. Once
+/// a result makes `stop_after` true no item is started any more; the items
+/// never started are `None` (so is one whose thread panicked: the panic is
+/// propagated here).
+fn on_threads<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    f: impl Fn(&T) -> R + Sync,
+    stop_after: impl Fn(&R) -> bool + Sync,
+) -> Vec<Option<R>> {
     let threads = threads.clamp(1, items.len().max(1));
-    if threads == 1 {
-        return items.iter().map(|i| Some(f(i))).collect();
-    }
     let slots: Vec<std::sync::Mutex<Option<R>>> = items.iter().map(|_| std::sync::Mutex::new(None)).collect();
     let next = std::sync::atomic::AtomicUsize::new(0);
     let work = || {
         loop {
             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let Some(item) = items.get(i) else { return };
-            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(f(item));
-        }
-    };
-    std::thread::scope(|s| {
-        for _ in 1..threads {
-            // A thread that cannot start leaves its items to the others.
-            if let Err(e) = std::thread::Builder::new()
-                .name("k7d-fork-build".into())
-                .spawn_scoped(s, work)
-            {
-                tracing::warn!(error = %e, "cannot start another fork thread; fewer do the work");
-                break;
+            let r = f(item);
+            let stop = stop_after(&r);
+            *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            if stop {
+                next.store(items.len(), std::sync::atomic::Ordering::Relaxed);
+                return;
             }
         }
+    };
+    if threads == 1 {
         work();
-    });
+    } else {
+        std::thread::scope(|s| {
+            for _ in 1..threads {
+                // A thread that cannot start leaves its items to the others.
+                if let Err(e) = std::thread::Builder::new()
+                    .name("k7d-fork-build".into())
+                    .spawn_scoped(s, work)
+                {
+                    tracing::warn!(error = %e, "cannot start another fork thread; fewer do the work");
+                    break;
+                }
+            }
+            work();
+        });
+    }
     slots
         .into_iter()
         .map(|s| s.into_inner().unwrap_or_else(|p| p.into_inner()))

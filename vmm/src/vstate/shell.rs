@@ -18,9 +18,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_cpuid_entry2, kvm_pit_config};
+use kvm_bindings::kvm_cpuid_entry2;
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 
+use super::builder;
 use super::control::VmControl;
 use super::memory::{self, GuestMemoryMmap};
 use super::standby::Standby;
@@ -60,33 +61,14 @@ impl Shell {
         let control = Arc::new(VmControl::unnamed());
         let standby = Standby::spawn(u32::from(shape.vcpus), &control).map_err(io("cannot spawn the vCPU threads"))?;
         let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
-        let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
-        if let Err(e) = vm_fd.set_tss_address(super::builder::TSS_ADDR) {
-            tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
-        }
-        // Memslots before the irqchip, as in `Vm::build` (CHALLENGES.md).
+        let vm_fd = builder::create_vm(&kvm)?;
+        // Memslots before the irqchip, as in `Vm::build`.
         memory::register(&ram, &vm_fd, true)?;
-        vm_fd
-            .create_irq_chip()
-            .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
-        let pit = kvm_pit_config {
-            flags: KVM_PIT_SPEAKER_DUMMY,
-            ..Default::default()
-        };
-        vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))?;
+        builder::create_irqchip_and_pit(&vm_fd)?;
         let mut vcpus = Vec::with_capacity(shape.vcpus.into());
         for i in 0..u32::from(shape.vcpus) {
-            let v = vm_fd.create_vcpu(i.into()).map_err(|source| VcpuSetupError {
-                index: i,
-                what: "KVM_CREATE_VCPU",
-                source,
-            })?;
-            let cpuid = vcpu::cpuid_for(&kvm, i)?;
-            v.set_cpuid2(&cpuid).map_err(|source| VcpuSetupError {
-                index: i,
-                what: "KVM_SET_CPUID2",
-                source,
-            })?;
+            let v = builder::create_vcpu(&vm_fd, i)?;
+            vcpu::set_default_cpuid(&kvm, &v, i)?;
             // What KVM holds now (it adjusts some leaves as it takes them),
             // which is what a capture of a VM that has not run reads.
             let held = v

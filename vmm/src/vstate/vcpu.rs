@@ -55,6 +55,13 @@ pub fn cpuid_for(kvm: &Kvm, index: u32) -> Result<CpuId, VcpuSetupError> {
     Ok(cpuid)
 }
 
+/// Sets the CPUID a new VM's vCPU `index` gets ([`cpuid_for`]); returns it.
+pub fn set_default_cpuid(kvm: &Kvm, vcpu: &VcpuFd, index: u32) -> Result<CpuId, VcpuSetupError> {
+    let cpuid = cpuid_for(kvm, index)?;
+    vcpu.set_cpuid2(&cpuid).map_err(step(index, "KVM_SET_CPUID2"))?;
+    Ok(cpuid)
+}
+
 /// Puts the boot vCPU in real mode at `cs = 0, ip = entry`, with 4 GiB data
 /// segment limits ("big real mode"), and wires the LAPIC's LINT0 to the PIC
 /// (ExtINT) and LINT1 to NMI, as firmware does.

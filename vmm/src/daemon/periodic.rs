@@ -49,6 +49,22 @@ impl Periodic {
     }
 }
 
+impl Daemon {
+    /// Every built VM by id, held weakly (for a pass that must not keep a
+    /// deleted VM alive).
+    pub(super) fn live_vms_weakly(&self) -> Vec<(String, Weak<std::sync::Mutex<crate::vstate::vm::Vm>>)> {
+        self.vms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|(id, s)| match s {
+                super::Slot::Vm(v) => Some((id.clone(), Arc::downgrade(v))),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
 impl Drop for Periodic {
     fn drop(&mut self) {
         drop(self.stop.take());

@@ -5,13 +5,13 @@
 //! (`docs/fork.md`, "Re-basing").
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, TryLockError, Weak};
+use std::sync::{Arc, TryLockError};
 use std::time::{Duration, Instant};
 
 use super::periodic::Periodic;
-use super::{Daemon, PAUSE_TIMEOUT, Slot};
+use super::{Daemon, PAUSE_TIMEOUT};
 use crate::vstate::memory::PAGE;
-use crate::vstate::vm::{Vm, VmState};
+use crate::vstate::vm::VmState;
 
 /// How often the thread looks at each fork source's divergence.
 pub const REBASE_PERIOD: Duration = Duration::from_millis(500);
@@ -48,16 +48,7 @@ impl Daemon {
         not_before: &mut HashMap<String, Instant>,
         stop: &dyn Fn() -> bool,
     ) -> bool {
-        let vms: Vec<(String, Weak<Mutex<Vm>>)> = self
-            .vms
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter_map(|(id, s)| match s {
-                Slot::Vm(v) => Some((id.clone(), Arc::downgrade(v))),
-                _ => None,
-            })
-            .collect();
+        let vms = self.live_vms_weakly();
         not_before.retain(|id, _| vms.iter().any(|(v, _)| v == id));
         for (id, vm) in vms {
             if stop() {

@@ -11,13 +11,13 @@
 //! ([`crate::vstate::shell::check_host`]).
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, TryLockError, Weak};
+use std::sync::{Arc, TryLockError};
 use std::time::{Duration, Instant};
 
+use super::Daemon;
 use super::periodic::Periodic;
-use super::{Daemon, Slot};
 use crate::vstate::shell::{Shape, Shell};
-use crate::vstate::vm::{Vm, VmState};
+use crate::vstate::vm::VmState;
 
 /// How often the thread tops the pool up.
 pub const SHELL_PERIOD: Duration = Duration::from_millis(100);
@@ -62,16 +62,7 @@ pub(super) struct KeeperState {
 impl Daemon {
     /// One pass of the `k7d-shells` thread; false when `stop` said to stop.
     pub(super) fn keep_shells(&self, state: &mut KeeperState, stop: &dyn Fn() -> bool) -> bool {
-        let vms: Vec<(String, Weak<Mutex<Vm>>)> = self
-            .vms
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter_map(|(id, s)| match s {
-                Slot::Vm(v) => Some((id.clone(), Arc::downgrade(v))),
-                _ => None,
-            })
-            .collect();
+        let vms = self.live_vms_weakly();
         let live: std::collections::HashSet<&str> = vms.iter().map(|(id, _)| id.as_str()).collect();
         state.wants.retain(|id, _| live.contains(id.as_str()));
         for (id, vm) in vms {

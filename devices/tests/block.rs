@@ -565,3 +565,112 @@ fn pause_drains_and_hands_back_indexes_and_restore_seeds_from_used_idx() {
     assert_eq!(r.used_elem(3).0, 9, "the new chain, not a replay of chain 0");
     assert_eq!(r.status_at(0x3_0003), status::OK);
 }
+
+#[test]
+fn a_read_only_drive_changes_medium_while_the_driver_runs() {
+    let first = pattern(4096);
+    let mut r = Rig::new(&first, true);
+    let second_bytes: Vec<u8> = pattern(8192).iter().map(|b| b ^ 0xa5).collect();
+    let second = TempImage::new(&second_bytes);
+    let mem = r.vmm_mem.clone();
+    let mq = mock(&mem);
+    let q = r.queue(&mq, false);
+    // Config changes go to vector 0, unmasked.
+    const CONFIG_VECTOR: u16 = 0;
+    r.msix
+        .write_table(u64::from(CONFIG_VECTOR) * 16 + 12, &0u32.to_le_bytes());
+    let irq_status = Arc::new(InterruptStatus::default());
+    let ctx = ActivateContext {
+        mem: r.dev_mem.handle(),
+        acked_features: BASE_FEATURES | features::RO,
+        queues: vec![ActiveQueue {
+            index: 0,
+            queue: q,
+            notify: r.notify.try_clone().unwrap(),
+        }],
+        interrupt: Interrupt::new(r.msix.clone(), vec![QUEUE_VECTOR], CONFIG_VECTOR, irq_status.clone()),
+    };
+    r.dev.activate(ctx).unwrap();
+    let capacity = |dev: &Block| {
+        let mut c = [0u8; 8];
+        dev.read_config(0, &mut c);
+        u64::from_le_bytes(c)
+    };
+    let config_irqs = |r: &Rig| r.msix.irqfds()[usize::from(CONFIG_VECTOR)].read().unwrap_or(0);
+    // One read of sector `s` into page `i`'s buffer, status at 0x3_0000 + i.
+    let read = |r: &Rig, i: u64, s: u64| {
+        r.header(HDRS + 16 * i, b::VIRTIO_BLK_T_IN, s);
+        vec![
+            (HDRS + 16 * i, 16, 0),
+            (0x10_0000 + i * PAGE, 512, W),
+            (0x3_0000 + i, 1, W),
+        ]
+    };
+    let got = |i: u64| {
+        let mut buf = vec![0u8; 512];
+        mem.read_slice(&mut buf, GuestAddress(0x10_0000 + i * PAGE)).unwrap();
+        buf
+    };
+    assert_eq!(capacity(&r.dev), 8);
+    add_all(&mq, &[read(&r, 0, 1)], 0);
+    r.kick();
+    assert!(r.wait_used(1));
+    assert_eq!(got(0), first[512..1024]);
+
+    // A new medium: the capacity, a config interrupt (ISR bit and
+    // generation), and the next read comes from it.
+    let generation = irq_status.config_generation();
+    r.dev
+        .change_medium(Arc::new(DiskImage::open(&second.0, true).unwrap()))
+        .unwrap();
+    assert!(r.dev.is_active(), "the worker runs again after the change");
+    assert_eq!(capacity(&r.dev), 16);
+    assert_eq!(config_irqs(&r), 1, "one configuration-change interrupt");
+    assert_eq!(irq_status.config_generation(), generation.wrapping_add(1));
+    assert_eq!(
+        irq_status.take_isr() & k7d_devices::virtio::ISR_CONFIG,
+        k7d_devices::virtio::ISR_CONFIG
+    );
+    add_all(&mq, &[read(&r, 1, 9)], 3);
+    r.kick();
+    assert!(r.wait_used(2));
+    assert_eq!(r.status_at(0x3_0001), status::OK);
+    assert_eq!(got(1), second_bytes[9 * 512..10 * 512], "served from the new medium");
+
+    // Ejected: no sector, and a read fails rather than reaching the old medium.
+    r.dev.change_medium(Arc::new(DiskImage::empty().unwrap())).unwrap();
+    assert_eq!(capacity(&r.dev), 0);
+    assert_eq!(config_irqs(&r), 1);
+    add_all(&mq, &[read(&r, 2, 0)], 6);
+    r.kick();
+    assert!(r.wait_used(3));
+    assert_eq!(r.status_at(0x3_0002), status::IOERR);
+
+    // Refusals, each a sentence, each leaving the drive as it was.
+    let e = r
+        .dev
+        .change_medium(Arc::new(DiskImage::open(&second.0, false).unwrap()))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "only a read-only drive takes a new medium, and only a read-only one");
+    r.dev.pause().unwrap();
+    let e = r
+        .dev
+        .change_medium(Arc::new(DiskImage::open(&second.0, true).unwrap()))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "the drive is paused with its VM; resume the VM first");
+    assert_eq!(capacity(&r.dev), 0);
+    r.dev.resume().unwrap();
+    assert!(r.dev.is_active());
+    // Stopped before the Rig unmaps the memory it serves.
+    r.dev.reset();
+    let mut writable = Rig::new(&first, false);
+    let e = writable
+        .dev
+        .change_medium(Arc::new(DiskImage::empty().unwrap()))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "only a read-only drive takes a new medium, and only a read-only one");
+    assert_eq!(capacity(&writable.dev), 8);
+}

@@ -75,7 +75,7 @@ pub fn linux_build_config(kernel: &std::path::Path, initrd: &std::path::Path, di
         devices: DevicesConfig {
             rng: true,
             disks: vec![DiskConfig {
-                path: disk.to_path_buf(),
+                path: Some(disk.to_path_buf()),
                 read_only: false,
             }],
             nics: vec![NicConfig::default()],

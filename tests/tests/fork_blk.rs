@@ -45,7 +45,7 @@ fn image(dir: &TempDir) -> std::path::PathBuf {
 fn config(dir: &TempDir) -> VmConfig {
     let mut c = builtin("memwriter", 1, SIZE / MIB, &[64, 0x20_0000, 1]);
     c.devices.disks.push(DiskConfig {
-        path: image(dir),
+        path: Some(image(dir)),
         read_only: false,
     });
     c
@@ -184,7 +184,7 @@ fn pause_is_total_while_the_guest_and_blk_are_busy() {
 fn a_started_child_serves_the_reads_in_flight_at_the_fork_from_its_own_disk() {
     let dir = TempDir::new("fork-blk-start");
     let cfg = config(&dir);
-    let img = std::fs::read(&cfg.devices.disks[0].path).unwrap();
+    let img = std::fs::read(cfg.devices.disks[0].path.as_ref().unwrap()).unwrap();
     let src = boot("bsrc", &cfg, &dir.0.join("src.log"));
     let drv = BlkDriver::init(&src, LAYOUT, IMAGE).verify_against(img.clone());
     // The source's driver runs a while, then stops with reads in flight:

@@ -111,7 +111,7 @@ fn a_forked_disk_freezes_its_image_until_the_last_vm_is_gone() {
     std::fs::write(&img, vec![7u8; 1 << 20]).unwrap();
     let mut cfg = builtin("memwriter", 1, 16, &[64, 0x20_0000, 1]);
     cfg.devices.disks.push(DiskConfig {
-        path: img.clone(),
+        path: Some(img.clone()),
         read_only: false,
     });
     let src = boot("ffrz", &cfg, &dir.0.join("src.log"));

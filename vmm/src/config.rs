@@ -3,7 +3,7 @@
 //! Every refusal is one sentence that names the field and the reason; nothing
 //! is created before a config validates.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
@@ -90,11 +90,25 @@ pub struct SerialConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiskConfig {
-    /// Raw image (or erofs image when read-only).
-    pub path: PathBuf,
-    /// Open the image read-only; guest writes fail in the guest.
+    /// Raw image (or erofs image when read-only); none: an empty drive, a
+    /// slot that takes a read-only image later (`change_medium`), as a
+    /// drive without a disc.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Open the image read-only; guest writes fail in the guest. An empty
+    /// drive is read-only.
     #[serde(default)]
     pub read_only: bool,
+}
+
+impl DiskConfig {
+    /// A read-only drive with no medium.
+    pub fn empty() -> Self {
+        Self {
+            path: None,
+            read_only: true,
+        }
+    }
 }
 
 /// A virtio-net NIC backed by a tap.
@@ -319,6 +333,21 @@ impl Default for VmConfig {
     }
 }
 
+/// Whether `path` can be a disk: a regular file or a block device.
+pub fn check_disk_path(path: &Path) -> Result<(), ConfigError> {
+    let md = std::fs::metadata(path).map_err(|e| ConfigError::Disk {
+        path: path.to_path_buf(),
+        reason: e.to_string().to_lowercase(),
+    })?;
+    if !md.is_file() && !md.file_type().is_block_device_like() {
+        return Err(ConfigError::Disk {
+            path: path.to_path_buf(),
+            reason: "a disk must be a regular file".into(),
+        });
+    }
+    Ok(())
+}
+
 /// `FileType::is_block_device` without importing the unix extension everywhere.
 trait BlockDeviceLike {
     fn is_block_device_like(&self) -> bool;
@@ -508,16 +537,15 @@ impl VmConfig {
                 "virtio devices need a Linux guest (the real-mode test guests have no PCI bus)".into(),
             ));
         }
-        for d in &self.devices.disks {
-            let md = std::fs::metadata(&d.path).map_err(|e| ConfigError::Disk {
-                path: d.path.clone(),
-                reason: e.to_string().to_lowercase(),
-            })?;
-            if !md.is_file() && !md.file_type().is_block_device_like() {
-                return Err(ConfigError::Disk {
-                    path: d.path.clone(),
-                    reason: "a disk must be a regular file".into(),
-                });
+        for (i, d) in self.devices.disks.iter().enumerate() {
+            match &d.path {
+                Some(p) => check_disk_path(p)?,
+                None if !d.read_only => {
+                    return Err(ConfigError::Guest(format!(
+                        "disk {i} has no image, and an empty drive is read-only: set read_only"
+                    )));
+                }
+                None => {}
             }
         }
         for (i, n) in self.devices.nics.iter().enumerate() {

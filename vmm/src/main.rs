@@ -14,7 +14,8 @@ use k7d_vmm::config::{
 };
 use k7d_vmm::daemon::Daemon;
 use k7d_vmm::daemon::api::{
-    ApiError, ClusterArgs, CreateArgs, ForkArgs, PeekArgs, Reply, Request, RestoreArgs, SnapshotArgs, VmInfo, VmList,
+    ApiError, ClusterArgs, CreateArgs, ForkArgs, MediumArgs, PeekArgs, Reply, Request, RestoreArgs, SnapshotArgs,
+    VmInfo, VmList,
 };
 use k7d_vmm::daemon::client::{self, Client};
 use k7d_vmm::daemon::server::{self, Access, Server, ServerConfig};
@@ -157,6 +158,10 @@ struct GuestArgs {
     /// A virtio-blk disk: `PATH` (read-write) or `PATH,ro` (repeatable; /dev/vda, /dev/vdb, ...).
     #[arg(long = "disk")]
     disks: Vec<String>,
+    /// Read-only drives without a medium after the disks, for images
+    /// inserted later (`k7d medium`).
+    #[arg(long = "empty-drives", default_value_t = 0)]
+    empty_drives: u8,
     /// A virtio-net NIC: `tap=NAME[,queues=N][,vhost=on|off][,mac=..]`, or attached to a pod:
     /// `datapath=direct|bridge|auto,netns=PATH,pod-if=NAME[,pod-uid=UID][,queues=N]` (repeatable).
     #[arg(long = "nic")]
@@ -189,7 +194,7 @@ fn parse_disk(s: &str) -> Result<DiskConfig> {
         None => (s, false),
     };
     Ok(DiskConfig {
-        path: PathBuf::from(path),
+        path: Some(PathBuf::from(path)),
         read_only: ro,
     })
 }
@@ -299,7 +304,12 @@ impl GuestArgs {
             serial: SerialConfig { console },
             devices: DevicesConfig {
                 rng: self.rng,
-                disks: self.disks.iter().map(|d| parse_disk(d)).collect::<Result<_>>()?,
+                disks: self
+                    .disks
+                    .iter()
+                    .map(|d| parse_disk(d))
+                    .chain((0..self.empty_drives).map(|_| Ok(DiskConfig::empty())))
+                    .collect::<Result<_>>()?,
                 nics: self.nics.iter().map(|n| parse_nic(n)).collect::<Result<_>>()?,
                 vsock: self.vsock.as_deref().map(parse_vsock).transpose()?,
             },
@@ -479,6 +489,16 @@ enum ApiCmd {
         /// Number of words.
         #[arg(long, default_value_t = 1)]
         count: u32,
+    },
+    /// Put a read-only image into a VM's read-only drive (`--empty-drives`,
+    /// or a `,ro` disk), or take it out when no PATH is given: the guest
+    /// sees the capacity change, as with a disc in a drive.
+    Medium {
+        id: String,
+        /// The drive's index among the VM's disks.
+        disk: u32,
+        /// The image; none ejects the medium.
+        path: Option<PathBuf>,
     },
     /// List VMs.
     List,
@@ -720,6 +740,11 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             id,
         }),
         ApiCmd::Peek { id, addr, count } => Request::Peek(PeekArgs { id, addr, count }),
+        ApiCmd::Medium { id, disk, path } => Request::Medium(MediumArgs {
+            id,
+            disk,
+            path: path.map(|p| std::path::absolute(&p).unwrap_or(p)),
+        }),
         ApiCmd::Fork { id, count } => Request::Fork(ForkArgs { id, count }),
         ApiCmd::List => Request::List,
         ApiCmd::Rebase { id } => Request::Rebase(id),

@@ -58,7 +58,7 @@ pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
                 .disks
                 .iter()
                 .map(|p| DiskConfig {
-                    path: p.clone(),
+                    path: Some(p.clone()),
                     read_only: true,
                 })
                 .collect(),

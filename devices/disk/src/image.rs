@@ -98,6 +98,9 @@ impl DiskBudget {
     }
 }
 
+/// The label of an empty medium ([`DiskImage::empty`]).
+pub const EMPTY_MEDIUM: &str = "(empty)";
+
 /// A raw disk image, with the copy-on-write overlay a fork installs.
 #[derive(Debug)]
 pub struct DiskImage {
@@ -191,6 +194,34 @@ impl DiskImage {
             overlay: OnceLock::new(),
             children_budget: OnceLock::new(),
         })
+    }
+
+    /// An empty medium: no sector, read-only (the drive of a slot that
+    /// waits for an image, as a CD drive without a disc). Reads and writes
+    /// fail as out of range; a fork child shares it.
+    pub fn empty() -> Result<Self, DiskError> {
+        // SAFETY: memfd_create reads the NUL-terminated name and returns a
+        // new descriptor or -1; nothing else is touched.
+        let fd = unsafe { libc::memfd_create(c"k7d-empty-medium".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(DiskError::EmptyMedium(std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` was just created and is owned by nothing else.
+        let file = unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        Ok(Self {
+            file,
+            read_only: true,
+            sectors: 0,
+            path: EMPTY_MEDIUM.to_string(),
+            overlay_dir: None,
+            overlay: OnceLock::new(),
+            children_budget: OnceLock::new(),
+        })
+    }
+
+    /// Whether this is an empty medium ([`DiskImage::empty`]).
+    pub fn is_empty_medium(&self) -> bool {
+        self.sectors == 0
     }
 
     /// Capacity in 512-byte sectors.

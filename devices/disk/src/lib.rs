@@ -16,7 +16,7 @@
 pub mod image;
 pub mod request;
 
-pub use image::{CLUSTER_SIZE, DiskAt, DiskBudget, DiskImage, FileAt};
+pub use image::{CLUSTER_SIZE, DiskAt, DiskBudget, DiskImage, EMPTY_MEDIUM, FileAt};
 
 use thiserror::Error;
 use vm_memory::GuestMemoryMmap;
@@ -60,6 +60,9 @@ pub enum DiskError {
     /// The image is smaller than one sector.
     #[error("the disk image holds no complete 512-byte sector")]
     Empty,
+    /// The memfd of an empty medium could not be created.
+    #[error("creating an empty medium failed")]
+    EmptyMedium(#[source] std::io::Error),
     /// Duplicating the base image's descriptor for a fork failed.
     #[error("duplicating the descriptor of the disk image {path} for a fork failed")]
     ForkBase {

@@ -101,6 +101,9 @@ pub enum VirtioError {
     /// (a refusal, not a fault: deleting children makes room).
     #[error("{0}")]
     OverBudget(String),
+    /// A medium change the drive refuses (a sentence: why).
+    #[error("{0}")]
+    MediumRefused(String),
     /// The device cannot be carried into a fork's child.
     #[error("its {device} device {why}")]
     NotForkable {
@@ -441,6 +444,15 @@ pub trait VirtioDevice: Send {
     /// worker holds for long, never block.
     fn debug_state(&self) -> Vec<String> {
         Vec::new()
+    }
+
+    /// Replaces the device's medium (a drive's image) while the VM runs,
+    /// and tells an active driver through a configuration-change interrupt.
+    fn change_medium(&mut self, _medium: Arc<k7d_disk::DiskImage>) -> Result<(), VirtioError> {
+        Err(VirtioError::Unsupported {
+            device: self.name(),
+            op: "a medium change",
+        })
     }
     /// Serializes the paused device's state.
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

@@ -176,6 +176,11 @@ impl<W: EpollWorker> WorkerThread<W> {
         self.parked.as_ref()
     }
 
+    /// The parked worker, to change (a medium change while parked).
+    pub(crate) fn parked_mut(&mut self) -> Option<&mut W> {
+        self.parked.as_mut()
+    }
+
     /// "running", "parked" or "none", for state dumps.
     pub(crate) fn state_word(&self) -> &'static str {
         if self.is_running() {

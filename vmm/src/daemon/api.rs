@@ -80,6 +80,9 @@ pub enum Request {
     /// while it runs; paused for the last round only), so its next fork
     /// copies only what it writes from now on.
     Rebase(#[serde(with = "id_args")] String),
+    /// Put a read-only image into a VM's read-only drive, or take it out
+    /// (no path): the guest sees the capacity change.
+    Medium(MediumArgs),
 }
 
 /// `cluster_create`'s and `cluster_add`'s arguments.
@@ -141,6 +144,19 @@ pub struct ForkArgs {
     pub count: u32,
 }
 
+/// `medium`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MediumArgs {
+    /// VM.
+    pub id: String,
+    /// The drive: its index among the VM's disks.
+    pub disk: u32,
+    /// The image (read-only); none ejects the medium.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+}
+
 /// `peek`'s arguments.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -180,7 +196,7 @@ mod id_args {
 
 impl Request {
     /// Every op, as named on the wire.
-    pub const OPS: [&'static str; 19] = [
+    pub const OPS: [&'static str; 20] = [
         "create",
         "start",
         "pause",
@@ -200,6 +216,7 @@ impl Request {
         "cluster_delete",
         "cluster_list",
         "rebase",
+        "medium",
     ];
 
     /// This request's op, as named on the wire.
@@ -224,6 +241,7 @@ impl Request {
             Self::ClusterDelete(_) => "cluster_delete",
             Self::ClusterList => "cluster_list",
             Self::Rebase(_) => "rebase",
+            Self::Medium(_) => "medium",
         }
     }
 
@@ -260,6 +278,16 @@ impl Request {
             | Self::Info(v)
             | Self::Rebase(v) => id(v),
             Self::Snapshot(a) => id(&a.id),
+            Self::Medium(a) => {
+                id(&a.id)?;
+                if a.path.as_ref().is_some_and(|p| !p.is_absolute()) {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        "a medium's path must be absolute (the daemon's working directory is not the client's)",
+                    ));
+                }
+                Ok(())
+            }
             Self::Restore(a) => a.id.as_deref().map_or(Ok(()), id),
             Self::Fork(a) => {
                 id(&a.id)?;
@@ -561,7 +589,8 @@ impl Reply {
             | Request::Resume(_)
             | Request::Stop(_)
             | Request::Info(_)
-            | Request::Restore(_) => Self::Vm(Box::new(from_value(result)?)),
+            | Request::Restore(_)
+            | Request::Medium(_) => Self::Vm(Box::new(from_value(result)?)),
             Request::Delete(_) | Request::ClusterDelete(_) => Self::Deleted(from_value(result)?),
             Request::ClusterCreate(_) | Request::ClusterAdd(_) | Request::ClusterInfo(_) => {
                 Self::Cluster(from_value(result)?)
@@ -739,7 +768,7 @@ mod tests {
             devices: DevicesConfig {
                 rng: true,
                 disks: vec![DiskConfig {
-                    path: "/var/lib/k7d/a.img".into(),
+                    path: Some("/var/lib/k7d/a.img".into()),
                     read_only: true,
                 }],
                 nics: vec![
@@ -834,6 +863,12 @@ mod tests {
             Request::ClusterList,
             // Newer: re-basing a fork source.
             Request::Rebase("web".into()),
+            // Newer still: a drive's medium.
+            Request::Medium(MediumArgs {
+                id: "pod".into(),
+                disk: 2,
+                path: Some("/var/lib/k7d/images/app.erofs".into()),
+            }),
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {
@@ -856,7 +891,8 @@ mod tests {
                 | Request::ClusterInfo(_)
                 | Request::ClusterDelete(_)
                 | Request::ClusterList
-                | Request::Rebase(_) => {}
+                | Request::Rebase(_)
+                | Request::Medium(_) => {}
             }
             if !seen.contains(&r.op()) {
                 seen.push(r.op());
@@ -951,16 +987,16 @@ mod tests {
     /// (request line, code, message) as the hand-written parser of version 1
     /// answered them (captured from it; the list of known ops has grown by
     /// the cluster ops since).
-    const V1_REFUSALS: [(&str, ErrorCode, &str); 22] = [
+    const V1_REFUSALS: [(&str, ErrorCode, &str); 24] = [
         (
             r#"{"v":1,"op":"explode"}"#,
             ErrorCode::BadRequest,
-            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase)",
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium)",
         ),
         (
             r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
             ErrorCode::BadRequest,
-            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase)",
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium)",
         ),
         (
             r#"{"v":2,"op":"list"}"#,
@@ -1012,6 +1048,16 @@ mod tests {
             r#"{"v":1,"op":"create","args":{"config":{}, "start": "yes"}}"#,
             ErrorCode::InvalidArgument,
             "invalid arguments for `create`: invalid type: string \"yes\", expected a boolean",
+        ),
+        (
+            r#"{"v":1,"op":"medium","args":{"id":"pod","disk":2,"path":"app.erofs"}}"#,
+            ErrorCode::InvalidArgument,
+            "a medium's path must be absolute (the daemon's working directory is not the client's)",
+        ),
+        (
+            r#"{"v":1,"op":"medium","args":{"id":"pod","disk":-1}}"#,
+            ErrorCode::InvalidArgument,
+            "invalid arguments for `medium`: invalid value: integer `-1`, expected u32",
         ),
         (
             r#"{"v":1,"op":"fork","args":{"id":"web","count":65}}"#,
@@ -1112,7 +1158,8 @@ mod tests {
             | Request::Resume(_)
             | Request::Stop(_)
             | Request::Info(_)
-            | Request::Restore(_) => Reply::Vm(Box::new(info("web"))),
+            | Request::Restore(_)
+            | Request::Medium(_) => Reply::Vm(Box::new(info("web"))),
             Request::Delete(_) => Reply::Deleted(Deleted {
                 id: "web".into(),
                 deleted: true,

@@ -464,6 +464,10 @@ impl Daemon {
             Request::Fork(a) if self.is_cluster(&a.id) => Reply::Forked(self.cluster_fork(&a.id, a.count)?),
             Request::Fork(a) => Reply::Forked(self.fork(&a.id, a.count)?),
             Request::Peek(a) => Reply::Peek(self.peek(&a.id, a.addr, a.count)?),
+            Request::Medium(a) => Reply::Vm(Box::new(self.transition(&a.id, |vm| {
+                let disk = usize::try_from(a.disk).unwrap_or(usize::MAX);
+                vm.change_medium(disk, a.path.as_deref())
+            })?)),
             Request::List => Reply::List(self.list()),
             Request::Version => Reply::Version(VersionInfo {
                 api_version: api::API_VERSION,
@@ -946,7 +950,7 @@ mod tests {
     const V1_ANSWERS: [(&str, &str); 6] = [
         (
             r#"{"v":1,"op":"explode"}"#,
-            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase)"}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium)"}}"#,
         ),
         (
             r#"{"v":2,"op":"list"}"#,

@@ -280,6 +280,18 @@ pub(super) fn restore_virtio(
     Ok(())
 }
 
+/// A drive's medium: the image at `path`, or an empty medium.
+pub(super) fn open_medium(
+    path: Option<&std::path::Path>,
+    read_only: bool,
+) -> Result<k7d_devices::virtio::block::DiskImage, VmError> {
+    match path {
+        Some(p) => k7d_devices::virtio::block::DiskImage::open(p, read_only),
+        None => k7d_devices::virtio::block::DiskImage::empty(),
+    }
+    .map_err(|e| dev_err("virtio-blk")(&e))
+}
+
 /// A virtio-pci function the VM pauses and resumes with its vCPUs.
 pub(super) type VirtioHandle = Arc<Mutex<k7d_devices::virtio::transport::VirtioPciDevice>>;
 
@@ -349,8 +361,7 @@ impl PciCtx<'_> {
                     what: "virtio-blk",
                     msg: format!("disk {i} has no copy-on-write view from the fork source"),
                 })?,
-            None => k7d_devices::virtio::block::DiskImage::open(&d.path, d.read_only)
-                .map_err(|e| dev_err("virtio-blk")(&e))?,
+            None => open_medium(d.path.as_deref(), d.read_only)?,
         };
         let serial = format!("k7d-disk{i}");
         let mut blk = k7d_devices::virtio::block::Block::new(disk, &serial).map_err(|e| dev_err("virtio-blk")(&e))?;
@@ -363,7 +374,9 @@ impl PciCtx<'_> {
         blk.track_writes(view.clone());
         let detail = format!(
             "{} ({}), serial {serial}, own dirty bitmap",
-            d.path.display(),
+            d.path
+                .as_deref()
+                .map_or_else(|| "(empty)".to_string(), |p| p.display().to_string()),
             if d.read_only { "read-only" } else { "read-write" }
         );
         self.add("virtio-blk", Box::new(blk), view.handle(), detail)?;

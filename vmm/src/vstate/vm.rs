@@ -463,6 +463,61 @@ impl Vm {
         })
     }
 
+    /// Puts the read-only image at `path` (or, with `None`, no medium) into
+    /// drive `index` of a running or created VM, as a disc into a drive: the
+    /// guest's driver gets a configuration-change interrupt and re-reads the
+    /// capacity. The config records it, so a snapshot reopens it and a fork
+    /// child shares it. A failure leaves the drive as it was.
+    pub fn change_medium(&mut self, index: usize, path: Option<&std::path::Path>) -> Result<(), VmError> {
+        let id = self.id.clone();
+        let Some(disk) = self.config.devices.disks.get(index) else {
+            return Err(VmError::Refused(format!(
+                "vm {id} has {} disks, so it has no disk {index}",
+                self.config.devices.disks.len()
+            )));
+        };
+        if !disk.read_only {
+            return Err(VmError::Refused(format!(
+                "disk {index} of vm {id} is read-write; only a read-only drive takes another medium"
+            )));
+        }
+        if !matches!(self.state(), VmState::Running | VmState::Created) {
+            return Err(self.state_error("change a medium"));
+        }
+        if let Some(p) = path {
+            crate::config::check_disk_path(p).map_err(|e| VmError::Refused(e.to_string()))?;
+        }
+        let medium = Arc::new(super::device_manager::open_medium(path, true)?);
+        let Some(handle) = self
+            .virtio
+            .iter()
+            .filter(|h| h.lock().unwrap_or_else(|p| p.into_inner()).device_name() == "blk")
+            .nth(index)
+        else {
+            return Err(VmError::DeviceState(format!(
+                "vm {id} has no virtio-blk function for disk {index}"
+            )));
+        };
+        // The worker thread restarted after the swap is the VM's.
+        let _scope = crate::seccomp::vm_scope(&self.control);
+        handle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .change_medium(medium.clone())
+            .map_err(|e| match e {
+                k7d_devices::virtio::VirtioError::MediumRefused(m) => {
+                    VmError::Refused(format!("disk {index} of vm {id}: {m}"))
+                }
+                other => VmError::DeviceState(format!("disk {index} of vm {id} could not change its medium: {other}")),
+            })?;
+        if let Some(d) = self.disks.get_mut(index) {
+            *d = medium;
+        }
+        self.config.devices.disks[index].path = path.map(std::path::Path::to_path_buf);
+        tracing::info!(vm = %id, disk = index, path = ?path, "medium changed");
+        Ok(())
+    }
+
     /// The complete machine state; the VM must be paused (or never started).
     pub fn save_state(&self) -> Result<MachineState, VmError> {
         if !matches!(self.state(), VmState::Paused | VmState::Created) {

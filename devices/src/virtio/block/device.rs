@@ -314,6 +314,51 @@ impl VirtioDevice for Block {
             .collect())
     }
 
+    /// A read-only drive takes a read-only medium (an image, or
+    /// [`DiskImage::empty`] to eject): the worker is parked around the
+    /// swap, so no request sees half of it, and an active driver gets a
+    /// configuration-change interrupt (Linux re-reads the capacity). The
+    /// read-only feature was negotiated once, so a writable drive or
+    /// medium is refused, as is a change while the VM is paused.
+    fn change_medium(&mut self, medium: Arc<DiskImage>) -> Result<(), VirtioError> {
+        if !self.disk.read_only() || !medium.read_only() {
+            return Err(VirtioError::MediumRefused(
+                "only a read-only drive takes a new medium, and only a read-only one".into(),
+            ));
+        }
+        if self.worker.is_parked() {
+            return Err(VirtioError::MediumRefused(
+                "the drive is paused with its VM; resume the VM first".into(),
+            ));
+        }
+        let was_running = self.worker.is_running();
+        self.worker.park();
+        self.disk = medium;
+        self.config = self.build_config();
+        let limits = self.limits();
+        let interrupt = match self.worker.parked_mut() {
+            Some(w) => {
+                w.handler.set_disk(self.disk.clone(), limits);
+                Some(w.interrupt.clone())
+            }
+            None => None,
+        };
+        if was_running {
+            self.worker.unpark()?;
+        }
+        info!(
+            path = self.disk.path(),
+            sectors = self.disk.sectors(),
+            "virtio-blk medium changed"
+        );
+        if let Some(irq) = interrupt {
+            irq.signal_config().map_err(|e| {
+                VirtioError::MediumRefused(format!("the medium changed but the driver could not be told: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
         persist::snapshot(self)
     }

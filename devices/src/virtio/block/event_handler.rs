@@ -73,6 +73,13 @@ impl RequestHandler {
         }
     }
 
+    /// Serves `disk` within `limits` from the next request on (a medium
+    /// change; the caller holds the worker parked).
+    pub fn set_disk(&mut self, disk: Arc<DiskImage>, limits: Limits) {
+        self.disk = disk;
+        self.limits = limits;
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> BlockStats {
         self.stats

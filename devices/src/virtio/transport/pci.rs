@@ -350,6 +350,11 @@ impl VirtioPciDevice {
         self.device.name()
     }
 
+    /// A new medium for the device's drive (`VirtioDevice::change_medium`).
+    pub fn change_medium(&mut self, medium: std::sync::Arc<k7d_disk::DiskImage>) -> Result<(), VirtioError> {
+        self.device.change_medium(medium)
+    }
+
     /// The PCI configuration space (read-only view, e.g. for tests and ACPI).
     pub fn config(&self) -> &PciConfiguration {
         &self.config

@@ -71,9 +71,10 @@ trap summary EXIT
 
 # Host packages: clang/libbpf for the tc programs, iproute2/ping/procps for the
 # netns tests, qemu-system-x86 for the peer side of benches and the lab,
-# acpica-tools (iasl) to check k7d's ACPI tables with ACPICA's disassembler.
+# acpica-tools (iasl) to check k7d's ACPI tables with ACPICA's disassembler,
+# protobuf-compiler (protoc) for the CRI protos of tests/cri (k8s-cri's build).
 phase "host packages"
-PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86 acpica-tools)
+PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86 acpica-tools protobuf-compiler)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

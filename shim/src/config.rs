@@ -12,6 +12,11 @@ pub const DEFAULT_PATH: &str = "/etc/k7d/shim.toml";
 /// The kernel command line a pod VM gets unless the config says otherwise.
 pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet panic=-1";
 
+/// Empty drives per CRI pod VM unless the config says otherwise.
+pub const DEFAULT_POD_DRIVES: u8 = 6;
+/// The most empty drives a pod VM may have (each is a PCI function).
+pub const MAX_POD_DRIVES: u8 = 16;
+
 /// The shim's settings.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -42,6 +47,15 @@ pub struct ShimConfig {
     /// content is copied into a disk for the pod VM (`crate::binds`).
     #[serde(default = "default_bind_max")]
     pub bind_max_mib: u64,
+    /// Empty drives a CRI pod VM boots with, for the images of its app
+    /// containers (one each, two with host bind mounts); a drive is freed
+    /// when its container is deleted.
+    #[serde(default = "default_pod_drives")]
+    pub pod_drives: u8,
+    /// How a pod VM's NIC reaches the pod's network: `direct` (tc-eBPF),
+    /// `bridge`, or `auto` (direct, else the bridge with its reason).
+    #[serde(default = "default_datapath")]
+    pub datapath: String,
 }
 
 fn default_socket() -> PathBuf {
@@ -61,6 +75,12 @@ fn default_state_dir() -> PathBuf {
 }
 fn default_bind_max() -> u64 {
     256
+}
+fn default_datapath() -> String {
+    "auto".into()
+}
+fn default_pod_drives() -> u8 {
+    DEFAULT_POD_DRIVES
 }
 fn default_image_dir() -> PathBuf {
     "/var/lib/k7d/images".into()
@@ -95,6 +115,15 @@ impl ShimConfig {
             if !p.is_absolute() {
                 bail!("{what} must be an absolute path, not {}", p.display());
             }
+        }
+        if !matches!(self.datapath.as_str(), "direct" | "bridge" | "auto") {
+            bail!("datapath = {:?} is not direct, bridge or auto", self.datapath);
+        }
+        if self.pod_drives > MAX_POD_DRIVES {
+            bail!(
+                "pod_drives = {} is more than a pod VM may have ({MAX_POD_DRIVES})",
+                self.pod_drives
+            );
         }
         check_shape(self.vcpus, self.memory_mib)
     }
@@ -148,6 +177,8 @@ mod tests {
         let cfg = cfg.unwrap();
         assert_eq!(cfg.daemon_socket, PathBuf::from("/run/k7d/k7d.sock"));
         assert_eq!((cfg.vcpus, cfg.memory_mib, cfg.bind_max_mib), (1, 256, 256));
+        assert_eq!(cfg.pod_drives, DEFAULT_POD_DRIVES);
+        assert_eq!(cfg.datapath, "auto");
         let mut ann = HashMap::new();
         ann.insert("io.k7d.vcpus".to_string(), "2".to_string());
         ann.insert("io.k7d.memory_mib".to_string(), "512".to_string());
@@ -169,6 +200,13 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\nvcpus = 0\nbogus = 1\n");
         assert!(cfg.is_err());
+        std::fs::remove_dir_all(dir).unwrap();
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\npod_drives = 17\n");
+        let e = format!("{:#}", cfg.unwrap_err());
+        assert!(
+            e.ends_with("pod_drives = 17 is more than a pod VM may have (16)"),
+            "{e}"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -21,10 +21,29 @@ pub struct PodVmSpec {
     pub memory_mib: u64,
     /// Read-only disks, in order: disk `i` is serial `k7d-disk<i>` in the guest.
     pub disks: Vec<PathBuf>,
+    /// Empty read-only drives after the disks, for the images of app
+    /// containers that join the pod later ([`Daemon::set_medium`]).
+    pub empty_drives: u8,
+    /// The pod's NIC, attached through k7d's datapath to the pod's
+    /// interface in its network namespace; none without a pod network.
+    pub nic: Option<PodNic>,
     /// The guest CID of its vsock.
     pub vsock_cid: u64,
     /// The host unix socket of its vsock (the agent is reached through it).
     pub vsock_uds: PathBuf,
+}
+
+/// A pod VM's NIC in the pod's network (`docs/datapath.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodNic {
+    /// The pod's network namespace (the CNI's).
+    pub netns: PathBuf,
+    /// The pod's interface there (`eth0`).
+    pub pod_if: String,
+    /// `direct`, `bridge` or `auto`.
+    pub mode: String,
+    /// The pod UID (the datapath's policy identity).
+    pub pod_uid: Option<String>,
 }
 
 /// A VM's life as the daemon reports it.
@@ -56,6 +75,9 @@ pub trait Daemon: Send + Sync {
     fn resume(&self, id: &str) -> anyhow::Result<()>;
     /// The VM's life; an unreachable daemon is an error.
     fn life(&self, id: &str) -> anyhow::Result<VmLife>;
+    /// Puts the read-only image at `path` into drive `disk` of VM `id`, or
+    /// ejects its medium (`None`); the guest sees the capacity change.
+    fn set_medium(&self, id: &str, disk: u32, path: Option<&std::path::Path>) -> anyhow::Result<()>;
     /// The daemon's pid (reported to containerd as the task's pid, as Kata
     /// reports its hypervisor's: no container process runs on the host).
     fn pid(&self) -> anyhow::Result<u32>;

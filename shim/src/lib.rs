@@ -11,6 +11,7 @@ pub mod daemon;
 mod image;
 mod metrics;
 pub mod names;
+mod podnet;
 mod service;
 mod stdio;
 mod task;
@@ -18,7 +19,7 @@ mod task;
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-pub use daemon::{Daemon, PodVmSpec, VmLife};
+pub use daemon::{Daemon, PodNic, PodVmSpec, VmLife};
 
 /// The binary name containerd runs for `io.containerd.k7d.v2`.
 pub const SHIM_NAME: &str = "containerd-shim-k7d-v2";
@@ -53,6 +54,9 @@ fn unreachable_daemon() -> Arc<dyn Daemon> {
             anyhow::bail!("this binary was built without a daemon client")
         }
         fn life(&self, _: &str) -> anyhow::Result<VmLife> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+        fn set_medium(&self, _: &str, _: u32, _: Option<&Path>) -> anyhow::Result<()> {
             anyhow::bail!("this binary was built without a daemon client")
         }
         fn pid(&self) -> anyhow::Result<u32> {

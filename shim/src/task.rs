@@ -20,13 +20,15 @@ use containerd_shim::protos::topics;
 use containerd_shim::protos::ttrpc::{self, Code};
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Context as TtrpcCtx, ExitSignal, Task, TtrpcContext, TtrpcResult};
-use k7d_agent::proto::{self, Binds, BlockMount, CreateContainer, ProcessRef, Reply, Request};
+use k7d_agent::proto::{self, Binds, BlockMount, CreateContainer, Network, ProcessRef, Reply, Request};
 
 use crate::agent::{Agent, CallError};
 use crate::config::ShimConfig;
-use crate::daemon::{Daemon, PodVmSpec, VmLife};
+use crate::daemon::{Daemon, PodNic, PodVmSpec, VmLife};
 use crate::names::{PodNames, pod_names};
-use crate::{binds, image, stdio};
+use crate::{binds, image, podnet, stdio};
+
+mod join;
 
 /// How long a pod VM may take from create to its agent answering.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -44,6 +46,8 @@ pub const KILLED: u32 = 137;
 pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 /// The annotation naming an app container's sandbox.
 pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+/// The annotation carrying a CRI sandbox's pod UID.
+pub const SANDBOX_UID: &str = "io.kubernetes.cri.sandbox-uid";
 
 /// The task service of one shim (one pod VM).
 #[derive(Clone)]
@@ -74,6 +78,10 @@ struct State {
 
 struct Pod {
     names: PodNames,
+    /// Who holds each of the VM's drives, by index (serial `k7d-disk<i>`):
+    /// the sandbox's own image and binds, then the empty drives a CRI pod
+    /// VM boots with, which app containers take and give back.
+    drives: Vec<Option<String>>,
     agent: Agent,
     /// The task pid containerd sees (the daemon's: no container process runs on the host).
     host_pid: u32,
@@ -83,6 +91,9 @@ struct Pod {
 
 struct TaskEntry {
     bundle: String,
+    /// The pod VM drives this container's images are in (an app
+    /// container's; the sandbox's own are the pod's).
+    drives: Vec<u32>,
     /// "" is the init process; others are execs.
     procs: HashMap<String, Proc>,
 }
@@ -175,6 +186,31 @@ fn pref(id: &str, exec_id: &str) -> ProcessRef {
         container: id.to_string(),
         exec_id: (!exec_id.is_empty()).then(|| exec_id.to_string()),
     }
+}
+
+/// The container's root filesystem as one erofs image (packed now, or
+/// found in the cache): the snapshotter's layers, or the spec's root path
+/// when containerd sent no mounts (`ctr run --rootfs`).
+fn packed_rootfs(
+    cfg: &ShimConfig,
+    bundle: &Path,
+    spec: &serde_json::Value,
+    req: &api::CreateTaskRequest,
+) -> TtrpcResult<PathBuf> {
+    let layers = if req.rootfs.is_empty() {
+        let root = spec.pointer("/root/path").and_then(|p| p.as_str()).unwrap_or("rootfs");
+        image::Layers(vec![bundle.join(root)])
+    } else {
+        image::layers(&req.rootfs).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?
+    };
+    let (erofs, cached) = image::packed(&layers, &cfg.image_dir, bundle).map_err(internal)?;
+    tracing::info!(
+        "rootfs of {}: {} ({})",
+        req.id,
+        erofs.display(),
+        if cached { "cached" } else { "packed now" }
+    );
+    Ok(erofs)
 }
 
 /// The OCI spec containerd wrote into the bundle (bounded: 4 MiB).
@@ -455,11 +491,13 @@ impl Inner {
         let spec = read_spec(&bundle).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
         let ann = annotations(&spec);
         if ann.get(CONTAINER_TYPE).map(String::as_str) == Some("container") {
-            return Err(err(
-                Code::UNIMPLEMENTED,
-                "k7d runs a sandbox's own container only; app containers joining a CRI pod are not supported yet",
-            ));
+            return self.create_in_pod(&cfg, &bundle, spec, &ann, req, deadline);
         }
+        let empty_drives = if ann.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox") {
+            cfg.pod_drives
+        } else {
+            0
+        };
         let (vcpus, memory_mib) = cfg
             .shape_for(&ann)
             .map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
@@ -473,9 +511,11 @@ impl Inner {
             }
             st.booting = true;
         }
-        let r = self.boot_and_create(&cfg, &bundle, spec, req, vcpus, memory_mib, deadline);
+        let r = self.boot_and_create(&cfg, &bundle, spec, req, (vcpus, memory_mib, empty_drives), deadline);
         let mut st = self.lock();
         st.booting = false;
+        // App containers created meanwhile wait for the pod VM.
+        self.changed.notify_all();
         let (pod, relays) = r?;
         if st.shutdown_requested {
             drop(st);
@@ -492,6 +532,24 @@ impl Inner {
         let host_pid = pod.host_pid;
         let vm_id = pod.names.vm_id.clone();
         st.pod = Some(pod);
+        self.record_created(st, req, relays, Vec::new());
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name("k7d-shim-monitor".into())
+            .spawn(move || me.monitor(vm_id))
+            .map_err(|e| err(Code::INTERNAL, format!("cannot start the pod VM monitor: {e}")))?;
+        self.announce_created(req, host_pid)
+    }
+
+    /// Records a created container (its init process) under `st`'s lock,
+    /// then lets the lock go.
+    fn record_created(
+        &self,
+        mut st: MutexGuard<'_, State>,
+        req: &api::CreateTaskRequest,
+        relays: stdio::Relays,
+        drives: Vec<u32>,
+    ) {
         let paths = stdio::Paths {
             stdin: req.stdin.clone(),
             stdout: req.stdout.clone(),
@@ -504,10 +562,14 @@ impl Inner {
             req.id.clone(),
             TaskEntry {
                 bundle: req.bundle.clone(),
+                drives,
                 procs,
             },
         );
-        drop(st);
+    }
+
+    /// `/tasks/create`, and the exit watcher of the new container's init.
+    fn announce_created(self: &Arc<Self>, req: &api::CreateTaskRequest, host_pid: u32) -> TtrpcResult<u32> {
         self.publish(
             topics::TASK_CREATE_EVENT_TOPIC,
             Box::new(TaskCreate {
@@ -526,11 +588,6 @@ impl Inner {
                 ..Default::default()
             }),
         );
-        let me = self.clone();
-        std::thread::Builder::new()
-            .name("k7d-shim-monitor".into())
-            .spawn(move || me.monitor(vm_id))
-            .map_err(|e| err(Code::INTERNAL, format!("cannot start the pod VM monitor: {e}")))?;
         // Watched from its creation: a created process that is killed
         // (containerd's cleanup of a failed pod) reports its exit too.
         self.clone().spawn_watcher(&req.id, "")?;
@@ -540,31 +597,21 @@ impl Inner {
     /// Packs the image, boots the pod VM, creates the container in it and
     /// attaches its stdio; on any failure (or past containerd's deadline)
     /// everything created is removed.
-    #[allow(clippy::too_many_arguments)]
     fn boot_and_create(
         &self,
         cfg: &ShimConfig,
         bundle: &Path,
         spec: serde_json::Value,
         req: &api::CreateTaskRequest,
-        vcpus: u8,
-        memory_mib: u64,
+        (vcpus, memory_mib, empty_drives): (u8, u64, u8),
         deadline: Option<Instant>,
     ) -> TtrpcResult<(Pod, stdio::Relays)> {
-        let layers = if req.rootfs.is_empty() {
-            let root = spec.pointer("/root/path").and_then(|p| p.as_str()).unwrap_or("rootfs");
-            let p = bundle.join(root);
-            image::Layers(vec![p])
-        } else {
-            image::layers(&req.rootfs).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?
+        // The pod's network as the CNI set it up (a CRI sandbox's netns).
+        let pod_net = match podnet::netns_path(&spec) {
+            Some(ns) => Some(podnet::read(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
+            None => None,
         };
-        let (erofs, cached) = image::packed(&layers, &cfg.image_dir, bundle).map_err(internal)?;
-        tracing::info!(
-            "rootfs of {}: {} ({})",
-            req.id,
-            erofs.display(),
-            if cached { "cached" } else { "packed now" }
-        );
+        let erofs = packed_rootfs(cfg, bundle, &spec, req)?;
         let names = pod_names(&cfg.state_dir, &self.namespace, &req.id);
         // A VM of an earlier shim of this sandbox that nobody deleted.
         let _ = self.daemon.delete(&names.vm_id);
@@ -601,6 +648,8 @@ impl Inner {
                 mounts: c.mounts,
             }
         });
+        let mut drives: Vec<Option<String>> = disks.iter().map(|_| Some(req.id.clone())).collect();
+        drives.extend((0..empty_drives).map(|_| None));
         let vm = PodVmSpec {
             id: names.vm_id.clone(),
             kernel: cfg.kernel.clone(),
@@ -609,6 +658,13 @@ impl Inner {
             vcpus,
             memory_mib,
             disks,
+            empty_drives,
+            nic: pod_net.as_ref().map(|n| PodNic {
+                netns: n.netns.clone(),
+                pod_if: podnet::POD_IF.into(),
+                mode: cfg.datapath.clone(),
+                pod_uid: annotations(&spec).get(SANDBOX_UID).cloned(),
+            }),
             vsock_cid: 3,
             vsock_uds: names.vsock.clone(),
         };
@@ -639,6 +695,15 @@ impl Inner {
                     format!("cannot set the agent connection's timeout: {e}"),
                 )
             })?;
+            if let Some(n) = &pod_net {
+                conn.call(&Request::Network(Network {
+                    mac: None,
+                    address: n.address.clone(),
+                    gateway: n.gateway.clone(),
+                    mtu: Some(n.mtu),
+                }))
+                .map_err(from_call)?;
+            }
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),
                 spec,
@@ -663,6 +728,7 @@ impl Inner {
             Ok((agent, relays)) => Ok((
                 Pod {
                     names,
+                    drives,
                     agent,
                     host_pid,
                     paused: false,
@@ -823,13 +889,20 @@ impl Task for Service {
                     container: req.id.clone(),
                 });
             }
-            let pod = {
+            let (pod, drives) = {
                 let mut st = self.inner.lock();
-                st.tasks.remove(&req.id);
-                if st.tasks.is_empty() { st.pod.take() } else { None }
+                let drives = st.tasks.remove(&req.id).map(|t| t.drives).unwrap_or_default();
+                let names = st.pod.as_ref().map(|p| p.names.clone());
+                let pod = if st.tasks.is_empty() { st.pod.take() } else { None };
+                (pod, names.filter(|_| !drives.is_empty()).map(|n| (n, drives)))
             };
             if let Some(pod) = pod {
                 self.inner.remove_pod(&pod.names);
+            } else if let Some((names, drives)) = drives
+                && !dead
+            {
+                // An app container: the agent unmounted its images above.
+                self.inner.give_back_drives(&names.vm_id, &names.dir, &req.id, &drives);
             }
             self.inner.publish(
                 topics::TASK_DELETE_EVENT_TOPIC,

@@ -3,7 +3,7 @@
 # with SVM), runs a scenario inside it that drives a VMM to boot a real Linux
 # L2 guest, and judges the result. See docs/lab.md.
 #
-#   tests/lab/run.sh [--bin PATH] [--test-bin PATH] [--agent PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
+#   tests/lab/run.sh [--bin PATH] [--test-bin PATH] [--agent PATH] [--cri-bin PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
 #   tests/lab/run.sh --list | --check | --fetch
 #
 # Exit status: 0 pass, 1 scenario failed, 2 harness error.
@@ -22,12 +22,13 @@ usage() { sed -n '6,9p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 # header FILE KEY [DEFAULT]: the value of "# lab: KEY=value" in a scenario.
 header() { local v; v=$(sed -n "s/^# lab: *$2=//p" "$1" | head -n1); printf '%s\n' "${v:-${3:-}}"; }
 
-BIN='' TEST_BIN='' AGENT='' OUT='' TIMEOUT='' SCEN='' FETCH=''
+BIN='' TEST_BIN='' AGENT='' CRI_BIN='' OUT='' TIMEOUT='' SCEN='' FETCH=''
 while [[ $# -gt 0 ]]; do
   case $1 in
     --bin) BIN=$(realpath "$2"); shift 2 ;;
     --test-bin) TEST_BIN=$(realpath "$2"); shift 2 ;;  # a host test binary to run inside L1 (LAB_TEST_BIN)
     --agent) AGENT=$(realpath "$2"); shift 2 ;;  # k7d-agent, /init of the pod initramfs (pod-initramfs=)
+    --cri-bin) CRI_BIN=$(realpath "$2"); shift 2 ;;  # k7d-cri, the CRI client (tests/cri), at $LAB_CRI_BIN in L1
     --out) OUT=$2; shift 2 ;;
     --runs) export LAB_RUNS=$2; shift 2 ;;
     --timeout) TIMEOUT=$2; shift 2 ;;
@@ -45,8 +46,12 @@ while [[ $# -gt 0 ]]; do
         [[ -n $(header "$f" description) && $(header "$f" default) =~ ^(yes|no)$ ]] ||
           { echo "$f: needs '# lab: description=' and '# lab: default=yes|no'"; rc=1; }
         for k in guest:guest prepare:prepare; do  # the files these headers name must exist
-          v=$(header "$f" "${k%%:*}")
-          [[ -z $v || -f $LAB/scenarios/$v.${k#*:}.sh ]] || { echo "$f: no scenarios/$v.${k#*:}.sh"; rc=1; }
+          for v in $(header "$f" "${k%%:*}"); do
+            [[ -f $LAB/scenarios/$v.${k#*:}.sh ]] || { echo "$f: no scenarios/$v.${k#*:}.sh"; rc=1; }
+          done
+        done
+        for v in $(header "$f" l1-debs); do  # PACKAGE:PATH words
+          [[ $v =~ ^[a-z0-9][a-z0-9.+-]*:/?[^:]+$ ]] || { echo "$f: l1-debs takes PACKAGE:PATH words, not '$v'"; rc=1; }
         done
         case $(header "$f" pod-initramfs) in
           '') ;;
@@ -87,6 +92,8 @@ TIMEOUT=${TIMEOUT:-${K7D_LAB_TIMEOUT:-$(header "$SCRIPT" timeout 600)}}
 [[ -z $BIN || -x $BIN ]] || die "--bin $BIN is not an executable"
 [[ $(header "$SCRIPT" test-bin) != required || -n $TEST_BIN ]] || die "scenario $SCEN needs --test-bin PATH"
 [[ -z $TEST_BIN || -x $TEST_BIN ]] || die "--test-bin $TEST_BIN is not an executable"
+[[ $(header "$SCRIPT" cri-bin) != required || -n $CRI_BIN ]] || die "scenario $SCEN needs --cri-bin PATH (k7d-cri: cargo build --release -p k7d-cri)"
+[[ -z $CRI_BIN || -x $CRI_BIN ]] || die "--cri-bin $CRI_BIN is not an executable"
 POD_INITRAMFS=$(header "$SCRIPT" pod-initramfs)
 [[ $POD_INITRAMFS != required || -n $AGENT ]] || die "scenario $SCEN needs --agent PATH (k7d-agent, for the pod initramfs)"
 [[ -z $AGENT || -x $AGENT ]] || die "--agent $AGENT is not an executable"
@@ -178,9 +185,21 @@ mkcpio "$OUT/work/guest" "$OUT/work/guest.cpio"
 cat "$L2_BASE" "$OUT/work/guest.cpio" >"$RUN/lab/l2/initrd.cpio"
 [[ -z $BIN ]] || stage_elf "$BIN" "$RUN" "/lab/bin/$(basename "$BIN")"
 [[ -z $TEST_BIN ]] || stage_elf "$TEST_BIN" "$RUN" /lab/bin/test-bin
+[[ -z $CRI_BIN ]] || stage_elf "$CRI_BIN" "$RUN" /lab/bin/k7d-cri
 for tool in $(header "$SCRIPT" l1-bins); do
   p=$(host_tool "$tool") || die "scenario $SCEN wants $tool in L1: not on this host (tests/lab/setup.sh)"
   stage_elf "$p" "$RUN" "/usr/bin/$tool"
+done
+# "# lab: l1-debs=PACKAGE:PATH ...": files of Debian packages that need not be
+# installed on the host (e.g. the CNI plugins), fetched and unpacked into the
+# lab cache like the kernels, each copied into L1 at its own path with its
+# libraries.
+for word in $(header "$SCRIPT" l1-debs); do
+  pkg=${word%%:*} path=${word#*:}
+  path=/${path#/}
+  dir=$(unpack "$pkg") || die "scenario $SCEN wants the Debian package $pkg: fetching it failed"
+  [[ -f $dir$path ]] || die "scenario $SCEN wants $path from $pkg: the package has no such file"
+  stage_elf "$dir$path" "$RUN" "$path"
 done
 for f in $(header "$SCRIPT" files); do
   [[ $f == /* ]] || f=$LAB/../../$f
@@ -195,11 +214,11 @@ if [[ $POD_INITRAMFS == required ]]; then
 fi
 # "# lab: prepare=NAME": scenarios/NAME.prepare.sh built host-side files (an erofs
 # image, ...), cached by a hash of its inputs; they join /lab/files/.
-PREP=$(header "$SCRIPT" prepare)
-if [[ -n $PREP ]]; then
+# Several names: each one's files, in order.
+for PREP in $(header "$SCRIPT" prepare); do
   PREP_DIR=$(prepared "$PREP")
   cp -r "$PREP_DIR/." "$RUN/lab/files/"
-fi
+done
 {
   q() { printf "export %s='%s'\n" "$1" "${2//\'/\'\\\'\'}"; }
   q LAB_SCENARIO "$SCEN"
@@ -211,8 +230,9 @@ fi
   q LAB_L1_BINS "$(header "$SCRIPT" l1-bins)"
   [[ -z $BIN ]] || q LAB_BIN "/lab/bin/$(basename "$BIN")"
   [[ -z $TEST_BIN ]] || q LAB_TEST_BIN /lab/bin/test-bin
+  [[ -z $CRI_BIN ]] || q LAB_CRI_BIN /lab/bin/k7d-cri
   [[ $POD_INITRAMFS != required ]] || q LAB_POD_INITRD /lab/pod/initrd.cpio
-  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|TEST_BIN|POD_INITRD|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
+  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|TEST_BIN|CRI_BIN|POD_INITRD|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
 } >"$RUN/lab/env"
 mkcpio "$RUN" "$OUT/work/run.cpio"
 cat "${IMAGES[@]}" "$OUT/work/run.cpio" >"$OUT/work/l1-initrd.cpio"

@@ -552,6 +552,32 @@ fn lab_k7d_shim_containerd() {
     assert!(notes.contains("k7d: nothing left"), "{notes}");
 }
 
+/// containerd 1.6 in L1 with its CRI plugin and CNI (Debian's bridge and
+/// host-local plugins): `k7d-cri` (tests/cri, the kubelet's calls) runs one
+/// two-container pod under the runtime handler runc (the reference), then
+/// k7d (one pod VM for the pod: the app containers join the sandbox's VM),
+/// then a second k7d pod: the pod sandbox, both containers RUNNING, ExecSync,
+/// the CRI log, stop and remove; nothing left (all asserted in the scenario).
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_cri_pods() {
+    if pending("k7d-cri") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let agent = k7d_agent_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let cri = k7d_cri_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario_with("k7d-cri", Some(&bin), &[("--agent", &agent), ("--cri-bin", &cri)])
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(r["status"], "pass", "{r:#}");
+    for m in ["runc.pod_start", "k7d.pod_start", "k7d-2.pod_start", "k7d.pod_delete"] {
+        let v = metric(&r, m);
+        assert!(v > 0.0 && v < 300.0, "{m} = {v} s");
+    }
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("k7d: nothing left"), "{notes}");
+}
+
 /// A scenario marked `# lab: default=no` is pending: its test skips itself
 /// (saying so) unless `K7D_LAB_RUN_PENDING=1`.
 fn pending(scenario: &str) -> bool {
@@ -608,6 +634,32 @@ fn k7d_agent_binary() -> Result<PathBuf> {
         bail!("cargo build --release -p k7d-agent failed: {status}");
     }
     Ok(target_dir().join("release").join("k7d-agent"))
+}
+
+/// `$K7D_LAB_CRI_BIN`, else `<target>/release/k7d-cri`, (re)built by cargo
+/// first: the lab's CRI client (`tests/cri`; its build needs `protoc`).
+fn k7d_cri_binary() -> Result<PathBuf> {
+    if let Some(bin) = std::env::var_os("K7D_LAB_CRI_BIN") {
+        return Ok(PathBuf::from(bin));
+    }
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let status = Command::new(cargo)
+        .args([
+            "build",
+            "--release",
+            "-p",
+            "k7d-cri",
+            "--bin",
+            "k7d-cri",
+            "--target-dir",
+        ])
+        .arg(target_dir())
+        .status()
+        .context("cargo build --release -p k7d-cri")?;
+    if !status.success() {
+        bail!("cargo build --release -p k7d-cri failed: {status}");
+    }
+    Ok(target_dir().join("release").join("k7d-cri"))
 }
 
 /// The executable of the k7d-tests integration test `name`, as cargo builds

@@ -9,8 +9,10 @@ use std::time::Duration;
 use anyhow::bail;
 use k7d_shim::{Daemon, PodVmSpec, VmLife};
 
-use crate::config::{DevicesConfig, DiskConfig, GuestSpec, SerialConfig, VmConfig, VsockConfig};
-use crate::daemon::api::{CreateArgs, ErrorCode, Reply, Request};
+use crate::config::{
+    DatapathNicConfig, DevicesConfig, DiskConfig, GuestSpec, NicConfig, SerialConfig, VmConfig, VsockConfig,
+};
+use crate::daemon::api::{CreateArgs, ErrorCode, MediumArgs, Reply, Request};
 use crate::daemon::client::Client;
 use crate::vstate::vm::VmState;
 
@@ -19,6 +21,8 @@ const QUICK: Duration = Duration::from_secs(2);
 /// A delete's limit (connect and answer each): the shim's `delete` must
 /// end inside containerd's 5 s.
 const DELETE: Duration = Duration::from_secs(2);
+/// A medium change's limit (opening the image, a worker park and restart).
+const MEDIUM: Duration = Duration::from_secs(5);
 /// A create's limit (building the VM, not its boot).
 const CREATE: Duration = Duration::from_secs(30);
 
@@ -61,8 +65,21 @@ pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
                     path: Some(p.clone()),
                     read_only: true,
                 })
+                .chain((0..spec.empty_drives).map(|_| DiskConfig::empty()))
                 .collect(),
-            nics: Vec::new(),
+            nics: spec
+                .nic
+                .iter()
+                .map(|n| NicConfig {
+                    datapath: Some(DatapathNicConfig {
+                        mode: n.mode.clone(),
+                        netns: n.netns.clone(),
+                        pod_if: n.pod_if.clone(),
+                        pod_uid: n.pod_uid.clone(),
+                    }),
+                    ..Default::default()
+                })
+                .collect(),
             vsock: Some(VsockConfig {
                 cid: spec.vsock_cid,
                 uds: spec.vsock_uds.clone(),
@@ -127,6 +144,16 @@ impl Daemon for ShimDaemon {
                 _ => Err(e.into()),
             },
         }
+    }
+
+    fn set_medium(&self, id: &str, disk: u32, path: Option<&Path>) -> anyhow::Result<()> {
+        let req = Request::Medium(MediumArgs {
+            id: id.to_string(),
+            disk,
+            path: path.map(Path::to_path_buf),
+        });
+        self.request(&req, MEDIUM)?;
+        Ok(())
     }
 
     fn pid(&self) -> anyhow::Result<u32> {

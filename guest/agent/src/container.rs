@@ -758,6 +758,21 @@ impl Containers {
         })
     }
 
+    /// `Network`: the pod's address, MTU and default route on the VM's NIC
+    /// (`crate::net`); the containers share the VM's network namespace.
+    pub fn network(&self, n: &k7d_agent::proto::Network) -> Result<()> {
+        let plan = crate::net::plan(n, &self.cfg.sysfs.join("class/net")).map_err(fail)?;
+        crate::net::apply(&plan).map_err(fail)?;
+        crate::log!(
+            "network: {} {}/{} via {:?}",
+            plan.interface,
+            plan.address,
+            plan.prefix,
+            plan.gateway
+        );
+        Ok(())
+    }
+
     /// `Pids`: the container cgroup's processes.
     pub fn pids(&self, id: &str) -> Result<Vec<u32>> {
         Ok(cgroup::pids(&self.container(id)?.cgroup))

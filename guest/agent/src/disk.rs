@@ -45,7 +45,9 @@ fn parse_dev(text: &str) -> Option<(u32, u32)> {
 }
 
 /// Looks once through `<sysfs>/block/vd*` for the disk whose `serial` is
-/// `serial` (trailing NULs and whitespace ignored).
+/// `serial` (trailing NULs and whitespace ignored) and that has a medium:
+/// an empty drive (a pod VM's slot before the shim puts an image in it)
+/// has size 0 until the kernel handled the capacity change.
 pub fn find_by_serial(sysfs: &Path, serial: &str) -> Option<Disk> {
     let entries = std::fs::read_dir(sysfs.join("block")).ok()?;
     for entry in entries.flatten() {
@@ -60,6 +62,12 @@ pub fn find_by_serial(sysfs: &Path, serial: &str) -> Option<Disk> {
         };
         let found = String::from_utf8_lossy(&found);
         if found.trim_end_matches(|c: char| c == '\0' || c.is_whitespace()) != serial {
+            continue;
+        }
+        let sectors = std::fs::read_to_string(dir.join("size"))
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok());
+        if sectors.is_none_or(|n| n == 0) {
             continue;
         }
         let Ok(dev) = std::fs::read_to_string(dir.join("dev")) else {
@@ -220,6 +228,7 @@ mod tests {
             std::fs::create_dir_all(&d).unwrap();
             std::fs::write(d.join("serial"), serial).unwrap();
             std::fs::write(d.join("dev"), dev).unwrap();
+            std::fs::write(d.join("size"), "16\n").unwrap();
         }
         root
     }
@@ -242,6 +251,25 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_drive_is_found_once_its_medium_is_in() {
+        let root = fake_sysfs("medium");
+        let d = root.join("block/vdc");
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("serial"), "k7d-disk3").unwrap();
+        std::fs::write(d.join("dev"), "254:32\n").unwrap();
+        std::fs::write(d.join("size"), "0\n").unwrap();
+        assert_eq!(find_by_serial(&root, "k7d-disk3"), None, "no medium yet");
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            std::fs::write(d.join("size"), "4096\n").unwrap();
+        });
+        let got = wait_by_serial(&root, "k7d-disk3", Duration::from_secs(5));
+        t.join().unwrap();
+        assert_eq!(got.map(|d| d.name), Some("vdc".into()));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    #[test]
     fn waiting_sees_a_disk_that_appears_later_and_gives_up_on_one_that_does_not() {
         let root = fake_sysfs("wait");
         let r2 = root.clone();
@@ -251,6 +279,7 @@ mod tests {
             std::fs::create_dir_all(&d).unwrap();
             std::fs::write(d.join("dev"), "254:32\n").unwrap();
             std::fs::write(d.join("serial"), "late").unwrap();
+            std::fs::write(d.join("size"), "8\n").unwrap();
         });
         let got = wait_by_serial(&root, "late", Duration::from_secs(5));
         t.join().unwrap();

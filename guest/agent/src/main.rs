@@ -27,6 +27,7 @@ mod cgroup;
 mod container;
 mod disk;
 mod init;
+mod net;
 mod newroot;
 mod reaper;
 mod server;

@@ -143,6 +143,24 @@ pub struct CreateContainer {
     pub binds: Option<Binds>,
 }
 
+/// `network`'s arguments: the pod's IPv4 configuration, as the CNI set it
+/// up on the pod's interface on the host.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Network {
+    /// The NIC's MAC (`aa:bb:cc:dd:ee:ff`); none: the VM's only NIC.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
+    /// The pod's address with its prefix length (`10.88.0.5/16`).
+    pub address: String,
+    /// The default gateway, if the pod has a default route.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// The interface's MTU (68..=65535), if the CNI set one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtu: Option<u32>,
+}
+
 /// Host bind mounts carried into the guest: the shim packs every carried
 /// source into one read-only disk (entry `<path>` at its root holds mount
 /// `index`'s content) and the agent mounts each from there. A read-only
@@ -284,6 +302,9 @@ pub enum Request {
         /// The container.
         container: String,
     },
+    /// Configure the pod's network on the VM's NIC (the pod's address as
+    /// the CNI gave it): address, default route, link up.
+    Network(Network),
     /// This connection becomes one stdio stream of the process.
     Attach {
         /// The process.

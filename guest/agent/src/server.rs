@@ -196,6 +196,7 @@ pub fn dispatch(agent: &Containers, req: Request) -> Response {
         Request::Update { container, resources } => agent.update(&container, &resources).map(|()| Reply::Done),
         Request::DeleteExec(p) => agent.delete_exec(&p).map(|()| Reply::Done),
         Request::DeleteContainer { container } => agent.delete(&container).map(|()| Reply::Done),
+        Request::Network(n) => agent.network(&n).map(|()| Reply::Done),
     };
     match r {
         Ok(reply) => Response::Ok(reply),

@@ -1,0 +1,156 @@
+//! `k7d-cri net`: two pods under one runtime handler talk over the pod
+//! network: the client pod pings the server pod's address and fetches
+//! 4 MiB from its HTTP server (busybox `httpd`/`wget`); the sums must match.
+//! Under k7d the traffic crosses both pod VMs' NICs and k7d's datapath.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use k8s_cri::v1::{PodSandboxStatusRequest, RunPodSandboxRequest};
+
+use crate::{
+    Client, PodArgs, await_lines, container_config, create, exec, rpc, sandbox_config, start, step, stop_and_remove,
+};
+
+/// The server: 4 MiB of random data and its sum, then an HTTP server.
+const SERVER: &str = "mkdir -p /www && head -c 4194304 /dev/urandom >/www/data && md5sum /www/data | cut -d' ' -f1 >/www/sum && echo ready && exec httpd -f -p 8080 -h /www";
+/// The client: idles; the checks run in it through ExecSync.
+const CLIENT: &str = "echo ready; exec sleep 3600";
+
+/// `net`'s arguments.
+#[derive(clap::Args)]
+pub struct NetArgs {
+    /// The CRI runtime handler.
+    #[arg(long)]
+    runtime_handler: String,
+    /// The containers' image (busybox with ping, httpd, wget, md5sum).
+    #[arg(long)]
+    image: String,
+    /// The pods' name prefix.
+    #[arg(long)]
+    name: String,
+    /// Where the pods' log directories are made.
+    #[arg(long)]
+    log_dir: PathBuf,
+    /// The limit for each step, in seconds.
+    #[arg(long, default_value_t = 120)]
+    timeout_s: u64,
+}
+
+/// Runs the check; the pods are stopped and removed whatever happened.
+pub async fn net(client: &mut Client, args: &NetArgs) -> Result<()> {
+    let mut pods = Vec::new();
+    let r = steps(client, args, &mut pods).await;
+    let limit = Duration::from_secs(args.timeout_s);
+    for id in pods {
+        if let Err(e) = stop_and_remove(client, &id, limit).await {
+            println!("cri: net: pod sandbox {id} not removed: {e:#}");
+        }
+    }
+    r
+}
+
+/// One pod with one container running `script`: its sandbox id, address
+/// and container id, once the container logged `ready`.
+async fn pod(
+    client: &mut Client,
+    args: &NetArgs,
+    role: &str,
+    script: &str,
+    pods: &mut Vec<String>,
+) -> Result<(String, String)> {
+    let limit = Duration::from_secs(args.timeout_s);
+    let p = PodArgs {
+        runtime_handler: args.runtime_handler.clone(),
+        image: args.image.clone(),
+        name: format!("{}-{role}", args.name),
+        log_dir: std::path::absolute(args.log_dir.join(role)).context("the log directory has no absolute path")?,
+        timeout_s: args.timeout_s,
+    };
+    tokio::fs::create_dir_all(&p.log_dir)
+        .await
+        .with_context(|| format!("cannot create {}", p.log_dir.display()))?;
+    let uid = format!("{}-{}", p.name, std::process::id());
+    let config = sandbox_config(&p, &uid, &p.log_dir);
+    let (id, _) = step(&format!("net_run_pod_sandbox_{role}"), limit, async {
+        Ok(client
+            .run_pod_sandbox(RunPodSandboxRequest {
+                config: Some(config.clone()),
+                runtime_handler: p.runtime_handler.clone(),
+            })
+            .await
+            .map_err(rpc)?
+            .into_inner()
+            .pod_sandbox_id)
+    })
+    .await?;
+    pods.push(id.clone());
+    let ip = client
+        .pod_sandbox_status(PodSandboxStatusRequest {
+            pod_sandbox_id: id.clone(),
+            verbose: false,
+        })
+        .await
+        .map_err(rpc)?
+        .into_inner()
+        .status
+        .and_then(|s| s.network)
+        .map(|n| n.ip)
+        .filter(|ip| !ip.is_empty())
+        .with_context(|| format!("pod {role} has no address (PodSandboxStatus)"))?;
+    let (c, _) = step(
+        &format!("net_create_{role}"),
+        limit,
+        create(client, &id, &config, container_config(role, &p.image, script)),
+    )
+    .await?;
+    step(&format!("net_start_{role}"), limit, start(client, &c)).await?;
+    let log = p.log_dir.join(format!("{role}.log"));
+    let (lines, _) = step(&format!("net_ready_{role}"), limit, await_lines(&log, 1)).await?;
+    if lines[0] != "ready" {
+        bail!("pod {role}'s container logged '{}' first, expected ready", lines[0]);
+    }
+    println!("cri: net: pod {role} {id} at {ip}");
+    Ok((ip, c))
+}
+
+async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> Result<()> {
+    let limit = Duration::from_secs(args.timeout_s);
+    let (server_ip, server) = pod(client, args, "server", SERVER, pods).await?;
+    let (_, client_c) = pod(client, args, "client", CLIENT, pods).await?;
+    let (out, _) = step(
+        "net_ping",
+        limit,
+        exec(client, &client_c, &["ping", "-c", "3", "-W", "3", &server_ip], limit),
+    )
+    .await?;
+    let summary = out
+        .lines()
+        .find(|l| l.contains("packets transmitted"))
+        .unwrap_or("")
+        .to_string();
+    if !summary.contains("3 packets received") {
+        bail!("ping from the client pod to {server_ip}: {summary}");
+    }
+    println!("cri: net ping {server_ip}: {summary}");
+    let want = exec(client, &server, &["cat", "/www/sum"], limit).await?;
+    let t = Instant::now();
+    let url = format!("http://{server_ip}:8080/data");
+    let fetch = format!("wget -q -O - {url} | md5sum | cut -d' ' -f1");
+    let (got, took) = step(
+        "net_tcp_4mib",
+        limit,
+        exec(client, &client_c, &["sh", "-c", &fetch], limit),
+    )
+    .await?;
+    if got != want {
+        bail!("the client pod fetched {url} with sum '{got}', the server's file has {want}");
+    }
+    println!(
+        "cri: net tcp 4 MiB from {server_ip}: sums match ({want}), {:.2} s ({:.1} MiB/s)",
+        t.elapsed().as_secs_f64(),
+        4.0 / took.as_secs_f64().max(1e-3)
+    );
+    Ok(())
+}

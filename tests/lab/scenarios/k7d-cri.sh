@@ -1,0 +1,364 @@
+# lab: description=containerd 1.6 in L1 with its CRI plugin and CNI (bridge): one two-container pod driven by k7d-cri (the kubelet's calls) under the runtime handler runc (the reference), then k7d (one pod VM for the pod), then two pods that talk (ping, 4 MiB over TCP) under runc and under k7d (pod VM NICs on the direct datapath); step and pod start/delete times side by side; nothing left after
+# lab: default=yes
+# lab: timeout=600
+# lab: bin=required
+# lab: cri-bin=required
+# lab: pod-initramfs=required
+# lab: prepare=k7d-shim k7d-cri
+# lab: l1-bins=containerd ctr containerd-shim-runc-v2 runc mkfs.erofs
+# lab: l1-debs=containernetworking-plugins:usr/lib/cni/bridge containernetworking-plugins:usr/lib/cni/host-local containernetworking-plugins:usr/lib/cni/loopback
+# lab: l1-modules=overlay bridge veth tun sch_ingress cls_bpf act_mirred
+#
+# containerd (Debian's 1.6) runs in L1 with the CRI plugin on, as a node of
+# a Kubernetes cluster runs it, with two runtime handlers:
+#   runc  io.containerd.runc.v2 (the reference; NoPivotRoot: L1's root is the
+#         initramfs, which pivot_root cannot leave)
+#   k7d   io.containerd.k7d.v2 (the k7d binary as containerd-shim-k7d-v2, the
+#         k7d daemon, the pod VM booted from $LAB_KERNEL and the pod initramfs)
+# CNI: Debian's containernetworking-plugins (bridge, host-local; loopback for
+# the pod's lo, which containerd adds itself), fetched into the lab cache and
+# copied to /usr/lib/cni (l1-debs); one conflist, a bridge cni0 on
+# 10.88.0.0/16. No registry: the sandbox image (k7d-cri.prepare.sh's
+# busybox "pause") and the containers' image (k7d-shim.prepare.sh's busybox)
+# are imported into the k8s.io namespace; sandbox_image names the first.
+# k7d-cri (tests/cri, --cri-bin) is the kubelet: for each pod it runs
+# RunPodSandbox, CreateContainer x2 (A: a-started then a tick a second; B:
+# b-started then sleep), StartContainer x2, A's first CRI log line, ExecSync
+# in A (the image's marker file; uname -r: L1's kernel under runc, the L2
+# kernel under k7d), ContainerStatus (both RUNNING), the log lines, then
+# StopPodSandbox, RemovePodSandbox and the lists (the pod and its containers
+# gone), each step timed. Both containers must see one kernel boot id: L1's
+# under runc; under k7d one that is not L1's, a new one per pod, with one VM
+# listed by the daemon while the pod lives (its app containers joined the
+# sandbox's VM). Pods: runc, k7d.
+# The pod network (k7d-cri net): a server pod (4 MiB of random data behind
+# busybox httpd) and a client pod at once, under runc, then under k7d: the
+# client pings the server's pod address 3/3 and fetches the file, sums
+# equal. Under k7d each pod VM's NIC sits on its pod's CNI eth0 through
+# k7d's datapath (shim.toml's default, auto) and the daemon must report
+# "datapath: direct" for both VMs while they live.
+# Metrics: each pod's steps (ms), pod start (RunPodSandbox until A's first
+# log line) and pod delete (Stop + Remove) in s, k7d's over runc's.
+# Afterwards: no pod sandbox, no container, no task, no shim process, no k7d
+# VM, no network namespace, no pod address left in host-local.
+# By hand: cargo build --release -p k7d-vmm -p k7d-agent -p k7d-cri, then
+#   tests/lab/run.sh --bin target/release/k7d --agent target/release/k7d-agent --cri-bin target/release/k7d-cri k7d-cri
+# LAB_CRI_HANDLERS="runc" runs the reference pod only (the harness's own check).
+. /lab/lib.sh
+
+IMG=docker.io/library/k7d-busybox:1
+PAUSE=docker.io/library/k7d-pause:1
+SOCK=/run/k7d/k7d.sock STATE=/run/k7d/state
+CLOG=/tmp/containerd.log DLOG=/tmp/k7d-daemon.log
+STEP_LIMIT=${LAB_CRI_STEP_TIMEOUT:-120}  # per CRI step, seconds
+HANDLERS=${LAB_CRI_HANDLERS:-runc k7d}
+CRI=$LAB_CRI_BIN
+
+# fail REASON: what containerd, CRI and the daemon say, the tails of their
+# logs and of the pod VMs' consoles, then LAB-FAIL.
+fail() {
+  for _p in /proc/[0-9]*; do  # every shim left: where it waits
+    case $(cat "$_p/cmdline" 2>/dev/null | tr '\0' ' ') in
+      *containerd-shim*)
+        echo "lab: pid ${_p#/proc/} ($(cat "$_p/wchan" 2>/dev/null), $(sed -n 's/^State:\t//p' "$_p/status")): $(tr '\0' ' ' <"$_p/cmdline" | cut -c1-200)" ;;
+    esac
+  done
+  [ ! -S /run/containerd/containerd.sock ] || timeout -s KILL 20 "$CRI" list 2>&1 | sed 's/^/lab: /'
+  for _f in "$CLOG" "$DLOG" "$STATE"/vms/*/serial.log; do
+    [ -s "$_f" ] || continue
+    echo "lab: $_f (tail):"
+    tail -n 40 "$_f" | sed 's/^/lab:   /'
+  done
+  lab_fail "$*"
+}
+
+[ -x "${LAB_BIN:-}" ] || fail "no binary under test (run.sh --bin PATH)"
+[ -x "${CRI:-}" ] || fail "no CRI client (run.sh --cri-bin PATH: target/release/k7d-cri)"
+[ -s /lab/files/busybox-oci.tar ] || fail "no /lab/files/busybox-oci.tar (prepare=k7d-shim)"
+[ -s /lab/files/pause-oci.tar ] || fail "no /lab/files/pause-oci.tar (prepare=k7d-cri)"
+[ -s "${LAB_POD_INITRD:-}" ] || fail "no pod initramfs at '${LAB_POD_INITRD:-}' (pod-initramfs=required, run.sh --agent PATH)"
+for _p in bridge host-local loopback; do
+  [ -x "/usr/lib/cni/$_p" ] || fail "no CNI plugin /usr/lib/cni/$_p (l1-debs)"
+done
+
+# --- containerd with CRI --------------------------------------------------------
+grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
+  fail "cannot mount cgroup2 at /sys/fs/cgroup"
+mkdir -p /etc/containerd /var/lib/containerd /run/containerd /usr/local/bin /etc/k7d /run/k7d /etc/cni/net.d /var/log/pods
+# containerd copies the node's /etc/hosts into each pod; the initramfs has none.
+[ -e /etc/hosts ] || printf '127.0.0.1 localhost\n' >/etc/hosts
+[ -e /etc/resolv.conf ] || : >/etc/resolv.conf
+# One network (containerd reads the first file of conf_dir only): a bridge,
+# the node's gateway on it, addresses from host-local; no masquerade (no
+# iptables in L1). The pod's lo comes from the loopback plugin, which
+# containerd runs itself.
+cat >/etc/cni/net.d/10-k7d-lab.conflist <<'EOF'
+{
+  "cniVersion": "0.4.0",
+  "name": "k7d-lab",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "cni0",
+      "isGateway": true,
+      "ipMasq": false,
+      "ipam": {
+        "type": "host-local",
+        "ranges": [[{"subnet": "10.88.0.0/16"}]],
+        "routes": [{"dst": "0.0.0.0/0"}]
+      }
+    }
+  ]
+}
+EOF
+cat >/etc/containerd/config.toml <<EOF
+version = 2
+root = "/var/lib/containerd"
+state = "/run/containerd"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs", "io.containerd.snapshotter.v1.devmapper", "io.containerd.snapshotter.v1.zfs", "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE"
+  disable_apparmor = true
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "/etc/cni/net.d"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        NoPivotRoot = true
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.k7d]
+      runtime_type = "io.containerd.k7d.v2"
+      privileged_without_host_devices = true
+      pod_annotations = ["io.k7d.*"]
+      container_annotations = ["io.k7d.*"]
+EOF
+# containerd finds shims on its PATH: containerd-shim-k7d-v2 is in /usr/local/bin.
+ln -sf "$LAB_BIN" /usr/local/bin/containerd-shim-k7d-v2
+t0=$(lab_now)
+PATH=/usr/local/bin:$PATH /usr/bin/containerd --config /etc/containerd/config.toml >"$CLOG" 2>&1 &
+cpid=$!
+i=0
+# Ready: ctr answers and the CRI plugin serves its runtime service.
+until [ -S /run/containerd/containerd.sock ] && ctr version >/dev/null 2>&1 && "$CRI" list >/tmp/cri-list.out 2>&1; do
+  kill -0 "$cpid" 2>/dev/null || fail "containerd exited at start"
+  i=$((i + 1))
+  [ "$i" -lt 120 ] || fail "containerd's CRI did not answer within 60 s: $(tail -n 2 /tmp/cri-list.out | tr '\n' ' ')"
+  sleep 0.5
+done
+lab_metric containerd.start_s "$(lab_sub "$(lab_now)" "$t0")" s
+ctr plugins ls | grep -E '^io\.containerd\.grpc\.v1 +cri .* ok' >/dev/null ||
+  fail "containerd's CRI plugin is not ok: $(ctr plugins ls | grep cri)"
+ctr plugins ls | grep -E '^io\.containerd\.snapshotter\.v1 +overlayfs .* ok' >/dev/null ||
+  fail "containerd's overlayfs snapshotter is not ok: $(ctr plugins ls | grep overlayfs)"
+# import FILE BASE: an OCI archive into k8s.io, where CRI finds its images.
+import() {
+  /usr/bin/ctr -n k8s.io images import --base-name "$2" "/lab/files/$1" >/tmp/import.log 2>&1 ||
+    fail "ctr -n k8s.io images import $1 failed: $(tail -n 3 /tmp/import.log | tr '\n' ' ')"
+}
+import busybox-oci.tar docker.io/library/k7d-busybox
+import pause-oci.tar docker.io/library/k7d-pause
+for _r in "$IMG" "$PAUSE"; do
+  ctr -n k8s.io images ls -q | grep -qx "$_r" || fail "$_r is not listed after the import: $(ctr -n k8s.io images ls -q | tr '\n' ' ')"
+done
+lab_note "containerd $(ctr version 2>/dev/null | sed -n 's/^ *Version: *//p' | tail -n1) with CRI: $IMG and the sandbox image $PAUSE imported into k8s.io; CNI bridge + host-local (Debian's containernetworking-plugins in /usr/lib/cni)"
+
+# --- pods ---------------------------------------------------------------------------
+# cri_pod LABEL HANDLER KERNEL: k7d-cri pod under HANDLER (the pod and its
+# log directory named after LABEL); its output on the console; KERNEL: the
+# uname -r the exec must print. Metrics per step (ms) and the pod's start
+# and delete (s); sets START_<label> and DELETE_<label> (s), BOOT_ID (the
+# kernel boot id both containers saw) and, for k7d, VMS_MAX (the most k7d
+# VMs the daemon listed while the pod lived, polled every second).
+cri_pod() {
+  _l=$1 _h=$2 _k=$3
+  echo "lab: $_l: k7d-cri pod --runtime-handler $_h"
+  rm -f /tmp/vms.max
+  if [ "$_h" = k7d ]; then
+    ( _m=0
+      while :; do
+        _n=$("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .)
+        [ "$_n" -le "$_m" ] || { _m=$_n; echo "$_m" >/tmp/vms.max; }
+        sleep 1
+      done ) &
+    _vpoll=$!
+  fi
+  timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" pod --runtime-handler "$_h" --image "$IMG" --name "$_l" \
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" >"/tmp/cri-$_l.out" 2>&1
+  _rc=$?
+  [ -z "${_vpoll:-}" ] || { kill "$_vpoll"; wait "$_vpoll" 2>/dev/null; _vpoll=; }
+  VMS_MAX=$(cat /tmp/vms.max 2>/dev/null || echo 0)
+  sed "s/^/lab: $_l: /" "/tmp/cri-$_l.out"
+  [ "$_rc" = 0 ] || fail "$_l: k7d-cri pod (handler $_h) exited $_rc: $(grep -v '^cri: step ' "/tmp/cri-$_l.out" | tail -n 2 | tr '\n' ' ')"
+  _got=$(sed -n 's/^cri: exec uname -r: //p' "/tmp/cri-$_l.out")
+  [ "$_got" = "$_k" ] || fail "$_l: uname -r in the pod's container is '$_got', expected $_k"
+  BOOT_ID=$(sed -n 's/^cri: exec boot id (A and B): //p' "/tmp/cri-$_l.out")
+  [ -n "$BOOT_ID" ] || fail "$_l: k7d-cri printed no boot id"
+  sed -n 's/^cri: step \([a-z_]*\) \([0-9]*\) ms$/\1 \2/p' "/tmp/cri-$_l.out" >"/tmp/cri-$_l.steps"
+  while read -r _s _ms; do lab_metric "$_l.$_s" "$_ms" ms; done <"/tmp/cri-$_l.steps"
+  _start=$(sed -n 's/^cri: pod start \([0-9]*\) ms, pod delete \([0-9]*\) ms.*/\1/p' "/tmp/cri-$_l.out")
+  _del=$(sed -n 's/^cri: pod start \([0-9]*\) ms, pod delete \([0-9]*\) ms.*/\2/p' "/tmp/cri-$_l.out")
+  [ -n "$_start" ] && [ -n "$_del" ] || fail "$_l: k7d-cri printed no pod start/delete line"
+  _start=$(awk -v m="$_start" 'BEGIN {printf "%.2f", m / 1000}')
+  _del=$(awk -v m="$_del" 'BEGIN {printf "%.2f", m / 1000}')
+  lab_metric "$_l.pod_start" "$_start" s
+  lab_metric "$_l.pod_delete" "$_del" s
+  eval "START_$(echo "$_l" | tr - _)=\$_start DELETE_$(echo "$_l" | tr - _)=\$_del"
+  lab_note "$_l (handler $_h): pod sandbox, 2 containers started, A's first log line, ExecSync (the image's marker; uname -r $_got), both RUNNING, the logs, stopped and removed: pod start ${_start} s, pod delete ${_del} s"
+}
+
+# nothing_left NAME: no pod sandbox or container (CRI), no task or container
+# (k8s.io), no shim process and no network namespace (bounded: a shim
+# exits once containerd has deleted its task), no address left in host-local.
+nothing_left() {
+  _out=$(timeout -s KILL 30 "$CRI" list 2>&1) || fail "$1: k7d-cri list failed: $_out"
+  printf '%s\n' "$_out" | grep -qx 'cri: 0 pod sandboxes, 0 containers' ||
+    fail "$1: CRI objects left: $(printf '%s' "$_out" | tr '\n' '|')"
+  [ -z "$(ctr -n k8s.io tasks ls -q)" ] || fail "$1: tasks left: $(ctr -n k8s.io tasks ls -q | tr '\n' ' ')"
+  [ -z "$(ctr -n k8s.io containers ls -q)" ] || fail "$1: containers left: $(ctr -n k8s.io containers ls -q | tr '\n' ' ')"
+  _i=0
+  while :; do
+    _left=
+    for _p in /proc/[0-9]*; do
+      case $(cat "$_p/cmdline" 2>/dev/null | tr '\0' ' ') in *containerd-shim*) _left="$_left ${_p#/proc/}" ;; esac
+    done
+    [ -n "$_left" ] || break
+    _i=$((_i + 1))
+    [ "$_i" -lt 20 ] || fail "$1: shim processes left after 10 s:$_left"
+    sleep 0.5
+  done
+  _ns=$(ls /var/run/netns 2>/dev/null)
+  [ -z "$_ns" ] || fail "$1: network namespaces left: $(printf '%s' "$_ns" | tr '\n' ' ')"
+  _ips=$(ls /var/lib/cni/networks/k7d-lab 2>/dev/null | grep -E '^[0-9.]+$')
+  [ -z "$_ips" ] || fail "$1: pod addresses left in host-local: $(printf '%s' "$_ips" | tr '\n' ' ')"
+}
+
+# steps_side_by_side LABEL...: one note per step, each pod's ms side by side.
+steps_side_by_side() {
+  lab_note "CRI steps in ms ($*):"
+  while read -r _s _; do
+    _row=
+    for _l in "$@"; do _row="$_row $_l $(awk -v s="$_s" '$1 == s {print $2}' "/tmp/cri-$_l.steps")"; done
+    lab_note "  $_s:$_row"
+  done <"/tmp/cri-$1.steps"
+}
+
+# LAB_CRI_DUMP_SPECS=1: what a runtime v2 shim is given for a CRI pod, as
+# runc's shim gets it: each bundle's OCI annotations, namespaces and mounts.
+specs_watch() {
+  mkdir -p /tmp/specs
+  while :; do
+    for _f in /run/containerd/io.containerd.runtime.v2.task/k8s.io/*/config.json; do
+      [ -s "$_f" ] || continue
+      _id=${_f%/config.json}; _id=${_id##*/}
+      [ -e "/tmp/specs/$_id" ] || cp "$_f" "/tmp/specs/$_id" 2>/dev/null
+    done
+    sleep 0.2
+  done
+}
+specs_print() {
+  for _f in /tmp/specs/*; do
+    [ -s "$_f" ] || continue
+    echo "lab: spec ${_f##*/}: annotations: $(sed -n 's/.*"annotations":{\([^}]*\)}.*/\1/p' "$_f")"
+    echo "lab: spec ${_f##*/}: namespaces: $(sed -n 's/.*"namespaces":\[\([^]]*\)\].*/\1/p' "$_f")"
+    echo "lab: spec ${_f##*/}: mounts: $(grep -o '"destination":"[^"]*","type":"[^"]*","source":"[^"]*"' "$_f" | tr '\n' ' ')"
+    echo "lab: spec ${_f##*/}: args: $(sed -n 's/.*"args":\[\([^]]*\)\].*/\1/p' "$_f" | cut -c1-200)"
+  done
+}
+[ -z "${LAB_CRI_DUMP_SPECS:-}" ] || { specs_watch & swatch=$!; }
+L1_BOOT_ID=$(cat /proc/sys/kernel/random/boot_id)
+cri_pod runc runc "$(uname -r)"
+[ "$BOOT_ID" = "$L1_BOOT_ID" ] || fail "runc: the pod's containers report boot id $BOOT_ID, not L1's $L1_BOOT_ID: the check proves nothing"
+[ -z "${LAB_CRI_DUMP_SPECS:-}" ] || { kill "$swatch"; specs_print; }
+nothing_left runc
+case " $HANDLERS " in
+  *" k7d "*) ;;
+  *)
+    steps_side_by_side runc
+    lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
+    lab_pass "containerd CRI: a two-container pod under runc (LAB_CRI_HANDLERS=$HANDLERS: k7d not run), nothing left" ;;
+esac
+
+# --- k7d ----------------------------------------------------------------------------
+cat >/etc/k7d/shim.toml <<EOF
+kernel = "$LAB_KERNEL"
+initramfs = "$LAB_POD_INITRD"
+daemon_socket = "$SOCK"
+vcpus = 1
+memory_mib = 256
+EOF
+"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >"$DLOG" 2>&1 &
+dpid=$!
+i=0
+until [ -S "$SOCK" ]; do
+  kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon exited at start"
+  i=$((i + 1))
+  [ "$i" -lt 60 ] || fail "the k7d daemon made no socket within 30 s"
+  sleep 0.5
+done
+[ "$LAB_L2_KERNEL_RELEASE" != "$(uname -r)" ] || fail "L1 and L2 run the same kernel release: the uname -r check would prove nothing"
+# pod_vm LABEL: the pod's two containers ran on one kernel that is not L1's
+# (the pod VM's), and the daemon never listed more than one VM for the pod
+# (its sandbox and app containers share it).
+pod_vm() {
+  [ "$BOOT_ID" != "$L1_BOOT_ID" ] || fail "$1: the pod's containers run on L1's kernel (boot id $BOOT_ID)"
+  [ "$VMS_MAX" = 1 ] || fail "$1: the daemon listed $VMS_MAX VMs while the pod lived, expected 1 (the sandbox's, shared by its containers)"
+  lab_note "$1: both containers on the pod VM's kernel (boot id $BOOT_ID, L1's $L1_BOOT_ID); one VM listed while the pod lived"
+}
+cri_pod k7d k7d "$LAB_L2_KERNEL_RELEASE"
+pod_vm k7d
+lab_metric k7d.pod_start_vs_runc "$(awk -v k="$START_k7d" -v r="$START_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
+lab_metric k7d.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
+steps_side_by_side runc k7d
+lab_note "pod start (s): runc $START_runc, k7d $START_k7d; pod delete (s): runc $DELETE_runc, k7d $DELETE_k7d"
+
+# --- the pod network --------------------------------------------------------------
+# cri_net LABEL HANDLER: k7d-cri net (a server and a client pod: ping, then
+# 4 MiB over TCP with matching sums). For k7d, each pod VM's NIC is on its
+# pod's CNI interface through k7d's datapath (auto: direct when it can);
+# the paths the daemon reported while the pods lived are in /tmp/dp.seen.
+cri_net() {
+  _l=$1 _h=$2
+  rm -f /tmp/dp.seen
+  if [ "$_h" = k7d ]; then
+    ( while :; do
+        for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | awk '{print $1}'); do
+          "$LAB_BIN" --socket "$SOCK" info "$_v" 2>/dev/null | grep -o 'datapath: [a-z]*' | sed "s/^/$_v /" >>/tmp/dp.seen
+        done
+        sleep 1
+      done ) &
+    _dpoll=$!
+  fi
+  timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" net --runtime-handler "$_h" --image "$IMG" --name "$_l" \
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" >"/tmp/cri-$_l.out" 2>&1
+  _rc=$?
+  [ -z "${_dpoll:-}" ] || { kill "$_dpoll"; wait "$_dpoll" 2>/dev/null; _dpoll=; }
+  sed "s/^/lab: $_l: /" "/tmp/cri-$_l.out"
+  [ "$_rc" = 0 ] || fail "$_l: k7d-cri net (handler $_h) exited $_rc: $(grep -v '^cri: step ' "/tmp/cri-$_l.out" | tail -n 2 | tr '\n' ' ')"
+  _mibs=$(sed -n 's/^cri: net tcp 4 MiB .*(\([0-9.]*\) MiB\/s)$/\1/p' "/tmp/cri-$_l.out")
+  [ -z "$_mibs" ] || lab_metric "$_l.tcp_mib_s" "$_mibs" MiB/s
+  lab_note "$_l (handler $_h): $(sed -n 's/^cri: net ping [^:]*: //p' "/tmp/cri-$_l.out"); $(sed -n 's/^cri: net tcp //p' "/tmp/cri-$_l.out")"
+}
+cri_net net-runc runc
+nothing_left net-runc
+cri_net net-k7d k7d
+_dp=$(sort -u /tmp/dp.seen 2>/dev/null | tr '\n' ' ')
+[ "$(awk '$3 == "direct" {print $1}' /tmp/dp.seen 2>/dev/null | sort -u | grep -c .)" -ge 2 ] ||
+  fail "net-k7d: the daemon did not report the direct datapath for both pod VMs (saw: ${_dp:-nothing})"
+lab_note "net-k7d: the pod VMs' NICs: $_dp"
+
+# The scenario's teardown: nothing for k7d-cri cleanup to do.
+_c=$(timeout -s KILL 120 "$CRI" cleanup --timeout-s 60 2>&1) || fail "k7d-cri cleanup failed: $(printf '%s' "$_c" | tail -n 2 | tr '\n' ' ')"
+printf '%s\n' "$_c" | grep -q 'cleanup: 0 pod sandboxes' || fail "k7d-cri cleanup found pods left: $(printf '%s' "$_c" | tr '\n' '|')"
+nothing_left k7d
+vms=$("$LAB_BIN" --socket "$SOCK" list 2>&1) || fail "k7d list failed: $vms"
+[ -z "$(printf '%s\n' "$vms" | tail -n +2)" ] || fail "k7d VMs left after every pod was removed: $(printf '%s' "$vms" | tr '\n' '|')"
+kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon died"
+left=$(find /run/k7d/shim -mindepth 1 2>/dev/null; find "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
+[ -z "$left" ] || fail "k7d: left behind: $(printf '%s' "$left" | tr '\n' ' ')"
+lab_note "k7d: nothing left: no pod sandbox, container, task, shim process, VM, network namespace, pod address, pod socket dir, vsock socket or mount"
+lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
+lab_pass "containerd CRI: the same two-container pod under runc and k7d (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), two k7d pods talking over the direct datapath, nothing left"

@@ -41,10 +41,20 @@ pub fn netns_path(spec: &serde_json::Value) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
-/// Reads `POD_IF`'s IPv4 address, MTU and default gateway inside `netns`
-/// (on a thread that enters it: the shim's own namespace is untouched).
-pub fn read(netns: &Path) -> anyhow::Result<PodNet> {
-    let ns = std::fs::File::open(netns)
+/// Takes the pod's network for its VM: reads `POD_IF`'s IPv4 address, MTU
+/// and default gateway inside `netns`, then removes the address from
+/// `POD_IF` (on a thread that enters the netns: the shim's own namespace is
+/// untouched). The address belongs to the guest now: left on `POD_IF`, the
+/// pod netns would answer ARP for it itself once `POD_IF` is a port of the
+/// bridge chain (`docs/datapath.md`), and the pods could not talk.
+pub fn take(netns: &Path) -> anyhow::Result<PodNet> {
+    use std::os::unix::fs::OpenOptionsExt;
+    // O_NONBLOCK: a FIFO in the namespace's place must not hang the create
+    // (setns refuses anything but a namespace).
+    let ns = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(netns)
         .with_context(|| format!("cannot open the pod's network namespace {}", netns.display()))?;
     let path = netns.to_path_buf();
     std::thread::Builder::new()
@@ -65,14 +75,14 @@ pub fn read(netns: &Path) -> anyhow::Result<PodNet> {
                     path.display()
                 )
             })?;
-            let mtu = std::fs::read_to_string(format!("/sys/class/net/{POD_IF}/mtu"))
-                .ok()
-                .and_then(|m| m.trim().parse().ok())
-                .unwrap_or(1500);
+            // Not /sys/class/net: sysfs shows the namespace of whoever
+            // mounted it, not this thread's.
+            let mtu = mtu_of(POD_IF).with_context(|| format!("cannot read the MTU of the pod's {POD_IF}"))?;
             // /proc/thread-self: /proc/self/net is the thread group
             // leader's namespace, not this thread's.
             let routes = std::fs::read_to_string("/proc/thread-self/net/route")
                 .context("cannot read the pod's routes (/proc/thread-self/net/route)")?;
+            release_ipv4(POD_IF).with_context(|| format!("cannot take the address off the pod's {POD_IF}"))?;
             Ok(PodNet {
                 netns: path,
                 address: format!("{addr}/{prefix}"),
@@ -83,6 +93,59 @@ pub fn read(netns: &Path) -> anyhow::Result<PodNet> {
         .context("cannot start a thread to read the pod's network")?
         .join()
         .map_err(|_| anyhow::anyhow!("reading the pod's network failed (the thread panicked)"))?
+}
+
+/// An `AF_INET` socket (in this thread's network namespace) and an
+/// `ifreq` naming `name`.
+fn if_request(name: &str) -> anyhow::Result<(std::os::fd::OwnedFd, libc::ifreq)> {
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: `socket` takes plain integers.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        bail!("cannot open a socket: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by `socket` and is owned by nobody else.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: `ifreq` is plain old data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    if name.len() >= req.ifr_name.len() {
+        bail!("the interface name {name} is too long");
+    }
+    for (dst, &src) in req.ifr_name.iter_mut().zip(name.as_bytes()) {
+        *dst = src as libc::c_char;
+    }
+    Ok((sock, req))
+}
+
+/// Removes interface `name`'s IPv4 address (`SIOCSIFADDR` of 0.0.0.0, as
+/// `ifconfig NAME 0.0.0.0` does); its routes go with it.
+fn release_ipv4(name: &str) -> anyhow::Result<()> {
+    let (sock, mut req) = if_request(name)?;
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: 0,
+        sin_addr: libc::in_addr { s_addr: 0 },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: `sockaddr_in` and `sockaddr` are both 16 bytes of plain data.
+    req.ifr_ifru.ifru_addr = unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) };
+    // SAFETY: `req` is a valid `ifreq` that SIOCSIFADDR reads.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &req) } < 0 {
+        bail!("SIOCSIFADDR failed: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The MTU of interface `name` in this thread's network namespace.
+fn mtu_of(name: &str) -> anyhow::Result<u32> {
+    let (sock, mut req) = if_request(name)?;
+    // SAFETY: `req` is a valid `ifreq` that SIOCGIFMTU fills.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU, &mut req) } < 0 {
+        bail!("SIOCGIFMTU failed: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: SIOCGIFMTU filled the `ifru_mtu` member of the union.
+    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
+    u32::try_from(mtu).map_err(|_| anyhow::anyhow!("the kernel reported MTU {mtu}"))
 }
 
 /// The IPv4 address and prefix of interface `name` (this thread's netns).
@@ -132,8 +195,8 @@ fn default_gateway(routes: &str, iface: &str) -> Option<Ipv4Addr> {
         }
         let gw = u32::from_str_radix(f[2], 16).ok()?;
         // The kernel prints the address's memory (network order) as a
-        // native-endian (x86: little-endian) word.
-        (gw != 0).then(|| Ipv4Addr::from(gw.to_le_bytes()))
+        // native-endian word.
+        (gw != 0).then(|| Ipv4Addr::from(gw.to_ne_bytes()))
     })
 }
 
@@ -150,6 +213,59 @@ mod tests {
         let host = serde_json::json!({"linux": {"namespaces": [{"type": "network"}]}});
         assert_eq!(netns_path(&host), None, "a new netns of its own: no pod network");
         assert_eq!(netns_path(&serde_json::json!({})), None);
+    }
+
+    /// A real pod netns (made with `ip`; needs root): the CNI's view of
+    /// eth0 as the shim reads it, MTU included (not the host's sysfs).
+    #[test]
+    fn a_pods_address_mtu_and_gateway_are_read_inside_its_netns() {
+        let ns = format!("k7d-shim-podnet-{}", std::process::id());
+        let ip = |args: &[&str]| {
+            let out = std::process::Command::new("ip").args(args).output().unwrap();
+            assert!(
+                out.status.success(),
+                "ip {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        ip(&["netns", "add", &ns]);
+        let r = std::panic::catch_unwind(|| {
+            ip(&[
+                "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
+            ]);
+            ip(&["-n", &ns, "link", "set", "eth0", "mtu", "1410", "up"]);
+            ip(&["-n", &ns, "link", "set", "peer0", "up"]);
+            ip(&["-n", &ns, "addr", "add", "10.99.0.5/24", "dev", "eth0"]);
+            ip(&["-n", &ns, "route", "add", "default", "via", "10.99.0.1", "dev", "eth0"]);
+            let p = PathBuf::from(format!("/run/netns/{ns}"));
+            let got = take(&p).unwrap();
+            assert_eq!(
+                got,
+                PodNet {
+                    netns: p.clone(),
+                    address: "10.99.0.5/24".into(),
+                    gateway: Some("10.99.0.1".into()),
+                    mtu: 1410,
+                }
+            );
+            // The address is the guest's now: gone from the pod's eth0.
+            let out = std::process::Command::new("ip")
+                .args(["-n", &ns, "-4", "-o", "addr", "show", "dev", "eth0"])
+                .output()
+                .unwrap();
+            assert_eq!(
+                String::from_utf8_lossy(&out.stdout).trim(),
+                "",
+                "eth0 keeps no IPv4 address"
+            );
+            // Not a namespace: one sentence, no hang.
+            let e = format!("{:#}", take(Path::new("/proc/version")).unwrap_err());
+            assert!(e.contains("is not a network namespace"), "{e}");
+        });
+        ip(&["netns", "delete", &ns]);
+        if let Err(p) = r {
+            std::panic::resume_unwind(p);
+        }
     }
 
     #[test]

@@ -74,6 +74,9 @@ struct State {
     /// create rolls back and the shim exits when it ends.
     shutdown_requested: bool,
     tasks: HashMap<String, TaskEntry>,
+    /// App containers whose create is joining the pod VM (their ids are
+    /// taken until the create records them or rolls back).
+    joining: std::collections::HashSet<String>,
 }
 
 struct Pod {
@@ -606,9 +609,11 @@ impl Inner {
         (vcpus, memory_mib, empty_drives): (u8, u64, u8),
         deadline: Option<Instant>,
     ) -> TtrpcResult<(Pod, stdio::Relays)> {
-        // The pod's network as the CNI set it up (a CRI sandbox's netns).
-        let pod_net = match podnet::netns_path(&spec) {
-            Some(ns) => Some(podnet::read(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
+        // The pod's network as the CNI set it up: a CRI sandbox's netns (a
+        // plain `ctr run --with-ns network:..` gets no NIC).
+        let cri_sandbox = annotations(&spec).get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
+        let pod_net = match podnet::netns_path(&spec).filter(|_| cri_sandbox) {
+            Some(ns) => Some(podnet::take(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
             None => None,
         };
         let erofs = packed_rootfs(cfg, bundle, &spec, req)?;
@@ -644,6 +649,7 @@ impl Inner {
                 disk: BlockMount {
                     serial: "k7d-disk1".into(),
                     fstype: "erofs".into(),
+                    sectors: None,
                 },
                 mounts: c.mounts,
             }
@@ -710,6 +716,7 @@ impl Inner {
                 rootfs: BlockMount {
                     serial: "k7d-disk0".into(),
                     fstype: "erofs".into(),
+                    sectors: None,
                 },
                 stdio: paths.spec(),
                 binds,
@@ -884,10 +891,19 @@ impl Task for Service {
         } else {
             // The last container's VM is deleted right after: no guest call.
             let last = self.inner.lock().tasks.len() == 1;
+            // Whether the agent unmounted the container's images for good
+            // (its drives may then take another medium).
+            let mut clean = false;
             if !dead && !last {
-                let _ = self.inner.call(&Request::DeleteContainer {
+                clean = match self.inner.call(&Request::DeleteContainer {
                     container: req.id.clone(),
-                });
+                }) {
+                    Ok(_) => true,
+                    Err(e) => {
+                        tracing::warn!("deleting container {} in the pod VM: {e}", req.id);
+                        false
+                    }
+                };
             }
             let (pod, drives) = {
                 let mut st = self.inner.lock();
@@ -902,7 +918,8 @@ impl Task for Service {
                 && !dead
             {
                 // An app container: the agent unmounted its images above.
-                self.inner.give_back_drives(&names.vm_id, &names.dir, &req.id, &drives);
+                self.inner
+                    .give_back_drives(&names.vm_id, &names.dir, &req.id, &drives, clean);
             }
             self.inner.publish(
                 topics::TASK_DELETE_EVENT_TOPIC,

@@ -167,6 +167,14 @@ fn a_read_write_drive_keeps_its_medium() {
         "disk 0 of vm medrw is read-write; only a read-only drive takes another medium"
     );
     assert_eq!(capacity(&vm), IMAGE / 512);
+    // Built, not started (as a restored or forked VM before its start):
+    // no worker to tell the driver, so refused.
+    let mut ro = builtin("idle", 1, 16, &[]);
+    ro.devices.disks.push(DiskConfig::empty());
+    let mut created = Vm::new("medcr", &ro, &VmOptions::default()).unwrap();
+    let e = created.change_medium(0, Some(&a)).unwrap_err().to_string();
+    assert_eq!(e, "vm medcr is created, cannot change a medium");
+    assert_eq!(created.config().devices.disks[0].path, None);
     // An empty drive must be declared read-only.
     let mut bad = builtin("idle", 1, 16, &[]);
     bad.devices.disks.push(DiskConfig {

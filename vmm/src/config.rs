@@ -361,7 +361,7 @@ impl BlockDeviceLike for std::fs::FileType {
 }
 
 /// Node-wide settings (`--node-config FILE`, JSON).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeConfig {
     /// Most queue pairs a NIC may have (1..=64).
@@ -370,6 +370,11 @@ pub struct NodeConfig {
     /// NICs that do not say get kernel vhost-net (opt-in: default false).
     #[serde(default)]
     pub vhost_default: bool,
+    /// The tc-eBPF object the direct datapath loads (an absolute path);
+    /// default: the one built into k7d. One that cannot be loaded makes
+    /// `auto` NICs fall back to the bridge chain with the reason.
+    #[serde(default)]
+    pub tc_object: Option<PathBuf>,
 }
 
 fn default_max_net_queues() -> u16 {
@@ -381,6 +386,7 @@ impl Default for NodeConfig {
         Self {
             max_net_queues: default_max_net_queues(),
             vhost_default: false,
+            tc_object: None,
         }
     }
 }
@@ -394,12 +400,32 @@ impl NodeConfig {
             serde_json::from_str(&text).map_err(|e| format!("the node config {} is invalid: {e}", path.display()))?;
         c.net()
             .map_err(|e| format!("the node config {} is invalid: {e}", path.display()))?;
+        if let Some(o) = &c.tc_object
+            && !o.is_absolute()
+        {
+            return Err(format!(
+                "the node config {} is invalid: tc_object must be an absolute path, not {}",
+                path.display(),
+                o.display()
+            ));
+        }
         Ok(c)
     }
 
     /// The networking part, validated.
     pub fn net(&self) -> Result<k7d_net::policy::NodeNetConfig, k7d_net::policy::PolicyError> {
         k7d_net::policy::NodeNetConfig::new(self.vhost_default, self.max_net_queues)
+    }
+
+    /// The datapath's settings: where its tc object comes from.
+    pub fn datapath(&self) -> k7d_net::DatapathConfig {
+        k7d_net::DatapathConfig {
+            object: self
+                .tc_object
+                .clone()
+                .map_or(k7d_net::ObjectSource::Embedded, k7d_net::ObjectSource::File),
+            ..Default::default()
+        }
     }
 }
 
@@ -642,6 +668,24 @@ impl VmConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_config_names_the_tc_object_by_an_absolute_path() {
+        let dir = std::env::temp_dir().join(format!("k7d-node-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("node.json");
+        std::fs::write(&p, r#"{"tc_object": "/usr/lib/k7d/k7d_tc.o"}"#).unwrap();
+        let c = NodeConfig::load(&p).unwrap();
+        assert_eq!(
+            c.datapath().object,
+            k7d_net::ObjectSource::File("/usr/lib/k7d/k7d_tc.o".into())
+        );
+        assert_eq!(NodeConfig::default().datapath().object, k7d_net::ObjectSource::Embedded);
+        std::fs::write(&p, r#"{"tc_object": "k7d_tc.o"}"#).unwrap();
+        let e = NodeConfig::load(&p).unwrap_err();
+        assert!(e.ends_with("tc_object must be an absolute path, not k7d_tc.o"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn a_full_children_disk_budget_refuses_a_fork_in_one_sentence() {

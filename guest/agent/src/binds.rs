@@ -127,10 +127,13 @@ impl BindMounts {
         Ok(carried)
     }
 
-    /// Unmounts (detaching) every mount made, last first; true when none is
-    /// left mounted.
+    /// Unmounts every mount made, last first (the overlays detached, the
+    /// image for good); true when none is left mounted.
     pub fn unmount(&self) -> bool {
-        disk::unmount_all(self.made.iter().rev())
+        // The first mount made is the drive's image: unmounted for good,
+        // after what sits on it.
+        let upper = disk::unmount_all(self.made.iter().skip(1).rev());
+        self.made.first().is_none_or(|image| disk::unmount_image(image)) && upper
     }
 }
 
@@ -172,7 +175,7 @@ pub fn check(binds: &Binds, mounts: &[Value]) -> Result<(), String> {
 
 /// The disk of `binds`, awaited for up to `timeout`.
 pub fn wait_disk(sysfs: &Path, binds: &Binds, timeout: std::time::Duration) -> Result<Disk, String> {
-    disk::wait_by_serial(sysfs, &binds.disk.serial, timeout).ok_or_else(|| {
+    disk::wait_by_serial(sysfs, &binds.disk.serial, binds.disk.sectors, timeout).ok_or_else(|| {
         format!(
             "no bind-mount disk with serial {} appeared in {timeout:?}",
             binds.disk.serial
@@ -191,6 +194,7 @@ mod tests {
             disk: BlockMount {
                 serial: "k7d-disk1".into(),
                 fstype: "erofs".into(),
+                sectors: None,
             },
             mounts: list,
         }

@@ -497,12 +497,13 @@ impl Containers {
             runc: false,
         };
 
-        let disk = disk::wait_by_serial(&self.cfg.sysfs, &rootfs.serial, self.cfg.disk_timeout).ok_or_else(|| {
-            ctx(format!(
-                "no disk with serial {} appeared in {:?}",
-                rootfs.serial, self.cfg.disk_timeout
-            ))
-        })?;
+        let disk = disk::wait_by_serial(&self.cfg.sysfs, &rootfs.serial, rootfs.sectors, self.cfg.disk_timeout)
+            .ok_or_else(|| {
+                ctx(format!(
+                    "no disk with serial {} appeared in {:?}",
+                    rootfs.serial, self.cfg.disk_timeout
+                ))
+            })?;
         let device = disk::device_node(&disk, &self.cfg.dev, &bundle.join("disk"))
             .map_err(|e| ctx(format!("making a device node for disk {} failed: {e}", disk.name)))?;
         let mounts = RootfsMounts::under(&bundle);
@@ -869,6 +870,9 @@ impl Containers {
                 "container {id}: the bundle {} is kept (a mount is left)",
                 c.bundle.display()
             );
+            return Err(fail(format!(
+                "container {id} was deleted but a mount of its images is left in the VM: its drives must not take another medium"
+            )));
         }
         Ok(())
     }
@@ -990,6 +994,7 @@ mod tests {
             rootfs: proto::BlockMount {
                 serial: "k7d-disk9".into(),
                 fstype: "erofs".into(),
+                sectors: None,
             },
             stdio: StdioSpec::default(),
             binds: None,

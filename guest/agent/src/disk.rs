@@ -47,8 +47,9 @@ fn parse_dev(text: &str) -> Option<(u32, u32)> {
 /// Looks once through `<sysfs>/block/vd*` for the disk whose `serial` is
 /// `serial` (trailing NULs and whitespace ignored) and that has a medium:
 /// an empty drive (a pod VM's slot before the shim puts an image in it)
-/// has size 0 until the kernel handled the capacity change.
-pub fn find_by_serial(sysfs: &Path, serial: &str) -> Option<Disk> {
+/// has size 0 until the kernel handled the capacity change. With
+/// `sectors`, only a disk of exactly that size is the one.
+pub fn find_by_serial(sysfs: &Path, serial: &str, sectors: Option<u64>) -> Option<Disk> {
     let entries = std::fs::read_dir(sysfs.join("block")).ok()?;
     for entry in entries.flatten() {
         let name = entry.file_name();
@@ -64,10 +65,10 @@ pub fn find_by_serial(sysfs: &Path, serial: &str) -> Option<Disk> {
         if found.trim_end_matches(|c: char| c == '\0' || c.is_whitespace()) != serial {
             continue;
         }
-        let sectors = std::fs::read_to_string(dir.join("size"))
+        let size = std::fs::read_to_string(dir.join("size"))
             .ok()
             .and_then(|t| t.trim().parse::<u64>().ok());
-        if sectors.is_none_or(|n| n == 0) {
+        if size.is_none_or(|n| n == 0 || sectors.is_some_and(|want| want != n)) {
             continue;
         }
         let Ok(dev) = std::fs::read_to_string(dir.join("dev")) else {
@@ -87,10 +88,10 @@ pub fn find_by_serial(sysfs: &Path, serial: &str) -> Option<Disk> {
 
 /// [`find_by_serial`], polled every 20 ms for up to `timeout` (the disk may
 /// still be enumerating).
-pub fn wait_by_serial(sysfs: &Path, serial: &str, timeout: Duration) -> Option<Disk> {
+pub fn wait_by_serial(sysfs: &Path, serial: &str, sectors: Option<u64>, timeout: Duration) -> Option<Disk> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Some(d) = find_by_serial(sysfs, serial) {
+        if let Some(d) = find_by_serial(sysfs, serial, sectors) {
             return Some(d);
         }
         if Instant::now() >= deadline {
@@ -112,6 +113,29 @@ pub fn device_node(disk: &Disk, dev: &Path, fallback: &Path) -> io::Result<PathB
     }
     sys::mknod_block(fallback, disk.major, disk.minor)?;
     Ok(fallback.to_path_buf())
+}
+
+/// Unmounts an image's own mount (the erofs of a drive) for good: not
+/// detached, so that when this returns true nothing holds the image's
+/// superblock and the drive may take another medium (a lazily detached
+/// mount could keep it, and the next mount of the device would reuse it).
+/// Retries for a second while the mount is busy; then detaches it and
+/// answers false (the drive must not be reused).
+pub fn unmount_image(target: &Path) -> bool {
+    for _ in 0..50 {
+        match sys::umount(target) {
+            Ok(()) => return true,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::ENOENT)) => return true,
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => std::thread::sleep(POLL),
+            Err(e) => {
+                crate::log!("unmounting {} failed: {e}", target.display());
+                return false;
+            }
+        }
+    }
+    crate::log!("{} stayed busy; detached, its drive is not reused", target.display());
+    let _ = sys::umount_detach(target);
+    false
 }
 
 /// Unmounts (detaching) each of `mounts` in the order given, every one even
@@ -208,7 +232,8 @@ impl RootfsMounts {
     /// Unmounts (detaching) the overlay, the tmpfs and the image; true when
     /// none is left mounted (so the directory may be removed).
     pub fn unmount(&self) -> bool {
-        unmount_all([&self.rootfs, &self.rw, &self.lower])
+        let upper = unmount_all([&self.rootfs, &self.rw]);
+        unmount_image(&self.lower) && upper
     }
 }
 
@@ -237,16 +262,19 @@ mod tests {
     fn a_disk_is_found_by_its_serial_with_padding_trimmed() {
         let root = fake_sysfs("find");
         assert_eq!(
-            find_by_serial(&root, "k7d-disk1"),
+            find_by_serial(&root, "k7d-disk1", None),
             Some(Disk {
                 name: "vdb".into(),
                 major: 254,
                 minor: 16
             })
         );
-        assert_eq!(find_by_serial(&root, "k7d-disk0").map(|d| d.name), Some("vda".into()));
-        assert_eq!(find_by_serial(&root, "k7d-disk2"), None, "only virtio disks");
-        assert_eq!(find_by_serial(&root, "k7d-disk"), None, "no prefix match");
+        assert_eq!(
+            find_by_serial(&root, "k7d-disk0", None).map(|d| d.name),
+            Some("vda".into())
+        );
+        assert_eq!(find_by_serial(&root, "k7d-disk2", None), None, "only virtio disks");
+        assert_eq!(find_by_serial(&root, "k7d-disk", None), None, "no prefix match");
         std::fs::remove_dir_all(&root).unwrap();
     }
 
@@ -258,12 +286,20 @@ mod tests {
         std::fs::write(d.join("serial"), "k7d-disk3").unwrap();
         std::fs::write(d.join("dev"), "254:32\n").unwrap();
         std::fs::write(d.join("size"), "0\n").unwrap();
-        assert_eq!(find_by_serial(&root, "k7d-disk3"), None, "no medium yet");
+        assert_eq!(find_by_serial(&root, "k7d-disk3", None), None, "no medium yet");
         let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            // The previous medium's size first, then the awaited one's.
+            std::fs::write(d.join("size"), "2048\n").unwrap();
             std::thread::sleep(Duration::from_millis(100));
             std::fs::write(d.join("size"), "4096\n").unwrap();
         });
-        let got = wait_by_serial(&root, "k7d-disk3", Duration::from_secs(5));
+        assert_eq!(
+            wait_by_serial(&root, "k7d-disk3", Some(4096), Duration::from_millis(100)),
+            None,
+            "not the size asked for"
+        );
+        let got = wait_by_serial(&root, "k7d-disk3", Some(4096), Duration::from_secs(5));
         t.join().unwrap();
         assert_eq!(got.map(|d| d.name), Some("vdc".into()));
         std::fs::remove_dir_all(&root).unwrap();
@@ -281,11 +317,11 @@ mod tests {
             std::fs::write(d.join("serial"), "late").unwrap();
             std::fs::write(d.join("size"), "8\n").unwrap();
         });
-        let got = wait_by_serial(&root, "late", Duration::from_secs(5));
+        let got = wait_by_serial(&root, "late", None, Duration::from_secs(5));
         t.join().unwrap();
         assert_eq!(got.map(|d| d.minor), Some(32));
         let start = Instant::now();
-        assert_eq!(wait_by_serial(&root, "never", Duration::from_millis(100)), None);
+        assert_eq!(wait_by_serial(&root, "never", None, Duration::from_millis(100)), None);
         assert!(start.elapsed() >= Duration::from_millis(100));
         std::fs::remove_dir_all(&root).unwrap();
     }

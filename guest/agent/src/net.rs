@@ -202,14 +202,19 @@ pub fn apply(p: &Plan) -> Result<(), String> {
     r.ifr_ifru.ifru_flags = flags | (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
     ioctl(&sock, libc::SIOCSIFFLAGS, &mut r, &format!("bringing {name} up"))?;
     if let Some(gw) = p.gateway {
-        let dev = std::ffi::CString::new(name.as_str()).map_err(|_| format!("{name:?} is not an interface name"))?;
+        // The kernel copies IFNAMSIZ - 1 bytes from `rt_dev`: a buffer of
+        // IFNAMSIZ, NUL-padded (the name's length was checked by `ifreq`).
+        let mut dev = [0 as libc::c_char; libc::IFNAMSIZ];
+        for (d, &b) in dev.iter_mut().zip(name.as_bytes()) {
+            *d = b as libc::c_char;
+        }
         // SAFETY: `rtentry` is plain old data; all zeroes is a valid value.
         let mut rt: libc::rtentry = unsafe { std::mem::zeroed() };
         if !on_link(p.address, p.prefix, gw) {
             rt.rt_dst = sockaddr(gw);
             rt.rt_genmask = sockaddr(Ipv4Addr::BROADCAST);
             rt.rt_flags = libc::RTF_UP | libc::RTF_HOST;
-            rt.rt_dev = dev.as_ptr().cast_mut();
+            rt.rt_dev = dev.as_mut_ptr();
             ioctl(
                 &sock,
                 libc::SIOCADDRT,
@@ -223,7 +228,7 @@ pub fn apply(p: &Plan) -> Result<(), String> {
         rt.rt_genmask = sockaddr(Ipv4Addr::UNSPECIFIED);
         rt.rt_gateway = sockaddr(gw);
         rt.rt_flags = libc::RTF_UP | libc::RTF_GATEWAY;
-        rt.rt_dev = dev.as_ptr().cast_mut();
+        rt.rt_dev = dev.as_mut_ptr();
         ioctl(
             &sock,
             libc::SIOCADDRT,

@@ -122,6 +122,11 @@ pub struct BlockMount {
     pub serial: String,
     /// Its filesystem (`erofs`, `ext4`).
     pub fstype: String,
+    /// Its size in 512-byte sectors, when the shim knows it: the agent
+    /// waits for exactly that size (a drive whose medium was just changed
+    /// may still show the previous medium's until the guest handled it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sectors: Option<u64>,
 }
 
 /// `create_container`'s arguments.

@@ -52,6 +52,14 @@ pub fn umount_detach(target: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// `umount2(target, 0)`: fails with `EBUSY` while the mount is in use.
+pub fn umount(target: &Path) -> io::Result<()> {
+    let target = cpath(target)?;
+    // SAFETY: `target` is a valid NUL-terminated path.
+    check(unsafe { libc::umount2(target.as_ptr(), 0) })?;
+    Ok(())
+}
+
 /// `mknod(2)` of a node with `mode` (type and permissions) and `rdev`.
 pub fn mknod(path: &Path, mode: u32, rdev: u64) -> io::Result<()> {
     let p = cpath(path)?;

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use containerd_shim::TtrpcResult;
 use containerd_shim::api;
-use containerd_shim::protos::ttrpc::Code;
+use containerd_shim::protos::ttrpc::{self, Code};
 use k7d_agent::proto::{Binds, BlockMount, CreateContainer, Request};
 
 use super::{BOOT_TIMEOUT, CALL_TIMEOUT, CREATE_TIMEOUT, Inner, SANDBOX_ID, err, from_call, internal, pref};
@@ -35,6 +35,24 @@ fn serial(drive: u32) -> String {
 /// (`proto::valid_id`, checked before this).
 fn container_dir(pod_dir: &Path, id: &str) -> PathBuf {
     pod_dir.join("containers").join(id)
+}
+
+/// Makes a container's directory in the pod's (never the pod's directory
+/// itself: a pod removed meanwhile is not recreated); one left by an
+/// earlier attempt of the same id is replaced.
+fn make_container_dir(dir: &Path) -> TtrpcResult<()> {
+    let mk = |p: &Path| std::fs::DirBuilder::new().mode(0o700).create(p);
+    let parent = dir.parent().unwrap_or(dir);
+    if let Err(e) = mk(parent)
+        && e.kind() != std::io::ErrorKind::AlreadyExists
+    {
+        return Err(err(
+            Code::UNAVAILABLE,
+            format!("cannot create {}: {e}", parent.display()),
+        ));
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    mk(dir).map_err(|e| err(Code::INTERNAL, format!("cannot create {}: {e}", dir.display())))
 }
 
 impl Inner {
@@ -82,21 +100,37 @@ impl Inner {
                     format!("the pod VM of sandbox {sandbox} has stopped"),
                 ));
             }
-            if st.tasks.contains_key(&req.id) || pod.drives.iter().any(|d| d.as_deref() == Some(req.id.as_str())) {
+            if st.tasks.contains_key(&req.id) || st.joining.contains(&req.id) {
                 return Err(err(
                     Code::ALREADY_EXISTS,
                     format!("container {} already exists in this pod", req.id),
                 ));
             }
-            (pod.names.clone(), pod.agent.clone(), pod.host_pid)
+            let taken = (pod.names.clone(), pod.agent.clone(), pod.host_pid);
+            st.joining.insert(req.id.clone());
+            taken
         };
+        let r = self.join(cfg, bundle, spec, req, deadline, &names, &agent, host_pid);
+        self.lock().joining.remove(&req.id);
+        r
+    }
+
+    /// [`Inner::create_in_pod`] once the id is taken.
+    #[allow(clippy::too_many_arguments)]
+    fn join(
+        self: &Arc<Self>,
+        cfg: &ShimConfig,
+        bundle: &Path,
+        spec: serde_json::Value,
+        req: &api::CreateTaskRequest,
+        deadline: Option<Instant>,
+        names: &crate::names::PodNames,
+        agent: &crate::agent::Agent,
+        host_pid: u32,
+    ) -> TtrpcResult<u32> {
         let erofs = super::packed_rootfs(cfg, bundle, &spec, req)?;
         let dir = container_dir(&names.dir, &req.id);
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(&dir)
-            .map_err(|e| err(Code::INTERNAL, format!("cannot create {}: {e}", dir.display())))?;
+        make_container_dir(&dir)?;
         let carried = match binds::pack(&spec, &dir, cfg.bind_max_mib << 20) {
             Ok(c) => c,
             Err(e) => {
@@ -106,6 +140,21 @@ impl Inner {
         };
         let mut images = vec![erofs];
         images.extend(carried.as_ref().map(|c| c.image.clone()));
+        // Each image's size: the agent waits for its drive to show exactly
+        // that (not a previous medium's).
+        let mut sectors = Vec::with_capacity(images.len());
+        for i in &images {
+            match std::fs::metadata(i) {
+                Ok(m) => sectors.push(m.len() / 512),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    return Err(err(
+                        Code::INTERNAL,
+                        format!("cannot read the size of {}: {e}", i.display()),
+                    ));
+                }
+            }
+        }
         let drives = match self.take_drives(&req.id, images.len()) {
             Ok(d) => d,
             Err(e) => {
@@ -119,7 +168,9 @@ impl Inner {
             stderr: req.stderr.clone(),
             terminal: req.terminal,
         };
-        let mut created = false;
+        // Set once the agent was asked to create: a rollback then deletes
+        // (it may have finished after a lost reply).
+        let mut asked = false;
         let r = (|| {
             for (d, image) in drives.iter().zip(&images) {
                 self.daemon
@@ -135,25 +186,27 @@ impl Inner {
                     format!("cannot set the agent connection's timeout: {e}"),
                 )
             })?;
+            asked = true;
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),
                 spec,
                 rootfs: BlockMount {
                     serial: serial(drives[0]),
                     fstype: "erofs".into(),
+                    sectors: Some(sectors[0]),
                 },
                 stdio: paths.spec(),
                 binds: carried.map(|c| Binds {
                     disk: BlockMount {
                         serial: serial(drives[1]),
                         fstype: "erofs".into(),
+                        sectors: sectors.get(1).copied(),
                     },
                     mounts: c.mounts,
                 }),
             }))
             .map_err(from_call)?;
-            created = true;
-            let relays = stdio::start(&agent, &pref(&req.id, ""), &paths).map_err(internal)?;
+            let relays = stdio::start(agent, &pref(&req.id, ""), &paths).map_err(internal)?;
             if deadline.is_some_and(|d| Instant::now() > d) {
                 return Err(err(
                     Code::DEADLINE_EXCEEDED,
@@ -162,22 +215,37 @@ impl Inner {
             }
             Ok(relays)
         })();
-        let relays = match r {
-            Ok(relays) => relays,
+        // The pod VM must still be the one the drives were taken in.
+        let r = r.and_then(|relays| {
+            let st = self.lock();
+            match st.pod.as_ref() {
+                Some(p) if p.names.vm_id == names.vm_id && !p.dead => Ok((st, relays)),
+                _ => Err(err(
+                    Code::UNAVAILABLE,
+                    format!("the pod VM {} went away while {} was created", names.vm_id, req.id),
+                )),
+            }
+        });
+        match r {
+            Ok((st, relays)) => {
+                self.record_created(st, req, relays, drives);
+                self.announce_created(req, host_pid)
+            }
             Err(e) => {
                 tracing::warn!("create of {} in pod {} failed, rolling back: {e}", req.id, names.vm_id);
-                if created {
-                    let _ = self.call(&Request::DeleteContainer {
+                // A drive is reused only when the agent surely let go of it.
+                let clean = !asked
+                    || match self.call(&Request::DeleteContainer {
                         container: req.id.clone(),
-                    });
-                }
-                self.give_back_drives(&names.vm_id, &names.dir, &req.id, &drives);
-                return Err(e);
+                    }) {
+                        Ok(_) => true,
+                        Err(ttrpc::Error::RpcStatus(s)) => s.code() == Code::NOT_FOUND,
+                        Err(_) => false,
+                    };
+                self.give_back_drives(&names.vm_id, &names.dir, &req.id, &drives, clean);
+                Err(e)
             }
-        };
-        let st = self.lock();
-        self.record_created(st, req, relays, drives);
-        self.announce_created(req, host_pid)
+        }
     }
 
     /// Marks `n` free drives of the pod VM as `id`'s, lowest first; none
@@ -212,21 +280,32 @@ impl Inner {
         Ok(taken)
     }
 
-    /// Ejects `drives`' media (the agent has unmounted them: the container
-    /// is deleted) and frees them; removes the container's own files. A
-    /// failed eject is logged: the next container's image replaces it.
-    pub(super) fn give_back_drives(&self, vm_id: &str, pod_dir: &Path, id: &str, drives: &[u32]) {
+    /// Ejects `drives`' media and frees them for the next container when
+    /// `clean` (the agent unmounted the container's images for good) and
+    /// the eject worked; otherwise the drive stays taken, marked unusable:
+    /// a mount left in the guest could reuse its superblock for the next
+    /// medium. Removes the container's own files.
+    pub(super) fn give_back_drives(&self, vm_id: &str, pod_dir: &Path, id: &str, drives: &[u32], clean: bool) {
+        let mut freed = Vec::new();
         for d in drives {
-            if let Err(e) = self.daemon.set_medium(vm_id, *d, None) {
-                tracing::warn!("cannot eject drive {d} of the pod VM {vm_id}: {e:#}");
+            match self.daemon.set_medium(vm_id, *d, None) {
+                Ok(()) if clean => freed.push(*d),
+                Ok(()) => {
+                    tracing::warn!("drive {d} of the pod VM {vm_id} is not reused: {id}'s images may still be mounted")
+                }
+                Err(e) => tracing::warn!("cannot eject drive {d} of the pod VM {vm_id}, so it is not reused: {e:#}"),
             }
         }
-        if let Some(pod) = self.lock().pod.as_mut() {
+        if let Some(pod) = self.lock().pod.as_mut().filter(|p| p.names.vm_id == vm_id) {
             for d in drives {
                 if let Some(slot) = pod.drives.get_mut(*d as usize)
                     && slot.as_deref() == Some(id)
                 {
-                    *slot = None;
+                    *slot = if freed.contains(d) {
+                        None
+                    } else {
+                        Some(format!("{id} (unusable)"))
+                    };
                 }
             }
         }

@@ -2,12 +2,17 @@
 //! network: the client pod pings the server pod's address and fetches
 //! 4 MiB from its HTTP server (busybox `httpd`/`wget`); the sums must match.
 //! Under k7d the traffic crosses both pod VMs' NICs and k7d's datapath.
+//!
+//! With `--hook CMD`, the pod policy too: `CMD deny SANDBOX` must block the
+//! client's ping to the server pod, `CMD drops SANDBOX` must succeed (the
+//! hook checks the drop counters), and after `CMD clear SANDBOX` the ping
+//! passes again. The hook is run with `sh -c`.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k8s_cri::v1::{PodSandboxStatusRequest, RunPodSandboxRequest};
+use k8s_cri::v1::{ExecSyncRequest, PodSandboxStatusRequest, RunPodSandboxRequest};
 
 use crate::{
     Client, PodArgs, await_lines, container_config, create, exec, rpc, sandbox_config, start, step, stop_and_remove,
@@ -36,6 +41,10 @@ pub struct NetArgs {
     /// The limit for each step, in seconds.
     #[arg(long, default_value_t = 120)]
     timeout_s: u64,
+    /// A command that sets the server pod's policy: run as
+    /// `sh -c 'HOOK deny|drops|clear SANDBOX_ID'`.
+    #[arg(long)]
+    hook: Option<String>,
 }
 
 /// Runs the check; the pods are stopped and removed whatever happened.
@@ -51,8 +60,9 @@ pub async fn net(client: &mut Client, args: &NetArgs) -> Result<()> {
     r
 }
 
-/// One pod with one container running `script`: its sandbox id, address
-/// and container id, once the container logged `ready`.
+/// One pod with one container running `script`: its address and container
+/// id, once the container logged `ready` (its sandbox id is pushed onto
+/// `pods`).
 async fn pod(
     client: &mut Client,
     args: &NetArgs,
@@ -152,5 +162,72 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
         t.elapsed().as_secs_f64(),
         4.0 / took.as_secs_f64().max(1e-3)
     );
+    if let Some(hook) = &args.hook {
+        let server_pod = pods.first().cloned().context("the server pod has no sandbox id")?;
+        policy(client, hook, &server_pod, &client_c, &server_ip, limit).await?;
+    }
+    Ok(())
+}
+
+/// Runs `hook VERB SANDBOX`; an error unless it exits 0.
+async fn run_hook(hook: &str, verb: &str, sandbox: &str) -> Result<String> {
+    let out = tokio::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!("{hook} {verb} {sandbox}"))
+        .output()
+        .await
+        .with_context(|| format!("cannot run the hook {hook:?}"))?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if !out.status.success() {
+        bail!(
+            "the hook `{hook} {verb}` failed ({}): {} {}",
+            out.status,
+            text,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(text)
+}
+
+/// `ping -c 2` from the client container: whether every packet came back.
+async fn pings(client: &mut Client, container: &str, ip: &str, limit: Duration) -> Result<bool> {
+    let r = client
+        .exec_sync(ExecSyncRequest {
+            container_id: container.to_string(),
+            cmd: ["ping", "-c", "2", "-W", "2", ip]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+            timeout: i64::try_from(limit.as_secs()).unwrap_or(i64::MAX),
+        })
+        .await
+        .map_err(rpc)?
+        .into_inner();
+    Ok(r.exit_code == 0 && String::from_utf8_lossy(&r.stdout).contains("2 packets received"))
+}
+
+/// Default-deny on the server pod blocks the client's ping; clearing the
+/// policy lets it through again.
+async fn policy(
+    client: &mut Client,
+    hook: &str,
+    server_pod: &str,
+    client_c: &str,
+    ip: &str,
+    limit: Duration,
+) -> Result<()> {
+    run_hook(hook, "deny", server_pod).await?;
+    let (through, _) = step("net_ping_denied", limit, pings(client, client_c, ip, limit)).await?;
+    if through {
+        bail!("the server pod's default-deny policy let the client's ping to {ip} through");
+    }
+    let drops = run_hook(hook, "drops", server_pod).await?;
+    println!("cri: net policy: default-deny on the server blocked the ping; drops: {drops}");
+    run_hook(hook, "clear", server_pod).await?;
+    let (through, _) = step("net_ping_cleared", limit, pings(client, client_c, ip, limit)).await?;
+    if !through {
+        bail!("the client's ping to {ip} still fails after the server pod's policy was cleared");
+    }
+    println!("cri: net policy: cleared, the ping passes again");
     Ok(())
 }

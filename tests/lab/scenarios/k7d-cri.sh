@@ -316,24 +316,26 @@ steps_side_by_side runc k7d
 lab_note "pod start (s): runc $START_runc, k7d $START_k7d; pod delete (s): runc $DELETE_runc, k7d $DELETE_k7d"
 
 # --- the pod network --------------------------------------------------------------
-# cri_net LABEL HANDLER: k7d-cri net (a server and a client pod: ping, then
-# 4 MiB over TCP with matching sums). For k7d, each pod VM's NIC is on its
-# pod's CNI interface through k7d's datapath (auto: direct when it can);
-# the paths the daemon reported while the pods lived are in /tmp/dp.seen.
+# cri_net LABEL HANDLER [HOOK]: k7d-cri net (a server and a client pod:
+# ping, then 4 MiB over TCP with matching sums; with HOOK, the server pod's
+# default-deny policy blocks the ping and clearing it lets it through). For
+# k7d, each pod VM's NIC is on its pod's CNI interface through k7d's
+# datapath (auto: direct when it can); the paths the daemon reported while
+# the pods lived are in /tmp/dp.seen ("VM datapath: MODE[ (why)]").
 cri_net() {
-  _l=$1 _h=$2
+  _l=$1 _h=$2 _hook=${3:-}
   rm -f /tmp/dp.seen
   if [ "$_h" = k7d ]; then
     ( while :; do
         for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | awk '{print $1}'); do
-          "$LAB_BIN" --socket "$SOCK" info "$_v" 2>/dev/null | grep -o 'datapath: [a-z]*' | sed "s/^/$_v /" >>/tmp/dp.seen
+          "$LAB_BIN" --socket "$SOCK" info "$_v" 2>/dev/null | grep -o 'datapath: [a-z]*[^;]*' | sed "s/^/$_v /" >>/tmp/dp.seen
         done
         sleep 1
       done ) &
     _dpoll=$!
   fi
   timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" net --runtime-handler "$_h" --image "$IMG" --name "$_l" \
-    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" >"/tmp/cri-$_l.out" 2>&1
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_hook:+--hook "$_hook"} >"/tmp/cri-$_l.out" 2>&1
   _rc=$?
   [ -z "${_dpoll:-}" ] || { kill "$_dpoll"; wait "$_dpoll" 2>/dev/null; _dpoll=; }
   sed "s/^/lab: $_l: /" "/tmp/cri-$_l.out"
@@ -344,11 +346,53 @@ cri_net() {
 }
 cri_net net-runc runc
 nothing_left net-runc
-cri_net net-k7d k7d
-_dp=$(sort -u /tmp/dp.seen 2>/dev/null | tr '\n' ' ')
-[ "$(awk '$3 == "direct" {print $1}' /tmp/dp.seen 2>/dev/null | sort -u | grep -c .)" -ge 2 ] ||
-  fail "net-k7d: the daemon did not report the direct datapath for both pod VMs (saw: ${_dp:-nothing})"
-lab_note "net-k7d: the pod VMs' NICs: $_dp"
+# The policy hook (k7d-cri net --hook): the server pod's VM is the shim's
+# pod-<first 16 hex of sha256("k8s.io" NUL sandbox id)> (shim/src/names.rs);
+# `k7d net policy` and `k7d net drops` work on its NIC's pins.
+cat >/tmp/policy.sh <<EOF
+#!/bin/sh
+vm=pod-\$(env printf 'k8s.io\\000%s' "\$2" | sha256sum | cut -c1-16)
+case \$1 in
+  deny) exec "$LAB_BIN" net policy "\$vm" --default-deny ;;
+  clear) exec "$LAB_BIN" net policy "\$vm" --clear ;;
+  drops)
+    out=\$("$LAB_BIN" net drops "\$vm") || exit 1
+    printf '%s\\n' "\$out" | grep -q 'pod-policy-default-deny' || { echo "no default-deny drops on \$vm: \$out"; exit 1; }
+    printf '%s' "\$out" | tr '\\n' ' ' ;;
+  *) exit 2 ;;
+esac
+EOF
+chmod +x /tmp/policy.sh
+# dp_seen LABEL MODE: both pod VMs reported MODE while they lived.
+dp_seen() {
+  _dp=$(sort -u /tmp/dp.seen 2>/dev/null | tr '\n' ' ')
+  [ "$(awk -v m="$2" '$3 == m {print $1}' /tmp/dp.seen 2>/dev/null | sort -u | grep -c .)" -ge 2 ] ||
+    fail "$1: the daemon did not report the $2 datapath for both pod VMs (saw: ${_dp:-nothing})"
+  lab_note "$1: the pod VMs' NICs: $_dp"
+}
+cri_net net-k7d k7d /tmp/policy.sh
+dp_seen net-k7d direct
+grep -q '^cri: net policy: cleared' /tmp/cri-net-k7d.out || fail "net-k7d: the policy check did not run"
+lab_note "net-k7d: $(sed -n 's/^cri: net policy: default-deny/default-deny/p' /tmp/cri-net-k7d.out); cleared: the ping passes again"
+nothing_left net-k7d
+
+# The fallback: a node whose tc object cannot be loaded (node config
+# tc_object names a missing file): auto NICs take the bridge chain, the
+# daemon says why, and the pods still talk.
+kill "$dpid"; wait "$dpid" 2>/dev/null
+echo '{"tc_object": "/nonexistent/k7d_tc.o"}' >/tmp/node-no-tc.json
+"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" --node-config /tmp/node-no-tc.json >>"$DLOG" 2>&1 &
+dpid=$!
+i=0
+until "$LAB_BIN" --socket "$SOCK" list >/dev/null 2>&1; do
+  kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon (tc_object missing) exited at start"
+  i=$((i + 1))
+  [ "$i" -lt 60 ] || fail "the k7d daemon (tc_object missing) did not answer within 30 s"
+  sleep 0.5
+done
+cri_net net-k7d-bridge k7d
+dp_seen net-k7d-bridge bridge
+grep -q 'nonexistent/k7d_tc.o' /tmp/dp.seen || fail "net-k7d-bridge: the bridge fallback does not say why (the missing tc object): $(sort -u /tmp/dp.seen | tr '\n' ' ')"
 
 # The scenario's teardown: nothing for k7d-cri cleanup to do.
 _c=$(timeout -s KILL 120 "$CRI" cleanup --timeout-s 60 2>&1) || fail "k7d-cri cleanup failed: $(printf '%s' "$_c" | tail -n 2 | tr '\n' ' ')"
@@ -361,4 +405,4 @@ left=$(find /run/k7d/shim -mindepth 1 2>/dev/null; find "$STATE" -name '*.sock' 
 [ -z "$left" ] || fail "k7d: left behind: $(printf '%s' "$left" | tr '\n' ' ')"
 lab_note "k7d: nothing left: no pod sandbox, container, task, shim process, VM, network namespace, pod address, pod socket dir, vsock socket or mount"
 lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
-lab_pass "containerd CRI: the same two-container pod under runc and k7d (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), two k7d pods talking over the direct datapath, nothing left"
+lab_pass "containerd CRI: the same two-container pod under runc and k7d (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), two k7d pods talking over the direct datapath (a pod policy blocks and clears) and over the bridge fallback, nothing left"

@@ -597,7 +597,7 @@ impl Daemon {
     fn options(&self, serial_log: &Path) -> VmOptions {
         VmOptions {
             serial_log: Some(serial_log.to_path_buf()),
-            node: self.node,
+            node: self.node.clone(),
             kernel_cache: self.kernel_cache.clone(),
         }
     }

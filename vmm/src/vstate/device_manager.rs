@@ -153,8 +153,9 @@ pub(super) fn add_linux_platform(
     if !config.devices.nics.is_empty() {
         let node = opts.node.net().map_err(|e| dev_err("virtio-net")(&e))?;
         let mut nl = k7d_net::netlink::Netlink::open().map_err(|e| dev_err("virtio-net")(&e))?;
+        let datapath = opts.node.datapath();
         for (i, n) in config.devices.nics.iter().enumerate() {
-            net_cleanups.extend(pci.add_nic(&node, &mut nl, i, n, config.vcpus)?);
+            net_cleanups.extend(pci.add_nic(&node, &datapath, &mut nl, i, n, config.vcpus)?);
         }
     }
     if let Some(v) = &config.devices.vsock {
@@ -391,6 +392,7 @@ impl PciCtx<'_> {
     fn add_nic(
         &mut self,
         node: &k7d_net::policy::NodeNetConfig,
+        datapath: &k7d_net::DatapathConfig,
         nl: &mut k7d_net::netlink::Netlink,
         i: usize,
         n: &crate::config::NicConfig,
@@ -424,8 +426,7 @@ impl PciCtx<'_> {
             }
             Some(d) => {
                 let mode: k7d_net::Mode = d.mode.parse().map_err(|e| dev_err("virtio-net")(&e))?;
-                let dp =
-                    k7d_net::Datapath::new(k7d_net::DatapathConfig::default()).map_err(|e| dev_err("datapath")(&e))?;
+                let dp = k7d_net::Datapath::new(datapath.clone()).map_err(|e| dev_err("datapath")(&e))?;
                 let att = dp
                     .attach(&k7d_net::NicRequest {
                         vm_id: &id,

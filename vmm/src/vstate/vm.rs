@@ -464,7 +464,7 @@ impl Vm {
     }
 
     /// Puts the read-only image at `path` (or, with `None`, no medium) into
-    /// drive `index` of a running or created VM, as a disc into a drive: the
+    /// drive `index` of a running VM, as a disc into a drive: the
     /// guest's driver gets a configuration-change interrupt and re-reads the
     /// capacity. The config records it, so a snapshot reopens it and a fork
     /// child shares it. A failure leaves the drive as it was.
@@ -481,7 +481,9 @@ impl Vm {
                 "disk {index} of vm {id} is read-write; only a read-only drive takes another medium"
             )));
         }
-        if !matches!(self.state(), VmState::Running | VmState::Created) {
+        // Running only: a restored or forked VM that has not started has a
+        // live driver but no worker to raise the change's interrupt.
+        if !matches!(self.state(), VmState::Running) {
             return Err(self.state_error("change a medium"));
         }
         if let Some(p) = path {
@@ -500,20 +502,24 @@ impl Vm {
         };
         // The worker thread restarted after the swap is the VM's.
         let _scope = crate::seccomp::vm_scope(&self.control);
-        handle
+        let r = handle
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .change_medium(medium.clone())
-            .map_err(|e| match e {
-                k7d_devices::virtio::VirtioError::MediumRefused(m) => {
-                    VmError::Refused(format!("disk {index} of vm {id}: {m}"))
-                }
-                other => VmError::DeviceState(format!("disk {index} of vm {id} could not change its medium: {other}")),
-            })?;
+            .change_medium(medium.clone());
+        if let Err(k7d_devices::virtio::VirtioError::MediumRefused(m)) = r {
+            return Err(VmError::Refused(format!("disk {index} of vm {id}: {m}")));
+        }
+        // Any other outcome: the drive holds the new medium, and the
+        // config (what a snapshot reopens) must say so.
         if let Some(d) = self.disks.get_mut(index) {
             *d = medium;
         }
         self.config.devices.disks[index].path = path.map(std::path::Path::to_path_buf);
+        r.map_err(|e| {
+            VmError::DeviceState(format!(
+                "disk {index} of vm {id} took its new medium, but its worker could not restart: {e}"
+            ))
+        })?;
         tracing::info!(vm = %id, disk = index, path = ?path, "medium changed");
         Ok(())
     }

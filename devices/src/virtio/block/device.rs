@@ -319,7 +319,9 @@ impl VirtioDevice for Block {
     /// swap, so no request sees half of it, and an active driver gets a
     /// configuration-change interrupt (Linux re-reads the capacity). The
     /// read-only feature was negotiated once, so a writable drive or
-    /// medium is refused, as is a change while the VM is paused.
+    /// medium is refused, as is a change while the VM is paused (both
+    /// before anything changed: `MediumRefused`). Any other error comes
+    /// after the swap (the worker could not restart).
     fn change_medium(&mut self, medium: Arc<DiskImage>) -> Result<(), VirtioError> {
         if !self.disk.read_only() || !medium.read_only() {
             return Err(VirtioError::MediumRefused(
@@ -343,20 +345,20 @@ impl VirtioDevice for Block {
             }
             None => None,
         };
-        if was_running {
-            self.worker.unpark()?;
-        }
         info!(
             path = self.disk.path(),
             sectors = self.disk.sectors(),
             "virtio-blk medium changed"
         );
-        if let Some(irq) = interrupt {
-            irq.signal_config().map_err(|e| {
-                VirtioError::MediumRefused(format!("the medium changed but the driver could not be told: {e}"))
-            })?;
+        // From here the new medium is in: an error says what did not
+        // follow, and the caller records the change all the same.
+        let restarted = if was_running { self.worker.unpark() } else { Ok(()) };
+        if let Some(irq) = interrupt
+            && let Err(e) = irq.signal_config()
+        {
+            tracing::warn!(error = %e, "the driver could not be told of the medium change");
         }
-        Ok(())
+        restarted
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

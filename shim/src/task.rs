@@ -496,11 +496,6 @@ impl Inner {
         if ann.get(CONTAINER_TYPE).map(String::as_str) == Some("container") {
             return self.create_in_pod(&cfg, &bundle, spec, &ann, req, deadline);
         }
-        let empty_drives = if ann.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox") {
-            cfg.pod_drives
-        } else {
-            0
-        };
         let (vcpus, memory_mib) = cfg
             .shape_for(&ann)
             .map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
@@ -514,7 +509,7 @@ impl Inner {
             }
             st.booting = true;
         }
-        let r = self.boot_and_create(&cfg, &bundle, spec, req, (vcpus, memory_mib, empty_drives), deadline);
+        let r = self.boot_and_create(&cfg, &bundle, spec, req, (vcpus, memory_mib, &ann), deadline);
         let mut st = self.lock();
         st.booting = false;
         // App containers created meanwhile wait for the pod VM.
@@ -606,12 +601,15 @@ impl Inner {
         bundle: &Path,
         spec: serde_json::Value,
         req: &api::CreateTaskRequest,
-        (vcpus, memory_mib, empty_drives): (u8, u64, u8),
+        // The VM's shape and the spec's annotations, as the create read them.
+        (vcpus, memory_mib, ann): (u8, u64, &HashMap<String, String>),
         deadline: Option<Instant>,
     ) -> TtrpcResult<(Pod, stdio::Relays)> {
-        // The pod's network as the CNI set it up: a CRI sandbox's netns (a
-        // plain `ctr run --with-ns network:..` gets no NIC).
-        let cri_sandbox = annotations(&spec).get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
+        // A CRI sandbox's VM boots empty drives for its app containers, and
+        // a NIC in the pod's network as the CNI set it up (a plain `ctr run
+        // --with-ns network:..` gets neither).
+        let cri_sandbox = ann.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
+        let empty_drives = if cri_sandbox { cfg.pod_drives } else { 0 };
         let pod_net = match podnet::netns_path(&spec).filter(|_| cri_sandbox) {
             Some(ns) => Some(podnet::take(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
             None => None,
@@ -669,7 +667,7 @@ impl Inner {
                 netns: n.netns.clone(),
                 pod_if: podnet::POD_IF.into(),
                 mode: cfg.datapath.clone(),
-                pod_uid: annotations(&spec).get(SANDBOX_UID).cloned(),
+                pod_uid: ann.get(SANDBOX_UID).cloned(),
             }),
             vsock_cid: 3,
             vsock_uds: names.vsock.clone(),

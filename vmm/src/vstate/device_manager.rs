@@ -375,9 +375,10 @@ impl PciCtx<'_> {
         blk.track_writes(view.clone());
         let detail = format!(
             "{} ({}), serial {serial}, own dirty bitmap",
-            d.path
-                .as_deref()
-                .map_or_else(|| "(empty)".to_string(), |p| p.display().to_string()),
+            d.path.as_deref().map_or_else(
+                || k7d_devices::virtio::block::EMPTY_MEDIUM.to_string(),
+                |p| p.display().to_string()
+            ),
             if d.read_only { "read-only" } else { "read-write" }
         );
         self.add("virtio-blk", Box::new(blk), view.handle(), detail)?;

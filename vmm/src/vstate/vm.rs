@@ -467,7 +467,8 @@ impl Vm {
     /// drive `index` of a running VM, as a disc into a drive: the
     /// guest's driver gets a configuration-change interrupt and re-reads the
     /// capacity. The config records it, so a snapshot reopens it and a fork
-    /// child shares it. A failure leaves the drive as it was.
+    /// child shares it. A refusal leaves the drive as it was; a worker that
+    /// cannot restart after the swap is an error with the change recorded.
     pub fn change_medium(&mut self, index: usize, path: Option<&std::path::Path>) -> Result<(), VmError> {
         let id = self.id.clone();
         let Some(disk) = self.config.devices.disks.get(index) else {

@@ -122,9 +122,13 @@ if [ -z "${K7D_SKIP_LAB:-}" ]; then
   phase "nested lab (real Linux guests)"
   # Two scenarios at a time: each L1 is one TCG thread, the host has 2 cores
   # (docs/lab.md, K7D_LAB_SLOTS); boot-compare runs alone (exclusive=yes).
+  # Every lab test starts at once and queues in the test binary's gate,
+  # which starts the longest scenarios first (tests/tests/lab.rs, Gate).
+  # --workspace: the feature set the host-level tests were built with, so
+  # nothing is compiled again.
   slots=${K7D_LAB_SLOTS:-$(( $(nproc) >= 2 ? 2 : 1 ))}
-  K7D_LAB_SLOTS=$slots cargo test --release -p k7d-tests --test lab -- --ignored \
-    --test-threads="$slots" --nocapture
+  K7D_LAB_SLOTS=$slots cargo test --release --workspace --test lab -- --ignored \
+    --test-threads=64 --nocapture
 else
   said_skip "nested lab (K7D_SKIP_LAB is set)"
 fi

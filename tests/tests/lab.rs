@@ -11,6 +11,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -148,6 +149,7 @@ fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Val
 }
 
 fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]) -> Result<Value> {
+    let _turn = Gate::get().enter(scenario);
     let out = out_dir(scenario);
     let mut cmd = Command::new(lab_dir().join("run.sh"));
     cmd.arg("--out").arg(&out).env("K7D_LAB_QUIET", "1");
@@ -179,6 +181,185 @@ fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]
         }
         None => bail!("lab scenario {scenario}: no result ({})\n{text}", output.status),
     }
+}
+
+/// Typical L1 seconds of each scenario in CI (the lab summary of a recent
+/// fresh-clone run, rounded up): the gate starts the longest first.
+/// A scenario missing here counts as 60 s.
+const TYPICAL_L1_S: &[(&str, u32)] = &[
+    ("k7d-cri", 230),
+    ("k7d-shim", 180),
+    ("k7d-cluster", 175),
+    ("k7d-memory", 165),
+    ("k7d-fork", 95),
+    ("k7d-fork-vhost", 75),
+    ("k7d-blk", 70),
+    ("k7d-net-vhost", 60),
+    ("k7d-direct", 60),
+    ("k7d-net", 60),
+    ("lab-l1-freeze", 50),
+    ("k7d-fork-stall", 45),
+    ("qemu-boot", 45),
+    ("lab-silent", 45),
+    ("k7d-boot", 40),
+    ("lab-stall", 35),
+    ("host-tests-l1", 25),
+    ("k7d-policy", 25),
+    ("l1-net", 10),
+];
+
+/// The lab's scheduler inside this test process. CI runs every lab test at
+/// once (`--test-threads` well above the slot count); each waits here for
+/// its turn, and a turn goes to the waiting scenario with the longest
+/// typical L1 time ([`TYPICAL_L1_S`]; an exclusive one such as
+/// boot-compare, which takes every slot, before all), so the long ones
+/// do not end up last on one slot while the other idles. The first turn
+/// waits until no test arrived for a moment, so every test has queued.
+/// `run.sh`'s own slot locks stay the authority between processes.
+struct Gate {
+    state: Mutex<GateState>,
+    turn: Condvar,
+}
+
+struct GateState {
+    free: u32,
+    slots: u32,
+    /// (rank, scenario): the higher rank goes first.
+    waiting: Vec<(u32, String)>,
+    last_arrival: Instant,
+    started: bool,
+}
+
+/// A turn in the gate, given back on drop.
+struct Turn {
+    gate: &'static Gate,
+    need: u32,
+}
+
+impl Gate {
+    /// How long the first turn waits for no further arrival.
+    const SETTLE: Duration = Duration::from_secs(3);
+
+    fn get() -> &'static Gate {
+        static GATE: OnceLock<Gate> = OnceLock::new();
+        GATE.get_or_init(|| {
+            let slots = std::env::var("K7D_LAB_SLOTS")
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .filter(|n| (1..=8).contains(n))
+                .unwrap_or(1);
+            Gate::new(slots)
+        })
+    }
+
+    fn new(slots: u32) -> Gate {
+        Gate {
+            state: Mutex::new(GateState {
+                free: slots,
+                slots,
+                waiting: Vec::new(),
+                last_arrival: Instant::now(),
+                started: false,
+            }),
+            turn: Condvar::new(),
+        }
+    }
+
+    fn enter(&'static self, scenario: &str) -> Turn {
+        let exclusive = std::fs::read_to_string(lab_dir().join("scenarios").join(format!("{scenario}.sh")))
+            .is_ok_and(|s| s.lines().any(|l| l.trim() == "# lab: exclusive=yes"));
+        let typical = TYPICAL_L1_S
+            .iter()
+            .find(|(name, _)| *name == scenario)
+            .map_or(60, |(_, s)| *s);
+        let rank = if exclusive { u32::MAX } else { typical };
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let need = if exclusive { st.slots } else { 1 };
+        st.waiting.push((rank, scenario.to_string()));
+        st.last_arrival = Instant::now();
+        self.turn.notify_all();
+        loop {
+            if !st.started {
+                let quiet = st.last_arrival.elapsed();
+                if quiet < Self::SETTLE {
+                    st = self
+                        .turn
+                        .wait_timeout(st, Self::SETTLE - quiet)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                    continue;
+                }
+                st.started = true;
+            }
+            let head = st
+                .waiting
+                .iter()
+                .enumerate()
+                .max_by_key(|(i, (rank, _))| (*rank, std::cmp::Reverse(*i)))
+                .map(|(i, _)| i);
+            let mine = st.waiting.iter().position(|(_, s)| s == scenario);
+            if head.is_some() && head == mine && st.free >= need {
+                st.free -= need;
+                if let Some(i) = mine {
+                    st.waiting.remove(i);
+                }
+                return Turn { gate: self, need };
+            }
+            st = self.turn.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        let mut st = self.gate.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.free += self.need;
+        self.gate.turn.notify_all();
+    }
+}
+
+/// The gate gives a free slot to the longest waiting scenario, and an
+/// exclusive one waits for every slot; fast, no lab.
+#[test]
+fn lab_gate_starts_the_longest_first() {
+    let gate: &'static Gate = Box::leak(Box::new(Gate::new(2)));
+    let order = std::sync::Arc::new(Mutex::new(Vec::new()));
+    let (held, held2) = (gate.enter("l1-net"), gate.enter("k7d-policy"));
+    let run = |name: &'static str, hold: Duration| {
+        let order = order.clone();
+        std::thread::spawn(move || {
+            let _turn = gate.enter(name);
+            order.lock().unwrap().push(name);
+            std::thread::sleep(hold);
+        })
+    };
+    // Three queue while both slots are held; the one slot given back goes
+    // to the longest (k7d-cri), then to the next longest.
+    let queued = [
+        run("lab-stall", Duration::from_millis(100)),
+        run("k7d-cri", Duration::from_millis(100)),
+        run("k7d-blk", Duration::from_millis(100)),
+    ];
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(order.lock().unwrap().is_empty(), "a scenario started with no slot free");
+    drop(held);
+    for t in queued {
+        t.join().unwrap();
+    }
+    drop(held2);
+    assert_eq!(*order.lock().unwrap(), ["k7d-cri", "k7d-blk", "lab-stall"]);
+    // boot-compare (exclusive) takes both slots: a held slot keeps it out.
+    let held = gate.enter("l1-net");
+    let t = run("boot-compare", Duration::ZERO);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        order.lock().unwrap().len(),
+        3,
+        "boot-compare started beside another scenario"
+    );
+    drop(held);
+    t.join().unwrap();
+    assert_eq!(order.lock().unwrap().last(), Some(&"boot-compare"));
 }
 
 /// A metric the scenario printed (`LAB-METRIC name value unit`), in seconds.
@@ -679,8 +860,9 @@ fn test_binary(name: &str) -> Result<PathBuf> {
         .args([
             "test",
             "--release",
-            "-p",
-            "k7d-tests",
+            // The workspace's feature set, as tests/run-all.sh builds the
+            // lab's own binary: nothing is compiled again.
+            "--workspace",
             "--test",
             name,
             "--no-run",

@@ -97,6 +97,7 @@ fn main() -> Result<()> {
                 let v = c.call(&Request::Fork(ForkArgs {
                     id: "src".into(),
                     count: 1,
+                    ..Default::default()
                 }))?;
                 child = v["children"][0]["id"].as_str().unwrap_or_default().to_string();
                 Ok(())

@@ -109,6 +109,7 @@ impl Pkt {
 
 /// Driver side of one split virtqueue: descriptor table, available ring and
 /// used ring each on their own page.
+#[derive(Clone)]
 struct Vq {
     desc: u64,
     avail: u64,
@@ -183,6 +184,11 @@ struct Machine {
 impl Machine {
     fn new(path: &PathBuf) -> Self {
         let mem = Arc::new(GuestMemoryTracked::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap());
+        Self::on(mem, path)
+    }
+
+    /// A vsock function on `mem` (a fork child's RAM holds the source's).
+    fn on(mem: Arc<GuestMemoryTracked>, path: &PathBuf) -> Self {
         let vsock = Vsock::new(CID, path).unwrap();
         let vdev = VirtioPciDevice::new(Box::new(vsock), mem.clone(), Arc::new(NoopMsiRouter)).unwrap();
         let dev = Arc::new(Mutex::new(vdev));
@@ -864,4 +870,77 @@ impl Guest {
         g.m.kick(0);
         g
     }
+}
+
+/// A fork child's (or a restored snapshot's) vsock: the state carries no
+/// connection, the child's device listens on its own socket, and its first
+/// act on the guest's rings is a TRANSPORT_RESET event, so the guest drops
+/// the connections it thinks it has; the source keeps its connection.
+#[test]
+fn a_restored_device_resets_the_guests_connections_and_serves_its_own_socket() {
+    const EV_BUF: u64 = 0x6_0000;
+    let path = uds("r-src");
+    let mut g = Guest::new(&path);
+    let (mut host, mut conn) = host_connect(&mut g, &path, 77);
+    // The guest's event buffers (Linux posts 8 at probe), filled with a
+    // pattern so the device's write shows.
+    g.m.mem.write_slice(&[0xa5; 16], GuestAddress(EV_BUF)).unwrap();
+    for i in 0..2 {
+        g.ev.add(&g.m.mem, &[(EV_BUF + 8 * i, 8, true)]);
+    }
+    g.m.kick(2);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(g.ev.used_idx(&g.m.mem), 0, "a live device sent an event");
+
+    g.m.dev.lock().unwrap().pause().unwrap();
+    let st = g.m.dev.lock().unwrap().save_state().unwrap();
+    assert!(st.device_state.is_empty(), "vsock carries no state");
+    // The child: a copy of the guest's RAM, a function of its own.
+    let child_mem = Arc::new(GuestMemoryTracked::from_ranges(&[(GuestAddress(0), MEM_SIZE)]).unwrap());
+    let mut bytes = vec![0u8; MEM_SIZE];
+    g.m.mem.read_slice(&mut bytes, GuestAddress(0)).unwrap();
+    child_mem.write_slice(&bytes, GuestAddress(0)).unwrap();
+    let child_path = uds("r-child");
+    let m2 = Machine::on(child_mem, &child_path);
+    m2.dev.lock().unwrap().restore_state(&st).unwrap();
+    m2.dev.lock().unwrap().start_restored().unwrap();
+    let mut child = Guest {
+        m: m2,
+        rx: g.rx.clone(),
+        tx: g.tx.clone(),
+        ev: g.ev.clone(),
+        rx_heads: g.rx_heads.clone(),
+        tx_slot: g.tx_slot,
+        tx_outstanding: g.tx_outstanding,
+        rx_empty: g.rx_empty,
+    };
+    let t0 = Instant::now();
+    let used = loop {
+        if let Some(u) = child.ev.pop_used(&child.m.mem) {
+            break u;
+        }
+        assert!(t0.elapsed() < TIMEOUT, "no transport reset event");
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    assert_eq!(used, (0, 4), "the first event buffer, 4 bytes");
+    let id: u32 = child.m.mem.read_obj(GuestAddress(EV_BUF)).unwrap();
+    assert_eq!(id, 0, "VIRTIO_VSOCK_EVENT_TRANSPORT_RESET");
+    let untouched: u32 = child.m.mem.read_obj(GuestAddress(EV_BUF + 8)).unwrap();
+    assert_eq!(untouched, 0xa5a5_a5a5, "one event, not two");
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(child.ev.pop_used(&child.m.mem).is_none(), "the reset is sent once");
+
+    // The child's own socket reaches the guest's listener.
+    let (mut child_host, mut child_conn) = host_connect(&mut child, &child_path, 77);
+    let data = pattern(3000, 11);
+    child_host.write_all(&data).unwrap();
+    assert_eq!(
+        checksum(&child_conn.recv_bytes(&mut child, data.len())),
+        checksum(&data)
+    );
+    // The source kept its connection.
+    g.m.dev.lock().unwrap().resume().unwrap();
+    let data = pattern(2000, 12);
+    host.write_all(&data).unwrap();
+    assert_eq!(checksum(&conn.recv_bytes(&mut g, data.len())), checksum(&data));
 }

@@ -289,6 +289,7 @@ fn every_op_answers_with_the_type_its_op_defines() {
         Request::Fork(ForkArgs {
             id: "t".into(),
             count: 2,
+            ..Default::default()
         }),
         Request::Rebase("t".into()),
         Request::Peek(PeekArgs {
@@ -368,6 +369,7 @@ fn a_fork_whose_child_cannot_be_recorded_leaves_no_child() {
         c.call(&Request::Fork(ForkArgs {
             id: "src".into(),
             count: 2,
+            ..Default::default()
         }))
     };
     let e = fork(&mut c).unwrap_err();
@@ -422,6 +424,7 @@ fn a_refused_fork_releases_the_ids_it_reserved() {
         .call(&Request::Fork(ForkArgs {
             id: id.clone(),
             count: 10,
+            ..Default::default()
         }))
         .unwrap_err();
     assert_eq!(e.code, ErrorCode::InvalidArgument);
@@ -430,6 +433,7 @@ fn a_refused_fork_releases_the_ids_it_reserved() {
         .call(&Request::Fork(ForkArgs {
             id: id.clone(),
             count: 9,
+            ..Default::default()
         }))
         .unwrap();
     assert_eq!(r["children"].as_array().unwrap().len(), 9);
@@ -651,7 +655,13 @@ fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
             start: true,
         }))
         .unwrap();
-    let fork = |id: &str, count: u32| d.daemon.handle(Request::Fork(ForkArgs { id: id.into(), count }));
+    let fork = |id: &str, count: u32| {
+        d.daemon.handle(Request::Fork(ForkArgs {
+            id: id.into(),
+            count,
+            ..Default::default()
+        }))
+    };
     let info = |id: &str| {
         let Reply::Vm(i) = d.daemon.handle(Request::Info(id.into())).unwrap() else {
             panic!("info answered another type")
@@ -728,4 +738,129 @@ fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
         }))
         .unwrap();
     assert!(info("bud").children.is_empty(), "a new VM under the id has no children");
+}
+
+/// A fork that shapes its one child (what the shim's fork-started pods
+/// ask): the child takes the chosen id; a name with a count, a relative
+/// socket, a taken name, a NIC attachment in a bad mode, or a socket for a
+/// source without vsock is refused with a sentence and makes nothing.
+#[test]
+fn a_fork_names_its_one_child_and_refuses_what_does_not_fit() {
+    use k7d_vmm::config::DatapathNicConfig;
+    use k7d_vmm::daemon::api::ForkArgs;
+    let d = TestDaemon::start("fork-named");
+    let mut cfg = k7d_tests::builtin("memwriter", 1, 8, &[16, 0x20_0000, 1]);
+    cfg.id = Some("tpl".into());
+    d.daemon
+        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+            config: cfg,
+            start: true,
+        }))
+        .unwrap();
+    let ids = || {
+        let Reply::List(l) = d.daemon.handle(Request::List).unwrap() else {
+            panic!()
+        };
+        let mut v: Vec<String> = l.vms.into_iter().map(|v| v.id).collect();
+        v.sort();
+        v
+    };
+    let Reply::Forked(f) = d
+        .daemon
+        .handle(Request::Fork(ForkArgs {
+            id: "tpl".into(),
+            name: Some("pod-a".into()),
+            ..Default::default()
+        }))
+        .unwrap()
+    else {
+        panic!("fork answered another type")
+    };
+    assert_eq!(f.children.len(), 1);
+    assert_eq!(f.children[0].info.id, "pod-a");
+    assert_eq!(ids(), ["pod-a", "tpl"]);
+    let before = ids();
+    let nic = |mode: &str, netns: &str| DatapathNicConfig {
+        mode: mode.into(),
+        netns: netns.into(),
+        pod_if: "eth0".into(),
+        pod_uid: None,
+    };
+    for (args, code, want) in [
+        (
+            ForkArgs {
+                id: "tpl".into(),
+                count: 2,
+                name: Some("pod-b".into()),
+                ..Default::default()
+            },
+            ErrorCode::InvalidArgument,
+            "one child at a time",
+        ),
+        (
+            ForkArgs {
+                id: "tpl".into(),
+                name: Some("pod-a".into()),
+                ..Default::default()
+            },
+            ErrorCode::Conflict,
+            "vm pod-a already exists",
+        ),
+        (
+            ForkArgs {
+                id: "tpl".into(),
+                vsock_uds: Some("rel/v.sock".into()),
+                ..Default::default()
+            },
+            ErrorCode::InvalidArgument,
+            "must be absolute",
+        ),
+        (
+            ForkArgs {
+                id: "tpl".into(),
+                name: Some("../x".into()),
+                ..Default::default()
+            },
+            ErrorCode::InvalidArgument,
+            "../x",
+        ),
+        (
+            ForkArgs {
+                id: "tpl".into(),
+                nics: vec![Some(nic("direct", "run/netns/p"))],
+                ..Default::default()
+            },
+            ErrorCode::InvalidArgument,
+            "absolute",
+        ),
+        (
+            ForkArgs {
+                id: "tpl".into(),
+                name: Some("pod-c".into()),
+                nics: vec![Some(nic("direct", "/run/netns/p"))],
+                ..Default::default()
+            },
+            ErrorCode::Conflict,
+            "1 NIC attachment(s) given, the source has 0 NIC(s)",
+        ),
+        (
+            ForkArgs {
+                id: "tpl".into(),
+                name: Some("pod-d".into()),
+                vsock_uds: Some("/run/k7d-test-nowhere.sock".into()),
+                ..Default::default()
+            },
+            ErrorCode::Conflict,
+            "the source has no vsock",
+        ),
+    ] {
+        let e = d.daemon.handle(Request::Fork(args.clone())).unwrap_err();
+        assert!(
+            e.message.contains(want) && !e.message.contains('\n'),
+            "{args:?}: {}",
+            e.message
+        );
+        assert_eq!(e.code, code, "{args:?}: {}", e.message);
+        assert_eq!(ids(), before, "a refused fork made something: {args:?}");
+    }
 }

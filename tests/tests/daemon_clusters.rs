@@ -70,6 +70,7 @@ fn a_cluster_forks_under_one_pause_into_clusters_of_its_own() {
         .handle(Request::Fork(ForkArgs {
             id: "lab".into(),
             count: 2,
+            ..Default::default()
         }))
         .unwrap()
     else {
@@ -111,6 +112,7 @@ fn a_cluster_forks_under_one_pause_into_clusters_of_its_own() {
         .handle(Request::Fork(ForkArgs {
             id: "lab-f1".into(),
             count: 1,
+            ..Default::default()
         }))
         .unwrap()
     else {
@@ -210,6 +212,7 @@ fn bad_cluster_requests_are_refused_with_a_sentence_and_change_nothing() {
             Request::Fork(ForkArgs {
                 id: "lab".into(),
                 count: 65,
+                ..Default::default()
             }),
             ErrorCode::InvalidArgument,
             "out of range",
@@ -238,6 +241,7 @@ fn bad_cluster_requests_are_refused_with_a_sentence_and_change_nothing() {
         Request::Fork(ForkArgs {
             id: "lab".into(),
             count: 40,
+            ..Default::default()
         }),
     );
     assert_eq!(c, ErrorCode::InvalidArgument, "{m}");
@@ -272,6 +276,7 @@ fn a_cluster_fork_that_cannot_build_a_child_leaves_no_child_and_the_members_runn
         Request::Fork(ForkArgs {
             id: "lab".into(),
             count: 1,
+            ..Default::default()
         }),
     );
     assert_eq!(c, ErrorCode::Internal, "{m}");
@@ -293,6 +298,7 @@ fn a_cluster_fork_that_cannot_build_a_child_leaves_no_child_and_the_members_runn
         .handle(Request::Fork(ForkArgs {
             id: "lab".into(),
             count: 1,
+            ..Default::default()
         }))
         .unwrap()
     else {
@@ -490,6 +496,7 @@ fn a_cluster_has_a_private_bridge_and_each_fork_one_of_its_own() {
         .handle(Request::Fork(ForkArgs {
             id: "brnet".into(),
             count: 2,
+            ..Default::default()
         }))
         .unwrap()
     else {

@@ -241,6 +241,7 @@ fn the_daemon_rebases_a_source_past_its_threshold_and_leaves_the_others() {
             .handle(Request::Fork(ForkArgs {
                 id: id.into(),
                 count: 1,
+                ..Default::default()
             }))
             .unwrap();
     }

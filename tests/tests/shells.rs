@@ -294,6 +294,7 @@ fn the_daemon_keeps_shells_for_the_vms_that_ask_and_forks_into_them() {
             .handle(Request::Fork(ForkArgs {
                 id: "src".into(),
                 count,
+                ..Default::default()
             }))
             .unwrap()
         else {

@@ -745,7 +745,11 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             disk,
             path: path.map(|p| std::path::absolute(&p).unwrap_or(p)),
         }),
-        ApiCmd::Fork { id, count } => Request::Fork(ForkArgs { id, count }),
+        ApiCmd::Fork { id, count } => Request::Fork(ForkArgs {
+            id,
+            count,
+            ..Default::default()
+        }),
         ApiCmd::List => Request::List,
         ApiCmd::Rebase { id } => Request::Rebase(id),
         ApiCmd::Cluster(c) => match c {

@@ -33,10 +33,6 @@ pub const API_VERSION: u32 = 1;
 /// A request: its `op` and its `args`, as they travel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", content = "args", rename_all = "snake_case", deny_unknown_fields)]
-#[expect(
-    clippy::large_enum_variant,
-    reason = "one request per API call, parsed and handled once: boxing the VM config saves a few hundred bytes of stack, nothing else"
-)]
 pub enum Request {
     /// Build a VM (and start it when `start`).
     Create(CreateArgs),
@@ -142,6 +138,37 @@ pub struct ForkArgs {
     /// members is at most [`MAX_FORKS`]).
     #[serde(default = "one")]
     pub count: u32,
+    /// The child's id (one child of a VM only; default `<id>-f<n>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The child's NIC `i` attached through the datapath to a pod's
+    /// network instead of a bare tap (one child of a VM only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nics: Vec<Option<crate::config::DatapathNicConfig>>,
+    /// The child's vsock host socket, absolute (one child of a VM only;
+    /// default: the source's path with `-<child id>` appended).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vsock_uds: Option<PathBuf>,
+}
+
+/// One child of nothing: set `id` (and what else the fork needs).
+impl Default for ForkArgs {
+    fn default() -> Self {
+        Self {
+            id: String::new(),
+            count: 1,
+            name: None,
+            nics: Vec::new(),
+            vsock_uds: None,
+        }
+    }
+}
+
+impl ForkArgs {
+    /// Whether this names what its one child gets (name, NICs, socket).
+    pub fn shapes_the_child(&self) -> bool {
+        self.name.is_some() || !self.nics.is_empty() || self.vsock_uds.is_some()
+    }
 }
 
 /// `medium`'s arguments.
@@ -298,6 +325,36 @@ impl Request {
                             "count = {} is out of range: fork makes 1 to {MAX_FORKS} children at a time",
                             a.count
                         ),
+                    ));
+                }
+                if a.shapes_the_child() && a.count != 1 {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        "a child's name, NICs or vsock socket are given for one child at a time (count 1)",
+                    ));
+                }
+                if let Some(n) = &a.name {
+                    id(n)?;
+                }
+                // One PCI bus: fewer than 32 functions of any kind.
+                if a.nics.len() > 32 {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        format!("{} NICs given, a VM has fewer than 32", a.nics.len()),
+                    ));
+                }
+                for d in a.nics.iter().flatten() {
+                    if !d.netns.is_absolute() {
+                        return Err(ApiError::new(
+                            ErrorCode::InvalidArgument,
+                            "a pod network namespace must be an absolute path",
+                        ));
+                    }
+                }
+                if a.vsock_uds.as_ref().is_some_and(|p| !p.is_absolute()) {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        "a vsock socket's path must be absolute (the daemon's working directory is not the client's)",
                     ));
                 }
                 Ok(())
@@ -832,6 +889,7 @@ mod tests {
             Request::Fork(ForkArgs {
                 id: "web".into(),
                 count: 3,
+                ..Default::default()
             }),
             Request::Peek(PeekArgs {
                 id: "web".into(),
@@ -961,6 +1019,7 @@ mod tests {
                 Request::Fork(ForkArgs {
                     id: "s".into(),
                     count: 1,
+                    ..Default::default()
                 }),
             ),
             (

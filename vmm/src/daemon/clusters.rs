@@ -538,7 +538,7 @@ impl Daemon {
         // Per member: its children's ids, one per fork.
         let held: Vec<Reservation<'_>> = members
             .iter()
-            .map(|m| self.reserve_children(m, count))
+            .map(|m| self.reserve_children(m, count, None))
             .collect::<Result<_, _>>()?;
         let ids: Vec<Vec<String>> = (0..count as usize)
             .map(|f| held.iter().map(|r| r.ids()[f].clone()).collect())

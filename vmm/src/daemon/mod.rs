@@ -461,8 +461,17 @@ impl Daemon {
             }
             Request::Snapshot(a) => Reply::Snapshot(self.snapshot(&a.id, &a.dir, a.replace)?),
             Request::Restore(a) => Reply::Vm(Box::new(self.restore(&a.dir, a.id)?)),
+            Request::Fork(a) if self.is_cluster(&a.id) && a.shapes_the_child() => {
+                return Err(ApiError::new(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "{} is a cluster: its children's names, NICs and sockets are not chosen one by one",
+                        a.id
+                    ),
+                ));
+            }
             Request::Fork(a) if self.is_cluster(&a.id) => Reply::Forked(self.cluster_fork(&a.id, a.count)?),
-            Request::Fork(a) => Reply::Forked(self.fork(&a.id, a.count)?),
+            Request::Fork(a) => Reply::Forked(self.fork(&a)?),
             Request::Peek(a) => Reply::Peek(self.peek(&a.id, a.addr, a.count)?),
             Request::Medium(a) => Reply::Vm(Box::new(self.transition(&a.id, |vm| {
                 let disk = usize::try_from(a.disk).unwrap_or(usize::MAX);
@@ -648,7 +657,7 @@ impl Daemon {
 
     /// Reserves `count` free child ids of `source`: `<source>-f<n>`, the
     /// lowest `n` that neither a VM nor a record holds.
-    fn reserve_children(&self, source: &str, count: u32) -> Result<Reservation<'_>, ApiError> {
+    fn reserve_children(&self, source: &str, count: u32, name: Option<&str>) -> Result<Reservation<'_>, ApiError> {
         // The source's budget (its config never changes) before the map:
         // the map is never held while waiting for a VM's lock.
         let (budget, memory_mib, disk_used) = self.with_vm(source, |vm| {
@@ -659,6 +668,18 @@ impl Daemon {
         let live = self.parents().values().filter(|p| p.id == source && !p.deleted).count() as u32;
         if let Some(why) = budget.refusal(source, live, count, memory_mib, disk_used) {
             return Err(ApiError::new(ErrorCode::Conflict, why));
+        }
+        if let Some(name) = name {
+            // One child under the name its client chose.
+            if vms.contains_key(name) || self.clusters.contains(name) || self.store.load(name).ok().flatten().is_some()
+            {
+                return Err(ApiError::new(
+                    ErrorCode::Conflict,
+                    format!("vm {name} already exists: a fork child needs an id of its own"),
+                ));
+            }
+            vms.insert(name.to_string(), Slot::Reserved);
+            ids.push(name.to_string());
         }
         let mut n = 0u32;
         let complete = loop {
@@ -786,9 +807,11 @@ impl Daemon {
         })
     }
 
-    fn fork(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
+    fn fork(&self, args: &api::ForkArgs) -> Result<Forked, ApiError> {
+        let (id, count) = (args.id.as_str(), args.count);
+        let spec = child_spec(args);
         let source = self.get(id)?;
-        let held = self.reserve_children(id, count)?;
+        let held = self.reserve_children(id, count, args.name.as_deref())?;
         let (built, pause_ms, source_paused_ms, rebased) = {
             let g = lock_vm(&source);
             if count >= 2 && matches!(g.state(), VmState::Running | VmState::Paused | VmState::Created) {
@@ -837,7 +860,7 @@ impl Daemon {
             } else {
                 with_paused(&g, |vm, paused| {
                     let t0 = Instant::now();
-                    let built = self.build_children(vm, &held)?;
+                    let built = self.build_children(vm, &held, &spec)?;
                     Ok((built, ms(paused), ms(paused + t0.elapsed()), Vec::new()))
                 })?
             }
@@ -869,7 +892,12 @@ impl Daemon {
     }
 
     /// Builds a child of the paused `vm` for every id `held` reserved.
-    fn build_children(&self, vm: &Vm, held: &Reservation<'_>) -> Result<Vec<(Vm, PathBuf, Duration)>, ApiError> {
+    fn build_children(
+        &self,
+        vm: &Vm,
+        held: &Reservation<'_>,
+        spec: &crate::ChildSpec,
+    ) -> Result<Vec<(Vm, PathBuf, Duration)>, ApiError> {
         let mut built = Vec::with_capacity(held.ids().len());
         for cid in held.ids() {
             let serial_log = self.store.runtime_dir(cid).map_err(internal)?.join("serial.log");
@@ -877,7 +905,7 @@ impl Daemon {
             let capture = vm.capture().map_err(vm_error)?;
             let shell = self.shells.take(vm.shape());
             let child = vm
-                .fork_from_shell(&capture, cid, &self.options(&serial_log), shell)
+                .fork_child(&capture, cid, &self.options(&serial_log), shell, spec)
                 .map_err(vm_error)?;
             built.push((child, serial_log, t.elapsed()));
         }
@@ -937,6 +965,14 @@ impl Daemon {
         }
         // The clusters went with their members.
         self.clusters.remove_all();
+    }
+}
+
+/// What the one child of `args` gets instead of its source's.
+fn child_spec(args: &api::ForkArgs) -> crate::ChildSpec {
+    crate::ChildSpec {
+        nics: args.nics.clone(),
+        vsock_uds: args.vsock_uds.clone(),
     }
 }
 

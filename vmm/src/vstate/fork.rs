@@ -93,6 +93,19 @@ impl Vm {
         opts: &VmOptions,
         shell: Option<Shell>,
     ) -> Result<Self, VmError> {
+        self.fork_child(capture, child_id, opts, shell, &ChildSpec::default())
+    }
+
+    /// [`Vm::fork_from_shell`] with what the child gets instead of its
+    /// source's ([`ChildSpec`]: a pod's network, its own vsock socket).
+    pub fn fork_child(
+        &self,
+        capture: &Capture,
+        child_id: &str,
+        opts: &VmOptions,
+        shell: Option<Shell>,
+        spec: &ChildSpec,
+    ) -> Result<Self, VmError> {
         if let Some(s) = &shell
             && s.shape() != self.shape()
         {
@@ -138,6 +151,8 @@ impl Vm {
         for n in &mut config.devices.nics {
             n.tap = None;
         }
+        spec.apply(&mut config, child_id)
+            .map_err(|e| VmError::Refused(format!("vm {} cannot be forked into {child_id}: {e}", self.id)))?;
         Self::build(
             child_id,
             &config,
@@ -159,6 +174,58 @@ impl Vm {
             vcpus: self.config.vcpus,
             ram: self.ram.size(),
         }
+    }
+}
+
+/// What one fork child gets instead of its source's. The default: a bare
+/// tap of its own per NIC, and its vsock's host socket beside the
+/// source's (`<source socket>-<child id>`).
+#[derive(Debug, Clone, Default)]
+pub struct ChildSpec {
+    /// NIC `i` attached through the datapath (a pod's network) instead of a
+    /// bare tap; at most as many as the source has NICs.
+    pub nics: Vec<Option<crate::config::DatapathNicConfig>>,
+    /// The child's vsock host socket (an absolute path that does not exist).
+    pub vsock_uds: Option<std::path::PathBuf>,
+}
+
+impl ChildSpec {
+    /// Puts this into the child's `config` (the source's, copied), each
+    /// NIC attachment checked as a create's is.
+    fn apply(&self, config: &mut crate::config::VmConfig, child_id: &str) -> Result<(), String> {
+        if self.nics.len() > config.devices.nics.len() {
+            return Err(format!(
+                "{} NIC attachment(s) given, the source has {} NIC(s)",
+                self.nics.len(),
+                config.devices.nics.len()
+            ));
+        }
+        for (i, (n, d)) in config.devices.nics.iter_mut().zip(&self.nics).enumerate() {
+            if let Some(d) = d {
+                d.mode.parse::<k7d_net::Mode>().map_err(|e| format!("nic {i}: {e}"))?;
+                if !d.netns.is_absolute() {
+                    return Err(format!(
+                        "nic {i}: the pod network namespace {} is not an absolute path",
+                        d.netns.display()
+                    ));
+                }
+                n.datapath = Some(d.clone());
+                // The datapath never gives vhost: the child's plane is
+                // the userspace one whatever the source's was.
+                n.vhost = Some(false);
+            }
+        }
+        match (&mut config.devices.vsock, &self.vsock_uds) {
+            (None, Some(_)) => return Err("a vsock socket was given, but the source has no vsock".into()),
+            (None, None) => {}
+            (Some(v), Some(uds)) => v.uds = uds.clone(),
+            (Some(v), None) => {
+                let mut uds = v.uds.clone().into_os_string();
+                uds.push(format!("-{child_id}"));
+                v.uds = uds.into();
+            }
+        }
+        Ok(())
     }
 }
 

@@ -4,7 +4,7 @@ mod builder;
 pub mod cluster;
 pub mod control;
 mod device_manager;
-mod fork;
+pub mod fork;
 pub mod irq;
 pub mod memory;
 pub mod persist;

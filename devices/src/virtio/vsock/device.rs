@@ -4,7 +4,7 @@
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 use virtio_queue::Queue;
 use vmm_sys_util::epoll::Epoll;
 
@@ -25,6 +25,10 @@ pub struct Vsock {
     listener: UnixListener,
     queue_sizes: [u16; NUM_QUEUES],
     worker: WorkerThread<VsockWorker>,
+    /// Restored from a snapshot or a fork: the guest's sockets still think
+    /// they are connected to peers this device never had. The worker's
+    /// first act is a TRANSPORT_RESET event (virtio 1.2 §5.10.6.7).
+    reset_guest: bool,
 }
 
 impl std::fmt::Debug for Vsock {
@@ -62,6 +66,7 @@ impl Vsock {
             listener,
             queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
             worker: WorkerThread::new("k7d-vsock"),
+            reset_guest: false,
         })
     }
 
@@ -155,6 +160,7 @@ impl VirtioDevice for Vsock {
             buf: vec![0; MAX_PKT_BUF_SIZE as usize],
             tx_kick: false,
             mux_events: Vec::new(),
+            pending_reset: std::mem::take(&mut self.reset_guest),
         };
         self.worker.spawn(worker)?;
         info!(cid = self.cid, features = ctx.acked_features, "virtio-vsock activated");
@@ -183,31 +189,31 @@ impl VirtioDevice for Vsock {
         vec![format!("backend worker={}", self.worker.state_word())]
     }
 
+    /// A child gets a device of its own (its own host socket, no host
+    /// connections) and the guest a transport reset (see [`persist`]).
     fn can_fork(&self) -> Result<(), VirtioError> {
-        Err(VirtioError::NotForkable {
-            device: "vsock",
-            why: "holds host connections, which cannot be carried into a child".into(),
-        })
+        Ok(())
     }
 
+    fn fork_backend(&mut self) -> Result<crate::virtio::ForkBackend, VirtioError> {
+        Ok(crate::virtio::ForkBackend::from_config())
+    }
+
+    /// Host connections are not carried: the state is empty
+    /// ([`persist::save`]); the source keeps its connections.
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {
-        persist::save().map_err(|e| {
-            error!(error = %e, "vsock snapshot refused");
-            VirtioError::Unsupported {
-                device: "vsock",
-                op: "snapshot",
-            }
-        })
+        Ok(persist::save())
     }
 
+    /// Takes an empty state and resets the guest's connections when the
+    /// device starts on the guest's rings.
     fn restore(&mut self, state: &[u8]) -> Result<(), VirtioError> {
-        persist::restore(state).map_err(|e| {
-            error!(error = %e, "vsock restore refused");
-            VirtioError::Unsupported {
-                device: "vsock",
-                op: "restore",
-            }
-        })
+        persist::restore(state).map_err(|e| VirtioError::Restore {
+            device: "vsock",
+            why: e.to_string(),
+        })?;
+        self.reset_guest = true;
+        Ok(())
     }
 }
 
@@ -246,11 +252,14 @@ mod tests {
         assert_eq!(hi, [0; 4]);
         v.read_config(u64::MAX, &mut hi);
         assert_eq!(hi, [0; 4]);
-        assert_eq!(
-            v.snapshot().unwrap_err().to_string(),
-            "the vsock device does not support snapshot"
-        );
-        assert!(v.restore(&[]).is_err());
+        // No state but the queues (the transport's); a state with bytes
+        // is refused with a sentence.
+        assert_eq!(v.snapshot().unwrap(), Vec::<u8>::new());
+        let e = v.restore(&[1]).unwrap_err().to_string();
+        assert!(e.contains("vsock") && e.contains("1 byte"), "{e}");
+        assert!(!v.reset_guest);
+        v.restore(&[]).unwrap();
+        assert!(v.reset_guest, "a restored device resets the guest's connections");
         // Nothing to pause before activation.
         v.pause().unwrap();
         v.resume().unwrap();

@@ -15,7 +15,7 @@ use vmm_sys_util::epoll::{EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::muxer::{Hdr, MAX_CONTROL_BACKLOG, Muxer, TOKEN_LISTENER};
-use super::{EVQ, MAX_PKT_BUF_SIZE, RXQ, TXQ, op};
+use super::{EVQ, MAX_PKT_BUF_SIZE, RXQ, TXQ, VIRTIO_VSOCK_EVENT_TRANSPORT_RESET, op};
 use crate::virtio::worker::{EpollWorker, Registrar};
 use crate::virtio::{GuestMemoryHandle, GuestMemoryTracked, Interrupt};
 
@@ -39,6 +39,9 @@ pub(super) struct VsockWorker {
     pub(super) tx_kick: bool,
     /// Events taken from the muxer's epoll.
     pub(super) mux_events: Vec<EpollEvent>,
+    /// A TRANSPORT_RESET event is owed to the guest (a restored or forked
+    /// device); sent before any packet, as soon as an event buffer is posted.
+    pub(super) pending_reset: bool,
 }
 
 impl EpollWorker for VsockWorker {
@@ -61,6 +64,7 @@ impl EpollWorker for VsockWorker {
 
     /// Buffers posted before activation or while parked.
     fn on_start(&mut self) {
+        self.send_transport_reset();
         self.process_tx();
         self.process_rx();
     }
@@ -79,6 +83,7 @@ impl EpollWorker for VsockWorker {
     }
 
     fn after_events(&mut self) {
+        self.send_transport_reset();
         if std::mem::take(&mut self.tx_kick) || self.tx_stalled {
             self.process_tx();
         }
@@ -112,6 +117,51 @@ impl VsockWorker {
         for ev in &self.mux_events[..n] {
             self.muxer.handle_event(ev.data(), ev.event_set());
         }
+    }
+
+    /// Writes the owed TRANSPORT_RESET event (le32 id 0) into the guest's
+    /// next event buffer. With none posted yet it stays owed: the guest's
+    /// kick of the event queue wakes the worker again.
+    fn send_transport_reset(&mut self) {
+        if !self.pending_reset {
+            return;
+        }
+        let mem: &GuestMemoryTracked = &self.mem;
+        let q = usize::from(EVQ);
+        let Some(chain) = self.queues[q].pop_descriptor_chain(mem) else {
+            debug!("vsock owes the guest a transport reset; no event buffer posted yet");
+            return;
+        };
+        let head = chain.head_index();
+        let len = match chain.clone().next() {
+            Some(d) if d.is_write_only() && d.len() >= 4 => {
+                match mem.write_obj(VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le(), d.addr()) {
+                    Ok(()) => 4,
+                    Err(e) => {
+                        warn!(error = %e, "writing the vsock transport reset into guest memory failed");
+                        0
+                    }
+                }
+            }
+            _ => {
+                note_malformed(
+                    &mut self.malformed,
+                    EVQ,
+                    &"an event buffer that is not a writable 4 bytes",
+                );
+                0
+            }
+        };
+        if let Err(e) = self.queues[q].add_used(mem, head, len) {
+            error!(error = ?e, "vsock could not return an event buffer; waiting for a reset");
+            return;
+        }
+        // A malformed buffer is given back empty; the reset stays owed.
+        self.pending_reset = len == 0;
+        if len == 4 {
+            debug!("vsock sent the guest a transport reset");
+        }
+        signal(&mut self.queues[q], mem, &self.interrupt, EVQ);
     }
 
     /// Takes packets from the guest until the TX ring is empty (or the muxer

@@ -17,7 +17,8 @@
 //! device's dirty bitmap records it. Details: `docs/vsock.md`.
 //!
 //! The kernel vhost-vsock backend is a stub ([`vhost::VhostVsock`]) that
-//! returns an explicit error; snapshots fail loudly (`persist.rs`).
+//! returns an explicit error. A snapshot or fork carries no connection: the
+//! restored device resets the guest's (`persist.rs`).
 
 mod connection;
 mod device;
@@ -40,7 +41,7 @@ pub const QUEUE_SIZE: u16 = 256;
 pub const RXQ: u16 = 0;
 /// Index of the TX queue (driver → device packets).
 pub const TXQ: u16 = 1;
-/// Index of the event queue (unused except for transport resets).
+/// Index of the event queue (transport resets only).
 pub const EVQ: u16 = 2;
 
 /// The host's CID, as the guest addresses it.
@@ -73,6 +74,9 @@ pub mod op {
     pub const CREDIT_REQUEST: u16 = 7;
 }
 
+/// The only event (virtio 1.2 §5.10.6.7): the guest resets its connections.
+pub const VIRTIO_VSOCK_EVENT_TRANSPORT_RESET: u32 = 0;
+
 /// `type` of stream sockets, the only one supported.
 pub const VSOCK_TYPE_STREAM: u16 = 1;
 /// SHUTDOWN flag: the sender will receive no more data.
@@ -104,7 +108,7 @@ pub enum VsockError {
         /// Why (missing device node, or backend not implemented).
         reason: String,
     },
-    /// Saving or restoring vsock state is not implemented.
-    #[error("vsock {0} is not supported: open connections cannot be saved")]
-    PersistUnsupported(&'static str),
+    /// A saved vsock state must be empty (connections are not carried).
+    #[error("a saved vsock state holds {0} byte(s), but vsock carries no state (its connections are reset)")]
+    BadState(usize),
 }

@@ -1,5 +1,6 @@
 //! `/etc/k7d/shim.toml` (or `$K7D_SHIM_CONFIG`) and the per-pod
-//! annotations that override it (`io.k7d.vcpus`, `io.k7d.memory_mib`).
+//! annotations that override it (`io.k7d.vcpus`, `io.k7d.memory_mib`,
+//! `io.k7d.pod-start`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -56,7 +57,15 @@ pub struct ShimConfig {
     /// `bridge`, or `auto` (direct, else the bridge with its reason).
     #[serde(default = "default_datapath")]
     pub datapath: String,
+    /// How a CRI pod's VM starts: `cold` (boots its kernel) or `fork`
+    /// (forked from the node's paused template of its shape, booted once;
+    /// `crate::template`). A pod's `io.k7d.pod-start` annotation overrides.
+    #[serde(default = "default_pod_start")]
+    pub pod_start: String,
 }
+
+/// The pod annotation that chooses `cold` or `fork` for one pod.
+pub const POD_START_ANNOTATION: &str = "io.k7d.pod-start";
 
 fn default_socket() -> PathBuf {
     "/run/k7d/k7d.sock".into()
@@ -78,6 +87,9 @@ fn default_bind_max() -> u64 {
 }
 fn default_datapath() -> String {
     "auto".into()
+}
+fn default_pod_start() -> String {
+    "cold".into()
 }
 fn default_pod_drives() -> u8 {
     DEFAULT_POD_DRIVES
@@ -119,6 +131,7 @@ impl ShimConfig {
         if !matches!(self.datapath.as_str(), "direct" | "bridge" | "auto") {
             bail!("datapath = {:?} is not direct, bridge or auto", self.datapath);
         }
+        check_pod_start(&self.pod_start)?;
         if self.pod_drives > MAX_POD_DRIVES {
             bail!(
                 "pod_drives = {} is more than a pod VM may have ({MAX_POD_DRIVES})",
@@ -145,6 +158,23 @@ impl ShimConfig {
         }
         check_shape(vcpus, memory)?;
         Ok((vcpus, memory))
+    }
+}
+
+fn check_pod_start(v: &str) -> anyhow::Result<()> {
+    if !matches!(v, "cold" | "fork") {
+        bail!("pod_start = {v:?} is not cold or fork");
+    }
+    Ok(())
+}
+
+impl ShimConfig {
+    /// Whether this pod's VM is forked from a template: the config's
+    /// `pod_start`, overridden by the pod's [`POD_START_ANNOTATION`].
+    pub fn forks(&self, annotations: &HashMap<String, String>) -> anyhow::Result<bool> {
+        let v = annotations.get(POD_START_ANNOTATION).unwrap_or(&self.pod_start);
+        check_pod_start(v).with_context(|| format!("the annotation {POD_START_ANNOTATION}={v:?} is not valid"))?;
+        Ok(v == "fork")
     }
 }
 
@@ -179,7 +209,15 @@ mod tests {
         assert_eq!((cfg.vcpus, cfg.memory_mib, cfg.bind_max_mib), (1, 256, 256));
         assert_eq!(cfg.pod_drives, DEFAULT_POD_DRIVES);
         assert_eq!(cfg.datapath, "auto");
+        assert_eq!(cfg.pod_start, "cold");
         let mut ann = HashMap::new();
+        assert!(!cfg.forks(&ann).unwrap());
+        ann.insert(POD_START_ANNOTATION.to_string(), "fork".to_string());
+        assert!(cfg.forks(&ann).unwrap());
+        ann.insert(POD_START_ANNOTATION.to_string(), "warm".to_string());
+        let e = format!("{:#}", cfg.forks(&ann).unwrap_err());
+        assert!(e.contains("io.k7d.pod-start") && e.contains("not cold or fork"), "{e}");
+        ann.clear();
         ann.insert("io.k7d.vcpus".to_string(), "2".to_string());
         ann.insert("io.k7d.memory_mib".to_string(), "512".to_string());
         assert_eq!(cfg.shape_for(&ann).unwrap(), (2, 512));

@@ -27,6 +27,9 @@ pub struct PodVmSpec {
     /// The pod's NIC, attached through k7d's datapath to the pod's
     /// interface in its network namespace; none without a pod network.
     pub nic: Option<PodNic>,
+    /// A NIC on a bare tap of its own instead (a fork template's: each
+    /// child's is attached to its pod's network at the fork).
+    pub bare_nic: bool,
     /// The guest CID of its vsock.
     pub vsock_cid: u64,
     /// The host unix socket of its vsock (the agent is reached through it).
@@ -44,6 +47,17 @@ pub struct PodNic {
     pub mode: String,
     /// The pod UID (the datapath's policy identity).
     pub pod_uid: Option<String>,
+}
+
+/// A pod VM forked from a template (`crate::template`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForkedPod {
+    /// The child's VM id.
+    pub id: String,
+    /// Its NIC 0 in the pod's network (the template's is a bare tap).
+    pub nic: Option<PodNic>,
+    /// Its vsock's host socket.
+    pub vsock_uds: PathBuf,
 }
 
 /// A VM's life as the daemon reports it.
@@ -67,6 +81,8 @@ pub enum VmLife {
 pub trait Daemon: Send + Sync {
     /// Create and start a VM.
     fn create(&self, spec: &PodVmSpec) -> anyhow::Result<()>;
+    /// Fork the (paused) VM `template` into a running child.
+    fn fork(&self, template: &str, child: &ForkedPod) -> anyhow::Result<()>;
     /// Stop and remove a VM; a VM the daemon does not have is not an error.
     fn delete(&self, id: &str) -> anyhow::Result<()>;
     /// Pause a VM's vCPUs and devices.

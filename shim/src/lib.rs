@@ -15,11 +15,12 @@ mod podnet;
 mod service;
 mod stdio;
 mod task;
+mod template;
 
 use std::path::Path;
 use std::sync::{Arc, OnceLock};
 
-pub use daemon::{Daemon, PodNic, PodVmSpec, VmLife};
+pub use daemon::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
 
 /// The binary name containerd runs for `io.containerd.k7d.v2`.
 pub const SHIM_NAME: &str = "containerd-shim-k7d-v2";
@@ -42,6 +43,9 @@ fn unreachable_daemon() -> Arc<dyn Daemon> {
     struct NoDaemon;
     impl Daemon for NoDaemon {
         fn create(&self, _: &PodVmSpec) -> anyhow::Result<()> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
+        fn fork(&self, _: &str, _: &ForkedPod) -> anyhow::Result<()> {
             anyhow::bail!("this binary was built without a daemon client")
         }
         fn delete(&self, _: &str) -> anyhow::Result<()> {

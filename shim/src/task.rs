@@ -20,13 +20,13 @@ use containerd_shim::protos::topics;
 use containerd_shim::protos::ttrpc::{self, Code};
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Context as TtrpcCtx, ExitSignal, Task, TtrpcContext, TtrpcResult};
-use k7d_agent::proto::{self, Binds, BlockMount, CreateContainer, Network, ProcessRef, Reply, Request};
+use k7d_agent::proto::{self, Binds, BlockMount, CreateContainer, Identity, Network, ProcessRef, Reply, Request};
 
 use crate::agent::{Agent, CallError};
 use crate::config::ShimConfig;
-use crate::daemon::{Daemon, PodNic, PodVmSpec, VmLife};
+use crate::daemon::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
 use crate::names::{PodNames, pod_names};
-use crate::{binds, image, podnet, stdio};
+use crate::{binds, image, podnet, stdio, template};
 
 mod join;
 
@@ -609,6 +609,12 @@ impl Inner {
         // a NIC in the pod's network as the CNI set it up (a plain `ctr run
         // --with-ns network:..` gets neither).
         let cri_sandbox = ann.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
+        // Forked from the node's template of its shape (`crate::template`),
+        // its images put into the template's empty drives: CRI pods only.
+        let fork = cri_sandbox
+            && cfg
+                .forks(ann)
+                .map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
         let empty_drives = if cri_sandbox { cfg.pod_drives } else { 0 };
         let pod_net = match podnet::netns_path(&spec).filter(|_| cri_sandbox) {
             Some(ns) => Some(podnet::take(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
@@ -653,7 +659,29 @@ impl Inner {
             }
         });
         let mut drives: Vec<Option<String>> = disks.iter().map(|_| Some(req.id.clone())).collect();
-        drives.extend((0..empty_drives).map(|_| None));
+        let all_drives = if fork {
+            usize::from(empty_drives + template::SANDBOX_DRIVES)
+        } else {
+            drives.len() + usize::from(empty_drives)
+        };
+        drives.resize(all_drives, None);
+        // A forked VM's media arrive by a medium change: the agent waits
+        // for each drive to show its image's size.
+        let mut sectors = Vec::new();
+        if fork {
+            for d in &disks {
+                match std::fs::metadata(d) {
+                    Ok(m) => sectors.push(m.len() / 512),
+                    Err(e) => {
+                        names.remove_dir();
+                        return Err(err(
+                            Code::INTERNAL,
+                            format!("cannot read the size of {}: {e}", d.display()),
+                        ));
+                    }
+                }
+            }
+        }
         let vm = PodVmSpec {
             id: names.vm_id.clone(),
             kernel: cfg.kernel.clone(),
@@ -669,10 +697,16 @@ impl Inner {
                 mode: cfg.datapath.clone(),
                 pod_uid: ann.get(SANDBOX_UID).cloned(),
             }),
+            bare_nic: false,
             vsock_cid: 3,
             vsock_uds: names.vsock.clone(),
         };
-        if let Err(e) = self.daemon.create(&vm) {
+        let made = if fork {
+            self.fork_pod(cfg, &vm)
+        } else {
+            self.daemon.create(&vm)
+        };
+        if let Err(e) = made {
             // It may have built the VM before its answer was lost.
             self.remove_pod(&names);
             return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
@@ -699,12 +733,18 @@ impl Inner {
                     format!("cannot set the agent connection's timeout: {e}"),
                 )
             })?;
+            if fork {
+                conn.call(&Request::Identity(new_identity().map_err(internal)?))
+                    .map_err(from_call)?;
+            }
             if let Some(n) = &pod_net {
                 conn.call(&Request::Network(Network {
                     mac: None,
                     address: n.address.clone(),
                     gateway: n.gateway.clone(),
                     mtu: Some(n.mtu),
+                    // The template's MAC is every sibling's: this pod's own.
+                    set_mac: fork.then(|| pod_mac(&names.vm_id)),
                 }))
                 .map_err(from_call)?;
             }
@@ -714,10 +754,13 @@ impl Inner {
                 rootfs: BlockMount {
                     serial: "k7d-disk0".into(),
                     fstype: "erofs".into(),
-                    sectors: None,
+                    sectors: sectors.first().copied(),
                 },
                 stdio: paths.spec(),
-                binds,
+                binds: binds.map(|mut b| {
+                    b.disk.sectors = sectors.get(1).copied();
+                    b
+                }),
             }))
             .map_err(from_call)?;
             let relays = stdio::start(&agent, &pref(&req.id, ""), &paths).map_err(internal)?;
@@ -748,6 +791,58 @@ impl Inner {
             }
         }
     }
+}
+
+impl Inner {
+    /// Forks the pod VM `vm` from the node's template of its shape (made
+    /// first when missing) and puts its images into the first drives.
+    fn fork_pod(&self, cfg: &ShimConfig, vm: &PodVmSpec) -> anyhow::Result<()> {
+        let t = template::for_shape(cfg, vm.vcpus, vm.memory_mib);
+        t.ensure(&*self.daemon, cfg, (vm.vcpus, vm.memory_mib), BOOT_TIMEOUT)?;
+        self.daemon.fork(
+            &t.vm_id,
+            &ForkedPod {
+                id: vm.id.clone(),
+                nic: vm.nic.clone(),
+                vsock_uds: vm.vsock_uds.clone(),
+            },
+        )?;
+        for (i, d) in vm.disks.iter().enumerate() {
+            self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
+        }
+        Ok(())
+    }
+}
+
+/// A fork child's own identity: host entropy, the host's clock, a fresh
+/// machine-id.
+fn new_identity() -> anyhow::Result<Identity> {
+    use std::io::Read;
+    let mut bytes = [0u8; 64 + 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| anyhow::anyhow!("cannot read /dev/urandom: {e}"))?;
+    let (entropy, id) = bytes.split_at(64);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|e| anyhow::anyhow!("the host clock is before 1970: {e}"))?;
+    let mut machine_id: String = id.iter().map(|b| format!("{b:02x}")).collect();
+    if machine_id.bytes().all(|b| b == b'0') {
+        machine_id.replace_range(31.., "1");
+    }
+    Ok(Identity {
+        entropy: entropy.to_vec(),
+        unix_time_ns: u64::try_from(now.as_nanos()).unwrap_or(u64::MAX),
+        machine_id,
+    })
+}
+
+/// A pod VM's own MAC (locally administered unicast, from its VM id): a
+/// fork child's NIC otherwise keeps the template's.
+fn pod_mac(vm_id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let h = Sha256::digest(vm_id.as_bytes());
+    format!("02:6b:{:02x}:{:02x}:{:02x}:{:02x}", h[0], h[1], h[2], h[3])
 }
 
 impl Task for Service {
@@ -1215,5 +1310,32 @@ impl Service {
             );
         }
         Ok(api::Empty::new())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fork_child_gets_its_own_mac_and_identity() {
+        let a = pod_mac("pod-0123456789abcdef");
+        assert_eq!(a, pod_mac("pod-0123456789abcdef"), "one pod, one MAC");
+        assert_ne!(a, pod_mac("pod-0123456789abcdee"));
+        let first = u8::from_str_radix(&a[..2], 16).unwrap();
+        assert_eq!(first & 0b11, 0b10, "locally administered unicast: {a}");
+        assert_eq!(a.split(':').count(), 6);
+        let (x, y) = (new_identity().unwrap(), new_identity().unwrap());
+        assert_eq!(x.entropy.len(), 64);
+        assert!((proto::MIN_ENTROPY..=proto::MAX_ENTROPY).contains(&x.entropy.len()));
+        assert_ne!(x.entropy, y.entropy);
+        assert_ne!(x.machine_id, y.machine_id);
+        assert!(
+            x.machine_id.len() == 32
+                && x.machine_id
+                    .bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        );
+        assert!(x.unix_time_ns > 1_700_000_000_000_000_000);
     }
 }

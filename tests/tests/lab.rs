@@ -187,7 +187,7 @@ fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]
 /// fresh-clone run, rounded up): the gate starts the longest first.
 /// A scenario missing here counts as 60 s.
 const TYPICAL_L1_S: &[(&str, u32)] = &[
-    ("k7d-cri", 230),
+    ("k7d-cri", 280),
     ("k7d-shim", 180),
     ("k7d-cluster", 175),
     ("k7d-memory", 165),
@@ -738,10 +738,12 @@ fn lab_k7d_shim_containerd() {
 /// two-container pod under the runtime handler runc (the reference), then
 /// k7d (one pod VM for the pod: the app containers join the sandbox's VM):
 /// the pod sandbox, both containers RUNNING, ExecSync, the CRI log, stop and
-/// remove; then two pods talking over the pod network (runc, k7d on the
-/// direct datapath with a pod policy that blocks and is cleared, k7d on the
-/// bridge fallback when the tc object cannot be loaded); nothing left (all
-/// asserted in the scenario).
+/// remove; then the same pod started by fork (the first boots the node's
+/// template, the next is forked from it); then two pods talking over the
+/// pod network (runc; k7d fork-started on the direct datapath, each with
+/// its own address, hostname and RNG, with a pod policy that blocks and is
+/// cleared; k7d on the bridge fallback when the tc object cannot be
+/// loaded); nothing left (all asserted in the scenario).
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_k7d_cri_pods() {
@@ -754,14 +756,24 @@ fn lab_k7d_cri_pods() {
     let r = run_scenario_with("k7d-cri", Some(&bin), &[("--agent", &agent), ("--cri-bin", &cri)])
         .unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(r["status"], "pass", "{r:#}");
-    for m in ["runc.pod_start", "k7d.pod_start", "k7d.pod_delete", "net-k7d.tcp_mib_s"] {
+    for m in [
+        "runc.pod_start",
+        "k7d.pod_start",
+        "k7d.pod_delete",
+        "k7d-fork.pod_start",
+        "k7d-fork.pod_delete",
+        "k7d_fork.pod_start_vs_cold",
+        "net-k7d.tcp_mib_s",
+    ] {
         let v = metric(&r, m);
         assert!(v > 0.0 && v < 300.0, "{m} = {v}");
     }
     let notes = r["notes"].to_string();
     for want in [
         "k7d: nothing left",
+        "k7d-fork: forked from the template",
         "net-k7d: the pod VMs' NICs",
+        "net-k7d (fork-started pods)",
         "net-k7d-bridge: the pod VMs' NICs",
     ] {
         assert!(notes.contains(want), "no note {want:?}: {notes}");

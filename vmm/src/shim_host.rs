@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
-use k7d_shim::{Daemon, PodVmSpec, VmLife};
+use k7d_shim::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
 
 use crate::config::{
     DatapathNicConfig, DevicesConfig, DiskConfig, GuestSpec, NicConfig, SerialConfig, VmConfig, VsockConfig,
 };
-use crate::daemon::api::{CreateArgs, ErrorCode, MediumArgs, Reply, Request};
+use crate::daemon::api::{CreateArgs, ErrorCode, ForkArgs, MediumArgs, Reply, Request};
 use crate::daemon::client::Client;
 use crate::vstate::vm::VmState;
 
@@ -71,14 +71,15 @@ pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
                 .nic
                 .iter()
                 .map(|n| NicConfig {
-                    datapath: Some(DatapathNicConfig {
-                        mode: n.mode.clone(),
-                        netns: n.netns.clone(),
-                        pod_if: n.pod_if.clone(),
-                        pod_uid: n.pod_uid.clone(),
-                    }),
+                    datapath: Some(datapath(n)),
                     ..Default::default()
                 })
+                // A template's bare tap: the userspace plane, as each
+                // child's datapath NIC has (its driver state carries over).
+                .chain(spec.bare_nic.then(|| NicConfig {
+                    vhost: Some(false),
+                    ..Default::default()
+                }))
                 .collect(),
             vsock: Some(VsockConfig {
                 cid: spec.vsock_cid,
@@ -89,7 +90,28 @@ pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
     }
 }
 
+fn datapath(n: &PodNic) -> DatapathNicConfig {
+    DatapathNicConfig {
+        mode: n.mode.clone(),
+        netns: n.netns.clone(),
+        pod_if: n.pod_if.clone(),
+        pod_uid: n.pod_uid.clone(),
+    }
+}
+
 impl Daemon for ShimDaemon {
+    fn fork(&self, template: &str, child: &ForkedPod) -> anyhow::Result<()> {
+        let req = Request::Fork(ForkArgs {
+            id: template.to_string(),
+            count: 1,
+            name: Some(child.id.clone()),
+            nics: child.nic.iter().map(|n| Some(datapath(n))).collect(),
+            vsock_uds: Some(child.vsock_uds.clone()),
+        });
+        self.request(&req, CREATE)?;
+        Ok(())
+    }
+
     fn create(&self, spec: &PodVmSpec) -> anyhow::Result<()> {
         let req = Request::Create(CreateArgs {
             config: vm_config(spec),

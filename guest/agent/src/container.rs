@@ -774,6 +774,26 @@ impl Containers {
         Ok(())
     }
 
+    /// `Identity`: a fork child's own entropy, clock and machine-id
+    /// (`crate::identity`); the kernel's RNG and clock are touched only
+    /// by the agent as PID 1 (a host-side test checks the plan and the
+    /// machine-id file alone).
+    pub fn identity(&self, id: &k7d_agent::proto::Identity) -> Result<()> {
+        let plan = crate::identity::plan(id).map_err(fail)?;
+        let etc = if self.cfg.set_hostname {
+            std::path::PathBuf::from("/etc")
+        } else {
+            self.cfg.state_dir.join("etc")
+        };
+        crate::identity::apply(&plan, &etc, self.cfg.set_hostname).map_err(fail)?;
+        crate::log!(
+            "identity: entropy {} bytes, machine-id {}",
+            plan.entropy.len(),
+            plan.machine_id
+        );
+        Ok(())
+    }
+
     /// `Pids`: the container cgroup's processes.
     pub fn pids(&self, id: &str) -> Result<Vec<u32>> {
         Ok(cgroup::pids(&self.container(id)?.cgroup))

@@ -26,6 +26,7 @@ mod binds;
 mod cgroup;
 mod container;
 mod disk;
+mod identity;
 mod init;
 mod net;
 mod newroot;

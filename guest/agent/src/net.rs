@@ -4,8 +4,8 @@
 //! guest's NIC, so the containers (which share the VM's network namespace)
 //! see the pod's network as runc's would.
 //!
-//! Plain ioctls (`SIOCSIFADDR`, `SIOCSIFNETMASK`, `SIOCSIFMTU`,
-//! `SIOCSIFFLAGS`, `SIOCADDRT`): one IPv4 address and a default route need
+//! Plain ioctls (`SIOCSIFHWADDR`, `SIOCSIFADDR`, `SIOCSIFNETMASK`,
+//! `SIOCSIFMTU`, `SIOCSIFFLAGS`, `SIOCADDRT`): one IPv4 address and a default route need
 //! no netlink library in PID 1.
 
 use std::net::Ipv4Addr;
@@ -27,6 +27,23 @@ pub struct Plan {
     pub gateway: Option<Ipv4Addr>,
     /// The MTU.
     pub mtu: Option<u32>,
+    /// The MAC the interface takes first.
+    pub set_mac: Option<[u8; 6]>,
+}
+
+/// Parses a unicast `aa:bb:cc:dd:ee:ff` (not all zero).
+fn parse_mac(s: &str) -> Result<[u8; 6], String> {
+    let bad = || format!("the MAC {s:?} is not a unicast aa:bb:cc:dd:ee:ff");
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for m in &mut mac {
+        let p = parts.next().filter(|p| p.len() == 2).ok_or_else(bad)?;
+        *m = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    if parts.next().is_some() || mac[0] & 1 == 1 || mac == [0; 6] {
+        return Err(bad());
+    }
+    Ok(mac)
 }
 
 /// Parses `a.b.c.d/len`.
@@ -74,6 +91,7 @@ pub fn plan(n: &Network, class_net: &Path) -> Result<Plan, String> {
     {
         return Err(format!("the MTU {m} is not 68..=65535"));
     }
+    let set_mac = n.set_mac.as_deref().map(parse_mac).transpose()?;
     let want_mac = n.mac.as_deref().map(str::to_ascii_lowercase);
     let mut found = Vec::new();
     let entries = std::fs::read_dir(class_net).map_err(|e| format!("cannot list {}: {e}", class_net.display()))?;
@@ -109,6 +127,7 @@ pub fn plan(n: &Network, class_net: &Path) -> Result<Plan, String> {
         prefix,
         gateway,
         mtu: n.mtu,
+        set_mac,
     })
 }
 
@@ -169,6 +188,22 @@ pub fn apply(p: &Plan) -> Result<(), String> {
     let sock = unsafe { OwnedFd::from_raw_fd(fd) };
     let name = &p.interface;
     let req = |what: &str| ifreq(name).map_err(|e| format!("{what} on {name}: {e}"));
+    if let Some(mac) = p.set_mac {
+        let mut r = req("setting the MAC")?;
+        // SAFETY: `sockaddr` is plain data; all zeroes is a valid value.
+        let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+        sa.sa_family = libc::ARPHRD_ETHER;
+        for (d, &b) in sa.sa_data.iter_mut().zip(&mac) {
+            *d = b as libc::c_char;
+        }
+        r.ifr_ifru.ifru_hwaddr = sa;
+        ioctl(
+            &sock,
+            libc::SIOCSIFHWADDR,
+            &mut r,
+            &format!("setting the MAC of {name}"),
+        )?;
+    }
     let mut r = req("setting the address")?;
     r.ifr_ifru.ifru_addr = sockaddr(p.address);
     ioctl(
@@ -261,6 +296,7 @@ mod tests {
             address: address.into(),
             gateway: gateway.map(str::to_string),
             mtu: None,
+            set_mac: None,
         }
     }
 
@@ -309,6 +345,7 @@ mod tests {
                 prefix: 16,
                 gateway: Some(Ipv4Addr::new(169, 254, 1, 1)),
                 mtu: Some(1400),
+                set_mac: Some([0x02, 0x6b, 0x37, 0x64, 0x00, 0x05]),
             };
             std::thread::spawn(move || {
                 // SAFETY: setns on this thread only, with a namespace fd.
@@ -322,6 +359,7 @@ mod tests {
             assert!(addr.contains("inet 10.88.0.5/16"), "{addr}");
             let link = ip(&["-n", &ns, "-o", "link", "show", "dev", "eth0"]);
             assert!(link.contains("mtu 1400") && link.contains(",UP"), "{link}");
+            assert!(link.contains("link/ether 02:6b:37:64:00:05"), "{link}");
             let routes = ip(&["-n", &ns, "-4", "route"]);
             assert!(routes.contains("default via 169.254.1.1 dev eth0"), "{routes}");
             assert!(
@@ -358,6 +396,17 @@ mod tests {
             e(net("10.88.0.5/16", Some("gw"), None)),
             "the gateway \"gw\" is not an IPv4 address"
         );
+        for mac in [
+            "01:00:5e:00:00:01",
+            "00:00:00:00:00:00",
+            "02:00:00:00:00",
+            "02:00:00:00:00:01:02",
+            "zz:00:00:00:00:01",
+        ] {
+            let mut n = net("10.88.0.5/16", None, None);
+            n.set_mac = Some(mac.into());
+            assert_eq!(e(n), format!("the MAC {mac:?} is not a unicast aa:bb:cc:dd:ee:ff"));
+        }
         assert_eq!(
             e(net("10.88.0.5/16", None, None)),
             "the VM has 2 network interfaces; name one by its MAC"

@@ -164,7 +164,33 @@ pub struct Network {
     /// The interface's MTU (68..=65535), if the CNI set one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mtu: Option<u32>,
+    /// A MAC the interface takes first (a unicast `aa:bb:cc:dd:ee:ff`): a
+    /// VM forked from a template has its template's, which every sibling
+    /// on the pod network would share.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub set_mac: Option<String>,
 }
+
+/// A fork child's own identity (`Request::Identity`). Without it, every
+/// child of one template would draw the same bytes from `/dev/urandom`
+/// (the kernel's RNG state is in the copied RAM), tell the template's
+/// time, and share its machine-id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Identity {
+    /// Host random bytes ([`MIN_ENTROPY`]..=[`MAX_ENTROPY`]), credited and
+    /// followed by a reseed of the kernel's RNG.
+    pub entropy: Vec<u8>,
+    /// The host's wall clock, nanoseconds since the Unix epoch.
+    pub unix_time_ns: u64,
+    /// The VM's machine-id: 32 lowercase hex digits, not all zero.
+    pub machine_id: String,
+}
+
+/// Fewest entropy bytes an [`Identity`] carries (256 bits).
+pub const MIN_ENTROPY: usize = 32;
+/// Most entropy bytes an [`Identity`] carries.
+pub const MAX_ENTROPY: usize = 512;
 
 /// Host bind mounts carried into the guest: the shim packs every carried
 /// source into one read-only disk (entry `<path>` at its root holds mount
@@ -310,6 +336,10 @@ pub enum Request {
     /// Configure the pod's network on the VM's NIC (the pod's address as
     /// the CNI gave it): address, default route, link up.
     Network(Network),
+    /// Give a VM forked from a template its own identity: fresh entropy
+    /// mixed in and the kernel's RNG reseeded, the wall clock stepped to
+    /// the host's, its own machine-id.
+    Identity(Identity),
     /// This connection becomes one stdio stream of the process.
     Attach {
         /// The process.

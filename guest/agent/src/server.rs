@@ -197,6 +197,7 @@ pub fn dispatch(agent: &Containers, req: Request) -> Response {
         Request::DeleteExec(p) => agent.delete_exec(&p).map(|()| Reply::Done),
         Request::DeleteContainer { container } => agent.delete(&container).map(|()| Reply::Done),
         Request::Network(n) => agent.network(&n).map(|()| Reply::Done),
+        Request::Identity(i) => agent.identity(&i).map(|()| Reply::Done),
     };
     match r {
         Ok(reply) => Response::Ok(reply),

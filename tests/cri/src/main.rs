@@ -37,6 +37,7 @@ use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tower::service_fn;
 
+mod many;
 mod net;
 
 type Client = RuntimeServiceClient<Channel>;
@@ -72,6 +73,8 @@ enum Cmd {
     Pod(PodArgs),
     /// Two pods talk over the pod network: ping and 4 MiB over TCP.
     Net(net::NetArgs),
+    /// Many pods created at once, all must start; then all removed.
+    Many(many::ManyArgs),
     /// Stops and removes every pod sandbox (and so every container).
     Cleanup {
         /// The limit for each CRI call, in seconds.
@@ -99,6 +102,10 @@ struct PodArgs {
     /// The limit for each step, in seconds.
     #[arg(long, default_value_t = 120)]
     timeout_s: u64,
+    /// k7d's `io.k7d.pod-start` annotation on the pod (`cold` or `fork`);
+    /// none: the shim config's choice.
+    #[arg(long)]
+    pod_start: Option<String>,
 }
 
 fn main() -> ExitCode {
@@ -124,6 +131,7 @@ async fn run(cli: Cli) -> Result<()> {
     match cli.cmd {
         Cmd::Pod(args) => pod(&mut client, &args).await,
         Cmd::Net(args) => net::net(&mut client, &args).await,
+        Cmd::Many(args) => many::many(&mut client, &args).await,
         Cmd::Cleanup { timeout_s } => cleanup(&mut client, Duration::from_secs(timeout_s)).await,
         Cmd::List => list(&mut client).await,
     }
@@ -185,6 +193,11 @@ fn sandbox_config(args: &PodArgs, uid: &str, log_dir: &Path) -> PodSandboxConfig
             options: vec![],
         }),
         labels: HashMap::from([("k7d-lab".to_string(), args.name.clone())]),
+        annotations: args
+            .pod_start
+            .iter()
+            .map(|v| ("io.k7d.pod-start".to_string(), v.clone()))
+            .collect(),
         linux: Some(LinuxPodSandboxConfig {
             security_context: Some(LinuxSandboxSecurityContext {
                 namespace_options: Some(namespaces()),

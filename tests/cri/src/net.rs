@@ -45,6 +45,9 @@ pub struct NetArgs {
     /// `sh -c 'HOOK deny|drops|clear SANDBOX_ID'`.
     #[arg(long)]
     hook: Option<String>,
+    /// k7d's `io.k7d.pod-start` annotation on both pods.
+    #[arg(long)]
+    pod_start: Option<String>,
 }
 
 /// Runs the check; the pods are stopped and removed whatever happened.
@@ -77,6 +80,7 @@ async fn pod(
         name: format!("{}-{role}", args.name),
         log_dir: std::path::absolute(args.log_dir.join(role)).context("the log directory has no absolute path")?,
         timeout_s: args.timeout_s,
+        pod_start: args.pod_start.clone(),
     };
     tokio::fs::create_dir_all(&p.log_dir)
         .await
@@ -128,7 +132,8 @@ async fn pod(
 async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> Result<()> {
     let limit = Duration::from_secs(args.timeout_s);
     let (server_ip, server) = pod(client, args, "server", SERVER, pods).await?;
-    let (_, client_c) = pod(client, args, "client", CLIENT, pods).await?;
+    let (client_ip, client_c) = pod(client, args, "client", CLIENT, pods).await?;
+    identities(client, &[(&server_ip, &server), (&client_ip, &client_c)], limit).await?;
     let (out, _) = step(
         "net_ping",
         limit,
@@ -166,6 +171,37 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
         let server_pod = pods.first().cloned().context("the server pod has no sandbox id")?;
         policy(client, hook, &server_pod, &client_c, &server_ip, limit).await?;
     }
+    Ok(())
+}
+
+/// Each pod has its own identity (two pods forked from one template
+/// would otherwise share all of it): its address, its hostname, and the
+/// first 16 bytes its kernel's RNG hands out.
+async fn identities(client: &mut Client, pods: &[(&str, &str)], limit: Duration) -> Result<()> {
+    let mut seen = Vec::new();
+    for (ip, c) in pods {
+        let host = exec(client, c, &["hostname"], limit).await?;
+        let rng = exec(
+            client,
+            c,
+            &["sh", "-c", "head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'"],
+            limit,
+        )
+        .await?;
+        if rng.len() != 32 {
+            bail!("pod at {ip}: 16 bytes of /dev/urandom read as '{rng}'");
+        }
+        println!("cri: net identity: pod at {ip}: hostname {host}, urandom {rng}");
+        seen.push((ip.to_string(), host, rng));
+    }
+    for (i, a) in seen.iter().enumerate() {
+        for b in &seen[i + 1..] {
+            if a.0 == b.0 || a.1 == b.1 || a.2 == b.2 {
+                bail!("two pods share an identity: {a:?} and {b:?}");
+            }
+        }
+    }
+    println!("cri: net identity: every pod's address, hostname and urandom differ");
     Ok(())
 }
 

@@ -1,6 +1,6 @@
-# lab: description=containerd 1.6 in L1 with its CRI plugin and CNI (bridge): one two-container pod driven by k7d-cri (the kubelet's calls) under the runtime handler runc (the reference), then k7d (one pod VM for the pod), then two pods that talk (ping, 4 MiB over TCP) under runc and under k7d (pod VM NICs on the direct datapath); step and pod start/delete times side by side; nothing left after
+# lab: description=containerd 1.6 in L1 with its CRI plugin and CNI (bridge): one two-container pod driven by k7d-cri (the kubelet's calls) under the runtime handler runc (the reference), then k7d (one pod VM for the pod), then two pods that talk (ping, 4 MiB over TCP) under runc and under k7d (fork-started pod VMs, NICs on the direct datapath), then the pod again forked from the node's template; step and pod start/delete times side by side; nothing left after
 # lab: default=yes
-# lab: timeout=600
+# lab: timeout=720
 # lab: bin=required
 # lab: cri-bin=required
 # lab: pod-initramfs=required
@@ -37,8 +37,13 @@
 # equal. Under k7d each pod VM's NIC sits on its pod's CNI eth0 through
 # k7d's datapath (shim.toml's default, auto) and the daemon must report
 # "datapath: direct" for both VMs while they live.
+# Pods started by fork (io.k7d.pod-start=fork): the net pair under k7d
+# (the first boots the node's template; each pod's address, hostname and
+# 16 bytes of /dev/urandom differ), then the two-container pod again,
+# forked from the paused template (listed among its fork children).
 # Metrics: each pod's steps (ms), pod start (RunPodSandbox until A's first
-# log line) and pod delete (Stop + Remove) in s, k7d's over runc's.
+# log line) and pod delete (Stop + Remove) in s, k7d's over runc's, and the
+# fork-started pod's over runc's and over the cold k7d pod's.
 # Afterwards: no pod sandbox, no container, no task, no shim process, no k7d
 # VM, no network namespace, no pod address left in host-local.
 # By hand: cargo build --release -p k7d-vmm -p k7d-agent -p k7d-cri, then
@@ -174,20 +179,24 @@ lab_note "containerd $(ctr version 2>/dev/null | sed -n 's/^ *Version: *//p' | t
 # kernel boot id both containers saw) and, for k7d, VMS_MAX (the most k7d
 # VMs the daemon listed while the pod lived, polled every second).
 cri_pod() {
-  _l=$1 _h=$2 _k=$3
-  echo "lab: $_l: k7d-cri pod --runtime-handler $_h"
-  rm -f /tmp/vms.max
+  _l=$1 _h=$2 _k=$3 _ps=${4:-}
+  echo "lab: $_l: k7d-cri pod --runtime-handler $_h${_ps:+ --pod-start $_ps}"
+  rm -f /tmp/vms.max /tmp/forked.seen
   if [ "$_h" = k7d ]; then
     ( _m=0
       while :; do
         _n=$("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .)
         [ "$_n" -le "$_m" ] || { _m=$_n; echo "$_m" >/tmp/vms.max; }
+        # A fork template's live children (k7d info: "fork children: ...").
+        for _t in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | awk '$1 ~ /^tmpl-/ {print $1}'); do
+          "$LAB_BIN" --socket "$SOCK" info "$_t" 2>/dev/null | sed -n "s/^ *fork children: /$_t /p" >>/tmp/forked.seen
+        done
         sleep 1
       done ) &
     _vpoll=$!
   fi
   timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" pod --runtime-handler "$_h" --image "$IMG" --name "$_l" \
-    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" >"/tmp/cri-$_l.out" 2>&1
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"} >"/tmp/cri-$_l.out" 2>&1
   _rc=$?
   [ -z "${_vpoll:-}" ] || { kill "$_vpoll"; wait "$_vpoll" 2>/dev/null; _vpoll=; }
   VMS_MAX=$(cat /tmp/vms.max 2>/dev/null || echo 0)
@@ -304,16 +313,15 @@ done
 # (the pod VM's), and the daemon never listed more than one VM for the pod
 # (its sandbox and app containers share it).
 pod_vm() {
+  _want=${2:-1}
   [ "$BOOT_ID" != "$L1_BOOT_ID" ] || fail "$1: the pod's containers run on L1's kernel (boot id $BOOT_ID)"
-  [ "$VMS_MAX" = 1 ] || fail "$1: the daemon listed $VMS_MAX VMs while the pod lived, expected 1 (the sandbox's, shared by its containers)"
-  lab_note "$1: both containers on the pod VM's kernel (boot id $BOOT_ID, L1's $L1_BOOT_ID); one VM listed while the pod lived"
+  [ "$VMS_MAX" = "$_want" ] || fail "$1: the daemon listed $VMS_MAX VMs while the pod lived, expected $_want (the sandbox's, shared by its containers${2:+, and the fork template of the node})"
+  lab_note "$1: both containers on the pod VM's kernel (boot id $BOOT_ID, L1's $L1_BOOT_ID); $_want VM(s) listed while the pod lived"
 }
 cri_pod k7d k7d "$LAB_L2_KERNEL_RELEASE"
 pod_vm k7d
 lab_metric k7d.pod_start_vs_runc "$(awk -v k="$START_k7d" -v r="$START_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
 lab_metric k7d.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
-steps_side_by_side runc k7d
-lab_note "pod start (s): runc $START_runc, k7d $START_k7d; pod delete (s): runc $DELETE_runc, k7d $DELETE_k7d"
 
 # --- the pod network --------------------------------------------------------------
 # cri_net LABEL HANDLER [HOOK]: k7d-cri net (a server and a client pod:
@@ -323,7 +331,7 @@ lab_note "pod start (s): runc $START_runc, k7d $START_k7d; pod delete (s): runc 
 # datapath (auto: direct when it can); the paths the daemon reported while
 # the pods lived are in /tmp/dp.seen ("VM datapath: MODE[ (why)]").
 cri_net() {
-  _l=$1 _h=$2 _hook=${3:-}
+  _l=$1 _h=$2 _hook=${3:-} _ps=${4:-}
   rm -f /tmp/dp.seen
   if [ "$_h" = k7d ]; then
     ( while :; do
@@ -335,7 +343,7 @@ cri_net() {
     _dpoll=$!
   fi
   timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" net --runtime-handler "$_h" --image "$IMG" --name "$_l" \
-    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_hook:+--hook "$_hook"} >"/tmp/cri-$_l.out" 2>&1
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_hook:+--hook "$_hook"} ${_ps:+--pod-start "$_ps"} >"/tmp/cri-$_l.out" 2>&1
   _rc=$?
   [ -z "${_dpoll:-}" ] || { kill "$_dpoll"; wait "$_dpoll" 2>/dev/null; _dpoll=; }
   sed "s/^/lab: $_l: /" "/tmp/cri-$_l.out"
@@ -370,11 +378,57 @@ dp_seen() {
     fail "$1: the daemon did not report the $2 datapath for both pod VMs (saw: ${_dp:-nothing})"
   lab_note "$1: the pod VMs' NICs: $_dp"
 }
-cri_net net-k7d k7d /tmp/policy.sh
+# Both pods are started by fork: the first boots the node's template. Each
+# child's NIC is attached to its own pod's eth0 at the fork, and each has
+# its own MAC, address, hostname and RNG (k7d-cri net checks the last three).
+cri_net net-k7d k7d /tmp/policy.sh fork
 dp_seen net-k7d direct
+grep -q '^cri: net identity: every pod' /tmp/cri-net-k7d.out || fail "net-k7d: the identity check did not run"
+lab_note "net-k7d (fork-started pods): $(sed -n 's/^cri: net identity: pod at //p' /tmp/cri-net-k7d.out | tr '\n' ';')"
+
 grep -q '^cri: net policy: cleared' /tmp/cri-net-k7d.out || fail "net-k7d: the policy check did not run"
 lab_note "net-k7d: $(sed -n 's/^cri: net policy: default-deny/default-deny/p' /tmp/cri-net-k7d.out); cleared: the ping passes again"
 nothing_left net-k7d
+
+# --- a pod started by fork ---------------------------------------------------------
+# io.k7d.pod-start=fork: the pod VM is a copy-on-write fork of the node's
+# template of its shape (shim/src/template.rs), booted once by the first
+# fork-started pod (net-k7d's server above) and paused since: this pod's
+# start is what a fork-started pod costs. While it lives the daemon lists
+# the template and the pod's VM, the latter among the template's children.
+# forked LABEL: the daemon listed the pod's VM as a live fork child of a
+# template while the pod lived.
+forked() {
+  grep -q ' pod-' /tmp/forked.seen 2>/dev/null ||
+    fail "$1: no template listed a pod VM among its fork children while the pod lived: $(sort -u /tmp/forked.seen 2>/dev/null | tr '\n' '|')"
+  lab_note "$1: forked from the template: $(sort -u /tmp/forked.seen | head -n 1)"
+}
+tmpl=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^tmpl-/ {print $1 " " $NF}')
+case $tmpl in *" paused") ;; *) fail "net-k7d's fork-started pods left no paused template: '$tmpl'" ;; esac
+cri_pod k7d-fork k7d "$LAB_L2_KERNEL_RELEASE" fork
+pod_vm k7d-fork 2
+forked k7d-fork
+lab_metric k7d_fork.pod_start_vs_runc "$(awk -v k="$START_k7d_fork" -v r="$START_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
+lab_metric k7d_fork.pod_start_vs_cold "$(awk -v k="$START_k7d_fork" -v c="$START_k7d" 'BEGIN {printf "%.2f", (c > 0 ? k / c : 0)}')" x
+lab_metric k7d_fork.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d_fork" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
+steps_side_by_side runc k7d k7d-fork
+lab_note "pod start (s): runc $START_runc, k7d cold $START_k7d, k7d fork-started $START_k7d_fork; pod delete (s): runc $DELETE_runc, k7d cold $DELETE_k7d, k7d fork-started $DELETE_k7d_fork"
+lab_note "goals: fork-started <= 2x runc ($(awk -v k="$START_k7d_fork" -v r="$START_runc" 'BEGIN {printf "%.2f", k / r}')x) and <= 0.1x cold ($(awk -v k="$START_k7d_fork" -v c="$START_k7d" 'BEGIN {printf "%.2f", k / c}')x); delete <= 1 s"
+nothing_left k7d-fork
+
+# LAB_CRI_MANY=N (by hand; CI leaves it out for time): N pods created at
+# once under k7d, their start modes taken in turn from LAB_CRI_MANY_MODES
+# (default cold,fork): all must start (0 failures), then all are removed
+# at once and nothing is left.
+if [ -n "${LAB_CRI_MANY:-}" ]; then
+  timeout -s KILL 1800 "$CRI" many --runtime-handler k7d --image "$IMG" --name many --count "$LAB_CRI_MANY" \
+    --log-dir /var/log/pods/k7d-lab_many --timeout-s 900 --pod-start "${LAB_CRI_MANY_MODES:-cold,fork}" >/tmp/cri-many.out 2>&1
+  _rc=$?
+  grep -v '^cri: step ' /tmp/cri-many.out | sed 's/^/lab: many: /'
+  [ "$_rc" = 0 ] || fail "many: k7d-cri many exited $_rc: $(tail -n 2 /tmp/cri-many.out | tr '\n' ' ')"
+  lab_note "many: $(sed -n 's/^cri: many: \([0-9]* pods at once\)/\1/p' /tmp/cri-many.out); $(sed -n 's/^cri: many: \([a-z]*: [0-9]* pods, start\)/\1/p' /tmp/cri-many.out | tr '\n' ';')"
+  nothing_left many
+fi
 
 # The fallback: a node whose tc object cannot be loaded (node config
 # tc_object names a missing file): auto NICs take the bridge chain, the
@@ -401,8 +455,10 @@ nothing_left k7d
 vms=$("$LAB_BIN" --socket "$SOCK" list 2>&1) || fail "k7d list failed: $vms"
 [ -z "$(printf '%s\n' "$vms" | tail -n +2)" ] || fail "k7d VMs left after every pod was removed: $(printf '%s' "$vms" | tr '\n' '|')"
 kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon died"
-left=$(find /run/k7d/shim -mindepth 1 2>/dev/null; find "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
+# The node's fork template went with the daemon it lived in (restarted
+# above); its directory and lock file are the node's, kept for the next.
+left=$(find /run/k7d/shim -mindepth 1 -not -path '/run/k7d/shim/templates*' 2>/dev/null; find /run/k7d/shim/templates "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
 [ -z "$left" ] || fail "k7d: left behind: $(printf '%s' "$left" | tr '\n' ' ')"
 lab_note "k7d: nothing left: no pod sandbox, container, task, shim process, VM, network namespace, pod address, pod socket dir, vsock socket or mount"
 lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
-lab_pass "containerd CRI: the same two-container pod under runc and k7d (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), two k7d pods talking over the direct datapath (a pod policy blocks and clears) and over the bridge fallback, nothing left"
+lab_pass "containerd CRI: the same two-container pod under runc, k7d cold and k7d fork-started (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), two fork-started k7d pods with their own identities talking over the direct datapath (a pod policy blocks and clears) and two cold ones over the bridge fallback, nothing left"

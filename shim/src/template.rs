@@ -1,0 +1,220 @@
+//! Fork templates (`pod_start = "fork"`): one paused pod VM per shape on
+//! the node, booted once (kernel up, agent answering), with empty drives
+//! for every image a pod puts in, a NIC on a bare tap and a vsock. A pod
+//! started by fork is a copy-on-write child of it: the daemon attaches the
+//! child's NIC to the pod's network and gives it a vsock socket of its own
+//! (the guest's connections are reset), and the shim gives it its own
+//! identity through the agent (`Identity`: entropy and an RNG reseed, the
+//! clock, the machine-id; `Network` with a MAC of its own).
+//!
+//! The template is the node's, not a pod's: it outlives every pod forked
+//! from it and is made again when it is missing (the daemon restarted, or
+//! someone deleted it). Shims of different pods agree on it through a
+//! lock file; the first one boots it.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::DirBuilderExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use sha2::{Digest, Sha256};
+
+use crate::agent::Agent;
+use crate::config::ShimConfig;
+use crate::daemon::{Daemon, PodVmSpec, VmLife};
+
+/// Drives a template has besides `pod_drives`: the sandbox's own image
+/// and its bind mounts' image (a cold pod VM boots with them in).
+pub const SANDBOX_DRIVES: u8 = 2;
+
+/// A template of one shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    /// The daemon's VM id (`tmpl-<16 hex>`).
+    pub vm_id: String,
+    /// Its directory under the shim's state dir (its vsock socket).
+    pub dir: PathBuf,
+    /// The lock shims take while they check or make it.
+    pub lock: PathBuf,
+}
+
+/// The template for pods of this shape under `cfg`: everything that makes
+/// two templates' children differ (kernel, initramfs, command line, vCPUs,
+/// memory, drives) is in the hash.
+pub fn for_shape(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> Template {
+    let mut h = Sha256::new();
+    for part in [
+        cfg.kernel.as_os_str().as_encoded_bytes(),
+        cfg.initramfs.as_os_str().as_encoded_bytes(),
+        cfg.cmdline.as_bytes(),
+    ] {
+        h.update(part);
+        h.update([0]);
+    }
+    h.update([vcpus, cfg.pod_drives]);
+    h.update(memory_mib.to_le_bytes());
+    let hex: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let root = cfg.state_dir.join("templates");
+    Template {
+        vm_id: format!("tmpl-{hex}"),
+        dir: root.join(&hex),
+        lock: root.join(format!("{hex}.lock")),
+    }
+}
+
+impl Template {
+    /// The template's PodVmSpec.
+    fn spec(&self, cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> PodVmSpec {
+        PodVmSpec {
+            id: self.vm_id.clone(),
+            kernel: cfg.kernel.clone(),
+            initramfs: cfg.initramfs.clone(),
+            cmdline: cfg.cmdline.clone(),
+            vcpus,
+            memory_mib,
+            disks: Vec::new(),
+            empty_drives: cfg.pod_drives + SANDBOX_DRIVES,
+            nic: None,
+            bare_nic: true,
+            vsock_cid: 3,
+            vsock_uds: self.dir.join("vsock.sock"),
+        }
+    }
+
+    /// Makes sure the template is in the daemon, paused, booted: waits for
+    /// another shim making it, or boots it (at most `boot` for the guest
+    /// agent to answer). Returns whether this call booted it.
+    pub fn ensure(
+        &self,
+        daemon: &dyn Daemon,
+        cfg: &ShimConfig,
+        shape: (u8, u64),
+        boot: Duration,
+    ) -> anyhow::Result<bool> {
+        let root = self.lock.parent().unwrap_or(&cfg.state_dir);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(root)
+            .with_context(|| format!("cannot create {}", root.display()))?;
+        let _lock = lock(&self.lock, Instant::now() + boot + Duration::from_secs(30))?;
+        match daemon.life(&self.vm_id)? {
+            VmLife::Paused => return Ok(false),
+            VmLife::DaemonGone => bail!("the k7d daemon is not running"),
+            // Running: its maker died before pausing it (or someone resumed
+            // it, and it diverged); stopped or gone: made again.
+            VmLife::Running | VmLife::Stopped(_) | VmLife::Gone => {}
+        }
+        let _ = daemon.delete(&self.vm_id);
+        remove_dir(&self.dir);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&self.dir)
+            .with_context(|| format!("cannot create {}", self.dir.display()))?;
+        let r = (|| {
+            let spec = self.spec(cfg, shape.0, shape.1);
+            daemon.create(&spec)?;
+            let vm_id = self.vm_id.clone();
+            let conn =
+                Agent::new(&spec.vsock_uds).wait_ready(Instant::now() + boot, || match daemon.life(&vm_id)? {
+                    VmLife::Running | VmLife::Paused => Ok(()),
+                    other => bail!("the fork template {vm_id} died while booting: {other:?}"),
+                })?;
+            // No connection of the template's outlives it into a child.
+            drop(conn);
+            daemon.pause(&self.vm_id)
+        })();
+        if let Err(e) = r {
+            let _ = daemon.delete(&self.vm_id);
+            remove_dir(&self.dir);
+            return Err(e.context(format!("cannot make the fork template {}", self.vm_id)));
+        }
+        tracing::info!(template = %self.vm_id, "fork template booted and paused");
+        Ok(true)
+    }
+}
+
+fn remove_dir(dir: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(dir)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!("cannot remove {}: {e}", dir.display());
+    }
+}
+
+/// An exclusive `flock` on `path`, waited for until `deadline`; released
+/// when the file is dropped.
+fn lock(path: &Path, deadline: Instant) -> anyhow::Result<File> {
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("cannot open the template lock {}", path.display()))?;
+    loop {
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            return Ok(f);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(e).with_context(|| format!("cannot lock {}", path.display()));
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "another shim held the template lock {} past the boot deadline",
+                path.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(state: &str) -> ShimConfig {
+        toml::from_str(&format!(
+            "kernel = \"/k\"\ninitramfs = \"/i\"\nstate_dir = \"{state}\"\n"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn one_template_per_shape_and_files() {
+        let c = cfg("/run/k7d/shim");
+        let a = for_shape(&c, 1, 256);
+        assert!(a.vm_id.starts_with("tmpl-") && a.vm_id.len() == 21, "{}", a.vm_id);
+        assert_eq!(a, for_shape(&c, 1, 256), "the same shape, the same template");
+        assert_ne!(a.vm_id, for_shape(&c, 2, 256).vm_id);
+        assert_ne!(a.vm_id, for_shape(&c, 1, 512).vm_id);
+        let mut other = c.clone();
+        other.cmdline.push_str(" loglevel=7");
+        assert_ne!(a.vm_id, for_shape(&other, 1, 256).vm_id);
+        assert!(a.dir.starts_with("/run/k7d/shim/templates") && a.lock.starts_with("/run/k7d/shim/templates"));
+        let s = a.spec(&c, 1, 256);
+        assert_eq!(s.empty_drives, c.pod_drives + SANDBOX_DRIVES);
+        assert!(s.bare_nic && s.nic.is_none() && s.disks.is_empty());
+        assert!(s.vsock_uds.starts_with(&a.dir));
+    }
+
+    #[test]
+    fn the_lock_waits_and_times_out_with_a_sentence() {
+        let dir = std::env::temp_dir().join(format!("k7d-tmpl-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("t.lock");
+        let held = lock(&p, Instant::now()).unwrap();
+        let t0 = Instant::now();
+        let e = lock(&p, Instant::now() + Duration::from_millis(200))
+            .unwrap_err()
+            .to_string();
+        assert!(t0.elapsed() >= Duration::from_millis(200));
+        assert!(e.contains("template lock") && e.contains("t.lock"), "{e}");
+        drop(held);
+        lock(&p, Instant::now()).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

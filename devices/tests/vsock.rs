@@ -883,8 +883,10 @@ fn a_restored_device_resets_the_guests_connections_and_serves_its_own_socket() {
     let mut g = Guest::new(&path);
     let (mut host, mut conn) = host_connect(&mut g, &path, 77);
     // The guest's event buffers (Linux posts 8 at probe), filled with a
-    // pattern so the device's write shows.
-    g.m.mem.write_slice(&[0xa5; 16], GuestAddress(EV_BUF)).unwrap();
+    // pattern so the device's write shows; the first is malformed (not
+    // device-writable): it is given back empty and the next one is used.
+    g.m.mem.write_slice(&[0xa5; 24], GuestAddress(EV_BUF)).unwrap();
+    g.ev.add(&g.m.mem, &[(EV_BUF + 16, 8, false)]);
     for i in 0..2 {
         g.ev.add(&g.m.mem, &[(EV_BUF + 8 * i, 8, true)]);
     }
@@ -915,14 +917,22 @@ fn a_restored_device_resets_the_guests_connections_and_serves_its_own_socket() {
         rx_empty: g.rx_empty,
     };
     let t0 = Instant::now();
-    let used = loop {
+    let mut used = Vec::new();
+    while used.len() < 2 {
         if let Some(u) = child.ev.pop_used(&child.m.mem) {
-            break u;
+            used.push(u);
+            continue;
         }
-        assert!(t0.elapsed() < TIMEOUT, "no transport reset event");
+        assert!(t0.elapsed() < TIMEOUT, "no transport reset event: {used:?}");
         std::thread::sleep(Duration::from_millis(2));
-    };
-    assert_eq!(used, (0, 4), "the first event buffer, 4 bytes");
+    }
+    assert_eq!(
+        used,
+        [(0, 0), (1, 4)],
+        "the malformed buffer empty, then the event in the next"
+    );
+    let skipped: u32 = child.m.mem.read_obj(GuestAddress(EV_BUF + 16)).unwrap();
+    assert_eq!(skipped, 0xa5a5_a5a5, "the device wrote into a buffer it may only read");
     let id: u32 = child.m.mem.read_obj(GuestAddress(EV_BUF)).unwrap();
     assert_eq!(id, 0, "VIRTIO_VSOCK_EVENT_TRANSPORT_RESET");
     let untouched: u32 = child.m.mem.read_obj(GuestAddress(EV_BUF + 8)).unwrap();

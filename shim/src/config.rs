@@ -62,6 +62,10 @@ pub struct ShimConfig {
     /// `crate::template`). A pod's `io.k7d.pod-start` annotation overrides.
     #[serde(default = "default_pod_start")]
     pub pod_start: String,
+    /// How long a pod VM (or a fork template) may take to boot until its
+    /// agent answers, seconds (5 to 3600).
+    #[serde(default = "default_boot_timeout")]
+    pub boot_timeout_s: u64,
 }
 
 /// The pod annotation that chooses `cold` or `fork` for one pod.
@@ -87,6 +91,9 @@ fn default_bind_max() -> u64 {
 }
 fn default_datapath() -> String {
     "auto".into()
+}
+fn default_boot_timeout() -> u64 {
+    60
 }
 fn default_pod_start() -> String {
     "cold".into()
@@ -132,6 +139,9 @@ impl ShimConfig {
             bail!("datapath = {:?} is not direct, bridge or auto", self.datapath);
         }
         check_pod_start(&self.pod_start)?;
+        if !(5..=3600).contains(&self.boot_timeout_s) {
+            bail!("boot_timeout_s = {} is not 5 to 3600 seconds", self.boot_timeout_s);
+        }
         if self.pod_drives > MAX_POD_DRIVES {
             bail!(
                 "pod_drives = {} is more than a pod VM may have ({MAX_POD_DRIVES})",
@@ -169,6 +179,11 @@ fn check_pod_start(v: &str) -> anyhow::Result<()> {
 }
 
 impl ShimConfig {
+    /// How long a pod VM may take to boot.
+    pub fn boot_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs(self.boot_timeout_s)
+    }
+
     /// Whether this pod's VM is forked from a template: the config's
     /// `pod_start`, overridden by the pod's [`POD_START_ANNOTATION`].
     pub fn forks(&self, annotations: &HashMap<String, String>) -> anyhow::Result<bool> {
@@ -210,6 +225,7 @@ mod tests {
         assert_eq!(cfg.pod_drives, DEFAULT_POD_DRIVES);
         assert_eq!(cfg.datapath, "auto");
         assert_eq!(cfg.pod_start, "cold");
+        assert_eq!(cfg.boot_timeout(), std::time::Duration::from_secs(60));
         let mut ann = HashMap::new();
         assert!(!cfg.forks(&ann).unwrap());
         ann.insert(POD_START_ANNOTATION.to_string(), "fork".to_string());
@@ -245,6 +261,10 @@ mod tests {
             e.ends_with("pod_drives = 17 is more than a pod VM may have (16)"),
             "{e}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\nboot_timeout_s = 2\n");
+        let e = format!("{:#}", cfg.unwrap_err());
+        assert!(e.ends_with("boot_timeout_s = 2 is not 5 to 3600 seconds"), "{e}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

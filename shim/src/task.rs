@@ -30,8 +30,6 @@ use crate::{binds, image, podnet, stdio, template};
 
 mod join;
 
-/// How long a pod VM may take from create to its agent answering.
-const BOOT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How often the monitor asks the daemon whether the VM lives.
 const MONITOR_PERIOD: Duration = Duration::from_millis(200);
 /// An agent call's limit (generous: a busy node boots many pod VMs at once).
@@ -615,6 +613,19 @@ impl Inner {
             && cfg
                 .forks(ann)
                 .map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
+        // A shape other than the config's (the io.k7d.vcpus/memory_mib
+        // annotations) boots cold: one template per config, so pods cannot
+        // make the node keep a booted VM for every shape they ask for.
+        let fork = fork && {
+            let same = (vcpus, memory_mib) == (cfg.vcpus, cfg.memory_mib);
+            if !same {
+                tracing::info!(
+                    "{}: a {vcpus}-vCPU {memory_mib}-MiB pod is not the template's shape: it boots cold",
+                    req.id
+                );
+            }
+            same
+        };
         let empty_drives = if cri_sandbox { cfg.pod_drives } else { 0 };
         let pod_net = match podnet::netns_path(&spec).filter(|_| cri_sandbox) {
             Some(ns) => Some(podnet::take(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
@@ -716,9 +727,11 @@ impl Inner {
             let vm_id = names.vm_id.clone();
             let daemon = self.daemon.clone();
             let mut conn = agent
-                .wait_ready(Instant::now() + BOOT_TIMEOUT, || match daemon.life(&vm_id)? {
-                    VmLife::Running | VmLife::Paused => Ok(()),
-                    other => anyhow::bail!("the pod VM {vm_id} died while booting: {other:?}"),
+                .wait_ready(Instant::now() + cfg.boot_timeout(), || match daemon.life(&vm_id) {
+                    // A daemon too busy to answer in time (many pods at
+                    // once) is not a death: the boot deadline bounds this.
+                    Ok(VmLife::Running | VmLife::Paused) | Err(_) => Ok(()),
+                    Ok(other) => anyhow::bail!("the pod VM {vm_id} died while booting: {other:?}"),
                 })
                 .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
             let paths = stdio::Paths {
@@ -733,20 +746,43 @@ impl Inner {
                     format!("cannot set the agent connection's timeout: {e}"),
                 )
             })?;
+            // The VM's own identity and the pod's network: both calls can be
+            // made again. A fork child's guest handles its vsock's reset
+            // (`docs/vsock.md`) on a work item of its own, which may reset a
+            // connection made just before it ran: that one is made again once.
+            let mut setup = Vec::new();
             if fork {
-                conn.call(&Request::Identity(new_identity().map_err(internal)?))
-                    .map_err(from_call)?;
+                setup.push(Request::Identity(new_identity().map_err(internal)?));
             }
             if let Some(n) = &pod_net {
-                conn.call(&Request::Network(Network {
+                setup.push(Request::Network(Network {
                     mac: None,
                     address: n.address.clone(),
                     gateway: n.gateway.clone(),
                     mtu: Some(n.mtu),
                     // The template's MAC is every sibling's: this pod's own.
                     set_mac: fork.then(|| pod_mac(&names.vm_id)),
-                }))
-                .map_err(from_call)?;
+                }));
+            }
+            let call_all = |conn: &mut crate::agent::Conn| setup.iter().try_for_each(|r| conn.call(r).map(drop));
+            match call_all(&mut conn) {
+                Err(CallError::Lost(e)) if fork => {
+                    tracing::info!(
+                        "{}: the agent connection was lost once after the fork ({e}); again",
+                        req.id
+                    );
+                    conn = agent
+                        .connect(CALL_TIMEOUT)
+                        .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
+                    conn.set_timeout(Some(CREATE_TIMEOUT)).map_err(|e| {
+                        err(
+                            Code::INTERNAL,
+                            format!("cannot set the agent connection's timeout: {e}"),
+                        )
+                    })?;
+                    call_all(&mut conn).map_err(from_call)?;
+                }
+                r => r.map_err(from_call)?,
             }
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),
@@ -798,7 +834,7 @@ impl Inner {
     /// first when missing) and puts its images into the first drives.
     fn fork_pod(&self, cfg: &ShimConfig, vm: &PodVmSpec) -> anyhow::Result<()> {
         let t = template::for_shape(cfg, vm.vcpus, vm.memory_mib);
-        t.ensure(&*self.daemon, cfg, (vm.vcpus, vm.memory_mib), BOOT_TIMEOUT)?;
+        t.ensure(&*self.daemon, cfg, (vm.vcpus, vm.memory_mib), cfg.boot_timeout())?;
         self.daemon.fork(
             &t.vm_id,
             &ForkedPod {

@@ -42,13 +42,17 @@ pub struct Template {
 
 /// The template for pods of this shape under `cfg`: everything that makes
 /// two templates' children differ (kernel, initramfs, command line, vCPUs,
-/// memory, drives) is in the hash.
+/// memory, drives) and where it lives (daemon, state dir) is in the hash.
 pub fn for_shape(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> Template {
     let mut h = Sha256::new();
+    // The daemon and the state dir too: shims of two configs never share
+    // a template id under two locks.
     for part in [
         cfg.kernel.as_os_str().as_encoded_bytes(),
         cfg.initramfs.as_os_str().as_encoded_bytes(),
         cfg.cmdline.as_bytes(),
+        cfg.daemon_socket.as_os_str().as_encoded_bytes(),
+        cfg.state_dir.as_os_str().as_encoded_bytes(),
     ] {
         h.update(part);
         h.update([0]);
@@ -99,8 +103,9 @@ impl Template {
             .mode(0o700)
             .create(root)
             .with_context(|| format!("cannot create {}", root.display()))?;
-        let _lock = lock(&self.lock, Instant::now() + boot + Duration::from_secs(30))?;
-        match daemon.life(&self.vm_id)? {
+        let deadline = Instant::now() + boot + Duration::from_secs(30);
+        let _lock = lock(&self.lock, deadline)?;
+        match life_until(daemon, &self.vm_id, deadline)? {
             VmLife::Paused => return Ok(false),
             VmLife::DaemonGone => bail!("the k7d daemon is not running"),
             // Running: its maker died before pausing it (or someone resumed
@@ -117,11 +122,11 @@ impl Template {
             let spec = self.spec(cfg, shape.0, shape.1);
             daemon.create(&spec)?;
             let vm_id = self.vm_id.clone();
-            let conn =
-                Agent::new(&spec.vsock_uds).wait_ready(Instant::now() + boot, || match daemon.life(&vm_id)? {
-                    VmLife::Running | VmLife::Paused => Ok(()),
-                    other => bail!("the fork template {vm_id} died while booting: {other:?}"),
-                })?;
+            let conn = Agent::new(&spec.vsock_uds).wait_ready(Instant::now() + boot, || match daemon.life(&vm_id) {
+                // A busy daemon is not a death: the boot deadline bounds this.
+                Ok(VmLife::Running | VmLife::Paused) | Err(_) => Ok(()),
+                Ok(other) => bail!("the fork template {vm_id} died while booting: {other:?}"),
+            })?;
             // No connection of the template's outlives it into a child.
             drop(conn);
             daemon.pause(&self.vm_id)
@@ -133,6 +138,21 @@ impl Template {
         }
         tracing::info!(template = %self.vm_id, "fork template booted and paused");
         Ok(true)
+    }
+}
+
+/// The VM's life, asked again while the daemon is too busy to answer in
+/// time (the forks of one template queue on it), until `deadline`.
+fn life_until(daemon: &dyn Daemon, id: &str, deadline: Instant) -> anyhow::Result<VmLife> {
+    loop {
+        match daemon.life(id) {
+            Ok(l) => return Ok(l),
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("the daemon did not tell {id}'s life yet: {e:#}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 
@@ -193,6 +213,9 @@ mod tests {
         assert_ne!(a.vm_id, for_shape(&c, 1, 512).vm_id);
         let mut other = c.clone();
         other.cmdline.push_str(" loglevel=7");
+        assert_ne!(a.vm_id, for_shape(&other, 1, 256).vm_id);
+        let mut other = c.clone();
+        other.daemon_socket = "/run/k7d/other.sock".into();
         assert_ne!(a.vm_id, for_shape(&other, 1, 256).vm_id);
         assert!(a.dir.starts_with("/run/k7d/shim/templates") && a.lock.starts_with("/run/k7d/shim/templates"));
         let s = a.spec(&c, 1, 256);

@@ -303,6 +303,9 @@ impl Gate {
                 if let Some(i) = mine {
                     st.waiting.remove(i);
                 }
+                // The next in line may take a slot that is still free: it
+                // waits untimed, and only a wakeup tells it it is the head.
+                self.turn.notify_all();
                 return Turn { gate: self, need };
             }
             st = self.turn.wait(st).unwrap_or_else(|p| p.into_inner());
@@ -360,6 +363,32 @@ fn lab_gate_starts_the_longest_first() {
     drop(held);
     t.join().unwrap();
     assert_eq!(order.lock().unwrap().last(), Some(&"boot-compare"));
+    // Two slots free at once with two waiting: both start, the second
+    // without waiting for the first to finish (a lost wakeup would leave
+    // a slot idle until a turn is given back).
+    let (held, held2) = (gate.enter("l1-net"), gate.enter("k7d-policy"));
+    let both = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let pair = |name: &'static str| {
+        let both = both.clone();
+        std::thread::spawn(move || {
+            let _turn = gate.enter(name);
+            // Both hold a turn at once, or this never returns.
+            both.wait();
+        })
+    };
+    let (a, b) = (pair("k7d-shim"), pair("k7d-cluster"));
+    std::thread::sleep(Duration::from_millis(300));
+    drop((held, held2));
+    let t0 = Instant::now();
+    while !(a.is_finished() && b.is_finished()) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "two free slots, two waiting, one left idle"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    a.join().unwrap();
+    b.join().unwrap();
 }
 
 /// A metric the scenario printed (`LAB-METRIC name value unit`), in seconds.

@@ -21,7 +21,7 @@ use containerd_shim::api;
 use containerd_shim::protos::ttrpc::{self, Code};
 use k7d_agent::proto::{Binds, BlockMount, CreateContainer, Request};
 
-use super::{BOOT_TIMEOUT, CALL_TIMEOUT, CREATE_TIMEOUT, Inner, SANDBOX_ID, err, from_call, internal, pref};
+use super::{CALL_TIMEOUT, CREATE_TIMEOUT, Inner, SANDBOX_ID, err, from_call, internal, pref};
 use crate::config::ShimConfig;
 use crate::{binds, stdio};
 
@@ -73,7 +73,7 @@ impl Inner {
         let sandbox = ann.get(SANDBOX_ID).map(String::as_str).unwrap_or_default();
         let (names, agent, host_pid) = {
             let mut st = self.lock();
-            let until = Instant::now() + BOOT_TIMEOUT;
+            let until = Instant::now() + cfg.boot_timeout();
             while st.booting {
                 let now = Instant::now();
                 if now >= until {

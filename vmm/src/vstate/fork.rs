@@ -128,6 +128,22 @@ impl Vm {
                 self.id
             )));
         }
+        let mut config = self.config.clone();
+        config.id = Some(child_id.to_string());
+        // Shells are kept for the VMs that ask, not for every child of
+        // theirs (a batch of 50 would ask for 50 times as many).
+        config.fork.shells = None;
+        // Own taps (named after the child), same MACs: the guest's driver
+        // already holds the MAC.
+        pin_macs(&mut config, &self.id);
+        for n in &mut config.devices.nics {
+            n.tap = None;
+        }
+        // What the child gets instead, checked before any device hands
+        // over a backend (blk's is a copy-on-write view, charged to the
+        // source's budget).
+        spec.apply(&mut config, child_id)
+            .map_err(|e| VmError::Refused(format!("vm {} cannot be forked into {child_id}: {e}", self.id)))?;
         let state = &capture.state;
         // Each device hands over what its twin in the child takes (blk: a
         // copy-on-write view of its disk as of now), in bus order.
@@ -140,19 +156,6 @@ impl Vm {
                 e => VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id)),
             })?);
         }
-        let mut config = self.config.clone();
-        config.id = Some(child_id.to_string());
-        // Shells are kept for the VMs that ask, not for every child of
-        // theirs (a batch of 50 would ask for 50 times as many).
-        config.fork.shells = None;
-        // Own taps (named after the child), same MACs: the guest's driver
-        // already holds the MAC.
-        pin_macs(&mut config, &self.id);
-        for n in &mut config.devices.nics {
-            n.tap = None;
-        }
-        spec.apply(&mut config, child_id)
-            .map_err(|e| VmError::Refused(format!("vm {} cannot be forked into {child_id}: {e}", self.id)))?;
         Self::build(
             child_id,
             &config,
@@ -224,6 +227,15 @@ impl ChildSpec {
                 uds.push(format!("-{child_id}"));
                 v.uds = uds.into();
             }
+        }
+        // sun_path holds 107 bytes and a NUL.
+        if let Some(v) = &config.devices.vsock
+            && v.uds.as_os_str().len() > 107
+        {
+            return Err(format!(
+                "the child's vsock socket {} is longer than a unix socket path may be (107 bytes): name one with vsock_uds",
+                v.uds.display()
+            ));
         }
         Ok(())
     }

@@ -120,48 +120,54 @@ impl VsockWorker {
     }
 
     /// Writes the owed TRANSPORT_RESET event (le32 id 0) into the guest's
-    /// next event buffer. With none posted yet it stays owed: the guest's
-    /// kick of the event queue wakes the worker again.
+    /// first well-formed event buffer (a malformed one is given back empty
+    /// and the next is tried). With none posted yet it stays owed: the
+    /// guest's kick of the event queue wakes the worker again.
     fn send_transport_reset(&mut self) {
         if !self.pending_reset {
             return;
         }
         let mem: &GuestMemoryTracked = &self.mem;
         let q = usize::from(EVQ);
-        let Some(chain) = self.queues[q].pop_descriptor_chain(mem) else {
-            debug!("vsock owes the guest a transport reset; no event buffer posted yet");
-            return;
-        };
-        let head = chain.head_index();
-        let len = match chain.clone().next() {
-            Some(d) if d.is_write_only() && d.len() >= 4 => {
-                match mem.write_obj(VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le(), d.addr()) {
-                    Ok(()) => 4,
-                    Err(e) => {
-                        warn!(error = %e, "writing the vsock transport reset into guest memory failed");
-                        0
+        let mut used = false;
+        while self.pending_reset {
+            let Some(chain) = self.queues[q].pop_descriptor_chain(mem) else {
+                debug!("vsock owes the guest a transport reset; no event buffer posted yet");
+                break;
+            };
+            let head = chain.head_index();
+            let len = match chain.clone().next() {
+                Some(d) if d.is_write_only() && d.len() >= 4 => {
+                    match mem.write_obj(VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le(), d.addr()) {
+                        Ok(()) => 4,
+                        Err(e) => {
+                            warn!(error = %e, "writing the vsock transport reset into guest memory failed");
+                            0
+                        }
                     }
                 }
+                _ => {
+                    note_malformed(
+                        &mut self.malformed,
+                        EVQ,
+                        &"an event buffer that is not a writable 4 bytes",
+                    );
+                    0
+                }
+            };
+            if let Err(e) = self.queues[q].add_used(mem, head, len) {
+                error!(error = ?e, "vsock could not return an event buffer; waiting for a reset");
+                break;
             }
-            _ => {
-                note_malformed(
-                    &mut self.malformed,
-                    EVQ,
-                    &"an event buffer that is not a writable 4 bytes",
-                );
-                0
+            used = true;
+            if len == 4 {
+                self.pending_reset = false;
+                debug!("vsock sent the guest a transport reset");
             }
-        };
-        if let Err(e) = self.queues[q].add_used(mem, head, len) {
-            error!(error = ?e, "vsock could not return an event buffer; waiting for a reset");
-            return;
         }
-        // A malformed buffer is given back empty; the reset stays owed.
-        self.pending_reset = len == 0;
-        if len == 4 {
-            debug!("vsock sent the guest a transport reset");
+        if used {
+            signal(&mut self.queues[q], mem, &self.interrupt, EVQ);
         }
-        signal(&mut self.queues[q], mem, &self.interrupt, EVQ);
     }
 
     /// Takes packets from the guest until the TX ring is empty (or the muxer

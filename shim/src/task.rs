@@ -168,6 +168,16 @@ fn from_call(e: CallError) -> ttrpc::Error {
     }
 }
 
+/// Gives an agent connection a create's time to answer.
+fn for_creates(conn: &crate::agent::Conn) -> TtrpcResult<()> {
+    conn.set_timeout(Some(CREATE_TIMEOUT)).map_err(|e| {
+        err(
+            Code::INTERNAL,
+            format!("cannot set the agent connection's timeout: {e}"),
+        )
+    })
+}
+
 fn internal(e: anyhow::Error) -> ttrpc::Error {
     err(Code::INTERNAL, format!("{e:#}"))
 }
@@ -740,12 +750,7 @@ impl Inner {
                 stderr: req.stderr.clone(),
                 terminal: req.terminal,
             };
-            conn.set_timeout(Some(CREATE_TIMEOUT)).map_err(|e| {
-                err(
-                    Code::INTERNAL,
-                    format!("cannot set the agent connection's timeout: {e}"),
-                )
-            })?;
+            for_creates(&conn)?;
             // The VM's own identity and the pod's network: both calls can be
             // made again. A fork child's guest handles its vsock's reset
             // (`docs/vsock.md`) on a work item of its own, which may reset a
@@ -774,12 +779,7 @@ impl Inner {
                     conn = agent
                         .connect(CALL_TIMEOUT)
                         .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
-                    conn.set_timeout(Some(CREATE_TIMEOUT)).map_err(|e| {
-                        err(
-                            Code::INTERNAL,
-                            format!("cannot set the agent connection's timeout: {e}"),
-                        )
-                    })?;
+                    for_creates(&conn)?;
                     call_all(&mut conn).map_err(from_call)?;
                 }
                 r => r.map_err(from_call)?,

@@ -21,7 +21,7 @@ use containerd_shim::api;
 use containerd_shim::protos::ttrpc::{self, Code};
 use k7d_agent::proto::{Binds, BlockMount, CreateContainer, Request};
 
-use super::{CALL_TIMEOUT, CREATE_TIMEOUT, Inner, SANDBOX_ID, err, from_call, internal, pref};
+use super::{CALL_TIMEOUT, Inner, SANDBOX_ID, err, for_creates, from_call, internal, pref};
 use crate::config::ShimConfig;
 use crate::{binds, stdio};
 
@@ -180,12 +180,7 @@ impl Inner {
             let mut conn = agent
                 .connect(CALL_TIMEOUT)
                 .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
-            conn.set_timeout(Some(CREATE_TIMEOUT)).map_err(|e| {
-                err(
-                    Code::INTERNAL,
-                    format!("cannot set the agent connection's timeout: {e}"),
-                )
-            })?;
+            for_creates(&conn)?;
             asked = true;
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),

@@ -425,10 +425,17 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
   # a boot deadline for this machine, not the 60 s default.
   cp /etc/k7d/shim.toml /tmp/shim.toml.saved
   echo 'boot_timeout_s = 900' >>/etc/k7d/shim.toml
+  # Progress on the console every 30 s (the L1 watchdog stops a scenario
+  # that stays silent for 180 s).
+  ( while sleep 30; do
+      echo "lab: many: $(grep -c ' ready in ' /tmp/cri-many.out 2>/dev/null) ready, $(grep -c ' FAILED: ' /tmp/cri-many.out 2>/dev/null) failed, $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .) VMs"
+    done ) &
+  _mprog=$!
   timeout -s KILL 1800 "$CRI" many --runtime-handler k7d --image "$IMG" --name many --count "$LAB_CRI_MANY" \
     --log-dir /var/log/pods/k7d-lab_many --timeout-s 900 --pod-start "${LAB_CRI_MANY_MODES:-cold,fork}" >/tmp/cri-many.out 2>&1
   _rc=$?
   grep -v '^cri: step ' /tmp/cri-many.out | sed 's/^/lab: many: /'
+  kill "$_mprog" 2>/dev/null; wait "$_mprog" 2>/dev/null
   cp /tmp/shim.toml.saved /etc/k7d/shim.toml
   [ "$_rc" = 0 ] || fail "many: k7d-cri many exited $_rc: $(tail -n 2 /tmp/cri-many.out | tr '\n' ' ')"
   lab_note "many: $(sed -n 's/^cri: many: \([0-9]* pods at once\)/\1/p' /tmp/cri-many.out); $(sed -n 's/^cri: many: \([a-z]*: [0-9]* pods, start\)/\1/p' /tmp/cri-many.out | tr '\n' ';')"

@@ -111,9 +111,9 @@ if [ -z "${K7D_SKIP_FUZZ:-}" ]; then
   # A broken or empty target list must fail the smoke, never pass it.
   devices/fuzz/smoke-selftest.sh
   # Build products and cargo-fuzz are cached outside the repo (the fuzz crate is its own workspace).
-  FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target} devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-10}"
+  FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target} devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-6}"
   # The daemon's parsers (API requests, snapshot files): their own crate and target dir.
-  K7D_FUZZ_DIR=vmm/fuzz FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target}-vmm devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-10}"
+  K7D_FUZZ_DIR=vmm/fuzz FUZZ_TARGET_DIR=${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target}-vmm devices/fuzz/smoke.sh "${K7D_FUZZ_SECS:-6}"
 else
   said_skip "fuzz smoke (K7D_SKIP_FUZZ is set)"
 fi

@@ -54,7 +54,8 @@ fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
 /// `("--test-bin", test binary)` (a host test binary to run in L1) or
 /// `("--agent", k7d-agent)` (the pod initramfs's `/init`).
 fn run_scenario_with(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]) -> Result<Value> {
-    let t0 = Instant::now();
+    RAN.set(Duration::ZERO);
+    let t0 = Ran;
     let first = match run_scenario_once(scenario, bin, extra) {
         Ok(r) => {
             summary(scenario, pass_verdict(&r), 1, t0.elapsed(), &r);
@@ -112,6 +113,30 @@ fn run_scenario_with(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]
     }
 }
 
+thread_local! {
+    /// The time this test's scenario attempts ran, from each one's turn in
+    /// the gate to its end (the lab summary's wall: the wait is not in it).
+    static RAN: std::cell::Cell<Duration> = const { std::cell::Cell::new(Duration::ZERO) };
+}
+
+/// Adds the attempt's run time to [`RAN`] when it ends.
+struct Running(Instant);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        RAN.set(RAN.get() + self.0.elapsed());
+    }
+}
+
+/// What [`RAN`] holds so far.
+struct Ran;
+
+impl Ran {
+    fn elapsed(&self) -> Duration {
+        RAN.get()
+    }
+}
+
 /// "pass", or "pass, rescued" when the L1 watchdog had to wake a frozen L1
 /// (its `lab.rescues` metric; `tests/lab/lib/watchdog.sh`).
 fn pass_verdict(r: &Value) -> &'static str {
@@ -123,7 +148,7 @@ fn pass_verdict(r: &Value) -> &'static str {
 }
 
 /// One line per scenario in `<lab out>/summary.tsv`: name, verdict, attempts,
-/// wall seconds (all attempts), and the last attempt's prepare and L1 seconds.
+/// wall seconds (all attempts, each from its turn in the gate), and the last attempt's prepare and L1 seconds.
 fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Value) {
     let dir = out_dir(scenario).parent().map(Path::to_path_buf).unwrap_or_default();
     let line = format!(
@@ -150,6 +175,7 @@ fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Val
 
 fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]) -> Result<Value> {
     let _turn = Gate::get().enter(scenario);
+    let _ran = Running(Instant::now());
     let out = out_dir(scenario);
     let mut cmd = Command::new(lab_dir().join("run.sh"));
     cmd.arg("--out").arg(&out).env("K7D_LAB_QUIET", "1");

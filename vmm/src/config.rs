@@ -148,6 +148,17 @@ pub struct DatapathNicConfig {
     pub pod_uid: Option<String>,
 }
 
+impl DatapathNicConfig {
+    /// Checks what a create's config and a fork child's attachment share:
+    /// the mode is one the datapath knows.
+    pub fn check(&self) -> Result<(), String> {
+        self.mode
+            .parse::<k7d_net::Mode>()
+            .map(drop)
+            .map_err(|_| format!("datapath mode `{}` is unknown (use direct, bridge or auto)", self.mode))
+    }
+}
+
 /// A virtio-vsock device with the hybrid (unix socket) host side.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -575,13 +586,8 @@ impl VmConfig {
             }
         }
         for (i, n) in self.devices.nics.iter().enumerate() {
-            if let Some(d) = &n.datapath
-                && d.mode.parse::<k7d_net::Mode>().is_err()
-            {
-                return Err(ConfigError::Guest(format!(
-                    "nic {i}: datapath mode `{}` is unknown (use direct, bridge or auto)",
-                    d.mode
-                )));
+            if let Some(d) = &n.datapath {
+                d.check().map_err(|e| ConfigError::Guest(format!("nic {i}: {e}")))?;
             }
             if let Some(m) = &n.mac
                 && parse_mac(m).is_none()

@@ -205,7 +205,7 @@ impl ChildSpec {
         }
         for (i, (n, d)) in config.devices.nics.iter_mut().zip(&self.nics).enumerate() {
             if let Some(d) = d {
-                d.mode.parse::<k7d_net::Mode>().map_err(|e| format!("nic {i}: {e}"))?;
+                d.check().map_err(|e| format!("nic {i}: {e}"))?;
                 if !d.netns.is_absolute() {
                     return Err(format!(
                         "nic {i}: the pod network namespace {} is not an absolute path",

@@ -293,6 +293,7 @@ impl Lab {
                     vnet_hdr: true,
                     pod_uid: None,
                     unsupported: None,
+                    adopt: false,
                 })?;
                 tap_fd = a.tap.queues[0].try_clone()?;
                 guest_mac = a.guest_mac;

@@ -96,6 +96,12 @@ pub struct NicRequest<'a> {
     /// A shape the caller knows direct cannot serve (e.g. "1 Multus
     /// secondary NIC(s) are not supported with the direct datapath yet").
     pub unsupported: Option<String>,
+    /// The NIC's tap (`nic_names(vm_id, nic_idx).tap`) already exists in
+    /// the caller's netns, its queues held by a running VM (a warm pool
+    /// member's bare tap): it is moved into the pod netns instead of made
+    /// there, and moved back when the attach fails. The returned
+    /// `Attached::tap` then has no queue fds.
+    pub adopt: bool,
 }
 
 /// A NIC attached to the pod network.
@@ -105,7 +111,8 @@ pub struct Attached {
     /// Why `auto` fell back to the bridge chain (None when direct or asked
     /// for bridge).
     pub reason: Option<String>,
-    /// The tap (in the pod netns) and its queue fds for the VMM.
+    /// The tap (in the pod netns) and its queue fds for the VMM (none
+    /// for an adopted tap: the VM holds them).
     pub tap: Tap,
     /// The MAC the guest should use: the pod veth's in direct mode (what
     /// anti-spoofing CNIs expect), a derived locally administered one in
@@ -229,6 +236,7 @@ impl Datapath {
     ) -> Result<Attached, String> {
         let object = k7d_bpf::load_object(&self.cfg.object).map_err(|e| e.to_string())?;
         let method = self.cfg.attach_method;
+        let mut home = Home::for_request(req).map_err(|e| e.to_string())?;
         let r = in_netns(Some(req.pod_netns), || {
             let mut nl = Netlink::open()?;
             let pod = nl.link(req.pod_if)?.ok_or_else(|| NetError::PodIfMissing {
@@ -242,7 +250,7 @@ impl Datapath {
                 });
             }
             let use_peer = matches!(pod.kind.as_deref(), Some("veth") | Some("netkit")) && pod.link_netnsid.is_some();
-            let tap = create_tap(&mut nl, &names.tap, req.queues, req.vnet_hdr)?;
+            let tap = obtain_tap(&mut nl, home.as_mut(), &names.tap, req)?;
             if !pod.up {
                 nl.set_up(pod.index, true)?;
             }
@@ -256,8 +264,7 @@ impl Datapath {
                 pod_id: pod_id.unwrap_or(0),
             };
             if let Err(e) = progs.attach(&object, dir, method) {
-                drop(tap);
-                let _ = nl.del_link_by_name(&names.tap);
+                discard_tap(&mut nl, tap, home.as_mut());
                 if method != AttachMethod::Tcx {
                     drop_empty_clsact(&mut nl, pod.index);
                 }
@@ -301,13 +308,14 @@ impl Datapath {
         // Policy-only programs when the object is there; silently none if not.
         let object = k7d_bpf::load_object(&self.cfg.object).ok();
         let method = self.cfg.attach_method;
+        let mut home = Home::for_request(req)?;
         let r = in_netns(Some(req.pod_netns), || {
             let mut nl = Netlink::open()?;
             let pod = nl.link(req.pod_if)?.ok_or_else(|| NetError::PodIfMissing {
                 iface: req.pod_if.to_string(),
                 netns: req.pod_netns.to_path_buf(),
             })?;
-            let tap = create_tap(&mut nl, &names.tap, req.queues, req.vnet_hdr)?;
+            let tap = obtain_tap(&mut nl, home.as_mut(), &names.tap, req)?;
             let built = (|| {
                 nl.add_bridge(&names.bridge)?;
                 let br = nl.link(&names.bridge)?.ok_or_else(|| NetError::Invalid {
@@ -339,9 +347,9 @@ impl Datapath {
             match built {
                 Ok(bpf) => Ok((tap, pod.mac.unwrap_or_default(), bpf)),
                 Err(e) => {
+                    // The tap leaves the bridge before it goes home.
                     let _ = nl.del_link_by_name(&names.bridge);
-                    drop(tap);
-                    let _ = nl.del_link_by_name(&names.tap);
+                    discard_tap(&mut nl, tap, home.as_mut());
                     if method != AttachMethod::Tcx {
                         drop_empty_clsact(&mut nl, pod.index);
                     }
@@ -485,4 +493,75 @@ pub(crate) fn bridge_guest_mac(names: &NicNames, pod_mac: [u8; 6]) -> [u8; 6] {
         mac[5] ^= 1;
     }
     mac
+}
+
+/// The caller's netns, where an adopted tap lives before the attach and
+/// goes back to when the attach fails: a netlink socket and a handle on it,
+/// both opened before the attach enters the pod netns.
+struct Home {
+    nl: Netlink,
+    ns: std::fs::File,
+}
+
+impl Home {
+    /// The caller's netns when `req` adopts a tap; none otherwise.
+    fn for_request(req: &NicRequest<'_>) -> Result<Option<Self>, NetError> {
+        if !req.adopt {
+            return Ok(None);
+        }
+        let ns = std::fs::File::open("/proc/thread-self/ns/net")
+            .map_err(|e| NetError::os("open the daemon's own netns", e))?;
+        Ok(Some(Self { nl: Netlink::open()?, ns }))
+    }
+}
+
+/// The NIC's tap in the pod netns (the calling thread's): made there, or,
+/// adopted, moved in from `home` and brought up (a move takes a link down).
+fn obtain_tap(nl: &mut Netlink, home: Option<&mut Home>, name: &str, req: &NicRequest<'_>) -> Result<Tap, NetError> {
+    let Some(home) = home else {
+        return create_tap(nl, name, req.queues, req.vnet_hdr);
+    };
+    let link = home.nl.link(name)?.ok_or_else(|| NetError::Invalid {
+        what: format!("tap {name}"),
+        reason: "the VM's tap to attach is not in the daemon's netns".into(),
+    })?;
+    let here = std::fs::File::open("/proc/thread-self/ns/net")
+        .map_err(|e| NetError::os("open the pod netns of the attaching thread", e))?;
+    home.nl.set_netns(link.index, &here)?;
+    let moved = nl.link(name)?.ok_or_else(|| NetError::Invalid {
+        what: format!("tap {name}"),
+        reason: "it did not arrive in the pod netns".into(),
+    })?;
+    let tap = Tap {
+        name: name.to_string(),
+        ifindex: moved.index,
+        queues: Vec::new(),
+        vnet_hdr: req.vnet_hdr,
+    };
+    if let Err(e) = nl.set_up(moved.index, true) {
+        discard_tap(nl, tap, Some(home));
+        return Err(e);
+    }
+    Ok(tap)
+}
+
+/// Undoes [`obtain_tap`] after a failed attach: a made tap is deleted, an
+/// adopted one goes back to `home`, up (its VM keeps serving it).
+fn discard_tap(nl: &mut Netlink, tap: Tap, home: Option<&mut Home>) {
+    let Some(home) = home else {
+        let name = tap.name.clone();
+        drop(tap);
+        let _ = nl.del_link_by_name(&name);
+        return;
+    };
+    if let Err(e) = nl.set_netns(tap.ifindex, &home.ns) {
+        warn!(tap = %tap.name, error = %e, "an adopted tap could not go back to the daemon's netns");
+        return;
+    }
+    match home.nl.link(&tap.name) {
+        Ok(Some(l)) => {
+            let _ = home.nl.set_up(l.index, true);
+        }
+        _ => warn!(tap = %tap.name, "an adopted tap did not arrive back in the daemon's netns"),
+    }
 }

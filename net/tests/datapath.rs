@@ -354,6 +354,7 @@ fn twenty_vms_attach_concurrently_without_collisions() {
                         vnet_hdr: true,
                         pod_uid: Some(&uid),
                         unsupported: None,
+                        adopt: false,
                     })
                 })
             })
@@ -481,4 +482,66 @@ fn multi_queue_tap_has_one_fd_per_queue() {
     drop(tap);
     let out = ns.exec(&["ip", "link", "show", "k7dtmq"]);
     assert!(!out.status.success(), "non-persistent tap must vanish with its fds");
+}
+
+/// Whether link `name` is in netns `ns`, and up.
+fn link_in(ns: &Netns, name: &str) -> Option<bool> {
+    let out = ns.exec(&["ip", "-o", "link", "show", name]);
+    let s = String::from_utf8_lossy(&out.stdout);
+    out.status.success().then(|| s.contains(",UP") || s.contains("<UP"))
+}
+
+#[test]
+fn an_adopted_tap_moves_in_carries_the_vms_traffic_and_goes_home_on_failure() {
+    init_tracing();
+    let lab = Lab::new();
+    // The daemon's netns, where a warm pool member's bare tap was made at
+    // its boot; the VM (here: this test) keeps its queue fds throughout.
+    let home = Netns::new("h");
+    let vm = "vm-adopt";
+    let name = k7d_net::nic_names(vm, 0).tap;
+    let tap = k7d_net::in_netns(Some(&home.path()), || {
+        let mut nl = k7d_net::netlink::Netlink::open()?;
+        k7d_net::create_tap(&mut nl, &name, 1, true)
+    })
+    .unwrap();
+    let dp = lab.datapath(ObjectSource::Embedded, AttachMethod::Auto);
+    let attach = |req: &k7d_net::NicRequest<'_>| k7d_net::in_netns(Some(&home.path()), || dp.attach(req));
+    // A failure after the move (a bridge cannot be a bridge's port): the
+    // tap goes home, up, and the pod netns keeps nothing.
+    lab.pod.ip(&["link", "add", "brx", "type", "bridge"]);
+    let mut req = lab.request(vm, Mode::Bridge, None);
+    req.adopt = true;
+    req.pod_if = "brx";
+    let e = attach(&req).unwrap_err().to_string();
+    assert!(e.contains("set master"), "the failure comes after the move: {e}");
+    assert_eq!(link_in(&home, &name), Some(true), "the tap is home and up");
+    assert_eq!(link_in(&lab.pod, &name), None);
+    lab.pod.ip(&["link", "del", "brx"]);
+    lab.assert_clean(&dp);
+    // A tap that is not in the caller's netns is refused with a sentence.
+    let mut stray = lab.request("vm-none", Mode::Direct, None);
+    stray.adopt = true;
+    let e = attach(&stray).unwrap_err().to_string();
+    assert!(e.contains("not in the daemon's netns"), "{e}");
+    lab.assert_clean(&dp);
+    // The attach: the VM's own tap, now in the pod netns, direct.
+    req.pod_if = "eth0";
+    req.mode = Mode::Direct;
+    let att = attach(&req).expect("adopting attach");
+    assert_eq!(att.effective_mode, EffectiveMode::Direct);
+    assert!(att.tap.queues.is_empty(), "the VM holds the queues");
+    assert_eq!(link_in(&home, &name), None, "the tap left home");
+    assert_eq!(link_in(&lab.pod, &name), Some(true));
+    // Traffic flows through the fds the VM held from before the move.
+    {
+        let _guest = Guest::start_on(&lab.guest, &tap, att.guest_mac, &format!("{GUEST_IP}/24"));
+        assert!(lab.guest.ping(B_IP), "guest -> B ping through the adopted tap");
+        assert!(lab.b.ping(GUEST_IP), "B -> guest ping through the adopted tap");
+    }
+    dp.detach(vm, 0, Some(&lab.pod.path()), "eth0").expect("detach");
+    drop(att);
+    drop(tap);
+    lab.assert_clean(&dp);
+    assert_eq!(link_in(&home, &name), None);
 }

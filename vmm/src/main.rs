@@ -500,6 +500,27 @@ enum ApiCmd {
         /// The image; none ejects the medium.
         path: Option<PathBuf>,
     },
+    /// Attach a VM's bare NIC (made with `vhost = false`) to a pod's network
+    /// through the datapath, while it runs or stands paused: its tap moves
+    /// into the pod's netns.
+    NicAttach {
+        id: String,
+        /// The NIC's index among the VM's NICs.
+        #[arg(long, default_value_t = 0)]
+        nic: u32,
+        /// The pod's network namespace (e.g. /run/netns/pod).
+        #[arg(long)]
+        netns: PathBuf,
+        /// The pod's interface inside it.
+        #[arg(long, default_value = "eth0")]
+        pod_if: String,
+        /// `direct`, `bridge` or `auto`.
+        #[arg(long, default_value = "auto")]
+        mode: String,
+        /// The pod UID (its policy identity).
+        #[arg(long)]
+        pod_uid: Option<String>,
+    },
     /// List VMs.
     List,
     /// Clusters: named sets of VMs forked together (`k7d fork <cluster>`).
@@ -749,6 +770,23 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             id,
             count,
             ..Default::default()
+        }),
+        ApiCmd::NicAttach {
+            id,
+            nic,
+            netns,
+            pod_if,
+            mode,
+            pod_uid,
+        } => Request::NicAttach(k7d_vmm::daemon::api::NicAttachArgs {
+            id,
+            nic,
+            datapath: k7d_vmm::config::DatapathNicConfig {
+                mode,
+                netns: std::path::absolute(&netns).unwrap_or(netns),
+                pod_if,
+                pod_uid,
+            },
         }),
         ApiCmd::List => Request::List,
         ApiCmd::Rebase { id } => Request::Rebase(id),

@@ -160,6 +160,7 @@ impl Lab {
             vnet_hdr: true,
             pod_uid: uid,
             unsupported: None,
+            adopt: false,
         }
     }
 

@@ -79,6 +79,10 @@ pub enum Request {
     /// Put a read-only image into a VM's read-only drive, or take it out
     /// (no path): the guest sees the capacity change.
     Medium(MediumArgs),
+    /// Attach a VM's bare NIC (made with `vhost = false`) to a pod's
+    /// network through the datapath, running or paused: its tap moves into
+    /// the pod netns (a warm pool member claimed by a pod).
+    NicAttach(NicAttachArgs),
 }
 
 /// `cluster_create`'s and `cluster_add`'s arguments.
@@ -184,6 +188,18 @@ pub struct MediumArgs {
     pub path: Option<PathBuf>,
 }
 
+/// `nic_attach`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NicAttachArgs {
+    /// VM.
+    pub id: String,
+    /// The NIC: its index among the VM's NICs.
+    pub nic: u32,
+    /// The pod network it joins, and how.
+    pub datapath: crate::config::DatapathNicConfig,
+}
+
 /// `peek`'s arguments.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -223,7 +239,7 @@ mod id_args {
 
 impl Request {
     /// Every op, as named on the wire.
-    pub const OPS: [&'static str; 20] = [
+    pub const OPS: [&'static str; 21] = [
         "create",
         "start",
         "pause",
@@ -244,6 +260,7 @@ impl Request {
         "cluster_list",
         "rebase",
         "medium",
+        "nic_attach",
     ];
 
     /// This request's op, as named on the wire.
@@ -269,6 +286,7 @@ impl Request {
             Self::ClusterList => "cluster_list",
             Self::Rebase(_) => "rebase",
             Self::Medium(_) => "medium",
+            Self::NicAttach(_) => "nic_attach",
         }
     }
 
@@ -311,6 +329,16 @@ impl Request {
                     return Err(ApiError::new(
                         ErrorCode::InvalidArgument,
                         "a medium's path must be absolute (the daemon's working directory is not the client's)",
+                    ));
+                }
+                Ok(())
+            }
+            Self::NicAttach(a) => {
+                id(&a.id)?;
+                if !a.datapath.netns.is_absolute() {
+                    return Err(ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        "a pod network namespace's path must be absolute",
                     ));
                 }
                 Ok(())
@@ -647,7 +675,8 @@ impl Reply {
             | Request::Stop(_)
             | Request::Info(_)
             | Request::Restore(_)
-            | Request::Medium(_) => Self::Vm(Box::new(from_value(result)?)),
+            | Request::Medium(_)
+            | Request::NicAttach(_) => Self::Vm(Box::new(from_value(result)?)),
             Request::Delete(_) | Request::ClusterDelete(_) => Self::Deleted(from_value(result)?),
             Request::ClusterCreate(_) | Request::ClusterAdd(_) | Request::ClusterInfo(_) => {
                 Self::Cluster(from_value(result)?)
@@ -927,6 +956,17 @@ mod tests {
                 disk: 2,
                 path: Some("/var/lib/k7d/images/app.erofs".into()),
             }),
+            // Newer still: a pool member's NIC joins its pod's network.
+            Request::NicAttach(NicAttachArgs {
+                id: "pool-1".into(),
+                nic: 0,
+                datapath: DatapathNicConfig {
+                    mode: "auto".into(),
+                    netns: "/var/run/netns/cni-1".into(),
+                    pod_if: "eth0".into(),
+                    pod_uid: Some("0b6f8a1e-6a55-4f7b-9d8c-1f2e3d4c5b6a".into()),
+                },
+            }),
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {
@@ -950,7 +990,8 @@ mod tests {
                 | Request::ClusterDelete(_)
                 | Request::ClusterList
                 | Request::Rebase(_)
-                | Request::Medium(_) => {}
+                | Request::Medium(_)
+                | Request::NicAttach(_) => {}
             }
             if !seen.contains(&r.op()) {
                 seen.push(r.op());
@@ -1050,12 +1091,12 @@ mod tests {
         (
             r#"{"v":1,"op":"explode"}"#,
             ErrorCode::BadRequest,
-            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium)",
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach)",
         ),
         (
             r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
             ErrorCode::BadRequest,
-            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium)",
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach)",
         ),
         (
             r#"{"v":2,"op":"list"}"#,
@@ -1218,7 +1259,8 @@ mod tests {
             | Request::Stop(_)
             | Request::Info(_)
             | Request::Restore(_)
-            | Request::Medium(_) => Reply::Vm(Box::new(info("web"))),
+            | Request::Medium(_)
+            | Request::NicAttach(_) => Reply::Vm(Box::new(info("web"))),
             Request::Delete(_) => Reply::Deleted(Deleted {
                 id: "web".into(),
                 deleted: true,

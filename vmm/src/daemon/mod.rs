@@ -477,6 +477,7 @@ impl Daemon {
                 let disk = usize::try_from(a.disk).unwrap_or(usize::MAX);
                 vm.change_medium(disk, a.path.as_deref())
             })?)),
+            Request::NicAttach(a) => Reply::Vm(Box::new(self.attach_nic(&a)?)),
             Request::List => Reply::List(self.list()),
             Request::Version => Reply::Version(VersionInfo {
                 api_version: api::API_VERSION,
@@ -501,6 +502,22 @@ impl Daemon {
         let mut g = lock_vm(&vm);
         f(&mut g).map_err(vm_error)?;
         self.persist(&g)?;
+        Ok(self.info_of(&g))
+    }
+
+    /// `nic_attach`: the record keeps the attachment, so a daemon that
+    /// dies with the VM leaves what the reconcile detaches.
+    fn attach_nic(&self, a: &api::NicAttachArgs) -> Result<VmInfo, ApiError> {
+        let vm = self.get(&a.id)?;
+        let mut g = lock_vm(&vm);
+        let nic = usize::try_from(a.nic).unwrap_or(usize::MAX);
+        g.attach_nic(nic, &a.datapath, &self.node).map_err(vm_error)?;
+        self.store
+            .update(g.id(), |r| {
+                r.config = g.config().clone();
+                r.devices = g.devices().to_vec();
+            })
+            .map_err(internal)?;
         Ok(self.info_of(&g))
     }
 
@@ -986,7 +1003,7 @@ mod tests {
     const V1_ANSWERS: [(&str, &str); 6] = [
         (
             r#"{"v":1,"op":"explode"}"#,
-            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium)"}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach)"}}"#,
         ),
         (
             r#"{"v":2,"op":"list"}"#,

@@ -336,7 +336,7 @@ impl Vm {
             vcpus: pending,
             buses: Arc::new(buses),
             serial,
-            _net_cleanups: net_cleanups,
+            net_cleanups,
             devices,
             virtio,
             ram_writers: RamWriters::default(),

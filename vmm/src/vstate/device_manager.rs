@@ -305,6 +305,20 @@ pub(super) struct NetCleanup {
     pod_if: String,
 }
 
+impl NetCleanup {
+    /// Detaches NIC `idx` of `vm_id` from the pod network `netns`/`pod_if`
+    /// when dropped.
+    pub(super) fn new(dp: k7d_net::Datapath, vm_id: String, idx: u16, netns: PathBuf, pod_if: String) -> Self {
+        Self {
+            dp,
+            vm_id,
+            idx,
+            netns,
+            pod_if,
+        }
+    }
+}
+
 impl Drop for NetCleanup {
     fn drop(&mut self) {
         if let Err(e) = self.dp.detach(&self.vm_id, self.idx, Some(&self.netns), &self.pod_if) {
@@ -439,6 +453,7 @@ impl PciCtx<'_> {
                         vnet_hdr: true,
                         pod_uid: d.pod_uid.as_deref(),
                         unsupported: None,
+                        adopt: false,
                     })
                     .map_err(|e| VmError::Device {
                         what: "datapath",

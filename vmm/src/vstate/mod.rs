@@ -1,5 +1,6 @@
 //! The running machine: guest memory, vCPUs, their control block, the VM.
 
+mod attach;
 mod builder;
 pub mod cluster;
 pub mod control;

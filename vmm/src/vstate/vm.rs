@@ -180,7 +180,7 @@ pub struct Vm {
     pub(super) buses: Arc<Buses>,
     pub(super) serial: Arc<Mutex<Serial>>,
     /// After the buses (the taps are closed first), before the VM fd.
-    pub(super) _net_cleanups: Vec<NetCleanup>,
+    pub(super) net_cleanups: Vec<NetCleanup>,
     pub(super) devices: Vec<DeviceInfo>,
     /// The virtio functions (also on the buses): paused with the vCPUs.
     pub(super) virtio: Vec<VirtioHandle>,

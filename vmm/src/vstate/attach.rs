@@ -1,0 +1,87 @@
+//! Attaching a live VM's bare NIC to a pod's network (a warm pool member
+//! claimed by a pod, `docs/kubernetes.md`): the tap the VM already serves
+//! moves into the pod netns and the datapath is set up around it, so the
+//! device, its queues and the guest's driver never notice.
+
+use super::device_manager::NetCleanup;
+use super::vm::{Vm, VmError, VmState};
+use crate::config::DatapathNicConfig;
+
+impl Vm {
+    /// Attaches NIC `index`, on a bare tap, to the pod network `d` through
+    /// the datapath (`node`'s), while the VM runs or stands paused. The NIC
+    /// must be on the userspace plane (`vhost = false` in its config) and
+    /// its tap k7d's own name for it. A refusal or a failed attach leaves
+    /// the NIC on its bare tap, as it was.
+    pub fn attach_nic(
+        &mut self,
+        index: usize,
+        d: &DatapathNicConfig,
+        node: &crate::config::NodeConfig,
+    ) -> Result<(), VmError> {
+        let id = self.id.clone();
+        let refuse = |why: String| VmError::Refused(format!("nic {index} of vm {id} cannot be attached: {why}"));
+        let Some(n) = self.config.devices.nics.get(index) else {
+            return Err(VmError::Refused(format!(
+                "vm {id} has {} NIC(s), so it has no nic {index}",
+                self.config.devices.nics.len()
+            )));
+        };
+        if n.datapath.is_some() {
+            return Err(refuse("it is already attached to a pod's network".into()));
+        }
+        if n.vhost != Some(false) {
+            return Err(refuse(
+                "it may be served by vhost-net; only a NIC made with vhost = false is attached later".into(),
+            ));
+        }
+        if n.tap.is_some() {
+            return Err(refuse("its tap was named by the config, not by k7d".into()));
+        }
+        d.check().map_err(refuse)?;
+        if !d.netns.is_absolute() {
+            return Err(refuse(format!(
+                "the pod network namespace {} is not an absolute path",
+                d.netns.display()
+            )));
+        }
+        if matches!(self.state(), VmState::Stopped { .. }) {
+            return Err(self.state_error("attach a NIC"));
+        }
+        let idx = u16::try_from(index).map_err(|_| refuse("its index is out of range".into()))?;
+        let mode: k7d_net::Mode = d.mode.parse().map_err(|e: k7d_net::NetError| refuse(e.to_string()))?;
+        let dp = k7d_net::Datapath::new(node.datapath()).map_err(|e| refuse(e.to_string()))?;
+        let att = dp
+            .attach(&k7d_net::NicRequest {
+                vm_id: &id,
+                nic_idx: idx,
+                mode,
+                pod_netns: &d.netns,
+                pod_if: &d.pod_if,
+                queues: 1,
+                vnet_hdr: true,
+                pod_uid: d.pod_uid.as_deref(),
+                unsupported: None,
+                adopt: true,
+            })
+            .map_err(|e| VmError::Device {
+                what: "datapath",
+                msg: format!("nic {index} of vm {id}: {e}"),
+            })?;
+        let note = format!(
+            ", datapath: {}{}",
+            att.effective_mode,
+            att.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+        );
+        // Detached (filters, pins, bridge, the tap in the pod netns) when
+        // the VM goes away, as a NIC attached at its build is.
+        self.net_cleanups
+            .push(NetCleanup::new(dp, id.clone(), idx, d.netns.clone(), d.pod_if.clone()));
+        self.config.devices.nics[index].datapath = Some(d.clone());
+        if let Some(info) = self.devices.iter_mut().filter(|i| i.kind == "virtio-net").nth(index) {
+            info.detail.push_str(&note);
+        }
+        tracing::info!(vm = %id, nic = index, netns = %d.netns.display(), "bare NIC attached to a pod network{note}");
+        Ok(())
+    }
+}

@@ -511,7 +511,10 @@ impl Home {
         }
         let ns = std::fs::File::open("/proc/thread-self/ns/net")
             .map_err(|e| NetError::os("open the daemon's own netns", e))?;
-        Ok(Some(Self { nl: Netlink::open()?, ns }))
+        Ok(Some(Self {
+            nl: Netlink::open()?,
+            ns,
+        }))
     }
 }
 

@@ -57,11 +57,22 @@ pub struct ShimConfig {
     /// `bridge`, or `auto` (direct, else the bridge with its reason).
     #[serde(default = "default_datapath")]
     pub datapath: String,
-    /// How a CRI pod's VM starts: `cold` (boots its kernel) or `fork`
+    /// How a CRI pod's VM starts: `cold` (boots its kernel), `fork`
     /// (forked from the node's paused template of its shape, booted once;
-    /// `crate::template`). A pod's `io.k7d.pod-start` annotation overrides.
+    /// `crate::template`) or `pool` (claims a booted, paused member of the
+    /// node's warm pool; `crate::pool`). A pod's `io.k7d.pod-start`
+    /// annotation overrides.
     #[serde(default = "default_pod_start")]
     pub pod_start: String,
+    /// Booted, paused VMs the warm pool keeps for `pool` pods (0 to 16): a
+    /// claim takes one and the claiming shim boots its replacement.
+    #[serde(default = "default_pool_size")]
+    pub pool_size: u8,
+    /// Seconds a pool pod's shim waits after the pod's create before it
+    /// boots the pool full again (0 to 3600; 0: at once), so a burst of
+    /// pod starts does not share the node's CPUs with the refill.
+    #[serde(default)]
+    pub pool_refill_delay_s: u64,
     /// How long a pod VM (or a fork template) may take to boot until its
     /// agent answers, seconds (5 to 3600).
     #[serde(default = "default_boot_timeout")]
@@ -95,6 +106,11 @@ fn default_datapath() -> String {
 fn default_boot_timeout() -> u64 {
     60
 }
+fn default_pool_size() -> u8 {
+    2
+}
+/// The most members a warm pool may keep.
+pub const MAX_POOL_SIZE: u8 = 16;
 fn default_pod_start() -> String {
     "cold".into()
 }
@@ -139,6 +155,18 @@ impl ShimConfig {
             bail!("datapath = {:?} is not direct, bridge or auto", self.datapath);
         }
         check_pod_start(&self.pod_start)?;
+        if self.pool_refill_delay_s > 3600 {
+            bail!(
+                "pool_refill_delay_s = {} is more than 3600 seconds",
+                self.pool_refill_delay_s
+            );
+        }
+        if self.pool_size > MAX_POOL_SIZE {
+            bail!(
+                "pool_size = {} is more than a warm pool may keep ({MAX_POOL_SIZE})",
+                self.pool_size
+            );
+        }
         if !(5..=3600).contains(&self.boot_timeout_s) {
             bail!("boot_timeout_s = {} is not 5 to 3600 seconds", self.boot_timeout_s);
         }
@@ -171,11 +199,24 @@ impl ShimConfig {
     }
 }
 
-fn check_pod_start(v: &str) -> anyhow::Result<()> {
-    if !matches!(v, "cold" | "fork") {
-        bail!("pod_start = {v:?} is not cold or fork");
-    }
-    Ok(())
+/// How a CRI pod's VM starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodStart {
+    /// Boots its kernel.
+    Cold,
+    /// Forked from the node's paused template (`crate::template`).
+    Fork,
+    /// A warm pool member, claimed (`crate::pool`).
+    Pool,
+}
+
+fn check_pod_start(v: &str) -> anyhow::Result<PodStart> {
+    Ok(match v {
+        "cold" => PodStart::Cold,
+        "fork" => PodStart::Fork,
+        "pool" => PodStart::Pool,
+        _ => bail!("pod_start = {v:?} is not cold, fork or pool"),
+    })
 }
 
 impl ShimConfig {
@@ -184,12 +225,11 @@ impl ShimConfig {
         std::time::Duration::from_secs(self.boot_timeout_s)
     }
 
-    /// Whether this pod's VM is forked from a template: the config's
-    /// `pod_start`, overridden by the pod's [`POD_START_ANNOTATION`].
-    pub fn forks(&self, annotations: &HashMap<String, String>) -> anyhow::Result<bool> {
+    /// How this pod's VM starts: the config's `pod_start`, overridden by
+    /// the pod's [`POD_START_ANNOTATION`].
+    pub fn pod_start(&self, annotations: &HashMap<String, String>) -> anyhow::Result<PodStart> {
         let v = annotations.get(POD_START_ANNOTATION).unwrap_or(&self.pod_start);
-        check_pod_start(v).with_context(|| format!("the annotation {POD_START_ANNOTATION}={v:?} is not valid"))?;
-        Ok(v == "fork")
+        check_pod_start(v).with_context(|| format!("the annotation {POD_START_ANNOTATION}={v:?} is not valid"))
     }
 }
 
@@ -226,13 +266,19 @@ mod tests {
         assert_eq!(cfg.datapath, "auto");
         assert_eq!(cfg.pod_start, "cold");
         assert_eq!(cfg.boot_timeout(), std::time::Duration::from_secs(60));
+        assert_eq!(cfg.pool_size, 2);
         let mut ann = HashMap::new();
-        assert!(!cfg.forks(&ann).unwrap());
+        assert_eq!(cfg.pod_start(&ann).unwrap(), PodStart::Cold);
         ann.insert(POD_START_ANNOTATION.to_string(), "fork".to_string());
-        assert!(cfg.forks(&ann).unwrap());
+        assert_eq!(cfg.pod_start(&ann).unwrap(), PodStart::Fork);
+        ann.insert(POD_START_ANNOTATION.to_string(), "pool".to_string());
+        assert_eq!(cfg.pod_start(&ann).unwrap(), PodStart::Pool);
         ann.insert(POD_START_ANNOTATION.to_string(), "warm".to_string());
-        let e = format!("{:#}", cfg.forks(&ann).unwrap_err());
-        assert!(e.contains("io.k7d.pod-start") && e.contains("not cold or fork"), "{e}");
+        let e = format!("{:#}", cfg.pod_start(&ann).unwrap_err());
+        assert!(
+            e.contains("io.k7d.pod-start") && e.contains("not cold, fork or pool"),
+            "{e}"
+        );
         ann.clear();
         ann.insert("io.k7d.vcpus".to_string(), "2".to_string());
         ann.insert("io.k7d.memory_mib".to_string(), "512".to_string());
@@ -259,6 +305,13 @@ mod tests {
         let e = format!("{:#}", cfg.unwrap_err());
         assert!(
             e.ends_with("pod_drives = 17 is more than a pod VM may have (16)"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\npool_size = 17\n");
+        let e = format!("{:#}", cfg.unwrap_err());
+        assert!(
+            e.ends_with("pool_size = 17 is more than a warm pool may keep (16)"),
             "{e}"
         );
         std::fs::remove_dir_all(dir).unwrap();

@@ -28,7 +28,8 @@ pub struct PodVmSpec {
     /// interface in its network namespace; none without a pod network.
     pub nic: Option<PodNic>,
     /// A NIC on a bare tap of its own instead (a fork template's: each
-    /// child's is attached to its pod's network at the fork).
+    /// child's is attached to its pod's network at the fork; a warm pool
+    /// member's: attached when a pod claims it).
     pub bare_nic: bool,
     /// The guest CID of its vsock.
     pub vsock_cid: u64,
@@ -94,6 +95,9 @@ pub trait Daemon: Send + Sync {
     /// Puts the read-only image at `path` into drive `disk` of VM `id`, or
     /// ejects its medium (`None`); the guest sees the capacity change.
     fn set_medium(&self, id: &str, disk: u32, path: Option<&std::path::Path>) -> anyhow::Result<()>;
+    /// Attaches NIC 0 of VM `id`, on a bare tap, to the pod's network
+    /// (a claimed warm pool member's), running or paused.
+    fn attach_nic(&self, id: &str, nic: &PodNic) -> anyhow::Result<()>;
     /// The daemon's pid (reported to containerd as the task's pid, as Kata
     /// reports its hypervisor's: no container process runs on the host).
     fn pid(&self) -> anyhow::Result<u32>;

@@ -12,6 +12,7 @@ mod image;
 mod metrics;
 pub mod names;
 mod podnet;
+mod pool;
 mod service;
 mod stdio;
 mod task;
@@ -63,11 +64,33 @@ fn unreachable_daemon() -> Arc<dyn Daemon> {
         fn set_medium(&self, _: &str, _: u32, _: Option<&Path>) -> anyhow::Result<()> {
             anyhow::bail!("this binary was built without a daemon client")
         }
+        fn attach_nic(&self, _: &str, _: &PodNic) -> anyhow::Result<()> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
         fn pid(&self) -> anyhow::Result<u32> {
             anyhow::bail!("this binary was built without a daemon client")
         }
     }
     Arc::new(NoDaemon)
+}
+
+/// Boots the warm pool of the shim config at `config` (default: as the
+/// shim finds it) full, for the node service before pods arrive; `connect`
+/// reaches the daemon. Returns the pool's name, the members this call
+/// booted and the members ready now.
+pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, u32, usize)> {
+    let cfg = match config {
+        Some(p) => config::ShimConfig::read(p)?,
+        None => config::ShimConfig::load()?,
+    };
+    tracing::info!(size = cfg.pool_size, "filling the warm pool");
+    if cfg.pool_size == 0 {
+        anyhow::bail!("the shim config keeps no warm pool (pool_size = 0)");
+    }
+    let daemon = connect(&cfg.daemon_socket);
+    let p = pool::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
+    let booted = p.refill(&*daemon, &cfg, cfg.boot_timeout())?;
+    Ok((p.name(), booted, p.ready(&*daemon)?))
 }
 
 /// Runs the shim (containerd's `start`, `delete`, or the server, from the

@@ -34,7 +34,27 @@ pub fn pod_names(state_dir: &Path, namespace: &str, sandbox_id: &str) -> PodName
     }
 }
 
+/// The file in a pod's directory naming the warm pool member it claimed.
+const CLAIMED_VM: &str = "vm";
+
 impl PodNames {
+    /// Records in the pod's directory that its VM is `vm_id` (a claimed
+    /// warm pool member), for the stateless delete ([`PodNames::resolved`]).
+    pub fn record_vm(&self, vm_id: &str) -> std::io::Result<()> {
+        std::fs::write(self.dir.join(CLAIMED_VM), vm_id)
+    }
+
+    /// These names with the VM the pod's directory records, if it records
+    /// a warm pool member's id (`pool-<hex>-<n>`; anything else is ignored).
+    pub fn resolved(mut self) -> Self {
+        if let Ok(id) = std::fs::read_to_string(self.dir.join(CLAIMED_VM))
+            && is_pool_member(&id)
+        {
+            self.vm_id = id;
+        }
+        self
+    }
+
     /// Removes the pod's directory and everything in it, never entering a
     /// mount (another filesystem, or a bind on the same one: it is left,
     /// and so is the directory holding it) and never following a link: whatever went
@@ -50,6 +70,19 @@ impl PodNames {
             tracing::warn!("cannot remove the pod directory {}: {e}", self.dir.display());
         }
     }
+}
+
+/// Whether `id` is a warm pool member's VM id (`crate::pool`).
+fn is_pool_member(id: &str) -> bool {
+    id.strip_prefix("pool-")
+        .and_then(|r| r.split_once('-'))
+        .is_some_and(|(hex, n)| {
+            hex.len() == 16
+                && hex.bytes().all(|b| b.is_ascii_hexdigit())
+                && !n.is_empty()
+                && n.len() <= 20
+                && n.bytes().all(|b| b.is_ascii_digit())
+        })
 }
 
 /// Whether `p` is the root of a mount (a bind of a directory on the same
@@ -112,6 +145,27 @@ mod tests {
         let evil = pod_names(Path::new("/run/k7d/shim"), "default", "../../etc");
         assert!(evil.dir.starts_with("/run/k7d/shim") && evil.dir.components().count() == 5);
         assert_eq!(a.vm_id.len(), 4 + 16);
+    }
+
+    #[test]
+    fn a_claimed_pool_member_is_found_again_and_nothing_else_is() {
+        let state = std::env::temp_dir().join(format!("k7d-shim-claimed-{}", std::process::id()));
+        let n = pod_names(&state, "default", "t1");
+        std::fs::create_dir_all(&n.dir).unwrap();
+        assert_eq!(n.clone().resolved(), n, "no record: the pod's own VM");
+        n.record_vm("pool-0123456789abcdef-7").unwrap();
+        assert_eq!(n.clone().resolved().vm_id, "pool-0123456789abcdef-7");
+        for bad in [
+            "pod-x",
+            "pool-0123456789abcdef-",
+            "pool-0123456789abcdeg-1",
+            "pool-0123456789abcdef-1/..",
+            "tmpl-0123456789abcdef",
+        ] {
+            n.record_vm(bad).unwrap();
+            assert_eq!(n.clone().resolved().vm_id, n.vm_id, "{bad} is not a member's id");
+        }
+        std::fs::remove_dir_all(&state).unwrap();
     }
 
     #[test]

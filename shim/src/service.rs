@@ -108,7 +108,7 @@ impl Shim for K7dShim {
                 Ok(c) => (c.state_dir, c.daemon_socket),
                 Err(_) => (PathBuf::from("/run/k7d/shim"), PathBuf::from("/run/k7d/k7d.sock")),
             };
-            let names = pod_names(&state_dir, &self.namespace, &self.id);
+            let names = pod_names(&state_dir, &self.namespace, &self.id).resolved();
             let daemon = crate::daemon_at(&socket);
             if let Err(e) = daemon.delete(&names.vm_id) {
                 tracing::warn!("delete: cannot remove the pod VM {}: {e:#}", names.vm_id);

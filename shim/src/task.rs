@@ -23,10 +23,11 @@ use containerd_shim::{Context as TtrpcCtx, ExitSignal, Task, TtrpcContext, Ttrpc
 use k7d_agent::proto::{self, Binds, BlockMount, CreateContainer, Identity, Network, ProcessRef, Reply, Request};
 
 use crate::agent::{Agent, CallError};
+use crate::config::PodStart;
 use crate::config::ShimConfig;
 use crate::daemon::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
 use crate::names::{PodNames, pod_names};
-use crate::{binds, image, podnet, stdio, template};
+use crate::{binds, image, podnet, pool, stdio, template};
 
 mod join;
 
@@ -617,33 +618,35 @@ impl Inner {
         // a NIC in the pod's network as the CNI set it up (a plain `ctr run
         // --with-ns network:..` gets neither).
         let cri_sandbox = ann.get(CONTAINER_TYPE).map(String::as_str) == Some("sandbox");
-        // Forked from the node's template of its shape (`crate::template`),
-        // its images put into the template's empty drives: CRI pods only.
-        let fork = cri_sandbox
-            && cfg
-                .forks(ann)
-                .map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
-        // A shape other than the config's (the io.k7d.vcpus/memory_mib
-        // annotations) boots cold: one template per config, so pods cannot
-        // make the node keep a booted VM for every shape they ask for.
-        let fork = fork && {
-            let same = (vcpus, memory_mib) == (cfg.vcpus, cfg.memory_mib);
-            if !same {
-                tracing::info!(
-                    "{}: a {vcpus}-vCPU {memory_mib}-MiB pod is not the template's shape: it boots cold",
-                    req.id
-                );
-            }
-            same
+        // Forked from the node's template of its shape (`crate::template`)
+        // or a claimed warm pool member (`crate::pool`), its images put into
+        // the booted VM's empty drives: CRI pods only.
+        let mut start = if cri_sandbox {
+            cfg.pod_start(ann)
+                .map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?
+        } else {
+            PodStart::Cold
         };
+        // A shape other than the config's (the io.k7d.vcpus/memory_mib
+        // annotations) boots cold: one template and one pool per config, so
+        // pods cannot make the node keep booted VMs for every shape they ask for.
+        if start != PodStart::Cold && (vcpus, memory_mib) != (cfg.vcpus, cfg.memory_mib) {
+            tracing::info!(
+                "{}: a {vcpus}-vCPU {memory_mib}-MiB pod is not the node's booted shape: it boots cold",
+                req.id
+            );
+            start = PodStart::Cold;
+        }
         let empty_drives = if cri_sandbox { cfg.pod_drives } else { 0 };
         let pod_net = match podnet::netns_path(&spec).filter(|_| cri_sandbox) {
             Some(ns) => Some(podnet::take(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
             None => None,
         };
         let erofs = packed_rootfs(cfg, bundle, &spec, req)?;
-        let names = pod_names(&cfg.state_dir, &self.namespace, &req.id);
-        // A VM of an earlier shim of this sandbox that nobody deleted.
+        let mut names = pod_names(&cfg.state_dir, &self.namespace, &req.id);
+        // A VM of an earlier shim of this sandbox that nobody deleted (or
+        // the pool member it claimed).
+        let _ = self.daemon.delete(&names.clone().resolved().vm_id);
         let _ = self.daemon.delete(&names.vm_id);
         names.remove_dir();
         // Private: the vsock socket inside reaches the guest agent.
@@ -659,6 +662,30 @@ impl Inner {
                 return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
             }
         };
+        // A warm pool member, when one is ready: the pod's VM from now on.
+        let pool = (start == PodStart::Pool).then(|| pool::for_shape(cfg, vcpus, memory_mib));
+        if let Some(p) = &pool {
+            match p.claim(&*self.daemon, &names) {
+                Ok(Some(member)) => names.vm_id = member,
+                Ok(None) => {
+                    tracing::info!("{}: the warm pool has no member ready: it boots cold", req.id);
+                    start = PodStart::Cold;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "{}: no warm pool member could be claimed ({e:#}): it boots cold",
+                        req.id
+                    );
+                    start = PodStart::Cold;
+                }
+            }
+        }
+        // The pool refills behind every pool pod, claimed or not.
+        let _refill = pool.map(|p| RefillOnDrop {
+            pool: p,
+            cfg: cfg.clone(),
+        });
+        let booted = start != PodStart::Cold;
         // The host bind mounts, packed as disk 1 (the pod's own image).
         let carried = match binds::pack(&spec, &names.dir, cfg.bind_max_mib << 20) {
             Ok(c) => c,
@@ -680,7 +707,7 @@ impl Inner {
             }
         });
         let mut drives: Vec<Option<String>> = disks.iter().map(|_| Some(req.id.clone())).collect();
-        let all_drives = if fork {
+        let all_drives = if booted {
             usize::from(empty_drives + template::SANDBOX_DRIVES)
         } else {
             drives.len() + usize::from(empty_drives)
@@ -689,7 +716,7 @@ impl Inner {
         // A forked VM's media arrive by a medium change: the agent waits
         // for each drive to show its image's size.
         let mut sectors = Vec::new();
-        if fork {
+        if booted {
             for d in &disks {
                 match std::fs::metadata(d) {
                     Ok(m) => sectors.push(m.len() / 512),
@@ -722,10 +749,10 @@ impl Inner {
             vsock_cid: 3,
             vsock_uds: names.vsock.clone(),
         };
-        let made = if fork {
-            self.fork_pod(cfg, &vm)
-        } else {
-            self.daemon.create(&vm)
+        let made = match start {
+            PodStart::Fork => self.fork_pod(cfg, &vm),
+            PodStart::Pool => self.claimed_pod(&vm),
+            PodStart::Cold => self.daemon.create(&vm),
         };
         if let Err(e) = made {
             // It may have built the VM before its answer was lost.
@@ -756,7 +783,7 @@ impl Inner {
             // (`docs/vsock.md`) on a work item of its own, which may reset a
             // connection made just before it ran: that one is made again once.
             let mut setup = Vec::new();
-            if fork {
+            if booted {
                 setup.push(Request::Identity(new_identity().map_err(internal)?));
             }
             if let Some(n) = &pod_net {
@@ -765,13 +792,14 @@ impl Inner {
                     address: n.address.clone(),
                     gateway: n.gateway.clone(),
                     mtu: Some(n.mtu),
-                    // The template's MAC is every sibling's: this pod's own.
-                    set_mac: fork.then(|| pod_mac(&names.vm_id)),
+                    // The template's MAC is every sibling's (a pool
+                    // member's its own id's): this pod's own.
+                    set_mac: booted.then(|| pod_mac(&names.vm_id)),
                 }));
             }
             let call_all = |conn: &mut crate::agent::Conn| setup.iter().try_for_each(|r| conn.call(r).map(drop));
             match call_all(&mut conn) {
-                Err(CallError::Lost(e)) if fork => {
+                Err(CallError::Lost(e)) if start == PodStart::Fork => {
                     tracing::info!(
                         "{}: the agent connection was lost once after the fork ({e}); again",
                         req.id
@@ -847,6 +875,37 @@ impl Inner {
             self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
         }
         Ok(())
+    }
+
+    /// Makes the claimed, paused warm pool member `vm.id` the pod's VM: its
+    /// NIC joins the pod's network, it resumes, its images go in.
+    fn claimed_pod(&self, vm: &PodVmSpec) -> anyhow::Result<()> {
+        if let Some(nic) = &vm.nic {
+            self.daemon.attach_nic(&vm.id, nic)?;
+        }
+        self.daemon.resume(&vm.id)?;
+        for (i, d) in vm.disks.iter().enumerate() {
+            self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
+        }
+        Ok(())
+    }
+}
+
+/// Boots the warm pool full again in the background when dropped (the
+/// pod's create is done, so its own boot or claim came first): a detached
+/// `k7d pool-fill` of its own (this binary), which outlives the shim if
+/// the pod goes first, waits `pool_refill_delay_s`, and logs into the
+/// pool's directory.
+struct RefillOnDrop {
+    pool: pool::Pool,
+    cfg: ShimConfig,
+}
+
+impl Drop for RefillOnDrop {
+    fn drop(&mut self) {
+        if let Err(e) = self.pool.spawn_refill(&self.cfg) {
+            tracing::warn!("cannot start the warm pool's refill: {e:#}");
+        }
     }
 }
 

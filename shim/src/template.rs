@@ -44,6 +44,19 @@ pub struct Template {
 /// two templates' children differ (kernel, initramfs, command line, vCPUs,
 /// memory, drives) and where it lives (daemon, state dir) is in the hash.
 pub fn for_shape(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> Template {
+    let hex = shape_hex(cfg, vcpus, memory_mib);
+    let root = cfg.state_dir.join("templates");
+    Template {
+        vm_id: format!("tmpl-{hex}"),
+        dir: root.join(&hex),
+        lock: root.join(format!("{hex}.lock")),
+    }
+}
+
+/// 16 hex digits that tell apart every two shapes whose booted VMs differ
+/// (kernel, initramfs, command line, vCPUs, memory, drives) or live apart
+/// (daemon, state dir): a template's and a warm pool's name.
+pub(crate) fn shape_hex(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> String {
     let mut h = Sha256::new();
     // The daemon and the state dir too: shims of two configs never share
     // a template id under two locks.
@@ -59,32 +72,48 @@ pub fn for_shape(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> Template {
     }
     h.update([vcpus, cfg.pod_drives]);
     h.update(memory_mib.to_le_bytes());
-    let hex: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
-    let root = cfg.state_dir.join("templates");
-    Template {
-        vm_id: format!("tmpl-{hex}"),
-        dir: root.join(&hex),
-        lock: root.join(format!("{hex}.lock")),
+    h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// A pod VM booted ahead of its pod (a template, a warm pool member):
+/// empty drives for every image a pod puts in, a NIC on a bare tap, a
+/// vsock at `vsock_uds`.
+pub(crate) fn booted_spec(cfg: &ShimConfig, id: &str, vsock_uds: PathBuf, (vcpus, memory_mib): (u8, u64)) -> PodVmSpec {
+    PodVmSpec {
+        id: id.to_string(),
+        kernel: cfg.kernel.clone(),
+        initramfs: cfg.initramfs.clone(),
+        cmdline: cfg.cmdline.clone(),
+        vcpus,
+        memory_mib,
+        disks: Vec::new(),
+        empty_drives: cfg.pod_drives + SANDBOX_DRIVES,
+        nic: None,
+        bare_nic: true,
+        vsock_cid: 3,
+        vsock_uds,
     }
+}
+
+/// Boots `spec` until its agent answers (at most `boot`), then pauses it;
+/// the caller removes it on failure.
+pub(crate) fn boot_paused(daemon: &dyn Daemon, spec: &PodVmSpec, boot: Duration) -> anyhow::Result<()> {
+    daemon.create(spec)?;
+    let vm_id = spec.id.clone();
+    let conn = Agent::new(&spec.vsock_uds).wait_ready(Instant::now() + boot, || match daemon.life(&vm_id) {
+        // A busy daemon is not a death: the boot deadline bounds this.
+        Ok(VmLife::Running | VmLife::Paused) | Err(_) => Ok(()),
+        Ok(other) => bail!("{vm_id} died while booting: {other:?}"),
+    })?;
+    // No connection outlives the boot into a pod (or a fork child).
+    drop(conn);
+    daemon.pause(&spec.id)
 }
 
 impl Template {
     /// The template's PodVmSpec.
     fn spec(&self, cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> PodVmSpec {
-        PodVmSpec {
-            id: self.vm_id.clone(),
-            kernel: cfg.kernel.clone(),
-            initramfs: cfg.initramfs.clone(),
-            cmdline: cfg.cmdline.clone(),
-            vcpus,
-            memory_mib,
-            disks: Vec::new(),
-            empty_drives: cfg.pod_drives + SANDBOX_DRIVES,
-            nic: None,
-            bare_nic: true,
-            vsock_cid: 3,
-            vsock_uds: self.dir.join("vsock.sock"),
-        }
+        booted_spec(cfg, &self.vm_id, self.dir.join("vsock.sock"), (vcpus, memory_mib))
     }
 
     /// Makes sure the template is in the daemon, paused, booted: waits for
@@ -118,19 +147,7 @@ impl Template {
             .mode(0o700)
             .create(&self.dir)
             .with_context(|| format!("cannot create {}", self.dir.display()))?;
-        let r = (|| {
-            let spec = self.spec(cfg, shape.0, shape.1);
-            daemon.create(&spec)?;
-            let vm_id = self.vm_id.clone();
-            let conn = Agent::new(&spec.vsock_uds).wait_ready(Instant::now() + boot, || match daemon.life(&vm_id) {
-                // A busy daemon is not a death: the boot deadline bounds this.
-                Ok(VmLife::Running | VmLife::Paused) | Err(_) => Ok(()),
-                Ok(other) => bail!("the fork template {vm_id} died while booting: {other:?}"),
-            })?;
-            // No connection of the template's outlives it into a child.
-            drop(conn);
-            daemon.pause(&self.vm_id)
-        })();
+        let r = boot_paused(daemon, &self.spec(cfg, shape.0, shape.1), boot);
         if let Err(e) = r {
             let _ = daemon.delete(&self.vm_id);
             remove_dir(&self.dir);
@@ -143,7 +160,7 @@ impl Template {
 
 /// The VM's life, asked again while the daemon is too busy to answer in
 /// time (the forks of one template queue on it), until `deadline`.
-fn life_until(daemon: &dyn Daemon, id: &str, deadline: Instant) -> anyhow::Result<VmLife> {
+pub(crate) fn life_until(daemon: &dyn Daemon, id: &str, deadline: Instant) -> anyhow::Result<VmLife> {
     loop {
         match daemon.life(id) {
             Ok(l) => return Ok(l),
@@ -156,7 +173,7 @@ fn life_until(daemon: &dyn Daemon, id: &str, deadline: Instant) -> anyhow::Resul
     }
 }
 
-fn remove_dir(dir: &Path) {
+pub(crate) fn remove_dir(dir: &Path) {
     if let Err(e) = std::fs::remove_dir_all(dir)
         && e.kind() != std::io::ErrorKind::NotFound
     {
@@ -166,13 +183,13 @@ fn remove_dir(dir: &Path) {
 
 /// An exclusive `flock` on `path`, waited for until `deadline`; released
 /// when the file is dropped.
-fn lock(path: &Path, deadline: Instant) -> anyhow::Result<File> {
+pub(crate) fn lock(path: &Path, deadline: Instant) -> anyhow::Result<File> {
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(path)
-        .with_context(|| format!("cannot open the template lock {}", path.display()))?;
+        .with_context(|| format!("cannot open the shims' lock {}", path.display()))?;
     loop {
         // SAFETY: flock on a descriptor we own.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
@@ -183,10 +200,7 @@ fn lock(path: &Path, deadline: Instant) -> anyhow::Result<File> {
             return Err(e).with_context(|| format!("cannot lock {}", path.display()));
         }
         if Instant::now() >= deadline {
-            bail!(
-                "another shim held the template lock {} past the boot deadline",
-                path.display()
-            );
+            bail!("another shim held the lock {} past the deadline", path.display());
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -235,7 +249,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(t0.elapsed() >= Duration::from_millis(200));
-        assert!(e.contains("template lock") && e.contains("t.lock"), "{e}");
+        assert!(e.contains("held the lock") && e.contains("t.lock"), "{e}");
         drop(held);
         lock(&p, Instant::now()).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();

@@ -381,6 +381,18 @@ enum Cmd {
         #[command(subcommand)]
         cmd: NetCmd,
     },
+    /// Boot the containerd shim's warm pool full (`pool_size` booted,
+    /// paused pod VMs of the shim config's shape; docs/kubernetes.md), as a
+    /// node service does before pods arrive; returns once it is full.
+    #[cfg(feature = "shim")]
+    PoolFill {
+        /// The shim config (default: $K7D_SHIM_CONFIG, else /etc/k7d/shim.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Wait this many seconds first (a shim's refill after a claim).
+        #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3600))]
+        after_s: u64,
+    },
 }
 
 /// Who may use the daemon's API and how it bounds its clients (`docs/security.md`).
@@ -675,6 +687,18 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         Cmd::Net { cmd } => {
             init_logs("warn");
             k7d_vmm::netcli::run(cmd, cli.json)
+        }
+        #[cfg(feature = "shim")]
+        Cmd::PoolFill { config, after_s } => {
+            init_logs("info");
+            std::thread::sleep(std::time::Duration::from_secs(after_s));
+            let (pool, booted, ready) = k7d_shim::fill_pool(k7d_vmm::shim_host::connect, config.as_deref())?;
+            if cli.json {
+                out!("{}", json!({"pool": pool, "booted": booted, "ready": ready}));
+            } else {
+                out!("warm pool {pool}: {booted} member(s) booted, {ready} ready");
+            }
+            Ok(ExitCode::SUCCESS)
         }
         Cmd::Check => {
             init_logs("warn");

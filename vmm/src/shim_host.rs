@@ -178,6 +178,16 @@ impl Daemon for ShimDaemon {
         Ok(())
     }
 
+    fn attach_nic(&self, id: &str, nic: &PodNic) -> anyhow::Result<()> {
+        let req = Request::NicAttach(crate::daemon::api::NicAttachArgs {
+            id: id.to_string(),
+            nic: 0,
+            datapath: datapath(nic),
+        });
+        self.request(&req, CREATE)?;
+        Ok(())
+    }
+
     fn pid(&self) -> anyhow::Result<u32> {
         match self.request(&Request::Version, QUICK)? {
             Reply::Version(v) => Ok(v.pid),

@@ -45,9 +45,10 @@ pub struct NetArgs {
     /// `sh -c 'HOOK deny|drops|clear SANDBOX_ID'`.
     #[arg(long)]
     hook: Option<String>,
-    /// k7d's `io.k7d.pod-start` annotation on both pods.
-    #[arg(long)]
-    pod_start: Option<String>,
+    /// k7d's `io.k7d.pod-start` annotation: one for both pods, or the
+    /// server's and the client's, comma-separated (`fork,pool`).
+    #[arg(long, value_delimiter = ',')]
+    pod_start: Vec<String>,
 }
 
 /// Runs the check; the pods are stopped and removed whatever happened.
@@ -80,7 +81,12 @@ async fn pod(
         name: format!("{}-{role}", args.name),
         log_dir: std::path::absolute(args.log_dir.join(role)).context("the log directory has no absolute path")?,
         timeout_s: args.timeout_s,
-        pod_start: args.pod_start.clone(),
+        // The server's mode first, the client's second (or the one for both).
+        pod_start: match (role, args.pod_start.as_slice()) {
+            (_, []) => None,
+            ("client", [.., last]) => Some(last.clone()),
+            (_, [first, ..]) => Some(first.clone()),
+        },
     };
     tokio::fs::create_dir_all(&p.log_dir)
         .await
@@ -133,7 +139,15 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
     let limit = Duration::from_secs(args.timeout_s);
     let (server_ip, server) = pod(client, args, "server", SERVER, pods).await?;
     let (client_ip, client_c) = pod(client, args, "client", CLIENT, pods).await?;
-    identities(client, &[(&server_ip, &server), (&client_ip, &client_c)], limit).await?;
+    // Every VM runtime gives each pod a kernel of its own.
+    let own_kernels = args.runtime_handler != "runc";
+    identities(
+        client,
+        &[(&server_ip, &server), (&client_ip, &client_c)],
+        own_kernels,
+        limit,
+    )
+    .await?;
     let (out, _) = step(
         "net_ping",
         limit,
@@ -176,8 +190,8 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
 
 /// Each pod has its own identity (two pods forked from one template
 /// would otherwise share all of it): its address, its hostname, and the
-/// first 16 bytes its kernel's RNG hands out.
-async fn identities(client: &mut Client, pods: &[(&str, &str)], limit: Duration) -> Result<()> {
+/// first 16 bytes its kernel's RNG hands out, its kernel's boot id.
+async fn identities(client: &mut Client, pods: &[(&str, &str)], own_kernels: bool, limit: Duration) -> Result<()> {
     let mut seen = Vec::new();
     for (ip, c) in pods {
         let host = exec(client, c, &["hostname"], limit).await?;
@@ -191,17 +205,23 @@ async fn identities(client: &mut Client, pods: &[(&str, &str)], limit: Duration)
         if rng.len() != 32 {
             bail!("pod at {ip}: 16 bytes of /dev/urandom read as '{rng}'");
         }
-        println!("cri: net identity: pod at {ip}: hostname {host}, urandom {rng}");
-        seen.push((ip.to_string(), host, rng));
+        let boot = exec(client, c, &["cat", "/proc/sys/kernel/random/boot_id"], limit).await?;
+        println!("cri: net identity: pod at {ip}: hostname {host}, urandom {rng}, boot id {boot}");
+        seen.push((ip.to_string(), host, rng, boot));
     }
     for (i, a) in seen.iter().enumerate() {
         for b in &seen[i + 1..] {
-            if a.0 == b.0 || a.1 == b.1 || a.2 == b.2 {
+            // runc's pods share the node's kernel, and so its boot id.
+            if a.0 == b.0 || a.1 == b.1 || a.2 == b.2 || (own_kernels && a.3 == b.3) {
                 bail!("two pods share an identity: {a:?} and {b:?}");
             }
         }
     }
-    println!("cri: net identity: every pod's address, hostname and urandom differ");
+    if own_kernels {
+        println!("cri: net identity: every pod's address, hostname, urandom and boot id differ");
+    } else {
+        println!("cri: net identity: every pod's address, hostname and urandom differ (one kernel, one boot id)");
+    }
     Ok(())
 }
 

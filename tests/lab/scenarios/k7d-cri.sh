@@ -1,4 +1,4 @@
-# lab: description=containerd 1.6 in L1 with its CRI plugin and CNI (bridge): one two-container pod driven by k7d-cri (the kubelet's calls) under the runtime handler runc (the reference), then k7d (one pod VM for the pod), then two pods that talk (ping, 4 MiB over TCP) under runc and under k7d (fork-started pod VMs, NICs on the direct datapath), then the pod again forked from the node's template; step and pod start/delete times side by side; nothing left after
+# lab: description=containerd 1.6 in L1 with its CRI plugin and CNI (bridge): one two-container pod driven by k7d-cri (the kubelet's calls) under the runtime handler runc (the reference), then k7d (one pod VM for the pod), then two pods that talk (ping, 4 MiB over TCP) under runc and under k7d (a fork-started and a warm-pool pod VM, NICs on the direct datapath), then the pod again forked from the node's template and claimed from the warm pool; step and pod start/delete times side by side; nothing left after
 # lab: default=yes
 # lab: timeout=720
 # lab: bin=required
@@ -37,13 +37,16 @@
 # equal. Under k7d each pod VM's NIC sits on its pod's CNI eth0 through
 # k7d's datapath (shim.toml's default, auto) and the daemon must report
 # "datapath: direct" for both VMs while they live.
-# Pods started by fork (io.k7d.pod-start=fork): the net pair under k7d
-# (the first boots the node's template; each pod's address, hostname and
-# 16 bytes of /dev/urandom differ), then the two-container pod again,
-# forked from the paused template (listed among its fork children).
+# Pods started by fork (io.k7d.pod-start=fork) and from the warm pool
+# (io.k7d.pod-start=pool, pool_size = 1, filled by `k7d pool-fill`): the
+# net pair under k7d (the server boots the node's template and is forked
+# from it, the client claims the pool's member; each pod's address,
+# hostname, 16 bytes of /dev/urandom and boot id differ; the pool refills
+# itself), then the two-container pod again, forked from the paused
+# template (listed among its fork children), then claimed from the pool.
 # Metrics: each pod's steps (ms), pod start (RunPodSandbox until A's first
 # log line) and pod delete (Stop + Remove) in s, k7d's over runc's, and the
-# fork-started pod's over runc's and over the cold k7d pod's.
+# fork-started and pool pods' over runc's and over the cold k7d pod's.
 # Afterwards: no pod sandbox, no container, no task, no shim process, no k7d
 # VM, no network namespace, no pod address left in host-local.
 # By hand: cargo build --release -p k7d-vmm -p k7d-agent -p k7d-cri, then
@@ -298,6 +301,7 @@ initramfs = "$LAB_POD_INITRD"
 daemon_socket = "$SOCK"
 vcpus = 1
 memory_mib = 256
+pool_size = 1
 EOF
 "$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >"$DLOG" 2>&1 &
 dpid=$!
@@ -315,7 +319,7 @@ done
 pod_vm() {
   _want=${2:-1}
   [ "$BOOT_ID" != "$L1_BOOT_ID" ] || fail "$1: the pod's containers run on L1's kernel (boot id $BOOT_ID)"
-  [ "$VMS_MAX" = "$_want" ] || fail "$1: the daemon listed $VMS_MAX VMs while the pod lived, expected $_want (the sandbox's, shared by its containers${2:+, and the fork template of the node})"
+  [ "$VMS_MAX" = "$_want" ] || fail "$1: the daemon listed $VMS_MAX VMs while the pod lived, expected $_want (the sandbox's, shared by its containers${3:+, and $3})"
   lab_note "$1: both containers on the pod VM's kernel (boot id $BOOT_ID, L1's $L1_BOOT_ID); $_want VM(s) listed while the pod lived"
 }
 cri_pod k7d k7d "$LAB_L2_KERNEL_RELEASE"
@@ -381,14 +385,50 @@ dp_seen() {
 # Both pods are started by fork: the first boots the node's template. Each
 # child's NIC is attached to its own pod's eth0 at the fork, and each has
 # its own MAC, address, hostname and RNG (k7d-cri net checks the last three).
-cri_net net-k7d k7d /tmp/policy.sh fork
+# --- the warm pool -------------------------------------------------------------------
+# pool_size = 1: `k7d pool-fill` (what a node service runs before pods
+# arrive) boots one pod VM of the shim config's shape (empty drives, a NIC
+# on a bare tap, a vsock) and pauses it once its agent answers.
+t0=$(lab_now)
+_fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "k7d pool-fill failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
+case $_fill in *": 1 member(s) booted, 1 ready") ;; *) fail "k7d pool-fill: '$_fill', expected one member booted and ready" ;; esac
+lab_metric pool.fill_s "$(lab_sub "$(lab_now)" "$t0")" s
+lab_note "warm pool: $_fill"
+# refills: the pids of the k7d pool-fill processes that shims started
+# (L1 has no pkill).
+refills() {
+  for _p in /proc/[0-9]*; do
+    case $(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null) in *"pool-fill --after-s"*) echo "${_p#/proc/}" ;; esac
+  done
+}
+# pool_ready LABEL: the pool's member is booted and paused again (its
+# refill is a detached k7d pool-fill of the claiming shim's), within 300 s.
+pool_ready() {
+  _i=0
+  until "$LAB_BIN" --socket "$SOCK" list 2>/dev/null | awk '$1 ~ /^pool-/ && $NF == "paused" {f = 1} END {exit !f}'; do
+    _i=$((_i + 1))
+    [ "$_i" -lt 600 ] || fail "$1: the warm pool was not refilled within 300 s: $(cat /run/k7d/shim/pools/*/fill.log 2>/dev/null | tail -n 3 | tr '\n' ' ')"
+    [ $((_i % 60)) != 0 ] || echo "lab: $1: waiting for the warm pool's refill ($((_i / 2)) s)"
+    sleep 0.5
+  done
+}
+
+# The server pod is started by fork (it boots the node's template), the
+# client by claiming the pool's member: the fork child's NIC is attached
+# to its pod's eth0 at the fork, the member's tap moves into its pod's
+# netns while it is paused (nic_attach). Each has its own MAC, address,
+# hostname, RNG and boot id (k7d-cri net checks the last four).
+cri_net net-k7d k7d /tmp/policy.sh fork,pool
 dp_seen net-k7d direct
+grep -q '^pool-[^ ]* datapath: direct' /tmp/dp.seen || fail "net-k7d: the client pod's VM was not the pool's member on the direct datapath: $(sort -u /tmp/dp.seen | tr '\n' ' ')"
 grep -q '^cri: net identity: every pod' /tmp/cri-net-k7d.out || fail "net-k7d: the identity check did not run"
-lab_note "net-k7d (fork-started pods): $(sed -n 's/^cri: net identity: pod at //p' /tmp/cri-net-k7d.out | tr '\n' ';')"
+lab_note "net-k7d (a fork-started server, a pool-claimed client): $(sed -n 's/^cri: net identity: pod at //p' /tmp/cri-net-k7d.out | tr '\n' ';')"
 
 grep -q '^cri: net policy: cleared' /tmp/cri-net-k7d.out || fail "net-k7d: the policy check did not run"
 lab_note "net-k7d: $(sed -n 's/^cri: net policy: default-deny/default-deny/p' /tmp/cri-net-k7d.out); cleared: the ping passes again"
 nothing_left net-k7d
+pool_ready net-k7d
+lab_note "warm pool: refilled after net-k7d's claim: $("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1 " " $NF}')"
 
 # --- a pod started by fork ---------------------------------------------------------
 # io.k7d.pod-start=fork: the pod VM is a copy-on-write fork of the node's
@@ -406,20 +446,40 @@ forked() {
 tmpl=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^tmpl-/ {print $1 " " $NF}')
 case $tmpl in *" paused") ;; *) fail "net-k7d's fork-started pods left no paused template: '$tmpl'" ;; esac
 cri_pod k7d-fork k7d "$LAB_L2_KERNEL_RELEASE" fork
-pod_vm k7d-fork 2
+pod_vm k7d-fork 3 "the node's fork template and the warm pool's member"
 forked k7d-fork
 lab_metric k7d_fork.pod_start_vs_runc "$(awk -v k="$START_k7d_fork" -v r="$START_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
 lab_metric k7d_fork.pod_start_vs_cold "$(awk -v k="$START_k7d_fork" -v c="$START_k7d" 'BEGIN {printf "%.2f", (c > 0 ? k / c : 0)}')" x
 lab_metric k7d_fork.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d_fork" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
-steps_side_by_side runc k7d k7d-fork
-lab_note "pod start (s): runc $START_runc, k7d cold $START_k7d, k7d fork-started $START_k7d_fork; pod delete (s): runc $DELETE_runc, k7d cold $DELETE_k7d, k7d fork-started $DELETE_k7d_fork"
-lab_note "goals: fork-started <= 2x runc ($(awk -v k="$START_k7d_fork" -v r="$START_runc" 'BEGIN {printf "%.2f", k / r}')x) and <= 0.1x cold ($(awk -v k="$START_k7d_fork" -v c="$START_k7d" 'BEGIN {printf "%.2f", k / c}')x); delete <= 1 s"
 nothing_left k7d-fork
+
+# --- a pod from the warm pool ----------------------------------------------------------
+# io.k7d.pod-start=pool: the pod claims the pool's paused member (its NIC
+# attached, resumed, its images in by medium change). Its shim's refill
+# waits 600 s here, so the start measured is the claim's alone (stopped
+# after the pod). While the pod lives the daemon lists the template and the
+# pod's VM, the member; after it, no pool member is left: the pod had it.
+echo 'pool_refill_delay_s = 600' >>/etc/k7d/shim.toml
+cri_pod k7d-pool k7d "$LAB_L2_KERNEL_RELEASE" pool
+pod_vm k7d-pool 2 "the node's fork template"
+_r=$(refills)
+[ -n "$_r" ] || fail "k7d-pool: no refill was waiting after the claim"
+kill $_r
+_left=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
+[ -z "$_left" ] || fail "k7d-pool: the pool's member $_left is still there: the pod did not claim it"
+lab_metric k7d_pool.pod_start_vs_runc "$(awk -v k="$START_k7d_pool" -v r="$START_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
+lab_metric k7d_pool.pod_start_vs_cold "$(awk -v k="$START_k7d_pool" -v c="$START_k7d" 'BEGIN {printf "%.2f", (c > 0 ? k / c : 0)}')" x
+lab_metric k7d_pool.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d_pool" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
+steps_side_by_side runc k7d k7d-pool k7d-fork
+lab_note "pod start (s): runc $START_runc, k7d cold $START_k7d, k7d warm pool $START_k7d_pool, k7d fork-started $START_k7d_fork; pod delete (s): runc $DELETE_runc, k7d cold $DELETE_k7d, k7d warm pool $DELETE_k7d_pool, k7d fork-started $DELETE_k7d_fork"
+lab_note "goals: fork-started <= 2x runc ($(awk -v k="$START_k7d_fork" -v r="$START_runc" 'BEGIN {printf "%.2f", k / r}')x) and <= 0.1x cold ($(awk -v k="$START_k7d_fork" -v c="$START_k7d" 'BEGIN {printf "%.2f", k / c}')x); delete <= 1 s"
+nothing_left k7d-pool
 
 # LAB_CRI_MANY=N (by hand; CI leaves it out for time): N pods created at
 # once under k7d, their start modes taken in turn from LAB_CRI_MANY_MODES
-# (default cold,fork): all must start (0 failures), then all are removed
-# at once and nothing is left.
+# (default cold,fork,pool; the warm pool is booted first with a member for
+# each pool pod, and not refilled during the run): all must start (0
+# failures), then all are removed at once and nothing is left.
 if [ -n "${LAB_CRI_MANY:-}" ]; then
   # Ten cold pod VMs booting at once on L1's one emulated vCPU take minutes:
   # a boot deadline for this machine, not the 60 s default.
@@ -431,11 +491,21 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
       echo "lab: many: $(grep -c ' ready in ' /tmp/cri-many.out 2>/dev/null) ready, $(grep -c ' FAILED: ' /tmp/cri-many.out 2>/dev/null) failed, $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .) VMs"
     done ) &
   _mprog=$!
+  _modes=${LAB_CRI_MANY_MODES:-cold,fork,pool}
+  _npool=$(awk -v n="$LAB_CRI_MANY" -v m="$_modes" 'BEGIN {k = split(m, a, ","); c = 0; for (i = 0; i < n; i++) if (a[i % k + 1] == "pool") c++; print (c > 16 ? 16 : c)}')
+  if [ "$_npool" -gt 0 ]; then
+    sed -i "s/^pool_size = .*/pool_size = $_npool/" /etc/k7d/shim.toml
+    _fill=$(timeout -s KILL 1200 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "many: k7d pool-fill failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
+    lab_note "many: warm pool for $_npool pool pods: $_fill"
+  fi
   timeout -s KILL 1800 "$CRI" many --runtime-handler k7d --image "$IMG" --name many --count "$LAB_CRI_MANY" \
-    --log-dir /var/log/pods/k7d-lab_many --timeout-s 900 --pod-start "${LAB_CRI_MANY_MODES:-cold,fork}" >/tmp/cri-many.out 2>&1
+    --log-dir /var/log/pods/k7d-lab_many --timeout-s 900 --pod-start "$_modes" >/tmp/cri-many.out 2>&1
   _rc=$?
   grep -v '^cri: step ' /tmp/cri-many.out | sed 's/^/lab: many: /'
   kill "$_mprog" 2>/dev/null; wait "$_mprog" 2>/dev/null
+  # The pool pods' refills wait 600 s (set for k7d-pool): not in this run.
+  _r=$(refills)
+  [ -z "$_r" ] || kill $_r
   cp /tmp/shim.toml.saved /etc/k7d/shim.toml
   [ "$_rc" = 0 ] || fail "many: k7d-cri many exited $_rc: $(tail -n 2 /tmp/cri-many.out | tr '\n' ' ')"
   lab_note "many: $(sed -n 's/^cri: many: \([0-9]* pods at once\)/\1/p' /tmp/cri-many.out); $(sed -n 's/^cri: many: \([a-z]*: [0-9]* pods, start\)/\1/p' /tmp/cri-many.out | tr '\n' ';')"
@@ -468,9 +538,10 @@ vms=$("$LAB_BIN" --socket "$SOCK" list 2>&1) || fail "k7d list failed: $vms"
 [ -z "$(printf '%s\n' "$vms" | tail -n +2)" ] || fail "k7d VMs left after every pod was removed: $(printf '%s' "$vms" | tr '\n' '|')"
 kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon died"
 # The node's fork template went with the daemon it lived in (restarted
-# above); its directory and lock file are the node's, kept for the next.
-left=$(find /run/k7d/shim -mindepth 1 -not -path '/run/k7d/shim/templates*' 2>/dev/null; find /run/k7d/shim/templates "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
+# above); its directory and lock file are the node's, kept for the next,
+# as are the warm pool's lock, counter and fill log.
+left=$(find /run/k7d/shim -mindepth 1 -not -path '/run/k7d/shim/templates*' -not -path '/run/k7d/shim/pools*' 2>/dev/null; find /run/k7d/shim/templates /run/k7d/shim/pools "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
 [ -z "$left" ] || fail "k7d: left behind: $(printf '%s' "$left" | tr '\n' ' ')"
 lab_note "k7d: nothing left: no pod sandbox, container, task, shim process, VM, network namespace, pod address, pod socket dir, vsock socket or mount"
 lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
-lab_pass "containerd CRI: the same two-container pod under runc, k7d cold and k7d fork-started (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), two fork-started k7d pods with their own identities talking over the direct datapath (a pod policy blocks and clears) and two cold ones over the bridge fallback, nothing left"
+lab_pass "containerd CRI: the same two-container pod under runc, k7d cold, k7d fork-started and k7d from the warm pool (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), a fork-started and a pool-claimed k7d pod with their own identities talking over the direct datapath (a pod policy blocks and clears) and two cold ones over the bridge fallback, nothing left"

@@ -78,8 +78,11 @@ impl Vm {
         self.net_cleanups
             .push(NetCleanup::new(dp, id.clone(), idx, d.netns.clone(), d.pod_if.clone()));
         self.config.devices.nics[index].datapath = Some(d.clone());
+        // Where a NIC attached at its build says it: after its backend,
+        // before the transport's "; MSI-X ...".
         if let Some(info) = self.devices.iter_mut().filter(|i| i.kind == "virtio-net").nth(index) {
-            info.detail.push_str(&note);
+            let at = info.detail.find("; MSI-X").unwrap_or(info.detail.len());
+            info.detail.insert_str(at, &note);
         }
         tracing::info!(vm = %id, nic = index, netns = %d.netns.display(), "bare NIC attached to a pod network{note}");
         Ok(())

@@ -213,7 +213,7 @@ fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]
 /// fresh-clone run, rounded up): the gate starts the longest first.
 /// A scenario missing here counts as 60 s.
 const TYPICAL_L1_S: &[(&str, u32)] = &[
-    ("k7d-cri", 280),
+    ("k7d-cri", 340),
     ("k7d-shim", 180),
     ("k7d-cluster", 175),
     ("k7d-memory", 165),

@@ -10,7 +10,7 @@ use vmm_sys_util::epoll::Epoll;
 
 use super::event_handler::VsockWorker;
 use super::muxer::Muxer;
-use super::{MAX_PKT_BUF_SIZE, NUM_QUEUES, QUEUE_SIZE, VsockError, persist};
+use super::{LOCAL_PORT_BASE, MAX_PKT_BUF_SIZE, NUM_QUEUES, QUEUE_SIZE, VsockError, persist};
 use crate::virtio::worker::WorkerThread;
 use crate::virtio::{ActivateContext, VIRTIO_F_VERSION_1, VirtioDevice, VirtioError};
 
@@ -29,6 +29,25 @@ pub struct Vsock {
     /// they are connected to peers this device never had. The worker's
     /// first act is a TRANSPORT_RESET event (virtio 1.2 §5.10.6.7).
     reset_guest: bool,
+    /// The first host-side port handed out for host-initiated connections:
+    /// [`LOCAL_PORT_BASE`], or for a restored device one far from its
+    /// source's ([`restored_first_port`]).
+    first_local_port: u32,
+}
+
+/// Where a restored (or forked) device starts handing out host-side ports:
+/// away from the ports its source handed out, which the guest may still
+/// hold in sockets its transport reset has not reached yet, or that its
+/// agent has not closed since (a connection request on such a port is
+/// answered with a reset, and the host reads "not listening"). A point in
+/// [2^30 + 2^29, 2^31) taken from the clock: forks of one source differ,
+/// and a source's own few ports are 2^29 wide apart from it on average.
+fn restored_first_port() -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let mixed = t.subsec_nanos() ^ (t.as_secs() as u32).rotate_left(13);
+    LOCAL_PORT_BASE + (1 << 29) + mixed % (1 << 29)
 }
 
 impl std::fmt::Debug for Vsock {
@@ -67,6 +86,7 @@ impl Vsock {
             queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
             worker: WorkerThread::new("k7d-vsock"),
             reset_guest: false,
+            first_local_port: LOCAL_PORT_BASE,
         })
     }
 
@@ -147,7 +167,8 @@ impl VirtioDevice for Vsock {
         };
         let listener = self.listener.try_clone().map_err(setup_err)?;
         let epoll = Epoll::new().map_err(setup_err)?;
-        let muxer = Muxer::new(self.cid, &self.uds_path, listener, epoll).map_err(setup_err)?;
+        let muxer =
+            Muxer::new(self.cid, &self.uds_path, listener, epoll, self.first_local_port).map_err(setup_err)?;
         let (qs, notify) = queues.into_iter().map(|q| (q.queue, q.notify)).unzip();
         let worker = VsockWorker {
             mem: ctx.mem,
@@ -213,6 +234,7 @@ impl VirtioDevice for Vsock {
             why: e.to_string(),
         })?;
         self.reset_guest = true;
+        self.first_local_port = restored_first_port();
         Ok(())
     }
 }
@@ -258,8 +280,20 @@ mod tests {
         let e = v.restore(&[1]).unwrap_err().to_string();
         assert!(e.contains("vsock") && e.contains("1 byte"), "{e}");
         assert!(!v.reset_guest);
+        assert_eq!(v.first_local_port, LOCAL_PORT_BASE);
         v.restore(&[]).unwrap();
         assert!(v.reset_guest, "a restored device resets the guest's connections");
+        // ...and hands out host ports far from its source's, which the guest
+        // may still hold (a request on one is answered with a reset).
+        let first = v.first_local_port;
+        assert!((LOCAL_PORT_BASE + (1 << 29)..1 << 31).contains(&first), "{first:#x}");
+        let other: std::collections::HashSet<u32> = (0..16)
+            .map(|_| {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+                restored_first_port()
+            })
+            .collect();
+        assert!(other.len() > 1, "forks of one source start apart: {other:?}");
         // Nothing to pause before activation.
         v.pause().unwrap();
         v.resume().unwrap();

@@ -87,8 +87,16 @@ fn stream_events() -> EventSet {
 }
 
 impl Muxer {
-    /// `listener` must be non-blocking; it is added to `epoll`.
-    pub(super) fn new(cid: u64, uds_path: &Path, listener: UnixListener, epoll: Epoll) -> std::io::Result<Self> {
+    /// `listener` must be non-blocking; it is added to `epoll`. Host-side
+    /// ports are handed out from `first_local_port` (at least
+    /// [`LOCAL_PORT_BASE`]).
+    pub(super) fn new(
+        cid: u64,
+        uds_path: &Path,
+        listener: UnixListener,
+        epoll: Epoll,
+        first_local_port: u32,
+    ) -> std::io::Result<Self> {
         epoll.ctl(
             ControlOperation::Add,
             listener.as_raw_fd(),
@@ -104,7 +112,7 @@ impl Muxer {
             tokens: HashMap::new(),
             control: VecDeque::new(),
             next_token: FIRST_STREAM_TOKEN,
-            next_local_port: LOCAL_PORT_BASE,
+            next_local_port: first_local_port.max(LOCAL_PORT_BASE),
             stats: MuxStats::default(),
         })
     }

@@ -139,6 +139,27 @@ impl ShimConfig {
         Ok(cfg)
     }
 
+    /// A runtime class's config at `path` (containerd's `ConfigPath`). Its
+    /// `state_dir` and `daemon_socket` must be the node's (the config
+    /// [`ShimConfig::load`] finds, or the defaults): containerd's stateless
+    /// `delete` knows no runtime class and finds pods through those.
+    pub fn for_runtime_class(path: &Path) -> anyhow::Result<Self> {
+        let cfg = Self::read(path)?;
+        let (state_dir, socket) = match Self::load() {
+            Ok(n) => (n.state_dir, n.daemon_socket),
+            Err(_) => (default_state_dir(), default_socket()),
+        };
+        if cfg.state_dir != state_dir || cfg.daemon_socket != socket {
+            bail!(
+                "the runtime class's shim config {} must keep the node's state_dir ({}) and daemon_socket ({}): the stateless delete finds pods through them",
+                path.display(),
+                state_dir.display(),
+                socket.display()
+            );
+        }
+        Ok(cfg)
+    }
+
     fn check(&self) -> anyhow::Result<()> {
         for (what, p) in [
             ("kernel", &self.kernel),

@@ -13,6 +13,7 @@ mod metrics;
 pub mod names;
 mod podnet;
 mod pool;
+mod runtime_options;
 mod service;
 mod stdio;
 mod task;

@@ -498,7 +498,14 @@ impl Inner {
                 "k7d does not restore containers from checkpoints",
             ));
         }
-        let cfg = ShimConfig::load().map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?;
+        // The runtime class's config when its containerd entry names one
+        // (`options.ConfigPath`), else the node's.
+        let cfg = crate::runtime_options::config_path(req.options.as_ref())
+            .and_then(|p| match p {
+                Some(p) => ShimConfig::for_runtime_class(&p),
+                None => ShimConfig::load(),
+            })
+            .map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?;
         let bundle = PathBuf::from(&req.bundle);
         let spec = read_spec(&bundle).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
         let ann = annotations(&spec);

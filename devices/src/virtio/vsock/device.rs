@@ -167,8 +167,7 @@ impl VirtioDevice for Vsock {
         };
         let listener = self.listener.try_clone().map_err(setup_err)?;
         let epoll = Epoll::new().map_err(setup_err)?;
-        let muxer =
-            Muxer::new(self.cid, &self.uds_path, listener, epoll, self.first_local_port).map_err(setup_err)?;
+        let muxer = Muxer::new(self.cid, &self.uds_path, listener, epoll, self.first_local_port).map_err(setup_err)?;
         let (qs, notify) = queues.into_iter().map(|q| (q.queue, q.notify)).unzip();
         let worker = VsockWorker {
             mem: ctx.mem,

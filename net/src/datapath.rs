@@ -99,7 +99,7 @@ pub struct NicRequest<'a> {
     /// The NIC's tap (`nic_names(vm_id, nic_idx).tap`) already exists in
     /// the caller's netns, its queues held by a running VM (a warm pool
     /// member's bare tap): it is moved into the pod netns instead of made
-    /// there, and moved back when the attach fails. The returned
+    /// there, and moved back (down) when the attach fails. The returned
     /// `Attached::tap` then has no queue fds.
     pub adopt: bool,
 }
@@ -250,10 +250,12 @@ impl Datapath {
                 });
             }
             let use_peer = matches!(pod.kind.as_deref(), Some("veth") | Some("netkit")) && pod.link_netnsid.is_some();
-            let tap = obtain_tap(&mut nl, home.as_mut(), &names.tap, req)?;
+            // Before the tap: nothing between taking it and the programs
+            // can fail without giving it back.
             if !pod.up {
                 nl.set_up(pod.index, true)?;
             }
+            let tap = obtain_tap(&mut nl, home.as_mut(), &names.tap, req)?;
             let progs = NicPrograms {
                 tap_if: &names.tap,
                 tap_ifindex: tap.ifindex,
@@ -289,7 +291,7 @@ impl Datapath {
             }
             Err(e) => {
                 // Belt and braces: the closure rolled back; make sure.
-                let _ = self.detach(req.vm_id, req.nic_idx, Some(req.pod_netns), req.pod_if);
+                self.roll_back(req, &names.tap);
                 Err(match e {
                     NetError::Bpf(b) => b.to_string(),
                     other => other.to_string(),
@@ -370,7 +372,7 @@ impl Datapath {
                 names: names.clone(),
             }),
             Err(e) => {
-                let _ = self.detach(req.vm_id, req.nic_idx, Some(req.pod_netns), req.pod_if);
+                self.roll_back(req, &names.tap);
                 Err(e)
             }
         }
@@ -403,6 +405,29 @@ impl Datapath {
         } else {
             k7d_bpf::detach_nic(&dir, None, None).map_err(NetError::from)
         }
+    }
+
+    /// After a failed attach: an adopted tap still in the pod netns goes
+    /// home first (the detach deletes the tap by name there), then
+    /// whatever the attempt left is detached.
+    fn roll_back(&self, req: &NicRequest<'_>, tap: &str) {
+        if req.adopt {
+            let sent = Home::for_request(req).and_then(|h| {
+                let Some(h) = h else { return Ok(()) };
+                in_netns(Some(req.pod_netns), || {
+                    let mut nl = Netlink::open()?;
+                    if let Some(l) = nl.link(tap)? {
+                        nl.set_netns(l.index, &h.ns)?;
+                        warn!(tap, "an adopted tap left in the pod netns was sent home");
+                    }
+                    Ok(())
+                })
+            });
+            if let Err(e) = sent {
+                warn!(tap, error = %e, "an adopted tap could not be sent home; the detach removes it");
+            }
+        }
+        let _ = self.detach(req.vm_id, req.nic_idx, Some(req.pod_netns), req.pod_if);
     }
 
     fn vm_nic_dirs(&self, vm_id: &str) -> Result<Vec<PathBuf>, NetError> {
@@ -528,6 +553,12 @@ fn obtain_tap(nl: &mut Netlink, home: Option<&mut Home>, name: &str, req: &NicRe
         what: format!("tap {name}"),
         reason: "the VM's tap to attach is not in the daemon's netns".into(),
     })?;
+    if link.kind.as_deref() != Some("tun") {
+        return Err(NetError::Invalid {
+            what: format!("link {name}"),
+            reason: "it is not a tap, so it is not a VM's to adopt".into(),
+        });
+    }
     let here = std::fs::File::open("/proc/thread-self/ns/net")
         .map_err(|e| NetError::os("open the pod netns of the attaching thread", e))?;
     home.nl.set_netns(link.index, &here)?;
@@ -549,7 +580,8 @@ fn obtain_tap(nl: &mut Netlink, home: Option<&mut Home>, name: &str, req: &NicRe
 }
 
 /// Undoes [`obtain_tap`] after a failed attach: a made tap is deleted, an
-/// adopted one goes back to `home`, up (its VM keeps serving it).
+/// adopted one goes back to `home` (down, as a move leaves it; its VM
+/// keeps its queues).
 fn discard_tap(nl: &mut Netlink, tap: Tap, home: Option<&mut Home>) {
     let Some(home) = home else {
         let name = tap.name.clone();
@@ -561,10 +593,9 @@ fn discard_tap(nl: &mut Netlink, tap: Tap, home: Option<&mut Home>) {
         warn!(tap = %tap.name, error = %e, "an adopted tap could not go back to the daemon's netns");
         return;
     }
-    match home.nl.link(&tap.name) {
-        Ok(Some(l)) => {
-            let _ = home.nl.set_up(l.index, true);
-        }
-        _ => warn!(tap = %tap.name, "an adopted tap did not arrive back in the daemon's netns"),
+    // Home, and left down: a bare tap that is up in the daemon's netns
+    // would let its guest talk to the host's own addresses.
+    if !matches!(home.nl.link(&tap.name), Ok(Some(_))) {
+        warn!(tap = %tap.name, "an adopted tap did not arrive back in the daemon's netns");
     }
 }

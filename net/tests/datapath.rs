@@ -508,14 +508,14 @@ fn an_adopted_tap_moves_in_carries_the_vms_traffic_and_goes_home_on_failure() {
     let dp = lab.datapath(ObjectSource::Embedded, AttachMethod::Auto);
     let attach = |req: &k7d_net::NicRequest<'_>| k7d_net::in_netns(Some(&home.path()), || dp.attach(req));
     // A failure after the move (a bridge cannot be a bridge's port): the
-    // tap goes home, up, and the pod netns keeps nothing.
+    // tap goes home, down, and the pod netns keeps nothing.
     lab.pod.ip(&["link", "add", "brx", "type", "bridge"]);
     let mut req = lab.request(vm, Mode::Bridge, None);
     req.adopt = true;
     req.pod_if = "brx";
     let e = attach(&req).unwrap_err().to_string();
     assert!(e.contains("set master"), "the failure comes after the move: {e}");
-    assert_eq!(link_in(&home, &name), Some(true), "the tap is home and up");
+    assert_eq!(link_in(&home, &name), Some(false), "the tap is home, down");
     assert_eq!(link_in(&lab.pod, &name), None);
     lab.pod.ip(&["link", "del", "brx"]);
     lab.assert_clean(&dp);
@@ -524,6 +524,15 @@ fn an_adopted_tap_moves_in_carries_the_vms_traffic_and_goes_home_on_failure() {
     stray.adopt = true;
     let e = attach(&stray).unwrap_err().to_string();
     assert!(e.contains("not in the daemon's netns"), "{e}");
+    lab.assert_clean(&dp);
+    // A link of that name that is not a tap is not a VM's to adopt.
+    let dummy = k7d_net::nic_names("vm-dummy", 0).tap;
+    home.ip(&["link", "add", &dummy, "type", "veth", "peer", "name", "k7dpeer"]);
+    let mut not_tap = lab.request("vm-dummy", Mode::Direct, None);
+    not_tap.adopt = true;
+    let e = attach(&not_tap).unwrap_err().to_string();
+    assert!(e.contains("not a tap"), "{e}");
+    assert_eq!(link_in(&home, &dummy), Some(false), "left where it was");
     lab.assert_clean(&dp);
     // The attach: the VM's own tap, now in the pod netns, direct.
     req.pod_if = "eth0";

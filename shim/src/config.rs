@@ -77,6 +77,9 @@ pub struct ShimConfig {
     /// agent answers, seconds (5 to 3600).
     #[serde(default = "default_boot_timeout")]
     pub boot_timeout_s: u64,
+    /// The file this config was read from (set by [`ShimConfig::read`]).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
 }
 
 /// The pod annotation that chooses `cold` or `fork` for one pod.
@@ -132,8 +135,9 @@ impl ShimConfig {
     pub fn read(path: &Path) -> anyhow::Result<Self> {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("cannot read the shim config {}", path.display()))?;
-        let cfg: Self =
+        let mut cfg: Self =
             toml::from_str(&text).with_context(|| format!("the shim config {} is not valid", path.display()))?;
+        cfg.source = Some(path.to_path_buf());
         cfg.check()
             .with_context(|| format!("the shim config {} is not valid", path.display()))?;
         Ok(cfg)

@@ -44,6 +44,25 @@ impl PodNames {
         std::fs::write(self.dir.join(CLAIMED_VM), vm_id)
     }
 
+    /// Forgets a recorded claim (it failed; its member is gone).
+    pub fn forget_vm(&self) {
+        let _ = std::fs::remove_file(self.dir.join(CLAIMED_VM));
+    }
+
+    /// Every VM id the pod may hold: its VM's, and its own `pod-<hex>` when
+    /// that VM is a claimed pool member (a claim that fell back to a cold
+    /// boot, or a cold boot after a claim left its record).
+    pub fn vm_ids(&self) -> Vec<String> {
+        let own = self
+            .dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .map(|hex| format!("pod-{hex}"));
+        let mut ids = vec![self.vm_id.clone()];
+        ids.extend(own.filter(|o| *o != self.vm_id));
+        ids
+    }
+
     /// These names with the VM the pod's directory records, if it records
     /// a warm pool member's id (`pool-<hex>-<n>`; anything else is ignored).
     pub fn resolved(mut self) -> Self {
@@ -154,7 +173,13 @@ mod tests {
         std::fs::create_dir_all(&n.dir).unwrap();
         assert_eq!(n.clone().resolved(), n, "no record: the pod's own VM");
         n.record_vm("pool-0123456789abcdef-7").unwrap();
-        assert_eq!(n.clone().resolved().vm_id, "pool-0123456789abcdef-7");
+        let claimed = n.clone().resolved();
+        assert_eq!(claimed.vm_id, "pool-0123456789abcdef-7");
+        assert_eq!(
+            claimed.vm_ids(),
+            ["pool-0123456789abcdef-7".to_string(), n.vm_id.clone()]
+        );
+        assert_eq!(n.vm_ids(), vec![n.vm_id.clone()], "a pod's own VM is one id");
         for bad in [
             "pod-x",
             "pool-0123456789abcdef-",

@@ -28,6 +28,10 @@ use crate::daemon::{Daemon, VmLife};
 use crate::names::PodNames;
 use crate::template::{boot_paused, booted_spec, lock, remove_dir, shape_hex};
 
+/// The prefix of a member's directory while a claim takes it (under the
+/// pool's lock): one seen by a survey was left by a shim that died mid-claim.
+const CLAIMED: &str = "claimed-";
+
 /// How long a claim waits for another shim's hold on the pool's lock
 /// (held for a claim, or to add a member: never for a boot).
 const LOCK_WAIT: Duration = Duration::from_secs(10);
@@ -114,6 +118,16 @@ impl Pool {
     /// error: nothing is removed on a guess.
     fn survey(&self, daemon: &dyn Daemon) -> anyhow::Result<Survey> {
         let mut s = Survey::default();
+        for n in self.abandoned_claims() {
+            tracing::warn!(
+                "warm pool member {} was left mid-claim by a shim that died: removed",
+                self.member_id(n)
+            );
+            if let Err(e) = daemon.delete(&self.member_id(n)) {
+                tracing::warn!("cannot remove warm pool member {}: {e:#}", self.member_id(n));
+            }
+            remove_dir(&self.root.join(format!("{CLAIMED}{n}")));
+        }
         for n in self.members()? {
             let dir = self.member_dir(n);
             let id = self.member_id(n);
@@ -136,6 +150,17 @@ impl Pool {
         Ok(s)
     }
 
+    /// Members whose claim a dead shim left (`claimed-<n>` directories).
+    fn abandoned_claims(&self) -> Vec<u64> {
+        std::fs::read_dir(&self.root)
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().to_str()?.strip_prefix(CLAIMED)?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     fn remove(&self, daemon: &dyn Daemon, n: u64) {
         let id = self.member_id(n);
         if let Err(e) = daemon.delete(&id) {
@@ -144,10 +169,13 @@ impl Pool {
         remove_dir(&self.member_dir(n));
     }
 
-    /// Claims a ready member for the pod `names`: its VM id is recorded in
-    /// the pod's directory (so the stateless delete finds it) and its vsock
-    /// socket moved to the pod's. `None` when no member is ready. The member
-    /// stays paused, its NIC bare: the caller attaches and resumes it.
+    /// Claims a ready member for the pod `names`: taken out of the pool
+    /// first (its directory renamed `claimed-<n>`, one atomic step under the
+    /// pool's lock), then its VM id recorded in the pod's directory (so the
+    /// stateless delete finds it) and its vsock socket moved to the pod's.
+    /// `None` when no member is ready. The member stays paused, its NIC
+    /// bare: the caller attaches and resumes it. A claim that fails once
+    /// the member is out of the pool deletes it and its record.
     pub fn claim(&self, daemon: &dyn Daemon, names: &PodNames) -> anyhow::Result<Option<String>> {
         if self.size == 0 {
             return Ok(None);
@@ -157,19 +185,26 @@ impl Pool {
             return Ok(None);
         };
         let id = self.member_id(n);
-        let dir = self.member_dir(n);
-        names
-            .record_vm(&id)
-            .with_context(|| format!("cannot record the claim of {id} in {}", names.dir.display()))?;
+        let taken = self.root.join(format!("{CLAIMED}{n}"));
+        std::fs::rename(self.member_dir(n), &taken)
+            .with_context(|| format!("cannot take warm pool member {id} out of {}", self.root.display()))?;
         // A bound socket keeps its listener across a rename: the agent is
         // reached at the pod's path from now on.
-        if let Err(e) = std::fs::rename(dir.join("vsock.sock"), &names.vsock) {
-            // The member is the pod's now (its delete removes it).
-            remove_dir(&dir);
-            return Err(e)
-                .with_context(|| format!("cannot move the vsock socket of {id} to {}", names.vsock.display()));
+        let r = names
+            .record_vm(&id)
+            .with_context(|| format!("cannot record the claim of {id} in {}", names.dir.display()))
+            .and_then(|()| {
+                std::fs::rename(taken.join("vsock.sock"), &names.vsock)
+                    .with_context(|| format!("cannot move the vsock socket of {id} to {}", names.vsock.display()))
+            });
+        remove_dir(&taken);
+        if let Err(e) = r {
+            if let Err(d) = daemon.delete(&id) {
+                tracing::warn!("cannot remove warm pool member {id} after a failed claim: {d:#}");
+            }
+            names.forget_vm();
+            return Err(e);
         }
-        remove_dir(&dir);
         tracing::info!(member = %id, "warm pool member claimed");
         Ok(Some(id))
     }
@@ -202,11 +237,30 @@ impl Pool {
             };
             let id = self.member_id(n);
             let dir = self.member_dir(n);
+            // Never a live VM's id (a `next` someone reset): nothing of its
+            // is touched, and the boot is refused.
+            match daemon.life(&id) {
+                Ok(VmLife::Gone) => {}
+                Ok(l) => {
+                    let _held = self.lock()?;
+                    remove_dir(&dir);
+                    bail!(
+                        "warm pool member {id} already exists in the daemon ({l:?}): {} is stale",
+                        self.root.join("next").display()
+                    );
+                }
+                Err(e) => {
+                    let _held = self.lock()?;
+                    remove_dir(&dir);
+                    return Err(e);
+                }
+            }
             let spec = booted_spec(cfg, &id, dir.join("vsock.sock"), self.shape);
             let r = boot_paused(daemon, &spec, boot).and_then(|()| {
                 std::fs::write(dir.join("ready"), b"").with_context(|| format!("cannot mark {} ready", dir.display()))
             });
             if let Err(e) = r {
+                let _held = self.lock()?;
                 self.remove(daemon, n);
                 return Err(e.context(format!("cannot boot warm pool member {id}")));
             }
@@ -217,10 +271,14 @@ impl Pool {
     }
 
     /// Starts `k7d pool-fill --after-s <pool_refill_delay_s>` (this binary,
-    /// the shim config found as the shim found it) in a session of its
-    /// own, its output appended to `fill.log` in the pool's directory.
+    /// with the config the pod's came from) in a process group of its own
+    /// (containerd's signals to the shim do not reach it), its output
+    /// appended to `fill.log` in the pool's directory.
     pub fn spawn_refill(&self, cfg: &ShimConfig) -> anyhow::Result<()> {
         use std::os::unix::process::CommandExt;
+        if self.size == 0 {
+            return Ok(());
+        }
         drop(self.lock()?);
         let log_path = self.root.join("fill.log");
         let log = std::fs::OpenOptions::new()
@@ -228,11 +286,15 @@ impl Pool {
             .append(true)
             .open(&log_path)
             .with_context(|| format!("cannot open {}", log_path.display()))?;
-        std::process::Command::new("/proc/self/exe")
-            .arg("pool-fill")
+        let mut cmd = std::process::Command::new("/proc/self/exe");
+        cmd.arg("pool-fill")
             .arg("--after-s")
-            .arg(cfg.pool_refill_delay_s.to_string())
-            .stdin(std::process::Stdio::null())
+            .arg(cfg.pool_refill_delay_s.to_string());
+        // The runtime class's config when the pod's came from one.
+        if let Some(p) = &cfg.source {
+            cmd.arg("--config").arg(p);
+        }
+        cmd.stdin(std::process::Stdio::null())
             .stdout(log.try_clone().context("cannot share the fill log")?)
             .stderr(log)
             .process_group(0)
@@ -245,13 +307,20 @@ impl Pool {
     fn next_number(&self) -> anyhow::Result<u64> {
         let p = self.root.join("next");
         let n = match std::fs::read_to_string(&p) {
-            Ok(s) => s.trim().parse::<u64>().unwrap_or(0),
+            Ok(s) => s
+                .trim()
+                .parse::<u64>()
+                .with_context(|| format!("{} does not hold a member number", p.display()))?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
             Err(e) => return Err(e).with_context(|| format!("cannot read {}", p.display())),
         };
         // Past every member there is, whatever `next` said.
         let n = n.max(self.members()?.last().map_or(0, |m| m + 1));
-        std::fs::write(&p, (n + 1).to_string()).with_context(|| format!("cannot write {}", p.display()))?;
+        // Written whole or not at all.
+        let tmp = self.root.join("next.tmp");
+        std::fs::write(&tmp, (n + 1).to_string())
+            .and_then(|()| std::fs::rename(&tmp, &p))
+            .with_context(|| format!("cannot write {}", p.display()))?;
         Ok(n)
     }
 }
@@ -416,6 +485,27 @@ mod tests {
             "3 died too: removed, nothing ready"
         );
         assert!(!booting.exists());
+        // A claim that fails once the member is out of the pool (here: its
+        // socket is missing) deletes it and forgets the record.
+        let m = member(&p, 8, true);
+        std::fs::remove_file(m.join("vsock.sock")).unwrap();
+        d.lives.lock().unwrap().insert(p.member_id(8), VmLife::Paused);
+        let names3 = crate::names::pod_names(&state, "default", "sb3");
+        std::fs::create_dir_all(&names3.dir).unwrap();
+        let e = format!("{:#}", p.claim(&d, &names3).unwrap_err());
+        assert!(e.contains("cannot move the vsock socket"), "{e}");
+        assert!(d.deleted.lock().unwrap().contains(&p.member_id(8)));
+        assert_eq!(names3.clone().resolved(), names3, "no record of a failed claim");
+        assert!(!m.exists() && !p.root.join("claimed-8").exists());
+        // A claim a dead shim left mid-way (`claimed-<n>`) is swept.
+        std::fs::create_dir_all(p.root.join("claimed-9")).unwrap();
+        d.lives.lock().unwrap().insert(p.member_id(9), VmLife::Paused);
+        assert_eq!(p.claim(&d, &names3).unwrap(), None);
+        assert!(d.deleted.lock().unwrap().contains(&p.member_id(9)));
+        assert!(!p.root.join("claimed-9").exists());
+        // A `next` that holds no number is an error, not member 0 again.
+        std::fs::write(p.root.join("next"), "garbage").unwrap();
+        assert!(p.next_number().is_err());
         // A pool of size 0 claims nothing.
         let mut c0 = c.clone();
         c0.pool_size = 0;

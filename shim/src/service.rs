@@ -110,8 +110,10 @@ impl Shim for K7dShim {
             };
             let names = pod_names(&state_dir, &self.namespace, &self.id).resolved();
             let daemon = crate::daemon_at(&socket);
-            if let Err(e) = daemon.delete(&names.vm_id) {
-                tracing::warn!("delete: cannot remove the pod VM {}: {e:#}", names.vm_id);
+            for id in names.vm_ids() {
+                if let Err(e) = daemon.delete(&id) {
+                    tracing::warn!("delete: cannot remove the pod VM {id}: {e:#}");
+                }
             }
             names.remove_dir();
         }

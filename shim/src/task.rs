@@ -476,10 +476,13 @@ impl Inner {
         }
     }
 
-    /// Removes the pod VM and its sockets (rollback and delete).
+    /// Removes the pod VM (a claimed pool member's, and any of the pod's
+    /// own id) and its sockets (rollback and delete).
     fn remove_pod(&self, names: &PodNames) {
-        if let Err(e) = self.daemon.delete(&names.vm_id) {
-            tracing::warn!("cannot remove the pod VM {}: {e:#}", names.vm_id);
+        for id in names.vm_ids() {
+            if let Err(e) = self.daemon.delete(&id) {
+                tracing::warn!("cannot remove the pod VM {id}: {e:#}");
+            }
         }
         names.remove_dir();
     }
@@ -649,12 +652,20 @@ impl Inner {
             Some(ns) => Some(podnet::take(&ns).map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?),
             None => None,
         };
+        // A VM booted ahead of its pod has a bare tap in the daemon's netns
+        // until the pod's network takes it: a pod without one (host
+        // network) boots cold, so no tenant guest keeps a host-side tap.
+        if start != PodStart::Cold && pod_net.is_none() {
+            tracing::info!("{}: a pod without its own network boots cold", req.id);
+            start = PodStart::Cold;
+        }
         let erofs = packed_rootfs(cfg, bundle, &spec, req)?;
         let mut names = pod_names(&cfg.state_dir, &self.namespace, &req.id);
-        // A VM of an earlier shim of this sandbox that nobody deleted (or
+        // A VM of an earlier shim of this sandbox that nobody deleted (and
         // the pool member it claimed).
-        let _ = self.daemon.delete(&names.clone().resolved().vm_id);
-        let _ = self.daemon.delete(&names.vm_id);
+        for id in names.clone().resolved().vm_ids() {
+            let _ = self.daemon.delete(&id);
+        }
         names.remove_dir();
         // Private: the vsock socket inside reaches the guest agent.
         std::fs::DirBuilder::new()
@@ -669,7 +680,47 @@ impl Inner {
                 return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
             }
         };
-        // A warm pool member, when one is ready: the pod's VM from now on.
+        // The host bind mounts, packed as disk 1 (the pod's own image).
+        let carried = match binds::pack(&spec, &names.dir, cfg.bind_max_mib << 20) {
+            Ok(c) => c,
+            Err(e) => {
+                names.remove_dir();
+                return Err(err(Code::INVALID_ARGUMENT, format!("{e:#}")));
+            }
+        };
+        let mut disks = vec![erofs];
+        let binds = carried.map(|c| {
+            disks.push(c.image);
+            Binds {
+                disk: BlockMount {
+                    serial: "k7d-disk1".into(),
+                    fstype: "erofs".into(),
+                    sectors: None,
+                },
+                mounts: c.mounts,
+            }
+        });
+        let mut drives: Vec<Option<String>> = disks.iter().map(|_| Some(req.id.clone())).collect();
+        // A booted VM's media arrive by a medium change: the agent waits
+        // for each drive to show its image's size.
+        let mut sectors = Vec::new();
+        if start != PodStart::Cold {
+            for d in &disks {
+                match std::fs::metadata(d) {
+                    Ok(m) => sectors.push(m.len() / 512),
+                    Err(e) => {
+                        names.remove_dir();
+                        return Err(err(
+                            Code::INTERNAL,
+                            format!("cannot read the size of {}: {e}", d.display()),
+                        ));
+                    }
+                }
+            }
+        }
+        // A warm pool member, when one is ready: the pod's VM from now on
+        // (claimed last, when nothing that can fail stands between the claim
+        // and the pod's own removal of it).
         let pool = (start == PodStart::Pool).then(|| pool::for_shape(cfg, vcpus, memory_mib));
         if let Some(p) = &pool {
             match p.claim(&*self.daemon, &names) {
@@ -693,50 +744,12 @@ impl Inner {
             cfg: cfg.clone(),
         });
         let booted = start != PodStart::Cold;
-        // The host bind mounts, packed as disk 1 (the pod's own image).
-        let carried = match binds::pack(&spec, &names.dir, cfg.bind_max_mib << 20) {
-            Ok(c) => c,
-            Err(e) => {
-                names.remove_dir();
-                return Err(err(Code::INVALID_ARGUMENT, format!("{e:#}")));
-            }
-        };
-        let mut disks = vec![erofs];
-        let binds = carried.map(|c| {
-            disks.push(c.image);
-            Binds {
-                disk: BlockMount {
-                    serial: "k7d-disk1".into(),
-                    fstype: "erofs".into(),
-                    sectors: None,
-                },
-                mounts: c.mounts,
-            }
-        });
-        let mut drives: Vec<Option<String>> = disks.iter().map(|_| Some(req.id.clone())).collect();
         let all_drives = if booted {
             usize::from(empty_drives + template::SANDBOX_DRIVES)
         } else {
             drives.len() + usize::from(empty_drives)
         };
         drives.resize(all_drives, None);
-        // A forked VM's media arrive by a medium change: the agent waits
-        // for each drive to show its image's size.
-        let mut sectors = Vec::new();
-        if booted {
-            for d in &disks {
-                match std::fs::metadata(d) {
-                    Ok(m) => sectors.push(m.len() / 512),
-                    Err(e) => {
-                        names.remove_dir();
-                        return Err(err(
-                            Code::INTERNAL,
-                            format!("cannot read the size of {}: {e}", d.display()),
-                        ));
-                    }
-                }
-            }
-        }
         let vm = PodVmSpec {
             id: names.vm_id.clone(),
             kernel: cfg.kernel.clone(),

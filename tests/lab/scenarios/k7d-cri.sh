@@ -1,6 +1,6 @@
 # lab: description=containerd 1.6 in L1 with its CRI plugin and CNI (bridge): one two-container pod driven by k7d-cri (the kubelet's calls) under the runtime handler runc (the reference), then k7d (one pod VM for the pod), then two pods that talk (ping, 4 MiB over TCP) under runc and under k7d (a fork-started and a warm-pool pod VM, NICs on the direct datapath), then the pod again forked from the node's template and claimed from the warm pool; step and pod start/delete times side by side; nothing left after
 # lab: default=yes
-# lab: timeout=720
+# lab: timeout=900
 # lab: bin=required
 # lab: cri-bin=required
 # lab: pod-initramfs=required
@@ -409,7 +409,7 @@ lab_note "warm pool: $_fill"
 # (L1 has no pkill).
 refills() {
   for _p in /proc/[0-9]*; do
-    case $(tr '\0' ' ' <"$_p/cmdline" 2>/dev/null) in *"pool-fill --after-s"*) echo "${_p#/proc/}" ;; esac
+    case $(cat "$_p/cmdline" 2>/dev/null | tr '\0' ' ') in *"pool-fill --after-s"*) echo "${_p#/proc/}" ;; esac
   done
 }
 # pool_ready LABEL: the pool's member is booted and paused again (its

@@ -505,8 +505,8 @@ impl Daemon {
         Ok(self.info_of(&g))
     }
 
-    /// `nic_attach`: the record keeps the attachment, so a daemon that
-    /// dies with the VM leaves what the reconcile detaches.
+    /// `nic_attach`: the record keeps the attachment (what `info` and a
+    /// reconcile read back), as a NIC attached at its build is recorded.
     fn attach_nic(&self, a: &api::NicAttachArgs) -> Result<VmInfo, ApiError> {
         let vm = self.get(&a.id)?;
         let mut g = lock_vm(&vm);

@@ -124,7 +124,10 @@ fn a_running_vms_bare_nic_joins_a_pod_network_and_leaves_with_the_vm() {
     assert!(d.find("; MSI-X").is_none_or(|m| at < m), "{d}");
     assert_eq!(vm.config().devices.nics[0].datapath, Some(nic("direct", &pod.path())));
     // The programs' pins (TCX links or clsact filters alike).
-    let pins = node.datapath().bpffs_root.join(k7d_net::nic_names("natt", 0).bpf_subdir);
+    let pins = node
+        .datapath()
+        .bpffs_root
+        .join(k7d_net::nic_names("natt", 0).bpf_subdir);
     assert!(pins.is_dir(), "no pins at {}", pins.display());
     refused(&mut vm, 0, nic("direct", &pod.path()), "already attached");
     // It leaves with the VM: the tap, and the programs on the pod's eth0.

@@ -3,7 +3,7 @@
 //! moves into the pod netns and the datapath is set up around it, so the
 //! device, its queues and the guest's driver never notice.
 
-use super::device_manager::NetCleanup;
+use super::device_manager::{NetCleanup, attach_to_pod};
 use super::vm::{Vm, VmError, VmState};
 use crate::config::DatapathNicConfig;
 
@@ -49,30 +49,9 @@ impl Vm {
             return Err(self.state_error("attach a NIC"));
         }
         let idx = u16::try_from(index).map_err(|_| refuse("its index is out of range".into()))?;
-        let mode: k7d_net::Mode = d.mode.parse().map_err(|e: k7d_net::NetError| refuse(e.to_string()))?;
         let dp = k7d_net::Datapath::new(node.datapath()).map_err(|e| refuse(e.to_string()))?;
-        let att = dp
-            .attach(&k7d_net::NicRequest {
-                vm_id: &id,
-                nic_idx: idx,
-                mode,
-                pod_netns: &d.netns,
-                pod_if: &d.pod_if,
-                queues: 1,
-                vnet_hdr: true,
-                pod_uid: d.pod_uid.as_deref(),
-                unsupported: None,
-                adopt: true,
-            })
-            .map_err(|e| VmError::Device {
-                what: "datapath",
-                msg: format!("nic {index} of vm {id}: {e}"),
-            })?;
-        let note = format!(
-            ", datapath: {}{}",
-            att.effective_mode,
-            att.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
-        );
+        // The queue count is the device's, not the request's: the VM holds them.
+        let (_, note) = attach_to_pod(&dp, &id, idx, d, 1, true)?;
         // Detached (filters, pins, bridge, the tap in the pod netns) when
         // the VM goes away, as a NIC attached at its build is.
         self.net_cleanups

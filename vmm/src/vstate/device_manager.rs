@@ -296,6 +296,44 @@ pub(super) fn open_medium(
 /// A virtio-pci function the VM pauses and resumes with its vCPUs.
 pub(super) type VirtioHandle = Arc<Mutex<k7d_devices::virtio::transport::VirtioPciDevice>>;
 
+/// Attaches NIC `idx` of VM `id` to the pod network `d` through `dp`: a
+/// tap made in the pod netns with `queues` queues, or with `adopt` the
+/// VM's own bare tap moved in (`vstate/attach.rs`). Returns the attachment
+/// and what the NIC's `info` line adds (", datapath: MODE[ (why)]").
+pub(super) fn attach_to_pod(
+    dp: &k7d_net::Datapath,
+    id: &str,
+    idx: u16,
+    d: &crate::config::DatapathNicConfig,
+    queues: usize,
+    adopt: bool,
+) -> Result<(k7d_net::Attached, String), VmError> {
+    let mode: k7d_net::Mode = d.mode.parse().map_err(|e| dev_err("virtio-net")(&e))?;
+    let att = dp
+        .attach(&k7d_net::NicRequest {
+            vm_id: id,
+            nic_idx: idx,
+            mode,
+            pod_netns: &d.netns,
+            pod_if: &d.pod_if,
+            queues,
+            vnet_hdr: true,
+            pod_uid: d.pod_uid.as_deref(),
+            unsupported: None,
+            adopt,
+        })
+        .map_err(|e| VmError::Device {
+            what: "datapath",
+            msg: format!("nic {idx}: {e}"),
+        })?;
+    let note = format!(
+        ", datapath: {}{}",
+        att.effective_mode,
+        att.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
+    );
+    Ok((att, note))
+}
+
 /// A NIC attached through the datapath, detached when the VM is dropped.
 pub(super) struct NetCleanup {
     dp: k7d_net::Datapath,
@@ -440,30 +478,9 @@ impl PciCtx<'_> {
                 (name, tap)
             }
             Some(d) => {
-                let mode: k7d_net::Mode = d.mode.parse().map_err(|e| dev_err("virtio-net")(&e))?;
                 let dp = k7d_net::Datapath::new(datapath.clone()).map_err(|e| dev_err("datapath")(&e))?;
-                let att = dp
-                    .attach(&k7d_net::NicRequest {
-                        vm_id: &id,
-                        nic_idx: idx,
-                        mode,
-                        pod_netns: &d.netns,
-                        pod_if: &d.pod_if,
-                        queues: plane.queue_pairs.into(),
-                        vnet_hdr: true,
-                        pod_uid: d.pod_uid.as_deref(),
-                        unsupported: None,
-                        adopt: false,
-                    })
-                    .map_err(|e| VmError::Device {
-                        what: "datapath",
-                        msg: format!("nic {i}: {e}"),
-                    })?;
-                path_note = format!(
-                    ", datapath: {}{}",
-                    att.effective_mode,
-                    att.reason.as_deref().map(|r| format!(" ({r})")).unwrap_or_default()
-                );
+                let (att, note) = attach_to_pod(&dp, &id, idx, d, plane.queue_pairs.into(), false)?;
+                path_note = note;
                 // Detached (filters, pins, bridge) when the VM goes away.
                 cleanup = Some(NetCleanup {
                     dp,

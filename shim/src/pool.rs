@@ -16,9 +16,8 @@
 //! resumed or lost by someone else: either is removed, never claimed.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::DirBuilderExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -26,7 +25,7 @@ use anyhow::{Context, bail};
 use crate::config::ShimConfig;
 use crate::daemon::{Daemon, VmLife};
 use crate::names::PodNames;
-use crate::template::{boot_paused, booted_spec, lock, remove_dir, shape_hex};
+use crate::template::{boot_paused, booted_spec, lock, remove_dir, shape_hex, try_lock};
 
 /// The prefix of a member's directory while a claim takes it (under the
 /// pool's lock): one seen by a survey was left by a shim that died mid-claim.
@@ -325,30 +324,12 @@ impl Pool {
     }
 }
 
-/// An exclusive `flock` on `path` if free now; `None` when another holds it.
-fn try_lock(path: &Path) -> anyhow::Result<Option<File>> {
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(Some(f));
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(None)
-    } else {
-        Err(e).with_context(|| format!("cannot lock {}", path.display()))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
     use std::sync::Mutex;
+
+    use std::path::Path;
 
     use super::*;
     use crate::daemon::{ForkedPod, PodNic, PodVmSpec};

@@ -184,25 +184,34 @@ pub(crate) fn remove_dir(dir: &Path) {
 /// An exclusive `flock` on `path`, waited for until `deadline`; released
 /// when the file is dropped.
 pub(crate) fn lock(path: &Path, deadline: Instant) -> anyhow::Result<File> {
+    loop {
+        if let Some(f) = try_lock(path)? {
+            return Ok(f);
+        }
+        if Instant::now() >= deadline {
+            bail!("another shim held the lock {} past the deadline", path.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// An exclusive `flock` on `path` if free now; `None` when another holds it.
+pub(crate) fn try_lock(path: &Path) -> anyhow::Result<Option<File>> {
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(path)
         .with_context(|| format!("cannot open the shims' lock {}", path.display()))?;
-    loop {
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            return Ok(f);
-        }
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(e).with_context(|| format!("cannot lock {}", path.display()));
-        }
-        if Instant::now() >= deadline {
-            bail!("another shim held the lock {} past the deadline", path.display());
-        }
-        std::thread::sleep(Duration::from_millis(50));
+    // SAFETY: flock on a descriptor we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        return Ok(Some(f));
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(None)
+    } else {
+        Err(e).with_context(|| format!("cannot lock {}", path.display()))
     }
 }
 

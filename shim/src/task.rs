@@ -89,6 +89,9 @@ struct Pod {
     host_pid: u32,
     paused: bool,
     dead: bool,
+    /// The CRI sandbox's container id (a CRI pod's): its SIGKILL stops
+    /// the pod VM through the daemon.
+    sandbox: Option<String>,
 }
 
 struct TaskEntry {
@@ -439,6 +442,9 @@ impl Inner {
             if self.lock().pod.as_ref().is_none_or(|p| p.names.vm_id != vm_id) {
                 return;
             }
+            if self.lock().pod.as_ref().is_some_and(|p| p.dead) {
+                return;
+            }
             let why = match self.daemon.life(&vm_id) {
                 Ok(VmLife::Running | VmLife::Paused) => continue,
                 Ok(VmLife::Stopped(r)) => format!("the pod VM stopped ({r})"),
@@ -451,28 +457,34 @@ impl Inner {
                 }
             };
             tracing::warn!("{why}: every task of it exits with {KILLED}");
-            let live: Vec<(String, String)> = {
-                let mut st = self.lock();
-                if let Some(p) = st.pod.as_mut() {
-                    p.dead = true;
-                }
-                st.tasks
-                    .iter()
-                    .flat_map(|(id, t)| {
-                        t.procs
-                            .iter()
-                            .filter(|(_, p)| p.life != Life::Stopped)
-                            .map(move |(e, _)| (id.clone(), e.clone()))
-                    })
-                    .collect()
-            };
-            for (id, e) in live {
-                self.exited(&id, &e, KILLED);
-            }
-            if let Err(e) = self.daemon.delete(&vm_id) {
-                tracing::warn!("cannot remove the dead pod VM {vm_id}: {e:#}");
-            }
+            self.end_vm(&vm_id);
             return;
+        }
+    }
+
+    /// The pod VM is over (dead, or stopped on purpose): every live process
+    /// of every task exits with [`KILLED`], and the daemon removes the VM.
+    fn end_vm(&self, vm_id: &str) {
+        let live: Vec<(String, String)> = {
+            let mut st = self.lock();
+            if let Some(p) = st.pod.as_mut() {
+                p.dead = true;
+            }
+            st.tasks
+                .iter()
+                .flat_map(|(id, t)| {
+                    t.procs
+                        .iter()
+                        .filter(|(_, p)| p.life != Life::Stopped)
+                        .map(move |(e, _)| (id.clone(), e.clone()))
+                })
+                .collect()
+        };
+        for (id, e) in live {
+            self.exited(&id, &e, KILLED);
+        }
+        if let Err(e) = self.daemon.delete(vm_id) {
+            tracing::warn!("cannot remove the pod VM {vm_id}: {e:#}");
         }
     }
 
@@ -865,6 +877,7 @@ impl Inner {
                     host_pid,
                     paused: false,
                     dead: false,
+                    sandbox: cri_sandbox.then(|| req.id.clone()),
                 },
                 relays,
             )),
@@ -1191,6 +1204,44 @@ impl Task for Service {
             .ok()
             .filter(|s| (1..=64).contains(s))
             .ok_or_else(|| err(Code::INVALID_ARGUMENT, format!("{} is not a signal number", req.signal)))?;
+        // A CRI sandbox's SIGKILL (containerd's StopPodSandbox, once its app
+        // containers are stopped) ends the pod: the daemon removes the pod
+        // VM, with no guest call, so the stop takes what the daemon takes
+        // whatever the guest is doing (as Kata stops its VM).
+        let sandbox_vm = {
+            let st = self.inner.lock();
+            st.pod
+                .as_ref()
+                .filter(|p| {
+                    signal == libc::SIGKILL
+                        && req.exec_id.is_empty()
+                        && !p.dead
+                        && p.sandbox.as_deref() == Some(req.id.as_str())
+                })
+                .map(|p| p.names.vm_id.clone())
+        };
+        if let Some(vm_id) = sandbox_vm {
+            tracing::info!("{}: the sandbox is killed: its pod VM {vm_id} is removed", req.id);
+            if let Some(p) = self.inner.lock().pod.as_mut() {
+                p.dead = true;
+            }
+            // The exits follow from the removal: each process's wait loses
+            // the guest and reports it killed. The removal runs after this
+            // call answers: the exit event lets containerd delete the task
+            // and shut this shim down, which must not come before the answer
+            // (containerd would read the kill as failed). A removal that
+            // fails is tried again by the sandbox's delete.
+            let daemon = self.inner.daemon.clone();
+            std::thread::Builder::new()
+                .name("k7d-shim-stop".into())
+                .spawn(move || {
+                    if let Err(e) = daemon.delete(&vm_id) {
+                        tracing::warn!("cannot remove the pod VM {vm_id}: {e:#}");
+                    }
+                })
+                .map_err(|e| err(Code::INTERNAL, format!("cannot start the pod VM's removal: {e}")))?;
+            return Ok(api::Empty::new());
+        }
         {
             let st = self.inner.lock();
             let p = st.process(&req.id, &req.exec_id)?;

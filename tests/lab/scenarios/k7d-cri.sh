@@ -498,10 +498,15 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
   # a boot deadline for this machine, not the 60 s default.
   cp /etc/k7d/shim.toml /tmp/shim.toml.saved
   echo 'boot_timeout_s = 900' >>/etc/k7d/shim.toml
+  # L1 has 3 GiB: pod VMs of 128 MiB for this run (LAB_CRI_MANY_MIB).
+  sed -i "s/^memory_mib = .*/memory_mib = ${LAB_CRI_MANY_MIB:-128}/" /etc/k7d/shim.toml
   # Progress on the console every 30 s (the L1 watchdog stops a scenario
-  # that stays silent for 180 s).
-  ( while sleep 30; do
-      echo "lab: many: $(grep -c ' ready in ' /tmp/cri-many.out 2>/dev/null) ready, $(grep -c ' FAILED: ' /tmp/cri-many.out 2>/dev/null) failed, $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .) VMs"
+  # that stays silent for 180 s), each failure as it comes.
+  ( _seen=0
+    while sleep 30; do
+      echo "lab: many: $(grep -c ' ready in ' /tmp/cri-many.out 2>/dev/null) ready, $(grep -c ' FAILED: ' /tmp/cri-many.out 2>/dev/null) failed, $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .) VMs, L1 $(awk '/^MemAvailable/ {print int($2 / 1024)}' /proc/meminfo) MiB available"
+      _n=$(grep -c ' FAILED: ' /tmp/cri-many.out 2>/dev/null)
+      [ "${_n:-0}" -le "$_seen" ] || { grep ' FAILED: ' /tmp/cri-many.out | tail -n +$((_seen + 1)) | cut -c1-400 | sed 's/^/lab: many: /'; _seen=$_n; }
     done ) &
   _mprog=$!
   _modes=${LAB_CRI_MANY_MODES:-cold,fork,pool}

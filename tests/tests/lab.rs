@@ -793,12 +793,14 @@ fn lab_k7d_shim_containerd() {
 /// two-container pod under the runtime handler runc (the reference), then
 /// k7d (one pod VM for the pod: the app containers join the sandbox's VM):
 /// the pod sandbox, both containers RUNNING, ExecSync, the CRI log, stop and
-/// remove; then the same pod started by fork (the first boots the node's
-/// template, the next is forked from it); then two pods talking over the
-/// pod network (runc; k7d fork-started on the direct datapath, each with
-/// its own address, hostname and RNG, with a pod policy that blocks and is
-/// cleared; k7d on the bridge fallback when the tc object cannot be
-/// loaded); nothing left (all asserted in the scenario).
+/// remove; then two pods talking over the pod network (runc; k7d with a
+/// fork-started server and a client claimed from the warm pool, on the
+/// direct datapath, each with its own address, hostname, RNG and boot id,
+/// with a pod policy that blocks and is cleared; the pool refills itself);
+/// then the same pod forked from the node's template (a k7d-fork
+/// RuntimeClass) and claimed from the pool; then k7d on the bridge fallback
+/// when the tc object cannot be loaded; nothing left (all asserted in the
+/// scenario).
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_k7d_cri_pods() {
@@ -818,6 +820,10 @@ fn lab_k7d_cri_pods() {
         "k7d-fork.pod_start",
         "k7d-fork.pod_delete",
         "k7d_fork.pod_start_vs_cold",
+        "k7d-pool.pod_start",
+        "k7d-pool.pod_delete",
+        "k7d_pool.pod_start_vs_cold",
+        "pool.fill_s",
         "net-k7d.tcp_mib_s",
     ] {
         let v = metric(&r, m);
@@ -828,7 +834,8 @@ fn lab_k7d_cri_pods() {
         "k7d: nothing left",
         "k7d-fork: forked from the template",
         "net-k7d: the pod VMs' NICs",
-        "net-k7d (fork-started pods)",
+        "net-k7d (a fork-started server, a pool-claimed client)",
+        "warm pool: refilled after net-k7d's claim",
         "net-k7d-bridge: the pod VMs' NICs",
     ] {
         assert!(notes.contains(want), "no note {want:?}: {notes}");

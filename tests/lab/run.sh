@@ -276,6 +276,9 @@ t_slot=$(date +%s.%N)
 L0_QEMU=("${K7D_LAB_QEMU:-qemu-system-x86_64}")
 # L1's vCPUs: one unless the scenario asks otherwise (docs/lab.md, "l1-smp").
 L1_SMP=${K7D_LAB_L1_SMP:-$(header "$SCRIPT" l1-smp 1)}
+# L1's memory in MiB: 3072 unless asked (a by-hand run of many pods at once).
+L1_MIB=${K7D_LAB_L1_MIB:-3072}
+[[ $L1_MIB =~ ^[0-9]+$ ]] && ((L1_MIB >= 1024)) || { echo "K7D_LAB_L1_MIB must be a number of MiB, at least 1024: $L1_MIB" >&2; exit 2; }
 [[ -z ${K7D_LAB_QEMU_DATA:-} ]] || L0_QEMU+=(-L "$K7D_LAB_QEMU_DATA")
 : >"$OUT/l2.log"
 : >"$OUT/l1.log"
@@ -287,7 +290,7 @@ WATCH_KIND=$OUT/work/stall-kind WATCH_WHY=$OUT/work/stall-why
 l1_watchdog "$OUT" "$L1_STALL_S" "$SILENT_S" "$EXPECT" &
 watchdog=$!
 set +e
-timeout -k 10 "$TIMEOUT" "${L0_QEMU[@]}" -accel "tcg,thread=${K7D_LAB_TCG_THREAD:-multi}" -cpu "${K7D_LAB_L1_CPU:-EPYC,+svm}" -smp "$L1_SMP" -m 3072 \
+timeout -k 10 "$TIMEOUT" "${L0_QEMU[@]}" -accel "tcg,thread=${K7D_LAB_TCG_THREAD:-multi}" -cpu "${K7D_LAB_L1_CPU:-EPYC,+svm}" -smp "$L1_SMP" -m "$L1_MIB" \
   -nic none -nographic -monitor none -serial stdio -serial "file:$OUT/l2.log" -serial "file:$OUT/l1-hb.log" -no-reboot \
   -chardev "pipe,id=mon0,path=$OUT/work/mon" -mon chardev=mon0,mode=readline -pidfile "$OUT/work/qemu.pid" \
   -kernel "$L1_TREE/boot/vmlinuz-$L1_KREL" -initrd "$OUT/work/l1-initrd.cpio" \

@@ -117,9 +117,11 @@ l1_watchdog() {
   # pending interrupt (IRR holds the timer's vector, the CPU halts or runs L2
   # forever). Any new interrupt at the LAPIC makes QEMU look at IRR again: a
   # key press on L1's i8042 (IRQ 1) is one. After rescue_s without a
-  # heartbeat, at most 3 times, 15 s apart; each is logged to rescues.log
-  # and reported in the scenario's result and the lab summary.
-  local rescue_s=${K7D_LAB_RESCUE_S:-20} rescues=0 rescue_t=-100 rescued_hb=''
+  # heartbeat, at most 3 times (K7D_LAB_RESCUE_MAX: more for a long by-hand
+  # run), 15 s apart; each is logged to rescues.log and reported in the
+  # scenario's result and the lab summary.
+  local rescue_s=${K7D_LAB_RESCUE_S:-20} rescue_max=${K7D_LAB_RESCUE_MAX:-3} rescues=0 rescue_t=-100 rescued_hb=''
+  [[ $rescue_max =~ ^[0-9]+$ ]] || rescue_max=3
   cat "$out/work/mon.out" >"$out/work/monitor.log" 2>/dev/null &
   local drain=$!
   while [[ ! -e $out/work/qemu.done ]]; do
@@ -138,7 +140,7 @@ l1_watchdog() {
       fi
       hb=$s hb_t=$SECONDS
     fi
-    if ((rescue_s > 0 && rescue_s < hb_limit && hb > 0 && rescues < 3)) &&
+    if ((rescue_s > 0 && rescue_s < hb_limit && hb > 0 && rescues < rescue_max)) &&
       ((SECONDS - hb_t >= rescue_s && SECONDS - rescue_t >= 15)) && [[ -z $froze ]] &&
       [[ ! -e $out/work/qemu.done ]] && kill -0 "$pid" 2>/dev/null; then
       rescues=$((rescues + 1)) rescue_t=$SECONDS rescued_hb=1

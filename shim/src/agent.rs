@@ -1,7 +1,7 @@
 //! The shim's side of the agent protocol (`k7d_agent::proto`): a
 //! connection through the pod VM's hybrid vsock socket.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -39,6 +39,34 @@ impl std::error::Error for CallError {}
 #[derive(Debug, Clone)]
 pub struct Agent {
     uds: PathBuf,
+    limits: Limits,
+}
+
+/// How long the shim waits for the agent's answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Any call (a start, an exec or a kill runs runc in the guest).
+    pub call: Duration,
+    /// A container's create (its disks, then `runc create`).
+    pub create: Duration,
+}
+
+impl Limits {
+    /// For a guest whose runc commands may each take up to `runc`: past
+    /// the agent's own bounds, so a slow guest answers with its reason
+    /// (a create waits up to 10 s for each of two disks first).
+    pub fn for_runc(runc: Duration) -> Self {
+        Self {
+            call: Duration::from_secs(30).max(runc + Duration::from_secs(30)),
+            create: runc + Duration::from_secs(60),
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self::for_runc(Duration::from_secs(proto::DEFAULT_RUNC_TIMEOUT_S))
+    }
 }
 
 /// One connection to the agent, past `Hello`.
@@ -50,7 +78,20 @@ pub struct Conn {
 impl Agent {
     /// The agent behind the VM's vsock socket `uds`.
     pub fn new(uds: &Path) -> Self {
-        Self { uds: uds.to_path_buf() }
+        Self {
+            uds: uds.to_path_buf(),
+            limits: Limits::default(),
+        }
+    }
+
+    /// The same agent, waited for within `limits`.
+    pub fn with_limits(self, limits: Limits) -> Self {
+        Self { limits, ..self }
+    }
+
+    /// How long its answers are waited for.
+    pub fn limits(&self) -> Limits {
+        self.limits
     }
 
     /// A new connection: `CONNECT <port>`, the VMM's `OK`, then `Hello`.
@@ -117,8 +158,8 @@ impl Agent {
 impl Conn {
     /// One request and its answer.
     pub fn call(&mut self, req: &Request) -> Result<Reply, CallError> {
-        proto::write_frame(&mut self.stream, req).map_err(lost)?;
-        match proto::read_frame::<_, Response>(&mut self.stream).map_err(lost)? {
+        proto::write_frame(&mut self.stream, req).map_err(|e| self.lost(e))?;
+        match proto::read_frame::<_, Response>(&mut self.stream).map_err(|e| self.lost(e))? {
             Response::Ok(r) => Ok(r),
             Response::Err { message, not_found } => Err(CallError::Refused { message, not_found }),
         }
@@ -137,6 +178,66 @@ impl Conn {
     }
 }
 
-fn lost(e: FrameError) -> CallError {
-    CallError::Lost(e.to_string())
+impl Conn {
+    /// The failed call's reason: a read or write past the connection's
+    /// limit is said as such (the socket reports it as EAGAIN).
+    fn lost(&self, e: FrameError) -> CallError {
+        match &e {
+            FrameError::Io(io) if matches!(io.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                let limit = self.stream.read_timeout().ok().flatten();
+                CallError::Lost(match limit {
+                    Some(t) => format!("no answer within the call's limit of {} s", t.as_secs()),
+                    None => "no answer within the call's limit".into(),
+                })
+            }
+            _ => CallError::Lost(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_limits_stay_above_the_agents_runc_limit() {
+        let d = Limits::default();
+        assert_eq!((d.call, d.create), (Duration::from_secs(90), Duration::from_secs(120)));
+        let slow = Limits::for_runc(Duration::from_secs(900));
+        assert!(slow.call > Duration::from_secs(900) && slow.create >= Duration::from_secs(900 + 20));
+        let quick = Limits::for_runc(Duration::from_secs(1));
+        assert_eq!(quick.call, Duration::from_secs(31));
+    }
+
+    #[test]
+    fn a_call_past_its_limit_says_so() {
+        let (ours, _silent_agent) = UnixStream::pair().unwrap();
+        let mut conn = Conn { stream: ours };
+        conn.set_timeout(Some(Duration::from_millis(1100))).unwrap();
+        let e = conn
+            .call(&Request::Hello {
+                version: proto::VERSION,
+            })
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the guest agent is unreachable: no answer within the call's limit of 1 s"
+        );
+    }
+
+    #[test]
+    fn a_closed_agent_is_not_called_a_timeout() {
+        let (ours, agent) = UnixStream::pair().unwrap();
+        drop(agent);
+        let mut conn = Conn { stream: ours };
+        conn.set_timeout(Some(Duration::from_secs(5))).unwrap();
+        let e = conn
+            .call(&Request::Hello {
+                version: proto::VERSION,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains("limit"), "{e}");
+        assert!(e.starts_with("the guest agent is unreachable: "), "{e}");
+    }
 }

@@ -192,6 +192,7 @@ impl ShimConfig {
                 self.pool_size
             );
         }
+        k7d_agent::proto::runc_timeout(&self.cmdline).map_err(|e| anyhow::anyhow!("cmdline: {e}"))?;
         if !(5..=3600).contains(&self.boot_timeout_s) {
             bail!("boot_timeout_s = {} is not 5 to 3600 seconds", self.boot_timeout_s);
         }
@@ -235,6 +236,17 @@ pub enum PodStart {
     Pool,
 }
 
+impl PodStart {
+    /// The name the config and the annotation use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Cold => "cold",
+            Self::Fork => "fork",
+            Self::Pool => "pool",
+        }
+    }
+}
+
 fn check_pod_start(v: &str) -> anyhow::Result<PodStart> {
     Ok(match v {
         "cold" => PodStart::Cold,
@@ -245,6 +257,14 @@ fn check_pod_start(v: &str) -> anyhow::Result<PodStart> {
 }
 
 impl ShimConfig {
+    /// How long the shim waits for a pod VM's agent: past the runc limit
+    /// the VM's command line gives the agent (`k7d.runc_timeout_s`).
+    pub fn agent_limits(&self) -> crate::agent::Limits {
+        let runc = k7d_agent::proto::runc_timeout(&self.cmdline)
+            .unwrap_or(std::time::Duration::from_secs(k7d_agent::proto::DEFAULT_RUNC_TIMEOUT_S));
+        crate::agent::Limits::for_runc(runc)
+    }
+
     /// How long a pod VM may take to boot.
     pub fn boot_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs(self.boot_timeout_s)
@@ -343,6 +363,24 @@ mod tests {
         let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\nboot_timeout_s = 2\n");
         let e = format!("{:#}", cfg.unwrap_err());
         assert!(e.ends_with("boot_timeout_s = 2 is not 5 to 3600 seconds"), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\ncmdline = \"quiet k7d.runc_timeout_s=0\"\n");
+        let e = format!("{:#}", cfg.unwrap_err());
+        assert!(
+            e.ends_with("cmdline: k7d.runc_timeout_s=0 is not 1 to 3600 seconds"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn the_agent_limits_follow_the_vms_runc_limit() {
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\ncmdline = \"quiet k7d.runc_timeout_s=900\"\n");
+        let l = cfg.unwrap().agent_limits();
+        assert_eq!(l, crate::agent::Limits::for_runc(std::time::Duration::from_secs(900)));
+        std::fs::remove_dir_all(dir).unwrap();
+        let (dir, cfg) = write("kernel = \"/k\"\ninitramfs = \"/i\"\n");
+        assert_eq!(cfg.unwrap().agent_limits(), crate::agent::Limits::default());
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

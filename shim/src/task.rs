@@ -33,10 +33,6 @@ mod join;
 
 /// How often the monitor asks the daemon whether the VM lives.
 const MONITOR_PERIOD: Duration = Duration::from_millis(200);
-/// An agent call's limit (generous: a busy node boots many pod VMs at once).
-const CALL_TIMEOUT: Duration = Duration::from_secs(30);
-/// The limit of the agent's container create (mounts, `runc create`).
-const CREATE_TIMEOUT: Duration = Duration::from_secs(60);
 /// An event's delivery limit.
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 /// The status of a task whose VM died under it (SIGKILL, as runc reports).
@@ -172,9 +168,9 @@ fn from_call(e: CallError) -> ttrpc::Error {
     }
 }
 
-/// Gives an agent connection a create's time to answer.
-fn for_creates(conn: &crate::agent::Conn) -> TtrpcResult<()> {
-    conn.set_timeout(Some(CREATE_TIMEOUT)).map_err(|e| {
+/// Gives an agent connection a create's time to answer (`agent`'s limits).
+fn for_creates(conn: &crate::agent::Conn, agent: &Agent) -> TtrpcResult<()> {
+    conn.set_timeout(Some(agent.limits().create)).map_err(|e| {
         err(
             Code::INTERNAL,
             format!("cannot set the agent connection's timeout: {e}"),
@@ -304,7 +300,7 @@ impl Inner {
     fn call(&self, req: &Request) -> Result<Reply, ttrpc::Error> {
         let (agent, _) = self.agent()?;
         let mut c = agent
-            .connect(CALL_TIMEOUT)
+            .connect(agent.limits().call)
             .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
         c.call(req).map_err(from_call)
     }
@@ -357,7 +353,7 @@ impl Inner {
     fn watch(self: Arc<Self>, id: String, exec_id: String) {
         let r = loop {
             let r = self.agent_for_wait().and_then(|agent| {
-                let mut c = agent.connect(CALL_TIMEOUT).map_err(|e| format!("{e:#}"))?;
+                let mut c = agent.connect(agent.limits().call).map_err(|e| format!("{e:#}"))?;
                 c.set_timeout(None).map_err(|e| e.to_string())?;
                 c.call(&Request::Wait(pref(&id, &exec_id))).map_err(|e| e.to_string())
             });
@@ -636,6 +632,7 @@ impl Inner {
         (vcpus, memory_mib, ann): (u8, u64, &HashMap<String, String>),
         deadline: Option<Instant>,
     ) -> TtrpcResult<(Pod, stdio::Relays)> {
+        let t0 = Instant::now();
         // A CRI sandbox's VM boots empty drives for its app containers, and
         // a NIC in the pod's network as the CNI set it up (a plain `ctr run
         // --with-ns network:..` gets neither).
@@ -781,6 +778,7 @@ impl Inner {
             vsock_cid: 3,
             vsock_uds: names.vsock.clone(),
         };
+        let vm_started = Instant::now();
         let made = match start {
             PodStart::Fork => self.fork_pod(cfg, &vm),
             PodStart::Pool => self.claimed_pod(&vm),
@@ -791,8 +789,9 @@ impl Inner {
             self.remove_pod(&names);
             return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
         }
+        let t_vm = Instant::now();
         let r = (|| {
-            let agent = Agent::new(&names.vsock);
+            let agent = Agent::new(&names.vsock).with_limits(cfg.agent_limits());
             let vm_id = names.vm_id.clone();
             let daemon = self.daemon.clone();
             let mut conn = agent
@@ -803,13 +802,14 @@ impl Inner {
                     Ok(other) => anyhow::bail!("the pod VM {vm_id} died while booting: {other:?}"),
                 })
                 .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
+            let t_agent = Instant::now();
             let paths = stdio::Paths {
                 stdin: req.stdin.clone(),
                 stdout: req.stdout.clone(),
                 stderr: req.stderr.clone(),
                 terminal: req.terminal,
             };
-            for_creates(&conn)?;
+            for_creates(&conn, &agent)?;
             // The VM's own identity and the pod's network: both calls can be
             // made again. A fork child's guest handles its vsock's reset
             // (`docs/vsock.md`) on a work item of its own, which may reset a
@@ -837,13 +837,14 @@ impl Inner {
                         req.id
                     );
                     conn = agent
-                        .connect(CALL_TIMEOUT)
+                        .connect(agent.limits().call)
                         .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
-                    for_creates(&conn)?;
+                    for_creates(&conn, &agent)?;
                     call_all(&mut conn).map_err(from_call)?;
                 }
                 r => r.map_err(from_call)?,
             }
+            let t_setup = Instant::now();
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),
                 spec,
@@ -860,6 +861,19 @@ impl Inner {
             }))
             .map_err(from_call)?;
             let relays = stdio::start(&agent, &pref(&req.id, ""), &paths).map_err(internal)?;
+            // Where a pod's start goes (docs/containerd.md, "Pod start phases").
+            let ms = |a: Instant, b: Instant| b.duration_since(a).as_millis();
+            let t_end = Instant::now();
+            tracing::info!(
+                "pod VM of {} created ({}): prepare {} ms, vm {} ms, agent {} ms, setup {} ms, container {} ms",
+                req.id,
+                start.name(),
+                ms(t0, vm_started),
+                ms(vm_started, t_vm),
+                ms(t_vm, t_agent),
+                ms(t_agent, t_setup),
+                ms(t_setup, t_end)
+            );
             if deadline.is_some_and(|d| Instant::now() > d) {
                 return Err(err(
                     Code::DEADLINE_EXCEEDED,
@@ -895,7 +909,9 @@ impl Inner {
     /// first when missing) and puts its images into the first drives.
     fn fork_pod(&self, cfg: &ShimConfig, vm: &PodVmSpec) -> anyhow::Result<()> {
         let t = template::for_shape(cfg, vm.vcpus, vm.memory_mib);
+        let t0 = Instant::now();
         t.ensure(&*self.daemon, cfg, (vm.vcpus, vm.memory_mib), cfg.boot_timeout())?;
+        let t_template = Instant::now();
         self.daemon.fork(
             &t.vm_id,
             &ForkedPod {
@@ -904,22 +920,41 @@ impl Inner {
                 vsock_uds: vm.vsock_uds.clone(),
             },
         )?;
+        let t_fork = Instant::now();
         for (i, d) in vm.disks.iter().enumerate() {
             self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
         }
+        tracing::info!(
+            "{} forked from {}: template {} ms, fork {} ms, media {} ms",
+            vm.id,
+            t.vm_id,
+            t_template.duration_since(t0).as_millis(),
+            t_fork.duration_since(t_template).as_millis(),
+            t_fork.elapsed().as_millis()
+        );
         Ok(())
     }
 
     /// Makes the claimed, paused warm pool member `vm.id` the pod's VM: its
     /// NIC joins the pod's network, it resumes, its images go in.
     fn claimed_pod(&self, vm: &PodVmSpec) -> anyhow::Result<()> {
+        let t0 = Instant::now();
         if let Some(nic) = &vm.nic {
             self.daemon.attach_nic(&vm.id, nic)?;
         }
+        let t_nic = Instant::now();
         self.daemon.resume(&vm.id)?;
+        let t_resume = Instant::now();
         for (i, d) in vm.disks.iter().enumerate() {
             self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
         }
+        tracing::info!(
+            "{} claimed: nic {} ms, resume {} ms, media {} ms",
+            vm.id,
+            t_nic.duration_since(t0).as_millis(),
+            t_resume.duration_since(t_nic).as_millis(),
+            t_resume.elapsed().as_millis()
+        );
         Ok(())
     }
 }

@@ -27,8 +27,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-/// How long one runc command may take before it is killed.
-const RUNC_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a delete waits for the init's exit to be collected.
 const DELETE_WAIT: Duration = Duration::from_secs(2);
 /// The most execs a container keeps (deleted ones do not count).
@@ -53,6 +51,9 @@ pub struct Config {
     pub no_pivot: bool,
     /// How long an image disk may take to appear.
     pub disk_timeout: Duration,
+    /// How long one runc command may take before it is killed (the pod
+    /// VM's `k7d.runc_timeout_s`, `proto::runc_timeout`).
+    pub runc_timeout: Duration,
     /// Set the VM's hostname from a spec's `hostname` (PID 1 only: a
     /// host-side test must not rename the host).
     pub set_hostname: bool,
@@ -71,6 +72,7 @@ impl Config {
             cgroup_root: dir.join("cg"),
             no_pivot: false,
             disk_timeout,
+            runc_timeout: Duration::from_secs(k7d_agent::proto::DEFAULT_RUNC_TIMEOUT_S),
             set_hostname: false,
         }
     }
@@ -86,6 +88,7 @@ impl Config {
             cgroup_root: "/sys/fs/cgroup".into(),
             no_pivot: false,
             disk_timeout: Duration::from_secs(10),
+            runc_timeout: Duration::from_secs(k7d_agent::proto::DEFAULT_RUNC_TIMEOUT_S),
             set_hostname: true,
         }
     }
@@ -370,7 +373,7 @@ impl Containers {
         // stdio ends: from now on only the process holds them.
         drop(cmd);
         let pid = pid.map_err(|e| format!("starting {} failed: {e}", self.cfg.runc.display()))?;
-        let status = match self.reaper.wait_for_timeout(pid, RUNC_TIMEOUT) {
+        let status = match self.reaper.wait_for_timeout(pid, self.cfg.runc_timeout) {
             Some(s) => s,
             None => {
                 let _ = sys::kill(pid, libc::SIGKILL);
@@ -378,7 +381,7 @@ impl Containers {
                 let _ = std::fs::remove_file(&log);
                 return Err(format!(
                     "runc {sub} did not finish in {} s and was killed",
-                    RUNC_TIMEOUT.as_secs()
+                    self.cfg.runc_timeout.as_secs()
                 ));
             }
         };

@@ -72,6 +72,11 @@ fn pid1() -> ! {
     init::setup();
     let result = std::panic::catch_unwind(|| -> Result<(), String> {
         let mut cfg = container::Config::guest();
+        match std::fs::read_to_string("/proc/cmdline").map(|c| k7d_agent::proto::runc_timeout(&c)) {
+            Ok(Ok(t)) => cfg.runc_timeout = t,
+            Ok(Err(e)) => log!("{e}: runc commands keep the default limit"),
+            Err(e) => log!("cannot read /proc/cmdline ({e}): runc commands keep the default limit"),
+        }
         cfg.no_pivot = root == newroot::Root::ChrootOnly || init::root_is_initramfs();
         if cfg.no_pivot {
             log!("the root is the initramfs: runc runs --no-pivot (containers confined by a chroot only)");

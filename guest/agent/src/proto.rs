@@ -448,6 +448,29 @@ pub enum Response {
     },
 }
 
+/// The pod VM's kernel command line parameter that sets how long one runc
+/// command may take in the guest (seconds, 1 to 3600; 60 when absent). The
+/// shim sizes its own call limits from the same parameter.
+pub const RUNC_TIMEOUT_PARAM: &str = "k7d.runc_timeout_s";
+/// One runc command's limit when the command line does not set one.
+pub const DEFAULT_RUNC_TIMEOUT_S: u64 = 60;
+
+/// The runc limit a kernel command line sets ([`RUNC_TIMEOUT_PARAM`]; the
+/// last one wins, as for the kernel's own parameters), or the default.
+pub fn runc_timeout(cmdline: &str) -> Result<std::time::Duration, String> {
+    let mut secs = DEFAULT_RUNC_TIMEOUT_S;
+    for w in cmdline.split_ascii_whitespace() {
+        if let Some(v) = w.strip_prefix(RUNC_TIMEOUT_PARAM).and_then(|r| r.strip_prefix('=')) {
+            secs = v
+                .parse::<u64>()
+                .ok()
+                .filter(|s| (1..=3600).contains(s))
+                .ok_or_else(|| format!("{RUNC_TIMEOUT_PARAM}={v} is not 1 to 3600 seconds"))?;
+        }
+    }
+    Ok(std::time::Duration::from_secs(secs))
+}
+
 /// Whether `id` is a container or exec id the agent accepts: containerd's
 /// identifier grammar (`[A-Za-z0-9]+([._-][A-Za-z0-9]+)*`, at most 76
 /// bytes), so it is always a safe single path component.
@@ -472,6 +495,31 @@ pub fn valid_id(id: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_runc_limit_comes_from_the_command_line() {
+        use std::time::Duration;
+        assert_eq!(super::runc_timeout("console=ttyS0 quiet"), Ok(Duration::from_secs(60)));
+        assert_eq!(
+            super::runc_timeout("quiet k7d.runc_timeout_s=900 panic=1"),
+            Ok(Duration::from_secs(900))
+        );
+        assert_eq!(
+            super::runc_timeout("k7d.runc_timeout_s=5 k7d.runc_timeout_s=7"),
+            Ok(Duration::from_secs(7))
+        );
+        // A longer name is another parameter.
+        assert_eq!(
+            super::runc_timeout("k7d.runc_timeout_sx=1"),
+            Ok(Duration::from_secs(60))
+        );
+        for bad in ["0", "3601", "-1", "ten", ""] {
+            assert_eq!(
+                super::runc_timeout(&format!("k7d.runc_timeout_s={bad}")),
+                Err(format!("k7d.runc_timeout_s={bad} is not 1 to 3600 seconds"))
+            );
+        }
+    }
+
     use super::*;
 
     #[test]

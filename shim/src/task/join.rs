@@ -21,7 +21,7 @@ use containerd_shim::api;
 use containerd_shim::protos::ttrpc::{self, Code};
 use k7d_agent::proto::{Binds, BlockMount, CreateContainer, Request};
 
-use super::{CALL_TIMEOUT, Inner, SANDBOX_ID, err, for_creates, from_call, internal, pref};
+use super::{Inner, SANDBOX_ID, err, for_creates, from_call, internal, pref};
 use crate::config::ShimConfig;
 use crate::{binds, stdio};
 
@@ -178,9 +178,9 @@ impl Inner {
                     .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
             }
             let mut conn = agent
-                .connect(CALL_TIMEOUT)
+                .connect(agent.limits().call)
                 .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
-            for_creates(&conn)?;
+            for_creates(&conn, agent)?;
             asked = true;
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),

@@ -94,6 +94,21 @@ pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(Str
     Ok((p.name(), booted, p.ready(&*daemon)?))
 }
 
+/// Makes sure the fork template of the shim config at `config` (default:
+/// as the shim finds it) is booted and paused, for the node service before
+/// fork-started pods arrive; `connect` reaches the daemon. Returns the
+/// template's VM id and whether this call booted it.
+pub fn make_template(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, bool)> {
+    let cfg = match config {
+        Some(p) => config::ShimConfig::read(p)?,
+        None => config::ShimConfig::load()?,
+    };
+    let daemon = connect(&cfg.daemon_socket);
+    let t = template::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
+    let booted = t.ensure(&*daemon, &cfg, (cfg.vcpus, cfg.memory_mib), cfg.boot_timeout())?;
+    Ok((t.vm_id, booted))
+}
+
 /// Runs the shim (containerd's `start`, `delete`, or the server, from the
 /// process's arguments); `connect` reaches the daemon. Exits the process
 /// with status 1 on failure, as containerd's shims do.

@@ -393,6 +393,16 @@ enum Cmd {
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3600))]
         after_s: u64,
     },
+    /// Boot the containerd shim's fork template (a booted, paused pod VM
+    /// of the shim config's shape that fork-started pods are forked from;
+    /// docs/kubernetes.md), as a node service does before pods arrive;
+    /// returns once it is paused.
+    #[cfg(feature = "shim")]
+    TemplateMake {
+        /// The shim config (default: $K7D_SHIM_CONFIG, else /etc/k7d/shim.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
 }
 
 /// Who may use the daemon's API and how it bounds its clients (`docs/security.md`).
@@ -697,6 +707,20 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 out!("{}", json!({"pool": pool, "booted": booted, "ready": ready}));
             } else {
                 out!("warm pool {pool}: {booted} member(s) booted, {ready} ready");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        #[cfg(feature = "shim")]
+        Cmd::TemplateMake { config } => {
+            init_logs("info");
+            let (vm, booted) = k7d_shim::make_template(k7d_vmm::shim_host::connect, config.as_deref())?;
+            if cli.json {
+                out!("{}", json!({"template": vm, "booted": booted}));
+            } else {
+                out!(
+                    "fork template {vm}: {}",
+                    if booted { "booted and paused" } else { "already paused" }
+                );
             }
             Ok(ExitCode::SUCCESS)
         }

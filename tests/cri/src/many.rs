@@ -105,7 +105,7 @@ pub async fn many(client: &mut Client, args: &ManyArgs) -> Result<()> {
     let mut set = JoinSet::new();
     for id in sandboxes {
         let mut c = client.clone();
-        set.spawn(async move { (id.clone(), stop_and_remove(&mut c, &id, limit).await) });
+        set.spawn(async move { (id.clone(), stop_and_remove_until_gone(&mut c, &id, limit).await) });
     }
     let mut not_removed = Vec::new();
     while let Some(j) = set.join_next().await {
@@ -193,4 +193,30 @@ async fn one(client: &mut Client, p: &PodArgs) -> Result<(String, Duration)> {
         bail!("its container logged '{}' first, expected ready", lines[0]);
     }
     Ok((id, t0.elapsed()))
+}
+
+/// Stops and removes a pod sandbox as the kubelet does: again, every 5 s,
+/// until it is gone or `limit` has passed. A pod whose start was given up
+/// on may still have a container start in flight in containerd: a stop
+/// skips that container while it is being created, and the remove then
+/// finds its task running.
+async fn stop_and_remove_until_gone(client: &mut Client, id: &str, limit: Duration) -> Result<()> {
+    let until = Instant::now() + limit;
+    let mut tries = 1;
+    loop {
+        match stop_and_remove(client, id, limit).await {
+            Ok(_) => {
+                if tries > 1 {
+                    println!("cri: many: pod sandbox {id} removed at try {tries}");
+                }
+                return Ok(());
+            }
+            Err(e) if Instant::now() + Duration::from_secs(5) < until => {
+                println!("cri: many: pod sandbox {id}: try {tries} to remove it failed ({e:#}); again in 5 s");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                tries += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }

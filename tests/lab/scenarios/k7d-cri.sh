@@ -460,6 +460,11 @@ forked() {
 }
 tmpl=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^tmpl-/ {print $1 " " $NF}')
 case $tmpl in *" paused") ;; *) fail "net-k7d's fork-started pods left no paused template: '$tmpl'" ;; esac
+# The node service's call (k7d template-make) finds that same template.
+_tm=$(timeout -s KILL 120 "$LAB_BIN" template-make --config /etc/k7d/fork.toml 2>>"$DLOG") ||
+  fail "k7d template-make failed: $(tail -n 2 "$DLOG" | tr '\n' ' ')"
+[ "$_tm" = "fork template ${tmpl%% *}: already paused" ] ||
+  fail "k7d template-make did not find the node's paused template ${tmpl%% *}: '$_tm'"
 # Under the k7d-fork runtime handler (its containerd entry names
 # /etc/k7d/fork.toml: pod_start = "fork"), without the annotation.
 cri_pod k7d-fork k7d-fork "$LAB_L2_KERNEL_RELEASE"
@@ -519,6 +524,14 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
   _mprog=$!
   _modes=${LAB_CRI_MANY_MODES:-cold,fork,pool}
   _npool=$(awk -v n="$LAB_CRI_MANY" -v m="$_modes" 'BEGIN {k = split(m, a, ","); c = 0; for (i = 0; i < n; i++) if (a[i % k + 1] == "pool") c++; print (c > 16 ? 16 : c)}')
+  # The node's template of this shape, booted before the pods come (as
+  # the pool is): k7d template-make, as a node service runs it.
+  case ",$_modes," in
+    *,fork,*)
+      _t0=$(lab_now)
+      _tm=$(timeout -s KILL 1200 "$LAB_BIN" template-make 2>>"$DLOG") || fail "many: k7d template-make failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
+      lab_note "many: $_tm in $(lab_sub "$(lab_now)" "$_t0") s" ;;
+  esac
   if [ "$_npool" -gt 0 ]; then
     sed -i "s/^pool_size = .*/pool_size = $_npool/" /etc/k7d/shim.toml
     _fill=$(timeout -s KILL 1200 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "many: k7d pool-fill failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"

@@ -506,7 +506,10 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
   # Ten cold pod VMs booting at once on L1's one emulated vCPU take minutes:
   # a boot deadline for this machine, not the 60 s default.
   cp /etc/k7d/shim.toml /tmp/shim.toml.saved
-  echo 'boot_timeout_s = 900' >>/etc/k7d/shim.toml
+  echo 'boot_timeout_s = 1500' >>/etc/k7d/shim.toml
+  # The pool pods' refills must not boot more VMs into the run (it once
+  # outlasted the 600 s set for k7d-pool, and five refills joined in).
+  sed -i 's/^pool_refill_delay_s = .*/pool_refill_delay_s = 3600/' /etc/k7d/shim.toml
   # Twenty pod VMs on one emulated CPU: a runc create in each took past
   # the agent's 60 s default; the node's runc limit, as a busy node sets it.
   echo 'cmdline = "console=ttyS0 quiet panic=-1 k7d.runc_timeout_s=900"' >>/etc/k7d/shim.toml
@@ -537,12 +540,15 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
     _fill=$(timeout -s KILL 1200 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "many: k7d pool-fill failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
     lab_note "many: warm pool for $_npool pool pods: $_fill"
   fi
-  timeout -s KILL 1800 "$CRI" many --runtime-handler k7d --image "$IMG" --name many --count "$LAB_CRI_MANY" \
-    --log-dir /var/log/pods/k7d-lab_many --timeout-s 900 --pod-start "$_modes" >/tmp/cri-many.out 2>&1
+  # Each pod's limit (LAB_CRI_MANY_TIMEOUT_S): twenty pod VMs on one
+  # emulated CPU took past 900 s for the cold ones, which boot last.
+  _mt=${LAB_CRI_MANY_TIMEOUT_S:-1500}
+  timeout -s KILL $((_mt * 2)) "$CRI" many --runtime-handler k7d --image "$IMG" --name many --count "$LAB_CRI_MANY" \
+    --log-dir /var/log/pods/k7d-lab_many --timeout-s "$_mt" --pod-start "$_modes" >/tmp/cri-many.out 2>&1
   _rc=$?
   grep -v '^cri: step ' /tmp/cri-many.out | sed 's/^/lab: many: /'
   kill "$_mprog" 2>/dev/null; wait "$_mprog" 2>/dev/null
-  # The pool pods' refills wait 600 s (set for k7d-pool): not in this run.
+  # The pool pods' refills wait 3600 s (set above): not in this run.
   _r=$(refills)
   [ -z "$_r" ] || kill $_r
   cp /tmp/shim.toml.saved /etc/k7d/shim.toml

@@ -176,9 +176,7 @@ impl Conn {
         self.stream.set_write_timeout(None)?;
         Ok(self.stream)
     }
-}
 
-impl Conn {
     /// The failed call's reason: a read or write past the connection's
     /// limit is said as such (the socket reports it as EAGAIN).
     fn lost(&self, e: FrameError) -> CallError {

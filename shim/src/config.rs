@@ -124,6 +124,9 @@ fn default_image_dir() -> PathBuf {
     "/var/lib/k7d/images".into()
 }
 
+/// The largest shim config read (a real one is well under 4 KiB).
+const MAX_CONFIG_BYTES: u64 = 64 << 10;
+
 impl ShimConfig {
     /// The config at `$K7D_SHIM_CONFIG`, else [`DEFAULT_PATH`].
     pub fn load() -> anyhow::Result<Self> {
@@ -133,8 +136,15 @@ impl ShimConfig {
 
     /// The config in `path`.
     pub fn read(path: &Path) -> anyhow::Result<Self> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("cannot read the shim config {}", path.display()))?;
+        // A regular file of a sane size: a runtime class's ConfigPath names
+        // it, and a FIFO or a device there must not hang or flood the shim.
+        let bytes = k7d_sys::file::read_regular_file(path, MAX_CONFIG_BYTES)
+            .with_context(|| format!("cannot read the shim config {}", path.display()))?;
+        if bytes.len() as u64 > MAX_CONFIG_BYTES {
+            bail!("the shim config {} is over {MAX_CONFIG_BYTES} bytes", path.display());
+        }
+        let text = String::from_utf8(bytes)
+            .map_err(|_| anyhow::anyhow!("the shim config {} is not UTF-8 text", path.display()))?;
         let mut cfg: Self =
             toml::from_str(&text).with_context(|| format!("the shim config {} is not valid", path.display()))?;
         cfg.source = Some(path.to_path_buf());
@@ -370,6 +380,26 @@ mod tests {
             e.ends_with("cmdline: k7d.runc_timeout_s=0 is not 1 to 3600 seconds"),
             "{e}"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_config_that_is_no_regular_file_or_too_big_is_refused() {
+        let (dir, _) = write("kernel = \"/k\"\ninitramfs = \"/i\"\n");
+        let fifo = dir.join("fifo.toml");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mkfifo reads the NUL-terminated path it is given.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = format!("{:#}", ShimConfig::read(&fifo).unwrap_err());
+        assert!(e.ends_with("it is not a regular file"), "{e}");
+        let big = dir.join("big.toml");
+        std::fs::write(
+            &big,
+            format!("kernel = \"/k\"\ninitramfs = \"/i\"\n#{}\n", "x".repeat(70 << 10)),
+        )
+        .unwrap();
+        let e = format!("{:#}", ShimConfig::read(&big).unwrap_err());
+        assert!(e.ends_with("is over 65536 bytes"), "{e}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 

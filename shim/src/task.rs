@@ -921,9 +921,7 @@ impl Inner {
             },
         )?;
         let t_fork = Instant::now();
-        for (i, d) in vm.disks.iter().enumerate() {
-            self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
-        }
+        self.put_media(vm)?;
         tracing::info!(
             "{} forked from {}: template {} ms, fork {} ms, media {} ms",
             vm.id,
@@ -945,9 +943,7 @@ impl Inner {
         let t_nic = Instant::now();
         self.daemon.resume(&vm.id)?;
         let t_resume = Instant::now();
-        for (i, d) in vm.disks.iter().enumerate() {
-            self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
-        }
+        self.put_media(vm)?;
         tracing::info!(
             "{} claimed: nic {} ms, resume {} ms, media {} ms",
             vm.id,
@@ -955,6 +951,16 @@ impl Inner {
             t_resume.duration_since(t_nic).as_millis(),
             t_resume.elapsed().as_millis()
         );
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Puts the pod's images into the booted VM's first drives (medium changes).
+    fn put_media(&self, vm: &PodVmSpec) -> anyhow::Result<()> {
+        for (i, d) in vm.disks.iter().enumerate() {
+            self.daemon.set_medium(&vm.id, u32::try_from(i)?, Some(d))?;
+        }
         Ok(())
     }
 }

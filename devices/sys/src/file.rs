@@ -142,6 +142,28 @@ pub fn fallocate(file: &impl AsRawFd, mode: Fallocate, offset: u64, len: u64) ->
     }
 }
 
+/// Reads up to `max + 1` bytes of the regular file at `path`. Opened with
+/// `O_NONBLOCK`, so a FIFO or a device in the file's place is refused at
+/// once instead of blocking the caller (the flag changes nothing for a
+/// regular file).
+pub fn read_regular_file(path: &std::path::Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "it is not a regular file",
+        ));
+    }
+    let mut data = Vec::new();
+    f.take(max.saturating_add(1)).read_to_end(&mut data)?;
+    Ok(data)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

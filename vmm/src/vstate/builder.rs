@@ -8,8 +8,7 @@
 //! `Vm::start`.
 
 use std::collections::VecDeque;
-use std::fs::{File, OpenOptions};
-use std::path::Path;
+use std::fs::File;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -392,7 +391,7 @@ pub(super) fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {
             .map(|b| b.image().to_vec())
             .map_err(|e| VmError::Guest(e.to_string())),
         GuestSpec::Raw { path, .. } => {
-            let img = read_regular_file(path, crate::config::MAX_RAW_IMAGE)
+            let img = k7d_sys::file::read_regular_file(path, crate::config::MAX_RAW_IMAGE)
                 .map_err(io(format!("cannot read guest image {}", path.display())))?;
             if img.is_empty() || img.len() as u64 > crate::config::MAX_RAW_IMAGE {
                 return Err(VmError::Guest(format!(
@@ -426,26 +425,4 @@ pub(super) fn write_guest(mem: &GuestMemoryMmap, image: &[u8], tsc_khz: u32, arg
         w("arguments", mem.write_obj(*a, GuestAddress(p + slot)))?;
     }
     Ok(())
-}
-
-/// Reads up to `max + 1` bytes of the regular file at `path`. Opened with
-/// `O_NONBLOCK`, so a FIFO or a device in the file's place is refused at
-/// once instead of blocking the caller (the flag changes nothing for a
-/// regular file).
-pub(super) fn read_regular_file(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)?;
-    if !f.metadata()?.is_file() {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "it is not a regular file",
-        ));
-    }
-    let mut data = Vec::new();
-    f.take(max.saturating_add(1)).read_to_end(&mut data)?;
-    Ok(data)
 }

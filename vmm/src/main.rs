@@ -1033,6 +1033,20 @@ fn daemon(
             r.id, r.state, r.daemon_pid
         );
     }
+    // Before any VM is built: what outlived the gone daemon's VMs on purpose
+    // (datapath pins, links in pod netns that still exist).
+    for s in d.detach_leftover_nics(&reconciled) {
+        eprintln!(
+            "k7d: reconciled vm {}: datapath of {} NIC(s) detached{}",
+            s.id,
+            s.detached,
+            if s.failed.is_empty() {
+                String::new()
+            } else {
+                format!(", {} could not be (see the log)", s.failed.len())
+            }
+        );
+    }
     let mut access = Access::owner_only();
     for &u in &limits.allow_uids {
         if !access.uids.contains(&u) {

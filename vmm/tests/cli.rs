@@ -289,6 +289,97 @@ fn daemon_verbs_and_crash_reconcile() {
     assert!(!dir.0.join("k7d.sock").exists(), "the socket outlived the daemon");
 }
 
+/// A daemon killed while a VM's NIC is in a pod network leaves what
+/// outlives a process on purpose: the datapath's pins under the bpffs root
+/// (a pinned TCX link keeps its program on the pod's interface). The next
+/// daemon detaches them, by the record, before it builds anything, says
+/// so, and leaves the pod's netns and interface as they were.
+#[test]
+fn a_crashed_daemons_pod_network_is_detached_at_the_next_start() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        k7d_test_skip::skip(
+            "a_crashed_daemons_pod_network_is_detached_at_the_next_start",
+            "taps, network namespaces and bpffs need root",
+        );
+        return;
+    }
+    // Virtio devices need a Linux guest; it is only created here (it could
+    // not run on a PVM host), which builds its NIC's datapath.
+    let Some(kernel) = cached_cloud_kernel() else {
+        k7d_test_skip::skip(
+            "a_crashed_daemons_pod_network_is_detached_at_the_next_start",
+            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
+        );
+        return;
+    };
+    let ip = |args: &[&str]| Command::new("ip").args(args).output().unwrap();
+    let ns = format!("k7dcrash{}", std::process::id());
+    let peer = format!("crp{}", std::process::id() % 100_000);
+    let _ = ip(&["netns", "del", &ns]);
+    assert!(ip(&["netns", "add", &ns]).status.success());
+    struct DelNs(String);
+    impl Drop for DelNs {
+        fn drop(&mut self) {
+            let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+        }
+    }
+    let _del = DelNs(ns.clone());
+    let o = ip(&[
+        "link", "add", &peer, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+    ]);
+    assert!(o.status.success(), "{}", text(&o).1);
+
+    let dir = Scratch::new("cli-crashnet");
+    let id = format!("crashnet-{}", std::process::id());
+    let (d, _) = DaemonProc::start(&dir.0);
+    let nic = format!("datapath=direct,netns=/run/netns/{ns},pod-if=eth0");
+    let o = cli(
+        &dir.0,
+        &[
+            "create",
+            "--id",
+            &id,
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--memory",
+            "128",
+            "--nic",
+            &nic,
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let names = k7d_net::nic_names(&id, 0);
+    let pins = std::path::Path::new("/sys/fs/bpf/k7d").join(&names.bpf_subdir);
+    assert!(pins.is_dir(), "no pins at {}", pins.display());
+    let tap_in_pod = || ip(&["-n", &ns, "link", "show", &names.tap]).status.success();
+    assert!(tap_in_pod(), "the tap is in the pod netns");
+
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGKILL) };
+    let _ = d.stderr_after_exit();
+    assert!(pins.is_dir(), "the pins outlive the daemon (what this test is about)");
+
+    let (d2, _) = DaemonProc::start(&dir.0);
+    assert!(!pins.exists(), "the next daemon left the pins at {}", pins.display());
+    assert!(!tap_in_pod(), "a tap is left in the pod netns");
+    assert!(
+        ip(&["-n", &ns, "link", "show", "eth0"]).status.success(),
+        "the pod's own interface is the CNI's: it stays"
+    );
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(d2.child.id() as i32, libc::SIGTERM) };
+    let err = d2.stderr_after_exit();
+    assert!(
+        err.contains(&format!("reconciled vm {id} (created, daemon pid")),
+        "{err}"
+    );
+    assert!(
+        err.contains(&format!("reconciled vm {id}: datapath of 1 NIC(s) detached\n")),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_non_kernel_file_is_refused_before_any_vcpu_runs() {
     let dir = Scratch::new("cli-badkernel");

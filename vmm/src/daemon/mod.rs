@@ -10,12 +10,14 @@ pub mod client;
 mod clusters;
 mod periodic;
 mod rebaser;
+mod reconcile;
 mod recorder;
 pub mod server;
 mod shells;
 pub mod store;
 
 pub use rebaser::{REBASE_PERIOD, Rebaser};
+pub use reconcile::{NicSweep, Reconciled};
 pub use shells::{SHELL_PERIOD, ShellKeeper};
 
 use std::collections::HashMap;
@@ -40,17 +42,6 @@ pub const PAUSE_TIMEOUT: Duration = Duration::from_secs(2);
 /// killed with `kill -9` holds it until the kernel has torn the process down
 /// (its guest RAM unmapped first), which can take a moment.
 pub const STATE_LOCK_WAIT: Duration = Duration::from_secs(5);
-
-/// A record found at start whose VM no longer exists.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Reconciled {
-    /// VM id.
-    pub id: String,
-    /// What the record said.
-    pub state: String,
-    /// The daemon that owned it.
-    pub daemon_pid: Option<u32>,
-}
 
 /// Daemon-level errors (startup).
 #[derive(Debug, thiserror::Error)]
@@ -341,6 +332,10 @@ impl Daemon {
                     .map(|r| r.state.to_string())
                     .unwrap_or_else(|| "unreadable".into()),
                 daemon_pid: rec.as_ref().map(|r| r.daemon_pid),
+                nics: rec
+                    .as_ref()
+                    .map(|r| reconcile::datapath_nics(&r.config.devices.nics))
+                    .unwrap_or_default(),
             };
             tracing::warn!(
                 vm = %r.id,

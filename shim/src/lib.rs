@@ -80,10 +80,7 @@ fn unreachable_daemon() -> Arc<dyn Daemon> {
 /// reaches the daemon. Returns the pool's name, the members this call
 /// booted and the members ready now.
 pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, u32, usize)> {
-    let cfg = match config {
-        Some(p) => config::ShimConfig::read(p)?,
-        None => config::ShimConfig::load()?,
-    };
+    let cfg = read_config(config)?;
     tracing::info!(size = cfg.pool_size, "filling the warm pool");
     if cfg.pool_size == 0 {
         anyhow::bail!("the shim config keeps no warm pool (pool_size = 0)");
@@ -99,14 +96,40 @@ pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(Str
 /// fork-started pods arrive; `connect` reaches the daemon. Returns the
 /// template's VM id and whether this call booted it.
 pub fn make_template(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, bool)> {
-    let cfg = match config {
-        Some(p) => config::ShimConfig::read(p)?,
-        None => config::ShimConfig::load()?,
-    };
+    let cfg = read_config(config)?;
     let daemon = connect(&cfg.daemon_socket);
     let t = template::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
     let booted = t.ensure(&*daemon, &cfg, (cfg.vcpus, cfg.memory_mib), cfg.boot_timeout())?;
     Ok((t.vm_id, booted))
+}
+
+/// Empties the warm pool of the shim config at `config` (default: as the
+/// shim finds it) before a node changes that config: returns the pool's
+/// name, the members deleted, and those still booting (left to finish).
+pub fn drain_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, usize, usize)> {
+    let cfg = read_config(config)?;
+    let daemon = connect(&cfg.daemon_socket);
+    let p = pool::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
+    let (removed, booting) = p.drain(&*daemon)?;
+    Ok((p.name(), removed, booting))
+}
+
+/// Deletes the fork template of the shim config at `config` (default: as
+/// the shim finds it) before a node changes that config: returns the
+/// template's VM id and whether the daemon had it.
+pub fn remove_template(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, bool)> {
+    let cfg = read_config(config)?;
+    let daemon = connect(&cfg.daemon_socket);
+    let t = template::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
+    let had = t.remove(&*daemon, cfg.boot_timeout() + std::time::Duration::from_secs(30))?;
+    Ok((t.vm_id, had))
+}
+
+fn read_config(config: Option<&Path>) -> anyhow::Result<config::ShimConfig> {
+    match config {
+        Some(p) => config::ShimConfig::read(p),
+        None => config::ShimConfig::load(),
+    }
 }
 
 /// Runs the shim (containerd's `start`, `delete`, or the server, from the

@@ -269,6 +269,21 @@ impl Pool {
         }
     }
 
+    /// Empties the pool, as a node does before it changes the pool's
+    /// config (the hash names a new pool then; Kata's equivalent for its VM
+    /// templates is `kata-runtime factory destroy`): under the pool's lock,
+    /// what dead shims left is swept (the survey) and every ready member is
+    /// deleted; members another process is booting are left to finish and
+    /// counted (drain again once they are ready). Returns (removed, booting).
+    pub fn drain(&self, daemon: &dyn Daemon) -> anyhow::Result<(usize, usize)> {
+        let _held = self.lock()?;
+        let s = self.survey(daemon)?;
+        for &n in &s.ready {
+            self.remove(daemon, n);
+        }
+        Ok((s.ready.len(), s.booting))
+    }
+
     /// Starts `k7d pool-fill --after-s <pool_refill_delay_s>` (this binary,
     /// with the config the pod's came from) in a process group of its own
     /// (containerd's signals to the shim do not reach it), its output
@@ -325,7 +340,7 @@ impl Pool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::HashMap;
     use std::sync::Mutex;
 
@@ -334,11 +349,12 @@ mod tests {
     use super::*;
     use crate::daemon::{ForkedPod, PodNic, PodVmSpec};
 
-    /// A daemon that knows the lives it is told and records deletes.
+    /// A daemon that knows the lives it is told and records deletes (the
+    /// template's tests use it too).
     #[derive(Default)]
-    struct Lives {
-        lives: Mutex<HashMap<String, VmLife>>,
-        deleted: Mutex<Vec<String>>,
+    pub(crate) struct Lives {
+        pub(crate) lives: Mutex<HashMap<String, VmLife>>,
+        pub(crate) deleted: Mutex<Vec<String>>,
     }
 
     impl Daemon for Lives {
@@ -390,6 +406,47 @@ mod tests {
             std::fs::write(dir.join("ready"), b"").unwrap();
         }
         dir
+    }
+
+    #[test]
+    fn a_drain_deletes_the_ready_members_and_leaves_live_boots() {
+        let state = std::env::temp_dir().join(format!("k7d-pool-drain-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let c = cfg(&state);
+        let p = for_shape(&c, c.vcpus, c.memory_mib);
+        let d = Lives::default();
+        std::fs::create_dir_all(&p.root).unwrap();
+        // 1, 2: ready and paused; 3: booting (its shim holds the boot lock);
+        // 4: half-booted, its shim dead.
+        member(&p, 1, true);
+        member(&p, 2, true);
+        let booting = member(&p, 3, false);
+        let held = try_lock(&booting.join("boot.lock")).unwrap().unwrap();
+        member(&p, 4, false);
+        for n in [1, 2] {
+            d.lives.lock().unwrap().insert(p.member_id(n), VmLife::Paused);
+        }
+        d.lives.lock().unwrap().insert(p.member_id(3), VmLife::Running);
+        assert_eq!(p.drain(&d).unwrap(), (2, 1));
+        let mut deleted = d.deleted.lock().unwrap().clone();
+        deleted.sort();
+        assert_eq!(deleted, [p.member_id(1), p.member_id(2), p.member_id(4)]);
+        assert!(!p.member_dir(1).exists() && !p.member_dir(2).exists() && !p.member_dir(4).exists());
+        assert!(booting.exists(), "a live boot is left to finish");
+        assert_eq!(p.ready(&d).unwrap(), 0);
+        // Once it is ready, the next drain takes it.
+        drop(held);
+        std::fs::write(booting.join("ready"), b"").unwrap();
+        d.lives.lock().unwrap().insert(p.member_id(3), VmLife::Paused);
+        assert_eq!(p.drain(&d).unwrap(), (1, 0));
+        assert!(!booting.exists());
+        // A daemon gone is an error, and nothing is removed on a guess.
+        member(&p, 5, true);
+        d.lives.lock().unwrap().insert(p.member_id(5), VmLife::DaemonGone);
+        let e = format!("{:#}", p.drain(&d).unwrap_err());
+        assert!(e.contains("daemon is not running"), "{e}");
+        assert!(p.member_dir(5).exists());
+        std::fs::remove_dir_all(&state).unwrap();
     }
 
     #[test]

@@ -126,14 +126,8 @@ impl Template {
         shape: (u8, u64),
         boot: Duration,
     ) -> anyhow::Result<bool> {
-        let root = self.lock.parent().unwrap_or(&cfg.state_dir);
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(root)
-            .with_context(|| format!("cannot create {}", root.display()))?;
         let deadline = Instant::now() + boot + Duration::from_secs(30);
-        let _lock = lock(&self.lock, deadline)?;
+        let _lock = self.hold(deadline)?;
         match life_until(daemon, &self.vm_id, deadline)? {
             VmLife::Paused => return Ok(false),
             VmLife::DaemonGone => bail!("the k7d daemon is not running"),
@@ -155,6 +149,40 @@ impl Template {
         }
         tracing::info!(template = %self.vm_id, "fork template booted and paused");
         Ok(true)
+    }
+
+    /// The template's lock (its directory's parent made first, 0700),
+    /// waited for until `deadline`.
+    fn hold(&self, deadline: Instant) -> anyhow::Result<File> {
+        if let Some(root) = self.lock.parent() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(root)
+                .with_context(|| format!("cannot create {}", root.display()))?;
+        }
+        lock(&self.lock, deadline)
+    }
+
+    /// Deletes the template and its directory, under its lock (no shim
+    /// checks or makes it meanwhile; one that forks from it afterwards
+    /// makes it again, from the config it has then), as a node does before
+    /// it changes the config. Its fork children live on: each has its own
+    /// copy-on-write view of its RAM. Returns whether the daemon had it.
+    pub fn remove(&self, daemon: &dyn Daemon, wait: Duration) -> anyhow::Result<bool> {
+        let _lock = self.hold(Instant::now() + wait)?;
+        let had = match daemon.life(&self.vm_id)? {
+            VmLife::DaemonGone => bail!("the k7d daemon is not running"),
+            VmLife::Gone => false,
+            VmLife::Paused | VmLife::Running | VmLife::Stopped(_) => {
+                daemon
+                    .delete(&self.vm_id)
+                    .with_context(|| format!("cannot delete the fork template {}", self.vm_id))?;
+                true
+            }
+        };
+        remove_dir(&self.dir);
+        Ok(had)
     }
 }
 
@@ -245,6 +273,34 @@ mod tests {
         assert_eq!(s.empty_drives, c.pod_drives + SANDBOX_DRIVES);
         assert!(s.bare_nic && s.nic.is_none() && s.disks.is_empty());
         assert!(s.vsock_uds.starts_with(&a.dir));
+    }
+
+    #[test]
+    fn removing_a_template_deletes_its_vm_and_directory_under_its_lock() {
+        use crate::pool::tests::Lives;
+        let state = std::env::temp_dir().join(format!("k7d-tmpl-rm-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let c = cfg(&state.display().to_string());
+        let t = for_shape(&c, 1, 256);
+        std::fs::create_dir_all(&t.dir).unwrap();
+        std::fs::write(t.dir.join("vsock.sock"), b"").unwrap();
+        let d = Lives::default();
+        d.lives.lock().unwrap().insert(t.vm_id.clone(), VmLife::Paused);
+        // Another shim checking or making it holds the lock: the removal waits, then says so.
+        let held = lock(&t.lock, Instant::now()).unwrap();
+        let e = format!("{:#}", t.remove(&d, Duration::from_millis(100)).unwrap_err());
+        assert!(e.contains("held the lock"), "{e}");
+        assert!(t.dir.exists() && d.deleted.lock().unwrap().is_empty());
+        drop(held);
+        assert!(t.remove(&d, Duration::from_secs(1)).unwrap());
+        assert_eq!(d.deleted.lock().unwrap().as_slice(), std::slice::from_ref(&t.vm_id));
+        assert!(!t.dir.exists());
+        // Nothing to remove is not an error; a daemon gone is.
+        assert!(!t.remove(&d, Duration::from_secs(1)).unwrap());
+        d.lives.lock().unwrap().insert(t.vm_id.clone(), VmLife::DaemonGone);
+        let e = format!("{:#}", t.remove(&d, Duration::from_secs(1)).unwrap_err());
+        assert!(e.contains("daemon is not running"), "{e}");
+        std::fs::remove_dir_all(&state).unwrap();
     }
 
     #[test]

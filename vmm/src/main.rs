@@ -393,6 +393,23 @@ enum Cmd {
         #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=3600))]
         after_s: u64,
     },
+    /// Empty the containerd shim's warm pool (every ready member deleted;
+    /// members still booting are counted and left to finish), as a node
+    /// does before it changes the shim config (docs/kubernetes.md).
+    #[cfg(feature = "shim")]
+    PoolDrain {
+        /// The shim config (default: $K7D_SHIM_CONFIG, else /etc/k7d/shim.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
+    /// Delete the containerd shim's fork template (its fork children live
+    /// on), as a node does before it changes the shim config.
+    #[cfg(feature = "shim")]
+    TemplateRemove {
+        /// The shim config (default: $K7D_SHIM_CONFIG, else /etc/k7d/shim.toml).
+        #[arg(long)]
+        config: Option<PathBuf>,
+    },
     /// Boot the containerd shim's fork template (a booted, paused pod VM
     /// of the shim config's shape that fork-started pods are forked from;
     /// docs/kubernetes.md), as a node service does before pods arrive;
@@ -707,6 +724,28 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 out!("{}", json!({"pool": pool, "booted": booted, "ready": ready}));
             } else {
                 out!("warm pool {pool}: {booted} member(s) booted, {ready} ready");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        #[cfg(feature = "shim")]
+        Cmd::PoolDrain { config } => {
+            init_logs("info");
+            let (pool, removed, booting) = k7d_shim::drain_pool(k7d_vmm::shim_host::connect, config.as_deref())?;
+            if cli.json {
+                out!("{}", json!({"pool": pool, "removed": removed, "booting": booting}));
+            } else {
+                out!("warm pool {pool}: {removed} member(s) removed, {booting} still booting");
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        #[cfg(feature = "shim")]
+        Cmd::TemplateRemove { config } => {
+            init_logs("info");
+            let (vm, had) = k7d_shim::remove_template(k7d_vmm::shim_host::connect, config.as_deref())?;
+            if cli.json {
+                out!("{}", json!({"template": vm, "removed": had}));
+            } else {
+                out!("fork template {vm}: {}", if had { "removed" } else { "none to remove" });
             }
             Ok(ExitCode::SUCCESS)
         }

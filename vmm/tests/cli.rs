@@ -380,6 +380,44 @@ fn a_crashed_daemons_pod_network_is_detached_at_the_next_start() {
     );
 }
 
+/// `k7d pool-drain` and `k7d template-remove` (what a node runs before it
+/// changes a shim config): an empty pool drains to nothing without asking
+/// the daemon; a template cannot be removed while the daemon is gone, and
+/// says so in one sentence; a missing config is one sentence too.
+#[test]
+fn pool_drain_and_template_remove_answer_in_one_line() {
+    let dir = Scratch::new("cli-drain");
+    let config = dir.0.join("shim.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "kernel = \"/k\"\ninitramfs = \"/i\"\nstate_dir = \"{}\"\ndaemon_socket = \"{}\"\npool_size = 1\n",
+            dir.0.join("state").display(),
+            dir.0.join("no-daemon.sock").display()
+        ),
+    )
+    .unwrap();
+    let c = config.to_str().unwrap();
+    let o = k7d(&["pool-drain", "--config", c]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    assert!(
+        out.starts_with("warm pool pool-") && out.trim_end().ends_with(": 0 member(s) removed, 0 still booting"),
+        "{out}"
+    );
+    let o = k7d(&["--json", "pool-drain", "--config", c]);
+    let v: serde_json::Value = serde_json::from_str(&text(&o).0).unwrap();
+    assert_eq!((v["removed"].as_u64(), v["booting"].as_u64()), (Some(0), Some(0)));
+    let o = k7d(&["template-remove", "--config", c]);
+    assert_eq!(o.status.code(), Some(1));
+    let err = text(&o).1;
+    assert_eq!(err.lines().filter(|l| l.starts_with("k7d: ")).count(), 1, "{err}");
+    assert!(err.contains("the k7d daemon is not running"), "{err}");
+    let o = k7d(&["template-remove", "--config", dir.0.join("none.toml").to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("cannot read the shim config"), "{:?}", text(&o));
+}
+
 #[test]
 fn a_non_kernel_file_is_refused_before_any_vcpu_runs() {
     let dir = Scratch::new("cli-badkernel");

@@ -475,6 +475,17 @@ lab_metric k7d_fork.pod_start_vs_cold "$(awk -v k="$START_k7d_fork" -v c="$START
 lab_metric k7d_fork.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d_fork" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
 nothing_left k7d-fork
 
+# A node that changes its shim config empties the warm pool first (k7d
+# pool-drain): the member the refill booted after net-k7d's claim is
+# deleted from the daemon; then the pool is filled again for the pod below.
+_dr=$(timeout -s KILL 120 "$LAB_BIN" pool-drain 2>>"$DLOG") || fail "k7d pool-drain failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
+case $_dr in *": 1 member(s) removed, 0 still booting") ;; *) fail "k7d pool-drain: '$_dr', expected the one ready member removed" ;; esac
+_left=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
+[ -z "$_left" ] || fail "k7d pool-drain left the member $_left in the daemon"
+_fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "k7d pool-fill after the drain failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
+case $_fill in *": 1 member(s) booted, 1 ready") ;; *) fail "k7d pool-fill after the drain: '$_fill'" ;; esac
+lab_note "warm pool: drained ($_dr), filled again ($_fill)"
+
 # --- a pod from the warm pool ----------------------------------------------------------
 # io.k7d.pod-start=pool: the pod claims the pool's paused member (its NIC
 # attached, resumed, its images in by medium change). Its shim's refill
@@ -496,6 +507,14 @@ steps_side_by_side runc k7d k7d-pool k7d-fork
 lab_note "pod start (s): runc $START_runc, k7d cold $START_k7d, k7d warm pool $START_k7d_pool, k7d fork-started $START_k7d_fork; pod delete (s): runc $DELETE_runc, k7d cold $DELETE_k7d, k7d warm pool $DELETE_k7d_pool, k7d fork-started $DELETE_k7d_fork"
 lab_note "goals: fork-started <= 2x runc ($(awk -v k="$START_k7d_fork" -v r="$START_runc" 'BEGIN {printf "%.2f", k / r}')x) and <= 0.1x cold ($(awk -v k="$START_k7d_fork" -v c="$START_k7d" 'BEGIN {printf "%.2f", k / c}')x); delete <= 1 s"
 nothing_left k7d-pool
+# And the fork template goes the same way (k7d template-remove).
+_tr=$(timeout -s KILL 120 "$LAB_BIN" template-remove --config /etc/k7d/fork.toml 2>>"$DLOG") ||
+  fail "k7d template-remove failed: $(tail -n 2 "$DLOG" | tr '\n' ' ')"
+[ "$_tr" = "fork template ${tmpl%% *}: removed" ] || fail "k7d template-remove: '$_tr', expected ${tmpl%% *} removed"
+"$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^tmpl-/ {f = 1} END {exit f}' || fail "k7d template-remove left the template in the daemon"
+_th=${tmpl%% *}
+[ ! -e "/run/k7d/shim/templates/${_th#tmpl-}" ] || fail "k7d template-remove left the template's directory /run/k7d/shim/templates/${_th#tmpl-}"
+lab_note "fork template: $_tr"
 
 # LAB_CRI_MANY=N (by hand; CI leaves it out for time): N pods created at
 # once under k7d, their start modes taken in turn from LAB_CRI_MANY_MODES

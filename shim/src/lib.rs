@@ -13,6 +13,7 @@ mod metrics;
 pub mod names;
 mod podnet;
 mod pool;
+mod retire;
 mod runtime_options;
 mod service;
 mod stdio;
@@ -86,6 +87,7 @@ pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(Str
         anyhow::bail!("the shim config keeps no warm pool (pool_size = 0)");
     }
     let daemon = connect(&cfg.daemon_socket);
+    retire::sweep(&cfg, &*daemon)?;
     let p = pool::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
     let booted = p.refill(&*daemon, &cfg, cfg.boot_timeout())?;
     Ok((p.name(), booted, p.ready(&*daemon)?))
@@ -98,6 +100,7 @@ pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(Str
 pub fn make_template(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, bool)> {
     let cfg = read_config(config)?;
     let daemon = connect(&cfg.daemon_socket);
+    retire::sweep(&cfg, &*daemon)?;
     let t = template::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
     let booted = t.ensure(&*daemon, &cfg, (cfg.vcpus, cfg.memory_mib), cfg.boot_timeout())?;
     Ok((t.vm_id, booted))

@@ -46,12 +46,17 @@ pub struct Pool {
 
 /// The pool for pods of this shape under `cfg` (named as its template is).
 pub fn for_shape(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> Pool {
-    let hex = shape_hex(cfg, vcpus, memory_mib);
+    named(cfg, &shape_hex(cfg, vcpus, memory_mib), (vcpus, memory_mib))
+}
+
+/// The pool named `hex` of `shape` under `cfg`'s state dir (an earlier
+/// version of the config's, for `retire`).
+pub(crate) fn named(cfg: &ShimConfig, hex: &str, shape: (u8, u64)) -> Pool {
     Pool {
-        root: cfg.state_dir.join("pools").join(&hex),
-        hex,
+        root: cfg.state_dir.join("pools").join(hex),
+        hex: hex.to_string(),
         size: cfg.pool_size,
-        shape: (vcpus, memory_mib),
+        shape,
     }
 }
 
@@ -85,7 +90,8 @@ impl Pool {
         self.root.join(n.to_string())
     }
 
-    fn lock(&self) -> anyhow::Result<File> {
+    /// The pool's lock (a claim, a refill, a drain and `retire` take it).
+    pub(crate) fn lock(&self) -> anyhow::Result<File> {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
@@ -215,6 +221,8 @@ impl Pool {
         loop {
             let (n, boot_lock) = {
                 let _held = self.lock()?;
+                // This config uses the pool (`retire`).
+                crate::retire::note_origin(&self.root, cfg, self.shape)?;
                 let s = self.survey(daemon)?;
                 if s.ready.len() + s.booting >= usize::from(self.size) {
                     return Ok(booted);
@@ -277,6 +285,11 @@ impl Pool {
     /// counted (drain again once they are ready). Returns (removed, booting).
     pub fn drain(&self, daemon: &dyn Daemon) -> anyhow::Result<(usize, usize)> {
         let _held = self.lock()?;
+        self.drain_held(daemon)
+    }
+
+    /// [`Pool::drain`] with the pool's lock held by the caller ([`Pool::lock`]).
+    pub(crate) fn drain_held(&self, daemon: &dyn Daemon) -> anyhow::Result<(usize, usize)> {
         let s = self.survey(daemon)?;
         for &n in &s.ready {
             self.remove(daemon, n);

@@ -44,17 +44,23 @@ pub struct Template {
 /// two templates' children differ (kernel, initramfs, command line, vCPUs,
 /// memory, drives) and where it lives (daemon, state dir) is in the hash.
 pub fn for_shape(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> Template {
-    let hex = shape_hex(cfg, vcpus, memory_mib);
+    named(cfg, &shape_hex(cfg, vcpus, memory_mib))
+}
+
+/// The template named `hex` under `cfg`'s state dir (an earlier version of
+/// the config's, for `retire`).
+pub(crate) fn named(cfg: &ShimConfig, hex: &str) -> Template {
     let root = cfg.state_dir.join("templates");
     Template {
         vm_id: format!("tmpl-{hex}"),
-        dir: root.join(&hex),
+        dir: root.join(hex),
         lock: root.join(format!("{hex}.lock")),
     }
 }
 
 /// 16 hex digits that tell apart every two shapes whose booted VMs differ
-/// (kernel, initramfs, command line, vCPUs, memory, drives) or live apart
+/// (kernel, initramfs and those files' identity, command line, vCPUs,
+/// memory, drives) or live apart
 /// (daemon, state dir): a template's and a warm pool's name.
 pub(crate) fn shape_hex(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> String {
     let mut h = Sha256::new();
@@ -70,9 +76,36 @@ pub(crate) fn shape_hex(cfg: &ShimConfig, vcpus: u8, memory_mib: u64) -> String 
         h.update(part);
         h.update([0]);
     }
+    // The kernel's and initramfs's identity too: a file replaced at the
+    // same path (a package upgrade) boots other VMs, so it names another
+    // template and pool, and `retire` drains the old ones.
+    for f in [&cfg.kernel, &cfg.initramfs] {
+        h.update(file_identity(f));
+    }
     h.update([vcpus, cfg.pod_drives]);
     h.update(memory_mib.to_le_bytes());
     h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect()
+}
+
+/// A file's device, inode, size and modification time (zeros when it
+/// cannot be read: the boot then fails with its own reason).
+fn file_identity(p: &Path) -> [u8; 32] {
+    use std::os::unix::fs::MetadataExt;
+    let mut out = [0u8; 32];
+    if let Ok(m) = std::fs::metadata(p) {
+        for (i, v) in [
+            m.dev(),
+            m.ino(),
+            m.size(),
+            (m.mtime() as u64) ^ ((m.mtime_nsec() as u64) << 32),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            out[i * 8..i * 8 + 8].copy_from_slice(&v.to_le_bytes());
+        }
+    }
+    out
 }
 
 /// A pod VM booted ahead of its pod (a template, a warm pool member):
@@ -129,7 +162,11 @@ impl Template {
         let deadline = Instant::now() + boot + Duration::from_secs(30);
         let _lock = self.hold(deadline)?;
         match life_until(daemon, &self.vm_id, deadline)? {
-            VmLife::Paused => return Ok(false),
+            VmLife::Paused => {
+                // This config uses it too (`retire`).
+                crate::retire::note_origin(&self.dir, cfg, shape)?;
+                return Ok(false);
+            }
             VmLife::DaemonGone => bail!("the k7d daemon is not running"),
             // Running: its maker died before pausing it (or someone resumed
             // it, and it diverged); stopped or gone: made again.
@@ -141,7 +178,8 @@ impl Template {
             .mode(0o700)
             .create(&self.dir)
             .with_context(|| format!("cannot create {}", self.dir.display()))?;
-        let r = boot_paused(daemon, &self.spec(cfg, shape.0, shape.1), boot);
+        let r = crate::retire::note_origin(&self.dir, cfg, shape)
+            .and_then(|()| boot_paused(daemon, &self.spec(cfg, shape.0, shape.1), boot));
         if let Err(e) = r {
             let _ = daemon.delete(&self.vm_id);
             remove_dir(&self.dir);
@@ -153,7 +191,7 @@ impl Template {
 
     /// The template's lock (its directory's parent made first, 0700),
     /// waited for until `deadline`.
-    fn hold(&self, deadline: Instant) -> anyhow::Result<File> {
+    pub(crate) fn hold(&self, deadline: Instant) -> anyhow::Result<File> {
         if let Some(root) = self.lock.parent() {
             std::fs::DirBuilder::new()
                 .recursive(true)
@@ -171,6 +209,11 @@ impl Template {
     /// copy-on-write view of its RAM. Returns whether the daemon had it.
     pub fn remove(&self, daemon: &dyn Daemon, wait: Duration) -> anyhow::Result<bool> {
         let _lock = self.hold(Instant::now() + wait)?;
+        self.remove_held(daemon)
+    }
+
+    /// [`Template::remove`] with the lock held by the caller.
+    pub(crate) fn remove_held(&self, daemon: &dyn Daemon) -> anyhow::Result<bool> {
         let had = match daemon.life(&self.vm_id)? {
             VmLife::DaemonGone => bail!("the k7d daemon is not running"),
             VmLife::Gone => false,

@@ -475,9 +475,21 @@ lab_metric k7d_fork.pod_start_vs_cold "$(awk -v k="$START_k7d_fork" -v c="$START
 lab_metric k7d_fork.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d_fork" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
 nothing_left k7d-fork
 
-# A node that changes its shim config empties the warm pool first (k7d
-# pool-drain): the member the refill booted after net-k7d's claim is
-# deleted from the daemon; then the pool is filled again for the pod below.
+# An edited shim config (another command line): its next `k7d pool-fill`
+# retires the pool the earlier version made (the member the refill booted
+# after net-k7d's claim is deleted from the daemon) and fills the new one.
+_old=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
+case $_old in pool-*-*) ;; *) fail "before the config edit: expected one pool member, the daemon lists '$_old'" ;; esac
+echo 'cmdline = "console=ttyS0 quiet panic=-1 k7d.lab_edit=1"' >>/etc/k7d/shim.toml
+_fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "k7d pool-fill after the config edit failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
+case $_fill in *": 1 member(s) booted, 1 ready") ;; *) fail "k7d pool-fill after the config edit: '$_fill'" ;; esac
+_new=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
+case $_new in "${_old%-*}"-*) fail "after the config edit the pool's member $_new is still of the earlier pool (${_old%-*})" ;; pool-*-*) ;; *) fail "after the config edit: expected one new pool member, the daemon lists '$_new'" ;; esac
+grep -q "earlier version of the config drained" "$DLOG" || fail "k7d pool-fill did not say it retired ${_old%-*}"
+lab_note "warm pool: the config edited, pool-fill retired ${_old%-*} (its member $_old deleted) and filled ${_new%-*} ($_new)"
+# A node that changes its shim config on purpose empties the warm pool
+# first (k7d pool-drain): the member is deleted from the daemon; then the
+# pool is filled again for the pod below.
 _dr=$(timeout -s KILL 120 "$LAB_BIN" pool-drain 2>>"$DLOG") || fail "k7d pool-drain failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
 case $_dr in *": 1 member(s) removed, 0 still booting") ;; *) fail "k7d pool-drain: '$_dr', expected the one ready member removed" ;; esac
 _left=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
@@ -531,6 +543,7 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
   sed -i 's/^pool_refill_delay_s = .*/pool_refill_delay_s = 3600/' /etc/k7d/shim.toml
   # Twenty pod VMs on one emulated CPU: a runc create in each took past
   # the agent's 60 s default; the node's runc limit, as a busy node sets it.
+  sed -i '/^cmdline = /d' /etc/k7d/shim.toml
   echo 'cmdline = "console=ttyS0 quiet panic=-1 k7d.runc_timeout_s=900"' >>/etc/k7d/shim.toml
   # L1 has 3 GiB unless K7D_LAB_L1_MIB says more: pod VMs of 128 MiB for
   # this run (LAB_CRI_MANY_MIB).

@@ -481,11 +481,12 @@ nothing_left k7d-fork
 _old=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
 case $_old in pool-*-*) ;; *) fail "before the config edit: expected one pool member, the daemon lists '$_old'" ;; esac
 echo 'cmdline = "console=ttyS0 quiet panic=-1 k7d.lab_edit=1"' >>/etc/k7d/shim.toml
-_fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "k7d pool-fill after the config edit failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
+# (Its log to a file of its own: the daemon writes $DLOG at its own offset.)
+_fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>/tmp/pool-fill-edit.log) || fail "k7d pool-fill after the config edit failed: $(tail -n 3 /tmp/pool-fill-edit.log | tr '\n' ' ')"
 case $_fill in *": 1 member(s) booted, 1 ready") ;; *) fail "k7d pool-fill after the config edit: '$_fill'" ;; esac
 _new=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
 case $_new in "${_old%-*}"-*) fail "after the config edit the pool's member $_new is still of the earlier pool (${_old%-*})" ;; pool-*-*) ;; *) fail "after the config edit: expected one new pool member, the daemon lists '$_new'" ;; esac
-grep -q "earlier version of the config drained" "$DLOG" || fail "k7d pool-fill did not say it retired ${_old%-*}"
+grep "earlier version of the config drained" /tmp/pool-fill-edit.log | grep -q "${_old%-*}" || fail "k7d pool-fill did not say it retired ${_old%-*}: $(tr '\n' ' ' </tmp/pool-fill-edit.log | cut -c1-600)"
 lab_note "warm pool: the config edited, pool-fill retired ${_old%-*} (its member $_old deleted) and filled ${_new%-*} ($_new)"
 # A node that changes its shim config on purpose empties the warm pool
 # first (k7d pool-drain): the member is deleted from the daemon; then the

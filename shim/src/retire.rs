@@ -56,6 +56,11 @@ pub(crate) fn note_origin(dir: &Path, cfg: &ShimConfig, shape: (u8, u64)) -> any
     let Some(key) = config_key(cfg) else {
         return Ok(());
     };
+    // One line per config: a path with a line break in it is not noted
+    // (its template or pool is then never retired by a sweep, only by hand).
+    if key.as_os_str().as_encoded_bytes().contains(&b'\n') {
+        return Ok(());
+    }
     let mut o = read_origin(dir).unwrap_or(Origin {
         configs: Vec::new(),
         shape,
@@ -224,6 +229,11 @@ mod tests {
                 shape: (2, 512)
             })
         );
+        // A config path with a line break is not noted (it would read back
+        // as other lines).
+        let odd = cfg(&dir.join("state"), &dir.join("c\nvcpus=9.toml"), "console=ttyS0");
+        note_origin(&dir, &odd, (2, 512)).unwrap();
+        assert_eq!(read_origin(&dir).unwrap().configs.len(), 2);
         for bad in [
             "",
             "config=/a\nvcpus=x\nmemory_mib=1\n",

@@ -318,7 +318,9 @@ pool_size = 1
 EOF
 # The k7d-fork runtime class's config: the node's, fork-started.
 { cat /etc/k7d/shim.toml; echo 'pod_start = "fork"'; } >/etc/k7d/fork.toml
-"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >"$DLOG" 2>&1 &
+: >"$DLOG"
+# Appending (O_APPEND): the CLI calls below append their logs to it too.
+"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
 dpid=$!
 i=0
 until [ -S "$SOCK" ]; do

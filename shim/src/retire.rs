@@ -56,9 +56,10 @@ pub(crate) fn note_origin(dir: &Path, cfg: &ShimConfig, shape: (u8, u64)) -> any
     let Some(key) = config_key(cfg) else {
         return Ok(());
     };
-    // One line per config: a path with a line break in it is not noted
-    // (its template or pool is then never retired by a sweep, only by hand).
-    if key.as_os_str().as_encoded_bytes().contains(&b'\n') {
+    // One line of text per config: a path with a line break in it, or one
+    // that is no UTF-8 (it would not read back as written), is not noted;
+    // its template or pool is then retired by hand only.
+    if key.to_str().is_none_or(|k| k.contains('\n')) {
         return Ok(());
     }
     let mut o = read_origin(dir).unwrap_or(Origin {
@@ -87,6 +88,9 @@ fn write_origin(dir: &Path, o: &Origin) -> anyhow::Result<()> {
 /// (a directory this code never wrote one into is left alone).
 pub(crate) fn read_origin(dir: &Path) -> Option<Origin> {
     let bytes = k7d_sys::file::read_regular_file(&dir.join(ORIGIN), MAX_ORIGIN_BYTES).ok()?;
+    if bytes.len() as u64 > MAX_ORIGIN_BYTES {
+        return None;
+    }
     let text = String::from_utf8(bytes).ok()?;
     let (mut configs, mut vcpus, mut memory) = (Vec::new(), None, None);
     for line in text.lines() {
@@ -170,8 +174,10 @@ pub fn sweep(cfg: &ShimConfig, daemon: &dyn Daemon) -> anyhow::Result<Vec<String
         }
     }
     for (hex, dir) in hashed_dirs(&cfg.state_dir.join("pools")) {
-        let name = pool::named(cfg, &hex, (0, 0)).name();
-        let r = pool::named(cfg, &hex, (0, 0)).lock().and_then(|_held| {
+        // Its shape is the origin's, read under the lock.
+        let any_shape = pool::named(cfg, &hex, (0, 0));
+        let name = any_shape.name();
+        let r = any_shape.lock().and_then(|_held| {
             let Some((true, shape)) = drop_config(cfg, &key, &hex, &dir)? else {
                 return Ok(None);
             };
@@ -234,6 +240,12 @@ mod tests {
         let odd = cfg(&dir.join("state"), &dir.join("c\nvcpus=9.toml"), "console=ttyS0");
         note_origin(&dir, &odd, (2, 512)).unwrap();
         assert_eq!(read_origin(&dir).unwrap().configs.len(), 2);
+        std::fs::write(
+            dir.join(ORIGIN),
+            format!("vcpus=1\nmemory_mib=1\nconfig=/a{}\n", "b".repeat(5000)),
+        )
+        .unwrap();
+        assert_eq!(read_origin(&dir), None, "an origin over 4 KiB");
         for bad in [
             "",
             "config=/a\nvcpus=x\nmemory_mib=1\n",

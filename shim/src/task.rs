@@ -953,9 +953,7 @@ impl Inner {
         );
         Ok(())
     }
-}
 
-impl Inner {
     /// Puts the pod's images into the booted VM's first drives (medium changes).
     fn put_media(&self, vm: &PodVmSpec) -> anyhow::Result<()> {
         for (i, d) in vm.disks.iter().enumerate() {

@@ -149,13 +149,21 @@ pub struct DatapathNicConfig {
 }
 
 impl DatapathNicConfig {
-    /// Checks what a create's config and a fork child's attachment share:
-    /// the mode is one the datapath knows.
+    /// Checks what a create's config, a fork child's attachment, a
+    /// `nic_attach` and a record reconciled at start share: the mode is one
+    /// the datapath knows, and the pod netns is an absolute path (a relative
+    /// one would be opened against the daemon's working directory).
     pub fn check(&self) -> Result<(), String> {
         self.mode
             .parse::<k7d_net::Mode>()
-            .map(drop)
-            .map_err(|_| format!("datapath mode `{}` is unknown (use direct, bridge or auto)", self.mode))
+            .map_err(|_| format!("datapath mode `{}` is unknown (use direct, bridge or auto)", self.mode))?;
+        if !self.netns.is_absolute() {
+            return Err(format!(
+                "the pod network namespace {} is not an absolute path",
+                self.netns.display()
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -734,6 +742,42 @@ mod tests {
         assert!(matches!(c.validate(), Err(ConfigError::Memory { got: 0, .. })));
         c.memory_mib = u64::MAX >> 20;
         assert!(matches!(c.validate(), Err(ConfigError::Memory { .. })));
+    }
+
+    #[test]
+    fn a_pod_netns_must_be_an_absolute_path_wherever_a_nic_names_one() {
+        let d = |netns: &str| DatapathNicConfig {
+            mode: "direct".into(),
+            netns: netns.into(),
+            pod_if: "eth0".into(),
+            pod_uid: None,
+        };
+        assert_eq!(d("/run/netns/p").check(), Ok(()));
+        assert_eq!(
+            d("run/netns/p").check(),
+            Err("the pod network namespace run/netns/p is not an absolute path".into())
+        );
+        // A create's config (the daemon's working directory is no pod netns).
+        let c = VmConfig {
+            guest: GuestSpec::Linux {
+                kernel: "/k".into(),
+                initrd: None,
+                cmdline: None,
+            },
+            devices: DevicesConfig {
+                nics: vec![NicConfig {
+                    datapath: Some(d("netns/p")),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("nic 0: the pod network namespace netns/p is not an absolute path"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -72,8 +72,12 @@ impl super::Daemon {
             for (idx, nic) in &r.nics {
                 let res = match &dp {
                     None => Err("the datapath could not be opened".to_string()),
-                    Some(dp) => recorded_netns(&nic.netns)
-                        .and_then(|ns| dp.detach(&r.id, *idx, Some(ns), &nic.pod_if).map_err(|e| e.to_string())),
+                    // The record is the daemon's own, still checked as a
+                    // create's config is (an absolute netns path).
+                    Some(dp) => nic.check().and_then(|()| {
+                        dp.detach(&r.id, *idx, Some(&nic.netns), &nic.pod_if)
+                            .map_err(|e| e.to_string())
+                    }),
                 };
                 match res {
                     Ok(()) => sweep.detached += 1,
@@ -87,21 +91,6 @@ impl super::Daemon {
             out.push(sweep);
         }
         out
-    }
-}
-
-/// The pod netns a record names. The path came from the daemon's own
-/// record; it is still only entered when it is absolute and a network
-/// namespace file (`setns` refuses anything else); when it is gone the
-/// detach removes the pins only.
-fn recorded_netns(p: &std::path::Path) -> Result<&std::path::Path, String> {
-    if p.is_absolute() {
-        Ok(p)
-    } else {
-        Err(format!(
-            "the recorded pod netns {} is not an absolute path",
-            p.display()
-        ))
     }
 }
 
@@ -141,8 +130,8 @@ mod tests {
 
     #[test]
     fn a_relative_netns_is_never_entered() {
-        let e = recorded_netns(std::path::Path::new("run/netns/x")).unwrap_err();
-        assert_eq!(e, "the recorded pod netns run/netns/x is not an absolute path");
-        assert!(recorded_netns(std::path::Path::new("/run/netns/x")).is_ok());
+        let e = nic("run/netns/x").datapath.unwrap().check().unwrap_err();
+        assert_eq!(e, "the pod network namespace run/netns/x is not an absolute path");
+        assert!(nic("/run/netns/x").datapath.unwrap().check().is_ok());
     }
 }

@@ -39,12 +39,6 @@ impl Vm {
             return Err(refuse("its tap was named by the config, not by k7d".into()));
         }
         d.check().map_err(refuse)?;
-        if !d.netns.is_absolute() {
-            return Err(refuse(format!(
-                "the pod network namespace {} is not an absolute path",
-                d.netns.display()
-            )));
-        }
         if matches!(self.state(), VmState::Stopped { .. }) {
             return Err(self.state_error("attach a NIC"));
         }

@@ -206,12 +206,6 @@ impl ChildSpec {
         for (i, (n, d)) in config.devices.nics.iter_mut().zip(&self.nics).enumerate() {
             if let Some(d) = d {
                 d.check().map_err(|e| format!("nic {i}: {e}"))?;
-                if !d.netns.is_absolute() {
-                    return Err(format!(
-                        "nic {i}: the pod network namespace {} is not an absolute path",
-                        d.netns.display()
-                    ));
-                }
                 n.datapath = Some(d.clone());
                 // The datapath never gives vhost: the child's plane is
                 // the userspace one whatever the source's was.

@@ -490,16 +490,6 @@ _new=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
 case $_new in "${_old%-*}"-*) fail "after the config edit the pool's member $_new is still of the earlier pool (${_old%-*})" ;; pool-*-*) ;; *) fail "after the config edit: expected one new pool member, the daemon lists '$_new'" ;; esac
 grep "earlier version of the config drained" /tmp/pool-fill-edit.log | grep -q "${_old%-*}" || fail "k7d pool-fill did not say it retired ${_old%-*}: $(tr '\n' ' ' </tmp/pool-fill-edit.log | cut -c1-600)"
 lab_note "warm pool: the config edited, pool-fill retired ${_old%-*} (its member $_old deleted) and filled ${_new%-*} ($_new)"
-# A node that changes its shim config on purpose empties the warm pool
-# first (k7d pool-drain): the member is deleted from the daemon; then the
-# pool is filled again for the pod below.
-_dr=$(timeout -s KILL 120 "$LAB_BIN" pool-drain 2>>"$DLOG") || fail "k7d pool-drain failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
-case $_dr in *": 1 member(s) removed, 0 still booting") ;; *) fail "k7d pool-drain: '$_dr', expected the one ready member removed" ;; esac
-_left=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
-[ -z "$_left" ] || fail "k7d pool-drain left the member $_left in the daemon"
-_fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "k7d pool-fill after the drain failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
-case $_fill in *": 1 member(s) booted, 1 ready") ;; *) fail "k7d pool-fill after the drain: '$_fill'" ;; esac
-lab_note "warm pool: drained ($_dr), filled again ($_fill)"
 
 # --- a pod from the warm pool ----------------------------------------------------------
 # io.k7d.pod-start=pool: the pod claims the pool's paused member (its NIC

@@ -668,7 +668,14 @@ impl Inner {
             tracing::info!("{}: a pod without its own network boots cold", req.id);
             start = PodStart::Cold;
         }
-        let erofs = packed_rootfs(cfg, bundle, &spec, req)?;
+        // A CRI sandbox's process is the agent's stand-in, which needs no
+        // image (the VM is the pod: docs/containerd.md, "CRI pods"): its
+        // image and bind mounts are neither packed nor put into the VM.
+        let erofs = if cri_sandbox {
+            None
+        } else {
+            Some(packed_rootfs(cfg, bundle, &spec, req)?)
+        };
         let mut names = pod_names(&cfg.state_dir, &self.namespace, &req.id);
         // A VM of an earlier shim of this sandbox that nobody deleted (and
         // the pool member it claimed).
@@ -690,14 +697,19 @@ impl Inner {
             }
         };
         // The host bind mounts, packed as disk 1 (the pod's own image).
-        let carried = match binds::pack(&spec, &names.dir, cfg.bind_max_mib << 20) {
+        let packed = if cri_sandbox {
+            Ok(None)
+        } else {
+            binds::pack(&spec, &names.dir, cfg.bind_max_mib << 20)
+        };
+        let carried = match packed {
             Ok(c) => c,
             Err(e) => {
                 names.remove_dir();
                 return Err(err(Code::INVALID_ARGUMENT, format!("{e:#}")));
             }
         };
-        let mut disks = vec![erofs];
+        let mut disks: Vec<PathBuf> = erofs.into_iter().collect();
         let binds = carried.map(|c| {
             disks.push(c.image);
             Binds {
@@ -845,6 +857,7 @@ impl Inner {
                 r => r.map_err(from_call)?,
             }
             let t_setup = Instant::now();
+            // (A CRI sandbox's agent mounts no rootfs: its stand-in has none.)
             conn.call(&Request::CreateContainer(CreateContainer {
                 id: req.id.clone(),
                 spec,

@@ -47,6 +47,12 @@ pub fn oom_kills(dir: &Path) -> u64 {
         .map_or(0, |(_, v)| v)
 }
 
+/// Moves `pid` into the cgroup `dir`, made first when missing.
+pub fn enter(dir: &Path, pid: i32) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join("cgroup.procs"), pid.to_string())
+}
+
 /// The pids in `cgroup.procs` (empty when the cgroup does not exist).
 pub fn pids(dir: &Path) -> Vec<u32> {
     read(dir, "cgroup.procs")

@@ -31,6 +31,10 @@ use std::time::{Duration, Instant};
 const DELETE_WAIT: Duration = Duration::from_secs(2);
 /// The most execs a container keeps (deleted ones do not count).
 const MAX_EXECS: usize = 1024;
+/// `k7d-agent pause`: the agent as a pod sandbox's process.
+pub const PAUSE_ARG: &str = "pause";
+/// The annotation containerd's CRI plugin puts on a pod's containers.
+const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 
 /// Where things are; the defaults are the pod VM's.
 #[derive(Debug, Clone)]
@@ -57,6 +61,10 @@ pub struct Config {
     /// Set the VM's hostname from a spec's `hostname` (PID 1 only: a
     /// host-side test must not rename the host).
     pub set_hostname: bool,
+    /// What a CRI pod sandbox's process runs (program, then arguments):
+    /// the agent itself, waiting as the pause image's program does
+    /// (`k7d-agent pause`).
+    pub stand_in: Vec<OsString>,
 }
 
 impl Config {
@@ -73,6 +81,8 @@ impl Config {
             no_pivot: false,
             disk_timeout,
             runc_timeout: Duration::from_secs(k7d_agent::proto::DEFAULT_RUNC_TIMEOUT_S),
+            // The test binary is no agent: a stand-in that waits as long.
+            stand_in: vec!["/bin/sleep".into(), "3600".into()],
             set_hostname: false,
         }
     }
@@ -89,6 +99,7 @@ impl Config {
             no_pivot: false,
             disk_timeout: Duration::from_secs(10),
             runc_timeout: Duration::from_secs(k7d_agent::proto::DEFAULT_RUNC_TIMEOUT_S),
+            stand_in: vec!["/proc/self/exe".into(), PAUSE_ARG.into()],
             set_hostname: true,
         }
     }
@@ -232,6 +243,9 @@ struct Container {
     execs: Mutex<HashMap<String, Arc<Process>>>,
     /// Serialises runc commands that change the container.
     ops: Mutex<()>,
+    /// A CRI pod sandbox: no image, no runc; its init is the stand-in
+    /// ([`Config::stand_in`]).
+    stand_in: bool,
 }
 
 #[derive(Default)]
@@ -247,6 +261,14 @@ pub struct Containers {
     reaper: Arc<Reaper>,
     table: Mutex<Table>,
     seq: AtomicU64,
+}
+
+/// Whether `spec` is a CRI pod sandbox's (containerd's CRI plugin marks it).
+fn is_pod_sandbox(spec: &Value) -> bool {
+    spec.get("annotations")
+        .and_then(|a| a.get(CONTAINER_TYPE))
+        .and_then(Value::as_str)
+        == Some("sandbox")
 }
 
 fn check_id(id: &str, what: &str) -> Result<()> {
@@ -470,12 +492,92 @@ impl Containers {
                 return Err(fail(format!("container {id} already exists")));
             }
         }
-        let made = self.create_reserved(&id, spec, &rootfs, binds.as_ref(), stdio);
+        let made = if is_pod_sandbox(&spec) {
+            self.create_stand_in(&id, &spec, stdio)
+        } else {
+            self.create_reserved(&id, spec, &rootfs, binds.as_ref(), stdio)
+        };
         let mut t = lock(&self.table);
         t.reserved.remove(&id);
         let c = made?;
         let pid = lock(&c.init.state).pid;
         t.live.insert(id, c);
+        Ok(pid)
+    }
+
+    /// The VM's hostname from a container's spec (PID 1 only).
+    fn set_hostname(&self, id: &str, hostname: Option<&str>) {
+        let Some(h) = hostname.filter(|_| self.cfg.set_hostname) else {
+            return;
+        };
+        if h.is_empty() || h.len() > 64 {
+            crate::log!("container {id}: the hostname is not 1 to 64 bytes; not set");
+        } else if let Err(e) = sys::sethostname(h) {
+            crate::log!("container {id}: setting the hostname failed: {e}");
+        }
+    }
+
+    /// A CRI pod sandbox. In k7d the VM is the pod: the app containers get
+    /// their namespaces from it, never from the sandbox container
+    /// (`spec::rewrite` drops the namespace paths), so the sandbox's image
+    /// (the pause image) has nothing to hold. Its process is a stand-in
+    /// that [`Containers::start`] spawns and that waits for a signal as
+    /// the pause program does; no image is mounted and no runc runs (each
+    /// runc command costs a pod start about a second on the lab's
+    /// emulated machines). The spec's hostname is the VM's.
+    fn create_stand_in(&self, id: &str, spec: &Value, stdio: StdioSpec) -> Result<Arc<Container>> {
+        let ctx = |what: String| fail(format!("pod sandbox {id}: {what}"));
+        if stdio.terminal {
+            return Err(ctx("a pod sandbox has no terminal".into()));
+        }
+        let (pstdio, child) = ProcStdio::new(stdio).map_err(|e| ctx(format!("making stdio pipes failed: {e}")))?;
+        let bundle = self.cfg.state_dir.join("c").join(id);
+        std::fs::create_dir(&bundle)
+            .map_err(|e| ctx(format!("creating the bundle {} failed: {e}", bundle.display())))?;
+        self.set_hostname(id, spec.get("hostname").and_then(Value::as_str));
+        crate::log!("pod sandbox {id}: a stand-in process, no image (the VM is the pod)");
+        Ok(Arc::new(Container {
+            id: id.to_owned(),
+            mounts: RootfsMounts::under(&bundle),
+            bundle,
+            cgroup: self.cfg.cgroup_root.join("k7d").join(id),
+            binds: BindMounts::default(),
+            init: Process::new(format!("pod sandbox {id}"), pstdio, Some(child), 0),
+            execs: Mutex::new(HashMap::new()),
+            ops: Mutex::new(()),
+            stand_in: true,
+        }))
+    }
+
+    /// Starts a pod sandbox's stand-in in the sandbox's cgroup.
+    fn start_stand_in(&self, c: &Container, p: &Arc<Process>) -> Result<u32> {
+        let ctx = |what: String| fail(format!("{}: {what}", p.label));
+        let (program, args) = self
+            .cfg
+            .stand_in
+            .split_first()
+            .ok_or_else(|| ctx("no stand-in program is configured".into()))?;
+        let child = lock(&p.child)
+            .take()
+            .ok_or_else(|| ctx("it was already started".into()))?;
+        let mut cmd = Command::new(program);
+        cmd.args(args).env_clear().env("PATH", crate::init::PATH);
+        child.apply(&mut cmd);
+        let pid = self.reaper.spawn(&mut cmd);
+        drop(cmd);
+        let pid = pid.map_err(|e| ctx(format!("starting its process failed: {e}")))?;
+        // Its own cgroup, as runc would give it (Pids, Stats): one it
+        // cannot be moved into only costs those figures.
+        if let Err(e) = cgroup::enter(&c.cgroup, pid) {
+            crate::log!("{}: joining the cgroup {} failed: {e}", p.label, c.cgroup.display());
+        }
+        let pid = u32::try_from(pid).map_err(|_| ctx(format!("its pid {pid} is not valid")))?;
+        {
+            let mut st = lock(&p.state);
+            st.pid = pid;
+            st.status = Status::Running;
+        }
+        self.watch(p, pid, &c.cgroup);
         Ok(pid)
     }
 
@@ -546,13 +648,7 @@ impl Containers {
                 changed.dropped_namespace_paths
             );
         }
-        if let Some(h) = changed.hostname.as_ref().filter(|_| self.cfg.set_hostname) {
-            if h.is_empty() || h.len() > 64 {
-                crate::log!("container {id}: the hostname is not 1 to 64 bytes; not set");
-            } else if let Err(e) = sys::sethostname(h) {
-                crate::log!("container {id}: setting the hostname failed: {e}");
-            }
-        }
+        self.set_hostname(id, changed.hostname.as_deref());
         let config = serde_json::to_vec(&spec).map_err(|e| ctx(format!("encoding config.json failed: {e}")))?;
         std::fs::write(bundle.join("config.json"), config)
             .map_err(|e| ctx(format!("writing config.json failed: {e}")))?;
@@ -602,6 +698,7 @@ impl Containers {
             init,
             execs: Mutex::new(HashMap::new()),
             ops: Mutex::new(()),
+            stand_in: false,
         }))
     }
 
@@ -619,6 +716,7 @@ impl Containers {
             }
         }
         match &r.exec_id {
+            None if c.stand_in => self.start_stand_in(&c, &p).inspect_err(|e| p.set_gone(e.clone())),
             None => {
                 self.runc(&["start".into(), c.id.clone().into()], None)
                     .map_err(|e| fail(format!("{}: {e}", p.label)))?;
@@ -684,6 +782,12 @@ impl Containers {
             return Err(fail(format!("an exec in container {} needs an exec id", c.id)));
         };
         check_id(&eid, "exec")?;
+        if c.stand_in {
+            return Err(fail(format!(
+                "container {} is a pod sandbox: k7d runs no program of its image (the VM is the pod)",
+                c.id
+            )));
+        }
         let label = format!("exec {eid} of container {}", c.id);
         let obj = spec
             .as_object_mut()
@@ -720,7 +824,7 @@ impl Containers {
             return Err(fail(format!("signal {signal} is not in 1..=64")));
         }
         let (c, p) = self.process(r)?;
-        if all {
+        if all && !c.stand_in {
             return self
                 .runc(
                     &[
@@ -828,6 +932,11 @@ impl Containers {
         if !resources.is_object() {
             return Err(fail(format!("container {id}: the resources are not a JSON object")));
         }
+        if c.stand_in {
+            return Err(fail(format!(
+                "container {id} is a pod sandbox: its resources are the VM's"
+            )));
+        }
         let _ops = lock(&c.ops);
         let path = c.bundle.join(format!("update-{}.json", self.next()));
         let body = serde_json::to_vec(resources).map_err(|e| fail(format!("container {id}: {e}")))?;
@@ -869,10 +978,18 @@ impl Containers {
             .remove(id)
             .ok_or_else(|| not_found(format!("container {id} does not exist")))?;
         let _ops = lock(&c.ops);
-        if let Err(e) = self.runc(&["delete".into(), "--force".into(), id.into()], None) {
+        if c.stand_in {
+            let st = lock(&c.init.state);
+            if st.status == Status::Running && st.pid != 0 {
+                let _ = sys::kill(st.pid as i32, libc::SIGKILL);
+            }
+        } else if let Err(e) = self.runc(&["delete".into(), "--force".into(), id.into()], None) {
             crate::log!("container {id}: {e}");
         }
-        if let Err(e) = c.init.wait(Some(DELETE_WAIT))
+        // A stand-in never started has no process to wait for.
+        let started = lock(&c.init.state).pid != 0;
+        if (started || !c.stand_in)
+            && let Err(e) = c.init.wait(Some(DELETE_WAIT))
             && lock(&c.init.state).gone.is_none()
         {
             crate::log!("{}", e.message);
@@ -881,6 +998,10 @@ impl Containers {
         c.init.set_gone(why.clone());
         for p in lock(&c.execs).drain().map(|(_, p)| p) {
             p.set_gone(why.clone());
+        }
+        if c.stand_in {
+            // runc removes the cgroups of its containers; this one is the agent's.
+            let _ = std::fs::remove_dir(&c.cgroup);
         }
         // The binds' overlays sit on the rootfs's writable tmpfs: first.
         let binds_clean = c.binds.unmount();
@@ -1004,6 +1125,76 @@ mod tests {
         assert!(a.delete("gone").unwrap_err().not_found);
         assert!(!a.signal(&pref("c", None), 0, false).unwrap_err().not_found);
         assert!(!a.signal(&pref("c", None), 65, false).unwrap_err().not_found);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_pod_sandbox_runs_a_stand_in_without_its_image_or_runc() {
+        let _children = crate::test_children();
+        let (a, dir) = agent("sandbox");
+        let spec = serde_json::json!({
+            "process": {"args": ["/pause"]},
+            "annotations": {CONTAINER_TYPE: "sandbox"},
+        });
+        let req = CreateContainer {
+            id: "sb".into(),
+            spec,
+            // No such disk exists: a sandbox never waits for its image.
+            rootfs: proto::BlockMount {
+                serial: "k7d-disk0".into(),
+                fstype: "erofs".into(),
+                sectors: None,
+            },
+            stdio: StdioSpec::default(),
+            binds: None,
+        };
+        let mut tty = req.clone();
+        tty.id = "tty".into();
+        tty.stdio.terminal = true;
+        assert!(a.create(tty).unwrap_err().message.contains("no terminal"));
+        assert_eq!(a.create(req.clone()).unwrap(), 0, "nothing runs before Start");
+        assert!(dir.join("state/c/sb").is_dir());
+        assert_eq!(a.state(&pref("sb", None)).unwrap().status, Status::Created);
+        let exec = Exec {
+            process: pref("sb", Some("e1")),
+            spec: serde_json::json!({"args": ["true"]}),
+            stdio: StdioSpec::default(),
+        };
+        assert!(a.exec(exec).unwrap_err().message.contains("pod sandbox"));
+
+        let pid = a.start(&pref("sb", None)).unwrap();
+        assert!(pid > 0);
+        assert!(a.start(&pref("sb", None)).is_err(), "started once");
+        let st = a.state(&pref("sb", None)).unwrap();
+        assert_eq!((st.pid, st.status), (pid, Status::Running));
+        // (A vfork parent resumes before the child's exec renames it.)
+        let comm = || std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap();
+        let until = Instant::now() + Duration::from_secs(5);
+        while comm().trim() != "sleep" && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(comm().trim(), "sleep", "the configured stand-in runs, no runc");
+        assert_eq!(cgroup::pids(&dir.join("cg/k7d/sb")), [pid], "in the sandbox's cgroup");
+
+        // `kill --all` on a sandbox signals its one process.
+        a.signal(&pref("sb", None), libc::SIGKILL, true).unwrap();
+        let raw = sys::wait_pid(pid as i32).unwrap();
+        a.reaper.record(pid as i32, crate::reaper::decode_status(raw));
+        assert_eq!(a.wait(&pref("sb", None)).unwrap().exit_status, 137);
+        a.delete("sb").unwrap();
+        assert!(!dir.join("state/c/sb").exists(), "the bundle is removed");
+        assert!(a.state(&pref("sb", None)).unwrap_err().not_found);
+
+        // One never started is deleted at once, with nothing to wait for.
+        a.create(CreateContainer {
+            id: "sb2".into(),
+            ..req
+        })
+        .unwrap();
+        let t = Instant::now();
+        a.delete("sb2").unwrap();
+        assert!(t.elapsed() < DELETE_WAIT, "no wait for a process that never ran");
+        assert!(!dir.join("state/c/sb2").exists());
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -5,6 +5,7 @@
 //! [`k7d_agent::proto::PORT`]. For host-side tests,
 //! `k7d-agent --listen-unix PATH` serves the same protocol on a unix socket
 //! without the PID 1 setup, as a child subreaper so orphans still come to it.
+//! `k7d-agent pause` is a CRI pod sandbox's process (`container`'s stand-in).
 //!
 //! Log lines go to stderr (the serial console as PID 1), prefixed
 //! `k7d-agent: `.
@@ -36,6 +37,14 @@ mod spec;
 mod stdio;
 mod sys;
 
+/// Held by every test that has child processes: a reaper thread's
+/// `waitpid(-1)` collects any child of the test binary.
+#[cfg(test)]
+pub(crate) fn test_children() -> MutexGuard<'static, ()> {
+    static CHILDREN: Mutex<()> = Mutex::new(());
+    lock(&CHILDREN)
+}
+
 /// Locks `m`, ignoring poisoning: a panicked request thread must not take
 /// the agent down with it.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -46,6 +55,10 @@ const USAGE: &str =
     "usage: k7d-agent --listen-unix PATH [--state-dir DIR] [--runc PATH] [--runc-root DIR] [--sysfs DIR] [--dev DIR]";
 
 fn main() {
+    // A CRI pod sandbox's process (`container::Config::stand_in`).
+    if std::process::id() != 1 && std::env::args_os().nth(1).is_some_and(|a| a == container::PAUSE_ARG) {
+        sys::pause_until_terminated();
+    }
     if std::process::id() == 1 {
         pid1();
     }

@@ -323,6 +323,7 @@ mod tests {
     /// of its own (the test thread enters it; needs root and `ip`).
     #[test]
     fn apply_sets_the_address_mtu_and_routes_on_a_real_interface() {
+        let _children = crate::test_children();
         let ns = format!("k7d-agent-net-{}", std::process::id());
         let ip = |args: &[&str]| {
             let out = std::process::Command::new("ip").args(args).output().unwrap();

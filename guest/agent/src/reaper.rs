@@ -51,6 +51,10 @@ struct State {
     callbacks: HashMap<i32, OnExit>,
     /// Bumped on every spawn so the reaper thread knows to wait again.
     spawns: u64,
+    /// The thread found no child and sleeps until a spawn of this reaper
+    /// (tests wait for it: a thread in `waitpid(-1)` takes the exits of
+    /// other tests' children).
+    parked: bool,
 }
 
 /// The exit-status registry; see the module documentation.
@@ -93,9 +97,11 @@ impl Reaper {
                     // No children: sleep until something is spawned. A spawn
                     // after `seen` was read changed `spawns`, so none is missed.
                     let mut st = lock(&self.state);
+                    st.parked = true;
                     while st.spawns == seen {
                         st = self.spawned.wait(st).unwrap_or_else(|e| e.into_inner());
                     }
+                    st.parked = false;
                 }
                 Err(e) => {
                     crate::log!("waitpid failed: {e}; retrying in 100 ms");
@@ -202,6 +208,12 @@ impl Reaper {
         }
     }
 
+    /// Whether the thread sleeps with no child to wait for.
+    #[cfg(test)]
+    pub fn parked(&self) -> bool {
+        lock(&self.state).parked
+    }
+
     /// Whether an exit of `pid` is recorded and not yet taken.
     #[cfg(test)]
     pub fn has_exited(&self, pid: i32) -> bool {
@@ -272,11 +284,19 @@ mod tests {
     #[test]
     fn the_reaper_thread_collects_a_spawned_child() {
         // This test process is not a subreaper; its own children still come
-        // to its waitpid(-1). Other tests in this binary do not spawn.
+        // to its waitpid(-1), so no other test may have a child meanwhile.
+        let _children = crate::test_children();
         let r = Reaper::start().unwrap();
         let pid = r.spawn(Command::new("/bin/sh").args(["-c", "exit 5"])).unwrap();
         assert_eq!(r.wait_for_timeout(pid, Duration::from_secs(10)), Some(5));
         let pid = r.spawn(Command::new("/bin/sh").args(["-c", "kill -9 $$"])).unwrap();
         assert_eq!(r.wait_for_timeout(pid, Duration::from_secs(10)), Some(137));
+        // The thread lives on: it must be asleep, out of waitpid(-1),
+        // before another test's child exists.
+        let until = Instant::now() + Duration::from_secs(10);
+        while !r.parked() {
+            assert!(Instant::now() < until, "the reaper thread never parked");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }

@@ -328,6 +328,45 @@ pub fn accept(listener: &OwnedFd) -> io::Result<OwnedFd> {
     }
 }
 
+/// The pause program's loop (`k7d-agent pause`, a CRI pod sandbox's
+/// process): reaps any child, and exits 0 on SIGINT or SIGTERM.
+pub fn pause_until_terminated() -> ! {
+    // SAFETY: an all-zero sigset_t is valid storage, which sigemptyset
+    // then initialises; sigaddset and pthread_sigmask only read and write
+    // the set given.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for s in [libc::SIGINT, libc::SIGTERM, libc::SIGCHLD] {
+            libc::sigaddset(&mut set, s);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        set
+    };
+    loop {
+        let mut sig = 0;
+        // SAFETY: `set` is an initialised signal set and `sig` a valid out-pointer.
+        if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+            continue;
+        }
+        if sig != libc::SIGCHLD {
+            std::process::exit(0);
+        }
+        // SAFETY: a null status pointer is allowed; WNOHANG never blocks.
+        while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+    }
+}
+
+/// `waitpid(pid, &status, 0)`: the raw status of child `pid` (tests feed
+/// a threadless reaper with it).
+#[cfg(test)]
+pub fn wait_pid(pid: i32) -> io::Result<i32> {
+    let mut status = 0;
+    // SAFETY: `status` is a valid out-pointer.
+    check(unsafe { libc::waitpid(pid, &mut status, 0) })?;
+    Ok(status)
+}
+
 /// `waitpid(-1, &status, 0)`: the pid and raw status of an exited child.
 pub fn wait_any() -> io::Result<(i32, i32)> {
     let mut status = 0;

@@ -128,6 +128,7 @@ impl Inner {
         agent: &crate::agent::Agent,
         host_pid: u32,
     ) -> TtrpcResult<u32> {
+        let t0 = Instant::now();
         let erofs = super::packed_rootfs(cfg, bundle, &spec, req)?;
         let dir = container_dir(&names.dir, &req.id);
         make_container_dir(&dir)?;
@@ -172,11 +173,13 @@ impl Inner {
         // (it may have finished after a lost reply).
         let mut asked = false;
         let r = (|| {
+            let t_images = Instant::now();
             for (d, image) in drives.iter().zip(&images) {
                 self.daemon
                     .set_medium(&names.vm_id, *d, Some(image))
                     .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
             }
+            let t_media = Instant::now();
             let mut conn = agent
                 .connect(agent.limits().call)
                 .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
@@ -202,6 +205,17 @@ impl Inner {
             }))
             .map_err(from_call)?;
             let relays = stdio::start(agent, &pref(&req.id, ""), &paths).map_err(internal)?;
+            // Where an app container's create goes (docs/containerd.md,
+            // "Pod start phases").
+            let ms = |a: Instant, b: Instant| b.duration_since(a).as_millis();
+            tracing::info!(
+                "{} joined the pod VM {}: images {} ms, media {} ms, container {} ms",
+                req.id,
+                names.vm_id,
+                ms(t0, t_images),
+                ms(t_images, t_media),
+                ms(t_media, Instant::now())
+            );
             if deadline.is_some_and(|d| Instant::now() > d) {
                 return Err(err(
                     Code::DEADLINE_EXCEEDED,

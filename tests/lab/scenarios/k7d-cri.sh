@@ -233,6 +233,9 @@ cri_pod() {
   # Where a k7d pod's sandbox create went (the shim's phase lines).
   _ph=$(tail -n +"$((_clines + 1))" "$CLOG" | grep -oE '(pod VM of [0-9a-f]+ created|pod-[0-9a-f]+ forked from|pool-[0-9a-f]+-[0-9]+ claimed)[^"]*' | sed 's/^pod VM of [0-9a-f]* //' | tr '\n' ';')
   [ -z "$_ph" ] || lab_note "$_l: the sandbox's pod VM: $_ph"
+  # And each app container's create in it (image, medium changes, the agent's create).
+  _ph=$(tail -n +"$((_clines + 1))" "$CLOG" | grep -oE 'joined the pod VM [^:]*: [^"]*' | sed 's/^joined the pod VM [^:]*: //' | tr '\n' ';')
+  [ -z "$_ph" ] || lab_note "$_l: its app containers' creates: $_ph"
 }
 
 # nothing_left NAME: no pod sandbox or container (CRI), no task or container

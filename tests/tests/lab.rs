@@ -541,6 +541,9 @@ fn lab_stall_watchdog_fires_with_evidence() {
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_l1_watchdog_sees_a_frozen_l1() {
+    if pending("lab-l1-freeze") {
+        return;
+    }
     let r = run_scenario("lab-l1-freeze", None).unwrap_or_else(|e| panic!("{e:#}"));
     let after = metric(&r, "watchdog.fired_after");
     assert!(

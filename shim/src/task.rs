@@ -37,8 +37,9 @@ const MONITOR_PERIOD: Duration = Duration::from_millis(200);
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 /// The status of a task whose VM died under it (SIGKILL, as runc reports).
 pub const KILLED: u32 = 137;
-/// The annotation CRI sets on every container: `sandbox` or `container`.
-pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
+/// The annotation CRI sets on every container: `sandbox` or `container`
+/// (the agent reads it too).
+pub use k7d_agent::proto::CONTAINER_TYPE;
 /// The annotation naming an app container's sandbox.
 pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// The annotation carrying a CRI sandbox's pod UID.

@@ -13,7 +13,8 @@ use crate::reaper::Reaper;
 use crate::stdio::{Attach, ChildStdio, ProcStdio};
 use crate::{cgroup, lock, spec, sys};
 use k7d_agent::proto::{
-    self, CgroupStats, CreateContainer, Exec, Exited, ProcessRef, ProcessState, Status, StdioSpec, Stream,
+    self, CONTAINER_TYPE, CgroupStats, CreateContainer, Exec, Exited, ProcessRef, ProcessState, Status, StdioSpec,
+    Stream,
 };
 use serde_json::Value;
 use std::collections::{HashMap, HashSet};
@@ -33,8 +34,6 @@ const DELETE_WAIT: Duration = Duration::from_secs(2);
 const MAX_EXECS: usize = 1024;
 /// `k7d-agent pause`: the agent as a pod sandbox's process.
 pub const PAUSE_ARG: &str = "pause";
-/// The annotation containerd's CRI plugin puts on a pod's containers.
-const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 
 /// Where things are; the defaults are the pod VM's.
 #[derive(Debug, Clone)]
@@ -571,7 +570,8 @@ impl Containers {
         if let Err(e) = cgroup::enter(&c.cgroup, pid) {
             crate::log!("{}: joining the cgroup {} failed: {e}", p.label, c.cgroup.display());
         }
-        let pid = u32::try_from(pid).map_err(|_| ctx(format!("its pid {pid} is not valid")))?;
+        // A spawned child's pid is positive.
+        let pid = pid.unsigned_abs();
         {
             let mut st = lock(&p.state);
             st.pid = pid;

@@ -29,6 +29,10 @@ pub const VERSION: u32 = 1;
 pub const PORT: u32 = 1024;
 /// The largest frame either side reads (an OCI spec is a few KiB).
 pub const MAX_FRAME: usize = 1 << 20;
+/// The annotation containerd's CRI plugin sets on every container of a
+/// pod: `sandbox` or `container`. The shim routes by it, and the agent runs
+/// a `sandbox` as a stand-in (no image, no runc).
+pub const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 
 /// A framing or decoding failure.
 #[derive(Debug, thiserror::Error)]

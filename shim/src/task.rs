@@ -307,14 +307,20 @@ impl Inner {
     }
 
     /// Records an exit once (the first report wins) and publishes it.
+    ///
+    /// An exit waits for a Start in flight (containerd must see the start
+    /// first), but not once the pod VM is dead: that Start's agent call can
+    /// only fail, and may wait for its limit first; it then publishes no
+    /// start event (`Start`).
     fn exited(&self, id: &str, exec_id: &str, status: u32) {
         let (pid, at) = {
             let mut st = self.lock();
-            while st
-                .tasks
-                .get(id)
-                .and_then(|t| t.procs.get(exec_id))
-                .is_some_and(|p| p.starting)
+            while !st.pod.as_ref().is_some_and(|p| p.dead)
+                && st
+                    .tasks
+                    .get(id)
+                    .and_then(|t| t.procs.get(exec_id))
+                    .is_some_and(|p| p.starting)
             {
                 st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
             }
@@ -460,13 +466,17 @@ impl Inner {
     }
 
     /// The pod VM is over (dead, or stopped on purpose): every live process
-    /// of every task exits with [`KILLED`], and the daemon removes the VM.
+    /// of every task exits with [`KILLED`] at once (a Start in flight does
+    /// not hold them back), and the daemon removes the VM, which also ends
+    /// every agent call still waiting on it.
     fn end_vm(&self, vm_id: &str) {
         let live: Vec<(String, String)> = {
             let mut st = self.lock();
             if let Some(p) = st.pod.as_mut() {
                 p.dead = true;
             }
+            // Exits already waiting on a Start in flight go now.
+            self.changed.notify_all();
             st.tasks
                 .iter()
                 .flat_map(|(id, t)| {
@@ -1107,7 +1117,24 @@ impl Task for Service {
                 return Err(e);
             }
         }
-        let host_pid = self.inner.lock().pod.as_ref().map_or(0, |p| p.host_pid);
+        let (host_pid, ended) = {
+            let st = self.inner.lock();
+            let ended = st
+                .tasks
+                .get(&req.id)
+                .and_then(|t| t.procs.get(&req.exec_id))
+                .is_none_or(|p| p.life == Life::Stopped);
+            (st.pod.as_ref().map_or(0, |p| p.host_pid), ended)
+        };
+        if ended {
+            // The pod VM died while the agent started it and its exit is
+            // out already: a start event now would follow its exit.
+            done(false);
+            return Err(err(
+                Code::UNAVAILABLE,
+                format!("the pod VM stopped while process {}/{} started", req.id, req.exec_id),
+            ));
+        }
         if req.exec_id.is_empty() {
             self.inner.publish(
                 topics::TASK_START_EVENT_TOPIC,

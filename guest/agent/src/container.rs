@@ -18,7 +18,7 @@ use k7d_agent::proto::{
 };
 use serde_json::Value;
 use std::collections::{HashMap, HashSet};
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::net::UnixListener;
@@ -245,7 +245,13 @@ struct Container {
     /// A CRI pod sandbox: no image, no runc; its init is the stand-in
     /// ([`Config::stand_in`]).
     stand_in: bool,
+    /// A pod sandbox's /dev/shm for its pod's containers (a tmpfs mounted
+    /// at `<bundle>/shm`), when it could be made.
+    shm: Option<PathBuf>,
 }
+
+/// The size of a pod's /dev/shm: containerd's default for a sandbox's.
+const POD_SHM_OPTIONS: &str = "mode=1777,size=65536k";
 
 #[derive(Default)]
 struct Table {
@@ -517,13 +523,15 @@ impl Containers {
     }
 
     /// A CRI pod sandbox. In k7d the VM is the pod: the app containers get
-    /// their namespaces from it, never from the sandbox container
-    /// (`spec::rewrite` drops the namespace paths), so the sandbox's image
-    /// (the pause image) has nothing to hold. Its process is a stand-in
-    /// that [`Containers::start`] spawns and that waits for a signal as
-    /// the pause program does; no image is mounted and no runc runs (each
-    /// runc command costs a pod start about a second on the lab's
-    /// emulated machines). The spec's hostname is the VM's.
+    /// their network namespace from it (`spec::rewrite` drops the host's
+    /// namespace paths), so the sandbox's image (the pause image) has
+    /// nothing to run. Its process is a stand-in that [`Containers::start`]
+    /// spawns in an IPC namespace of its own, which the pod's containers
+    /// join, and that waits for a signal as the pause program does; no
+    /// image is mounted and no runc runs (each runc command costs a pod
+    /// start about a second on the lab's emulated machines). It also holds
+    /// the pod's /dev/shm (a tmpfs every container of the pod binds, as
+    /// under runc). The spec's hostname is the VM's.
     fn create_stand_in(&self, id: &str, spec: &Value, stdio: StdioSpec) -> Result<Arc<Container>> {
         let ctx = |what: String| fail(format!("pod sandbox {id}: {what}"));
         if stdio.terminal {
@@ -534,6 +542,22 @@ impl Containers {
         std::fs::create_dir(&bundle)
             .map_err(|e| ctx(format!("creating the bundle {} failed: {e}", bundle.display())))?;
         self.set_hostname(id, spec.get("hostname").and_then(Value::as_str));
+        let shm = bundle.join("shm");
+        let shm = match std::fs::create_dir(&shm).and_then(|()| {
+            sys::mount(
+                OsStr::new("shm"),
+                &shm,
+                "tmpfs",
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                Some(POD_SHM_OPTIONS),
+            )
+        }) {
+            Ok(()) => Some(shm),
+            Err(e) => {
+                crate::log!("pod sandbox {id}: no pod-wide /dev/shm (each container gets its own): {e}");
+                None
+            }
+        };
         crate::log!("pod sandbox {id}: a stand-in process, no image (the VM is the pod)");
         Ok(Arc::new(Container {
             id: id.to_owned(),
@@ -545,7 +569,21 @@ impl Containers {
             execs: Mutex::new(HashMap::new()),
             ops: Mutex::new(()),
             stand_in: true,
+            shm,
         }))
+    }
+
+    /// What a new container of this VM's pod shares: the running pod
+    /// sandbox stand-in's IPC namespace and /dev/shm (none without one).
+    fn pod(&self) -> Option<spec::Pod> {
+        let t = lock(&self.table);
+        t.live.values().filter(|c| c.stand_in).find_map(|c| {
+            let st = lock(&c.init.state);
+            (st.status == Status::Running && st.pid != 0).then(|| spec::Pod {
+                ipc: format!("/proc/{}/ns/ipc", st.pid),
+                shm: c.shm.as_ref().map(|p| p.to_string_lossy().into_owned()),
+            })
+        })
     }
 
     /// Starts a pod sandbox's stand-in in the sandbox's cgroup.
@@ -561,6 +599,7 @@ impl Containers {
             .ok_or_else(|| ctx("it was already started".into()))?;
         let mut cmd = Command::new(program);
         cmd.args(args).env_clear().env("PATH", crate::init::PATH);
+        sys::in_new_ipc_namespace(&mut cmd);
         child.apply(&mut cmd);
         let pid = self.reaper.spawn(&mut cmd);
         drop(cmd);
@@ -638,7 +677,15 @@ impl Containers {
         }
 
         let root = mounts.rootfs.to_string_lossy().into_owned();
-        let changed = spec::rewrite(&mut spec, id, &root, stdio.terminal, &carried).map_err(ctx)?;
+        let pod = self.pod();
+        let changed = spec::rewrite(&mut spec, id, &root, stdio.terminal, &carried, pod.as_ref()).map_err(ctx)?;
+        if changed.pod_ipc || changed.pod_shm {
+            crate::log!(
+                "container {id}: joins its pod's{}{}",
+                if changed.pod_ipc { " IPC namespace" } else { "" },
+                if changed.pod_shm { " /dev/shm" } else { "" }
+            );
+        }
         for m in &changed.dropped_mounts {
             crate::log!("container {id}: dropped the host bind mount at {m} (host paths do not exist in the guest)");
         }
@@ -699,6 +746,7 @@ impl Containers {
             execs: Mutex::new(HashMap::new()),
             ops: Mutex::new(()),
             stand_in: false,
+            shm: None,
         }))
     }
 
@@ -1003,6 +1051,19 @@ impl Containers {
             // runc removes the cgroups of its containers; this one is the agent's.
             let _ = std::fs::remove_dir(&c.cgroup);
         }
+        // The pod's /dev/shm: detached, as a container of the pod may still
+        // hold it; its memory goes with the last user.
+        if let Some(shm) = &c.shm
+            && let Err(e) = sys::umount_detach(shm)
+        {
+            crate::log!(
+                "container {id}: unmounting the pod's /dev/shm {} failed: {e}",
+                shm.display()
+            );
+            return Err(fail(format!(
+                "pod sandbox {id} was deleted but its /dev/shm is left in the VM"
+            )));
+        }
         // The binds' overlays sit on the rootfs's writable tmpfs: first.
         let binds_clean = c.binds.unmount();
         if c.mounts.unmount() && binds_clean {
@@ -1155,6 +1216,13 @@ mod tests {
         assert_eq!(a.create(req.clone()).unwrap(), 0, "nothing runs before Start");
         assert!(dir.join("state/c/sb").is_dir());
         assert_eq!(a.state(&pref("sb", None)).unwrap().status, Status::Created);
+        assert_eq!(a.pod(), None, "no pod to join before the stand-in runs");
+        let shm = dir.join("state/c/sb/shm");
+        assert_eq!(
+            sys::fs_magic(&shm).unwrap(),
+            libc::TMPFS_MAGIC,
+            "the pod's /dev/shm is a tmpfs"
+        );
         let exec = Exec {
             process: pref("sb", Some("e1")),
             spec: serde_json::json!({"args": ["true"]}),
@@ -1175,14 +1243,28 @@ mod tests {
         }
         assert_eq!(comm().trim(), "sleep", "the configured stand-in runs, no runc");
         assert_eq!(cgroup::pids(&dir.join("cg/k7d/sb")), [pid], "in the sandbox's cgroup");
+        // It holds an IPC namespace of its own, which the pod's containers join.
+        let ipc = format!("/proc/{pid}/ns/ipc");
+        assert_ne!(
+            std::fs::read_link(&ipc).unwrap(),
+            std::fs::read_link("/proc/self/ns/ipc").unwrap(),
+            "the stand-in's IPC namespace is not the agent's"
+        );
+        let pod = a.pod().expect("a running stand-in is a pod to join");
+        assert_eq!(pod.ipc, ipc);
+        assert_eq!(pod.shm.as_deref(), shm.to_str());
 
         // `kill --all` on a sandbox signals its one process.
         a.signal(&pref("sb", None), libc::SIGKILL, true).unwrap();
         let raw = sys::wait_pid(pid as i32).unwrap();
         a.reaper.record(pid as i32, crate::reaper::decode_status(raw));
         assert_eq!(a.wait(&pref("sb", None)).unwrap().exit_status, 137);
+        assert_eq!(a.pod(), None, "a stand-in that exited holds nothing to join");
         a.delete("sb").unwrap();
-        assert!(!dir.join("state/c/sb").exists(), "the bundle is removed");
+        assert!(
+            !dir.join("state/c/sb").exists(),
+            "the bundle (and its /dev/shm mount) is removed"
+        );
         assert!(a.state(&pref("sb", None)).unwrap_err().not_found);
 
         // One never started is deleted at once, with nothing to wait for.

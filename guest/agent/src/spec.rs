@@ -19,6 +19,20 @@ pub struct Rewritten {
     pub added_mounts: Vec<String>,
     /// `spec.hostname`, if any.
     pub hostname: Option<String>,
+    /// The container joins the pod's IPC namespace ([`Pod::ipc`]).
+    pub pod_ipc: bool,
+    /// The container's /dev/shm is the pod's ([`Pod::shm`]).
+    pub pod_shm: bool,
+}
+
+/// What the containers of one pod share in its VM: the pod sandbox's
+/// stand-in holds them, as the pause container does under runc.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pod {
+    /// The stand-in's IPC namespace (`/proc/<pid>/ns/ipc`).
+    pub ipc: String,
+    /// The pod's /dev/shm (a tmpfs in the VM), if it has one.
+    pub shm: Option<String>,
 }
 
 /// The mounts every container gets (containerd's defaults), in order.
@@ -48,12 +62,14 @@ fn object<'a>(v: &'a mut Value, what: &str) -> Result<&'a mut Map<String, Value>
 /// * every `linux.namespaces` entry loses its `path` (a host path), except a
 ///   `network` entry with a path, which is removed: joining the pod's
 ///   network namespace means, in the pod VM, sharing the VM's own network
-///   namespace, where the VM's NIC is;
+///   namespace, where the VM's NIC is; and an `ipc` entry with a path,
+///   which joins the `pod`'s IPC namespace when there is a pod;
 /// * `linux.cgroupsPath` = `/k7d/<id>`;
 /// * `hooks` removed (host programs);
 /// * a bind mount of a host path gets `carried[its index]` as its source
 ///   (the guest copy the agent prepared; its options kept, `ro` included),
-///   or is removed when not carried (the guest has no such path);
+///   or, at /dev/shm (the CRI's pod-wide shm), the `pod`'s shm, or is
+///   removed (the guest has no such path);
 /// * containerd's default /proc, /dev, /dev/pts, /dev/shm, /sys mounts added
 ///   where missing (a CRI spec bind-mounts /dev/shm from the host).
 pub fn rewrite(
@@ -62,6 +78,7 @@ pub fn rewrite(
     rootfs: &str,
     terminal: bool,
     carried: &HashMap<usize, String>,
+    pod: Option<&Pod>,
 ) -> Result<Rewritten, String> {
     let mut out = Rewritten::default();
     let top = object(spec, "top level")?;
@@ -93,9 +110,16 @@ pub fn rewrite(
             let entry = object(&mut n, "namespace entry")?;
             let typ = entry.get("type").and_then(Value::as_str).unwrap_or("").to_owned();
             if entry.remove("path").is_some() {
-                out.dropped_namespace_paths.push(typ.clone());
-                if typ == "network" {
-                    continue;
+                match (typ.as_str(), pod) {
+                    ("network", _) => {
+                        out.dropped_namespace_paths.push(typ);
+                        continue;
+                    }
+                    ("ipc", Some(pod)) => {
+                        entry.insert("path".into(), Value::String(pod.ipc.clone()));
+                        out.pod_ipc = true;
+                    }
+                    _ => out.dropped_namespace_paths.push(typ),
                 }
             }
             kept.push(n);
@@ -111,11 +135,15 @@ pub fn rewrite(
             kept.push(m);
             continue;
         }
-        let Some(source) = carried.get(&i) else {
-            let dest = m.get("destination").and_then(Value::as_str).unwrap_or("?");
+        let dest = m.get("destination").and_then(Value::as_str).unwrap_or("?");
+        let pod_shm = pod
+            .and_then(|p| p.shm.as_ref())
+            .filter(|_| dest.trim_end_matches('/') == "/dev/shm");
+        let Some(source) = carried.get(&i).or(pod_shm) else {
             out.dropped_mounts.push(dest.to_owned());
             continue;
         };
+        out.pod_shm |= !carried.contains_key(&i);
         let entry = object(&mut m, "mount")?;
         entry.insert("source".into(), Value::String(source.clone()));
         entry.insert("type".into(), Value::String("bind".into()));
@@ -196,7 +224,7 @@ mod tests {
     #[test]
     fn a_cri_spec_is_rewritten_for_the_guest() {
         let mut spec = cri_spec();
-        let r = rewrite(&mut spec, "c1", "/run/k7d/c/c1/rootfs", false, &HashMap::new()).unwrap();
+        let r = rewrite(&mut spec, "c1", "/run/k7d/c/c1/rootfs", false, &HashMap::new(), None).unwrap();
         assert_eq!(spec["root"], json!({"path": "/run/k7d/c/c1/rootfs", "readonly": true}));
         assert_eq!(spec["linux"]["cgroupsPath"], "/k7d/c1");
         assert!(spec.get("hooks").is_none());
@@ -227,13 +255,54 @@ mod tests {
     }
 
     #[test]
+    fn a_pod_container_joins_the_pods_ipc_namespace_and_shm() {
+        let pod = Pod {
+            ipc: "/proc/7/ns/ipc".into(),
+            shm: Some("/run/k7d/c/sb/shm".into()),
+        };
+        let mut spec = cri_spec();
+        let r = rewrite(&mut spec, "c1", "/r", false, &HashMap::new(), Some(&pod)).unwrap();
+        assert_eq!(
+            spec["linux"]["namespaces"],
+            json!([{"type": "pid"}, {"type": "ipc", "path": "/proc/7/ns/ipc"}, {"type": "uts"}, {"type": "mount"}]),
+            "the pod's IPC namespace, not the host path"
+        );
+        assert!(r.pod_ipc && r.pod_shm);
+        assert_eq!(r.dropped_namespace_paths, ["uts", "network"]);
+        assert_eq!(r.dropped_mounts, ["/etc/resolv.conf", "/data"]);
+        assert!(
+            r.added_mounts.is_empty(),
+            "no per-container /dev/shm: {:?}",
+            r.added_mounts
+        );
+        let shm: Vec<&Value> = spec["mounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["destination"] == "/dev/shm")
+            .collect();
+        assert_eq!(
+            shm,
+            [&json!({"destination": "/dev/shm", "type": "bind",
+                     "source": "/run/k7d/c/sb/shm", "options": ["rbind", "ro"]})]
+        );
+
+        // A pod without a shm of its own: the container's own tmpfs.
+        let mut spec = cri_spec();
+        let no_shm = Pod { shm: None, ..pod };
+        let r = rewrite(&mut spec, "c1", "/r", false, &HashMap::new(), Some(&no_shm)).unwrap();
+        assert!(r.pod_ipc && !r.pod_shm);
+        assert_eq!(r.added_mounts, ["/dev/shm"]);
+    }
+
+    #[test]
     fn carried_binds_get_their_guest_source_and_keep_their_options() {
         let mut spec = cri_spec();
         let carried = HashMap::from([
             (4, "/run/k7d/c/c1/binds/ro/0".to_owned()),
             (6, "/run/k7d/c/c1/binds/rw/1".to_owned()),
         ]);
-        let r = rewrite(&mut spec, "c1", "/r", false, &carried).unwrap();
+        let r = rewrite(&mut spec, "c1", "/r", false, &carried, None).unwrap();
         assert_eq!(r.dropped_mounts, ["/dev/shm"], "the uncarried bind is dropped");
         let m = spec["mounts"].as_array().unwrap();
         let find = |d: &str| m.iter().find(|x| x["destination"] == d).unwrap().clone();
@@ -253,7 +322,7 @@ mod tests {
     #[test]
     fn a_writable_root_stays_writable_and_missing_defaults_are_added_in_order() {
         let mut spec = json!({"process": {"args": ["sh"]}, "root": {"path": "/host/rootfs"}});
-        let r = rewrite(&mut spec, "x", "/b/rootfs", true, &HashMap::new()).unwrap();
+        let r = rewrite(&mut spec, "x", "/b/rootfs", true, &HashMap::new(), None).unwrap();
         assert_eq!(spec["root"], json!({"path": "/b/rootfs", "readonly": false}));
         assert_eq!(spec["process"]["terminal"], true);
         assert_eq!(spec["linux"]["cgroupsPath"], "/k7d/x");
@@ -277,7 +346,10 @@ mod tests {
             json!({"process": {}, "mounts": {}}),
         ] {
             let mut s = bad.clone();
-            assert!(rewrite(&mut s, "x", "/r", false, &HashMap::new()).is_err(), "{bad}");
+            assert!(
+                rewrite(&mut s, "x", "/r", false, &HashMap::new(), None).is_err(),
+                "{bad}"
+            );
         }
     }
 }

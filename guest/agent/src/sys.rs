@@ -1,6 +1,7 @@
 //! Thin, checked wrappers over the Linux system calls the agent needs that
 //! std does not offer: mounts, chroot, hostname, kernel release, signals, device
-//! nodes, terminal size, fd passing, module loading, vsock sockets.
+//! nodes, terminal size, fd passing, module loading, vsock sockets, an IPC
+//! namespace for a child.
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -58,6 +59,20 @@ pub fn umount(target: &Path) -> io::Result<()> {
     // SAFETY: `target` is a valid NUL-terminated path.
     check(unsafe { libc::umount2(target.as_ptr(), 0) })?;
     Ok(())
+}
+
+/// Makes `cmd`'s child unshare its IPC namespace (`unshare(CLONE_NEWIPC)`)
+/// before it execs; a failure fails the spawn.
+pub fn in_new_ipc_namespace(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the hook runs in the forked child before exec and only makes
+    // one async-signal-safe system call; it touches no memory of the parent.
+    unsafe {
+        cmd.pre_exec(|| {
+            check(libc::unshare(libc::CLONE_NEWIPC))?;
+            Ok(())
+        });
+    }
 }
 
 /// `mknod(2)` of a node with `mode` (type and permissions) and `rdev`.

@@ -51,6 +51,8 @@ const MARKER: &str = "/etc/k7d-image-marker";
 const MARKER_TEXT: &str = "from-the-image";
 /// The running kernel's random boot id: one per kernel instance.
 const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+/// A file container A writes into the pod's /dev/shm and B reads.
+const SHM_PROBE: &str = "/dev/shm/k7d-cri-probe";
 /// How often a log file is read again while a line is awaited.
 const LOG_POLL: Duration = Duration::from_millis(20);
 
@@ -454,17 +456,32 @@ async fn pod_steps(client: &mut Client, args: &PodArgs, sandbox: &mut Option<Str
     let (kernel, _) = step("exec_sync_uname", limit, exec(client, &a, &["uname", "-r"], limit)).await?;
     println!("cri: exec uname -r: {kernel}");
     // One kernel instance for the whole pod: A and B see the same boot id
-    // (the node's under runc, the pod VM's under a VM runtime).
+    // (the node's under runc, the pod VM's under a VM runtime). And the
+    // pod's containers share one IPC namespace and one /dev/shm, as
+    // Kubernetes gives every pod: what A writes there, B reads.
     let (boot_id, _) = step("exec_sync_boot_id", limit, async {
-        let in_a = exec(client, &a, &["cat", BOOT_ID], limit).await?;
-        let in_b = exec(client, &b, &["cat", BOOT_ID], limit).await?;
-        if in_a != in_b {
-            bail!("containers A and B run on different kernels: boot id {in_a} in A, {in_b} in B");
+        let write = format!("cat {BOOT_ID} && readlink /proc/self/ns/ipc && echo {uid} >{SHM_PROBE}");
+        let read = format!("cat {BOOT_ID} && readlink /proc/self/ns/ipc && cat {SHM_PROBE}");
+        let in_a = exec(client, &a, &["sh", "-c", &write], limit).await?;
+        let in_b = exec(client, &b, &["sh", "-c", &read], limit).await?;
+        let (a_lines, b_lines): (Vec<&str>, Vec<&str>) = (in_a.lines().collect(), in_b.lines().collect());
+        let (&[a_boot, a_ipc], &[b_boot, b_ipc, shared]) = (a_lines.as_slice(), b_lines.as_slice()) else {
+            bail!("unexpected output: '{in_a}' from A, '{in_b}' from B");
+        };
+        if a_boot != b_boot {
+            bail!("containers A and B run on different kernels: boot id {a_boot} in A, {b_boot} in B");
         }
-        Ok(in_a)
+        if a_ipc != b_ipc {
+            bail!("containers A and B have different IPC namespaces: {a_ipc} in A, {b_ipc} in B");
+        }
+        if shared != uid {
+            bail!("B read '{shared}' from {SHM_PROBE}, where A wrote {uid}: the pod's /dev/shm is not shared");
+        }
+        Ok((a_boot.to_string(), a_ipc.to_string()))
     })
     .await?;
-    println!("cri: exec boot id (A and B): {boot_id}");
+    println!("cri: exec boot id (A and B): {}", boot_id.0);
+    println!("cri: exec IPC namespace (A and B): {}, one /dev/shm", boot_id.1);
 
     step("container_status", limit, async {
         for (name, cid) in [("a", &a), ("b", &b)] {

@@ -219,6 +219,8 @@ cri_pod() {
   [ "$_got" = "$_k" ] || fail "$_l: uname -r in the pod's container is '$_got', expected $_k"
   BOOT_ID=$(sed -n 's/^cri: exec boot id (A and B): //p' "/tmp/cri-$_l.out")
   [ -n "$BOOT_ID" ] || fail "$_l: k7d-cri printed no boot id"
+  _ipc=$(sed -n 's/^cri: exec IPC namespace (A and B): //p' "/tmp/cri-$_l.out")
+  [ -n "$_ipc" ] || fail "$_l: k7d-cri printed no shared IPC namespace"
   sed -n 's/^cri: step \([a-z_]*\) \([0-9]*\) ms$/\1 \2/p' "/tmp/cri-$_l.out" >"/tmp/cri-$_l.steps"
   while read -r _s _ms; do lab_metric "$_l.$_s" "$_ms" ms; done <"/tmp/cri-$_l.steps"
   _start=$(sed -n 's/^cri: pod start \([0-9]*\) ms, pod delete \([0-9]*\) ms.*/\1/p' "/tmp/cri-$_l.out")
@@ -229,7 +231,7 @@ cri_pod() {
   lab_metric "$_l.pod_start" "$_start" s
   lab_metric "$_l.pod_delete" "$_del" s
   eval "START_$(echo "$_l" | tr - _)=\$_start DELETE_$(echo "$_l" | tr - _)=\$_del"
-  lab_note "$_l (handler $_h): pod sandbox, 2 containers started, A's first log line, ExecSync (the image's marker; uname -r $_got), both RUNNING, the logs, stopped and removed: pod start ${_start} s, pod delete ${_del} s"
+  lab_note "$_l (handler $_h): pod sandbox, 2 containers started, A's first log line, ExecSync (the image's marker; uname -r $_got; A and B in IPC namespace $_ipc), both RUNNING, the logs, stopped and removed: pod start ${_start} s, pod delete ${_del} s"
   # Where a k7d pod's sandbox create went (the shim's phase lines).
   _ph=$(tail -n +"$((_clines + 1))" "$CLOG" | grep -oE '(pod VM of [0-9a-f]+ created|pod-[0-9a-f]+ forked from|pool-[0-9a-f]+-[0-9]+ claimed)[^"]*' | sed 's/^pod VM of [0-9a-f]* //' | tr '\n' ';')
   [ -z "$_ph" ] || lab_note "$_l: the sandbox's pod VM: $_ph"

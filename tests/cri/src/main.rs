@@ -460,7 +460,9 @@ async fn pod_steps(client: &mut Client, args: &PodArgs, sandbox: &mut Option<Str
     // pod's containers share one IPC namespace and one /dev/shm, as
     // Kubernetes gives every pod: what A writes there, B reads.
     let (boot_id, _) = step("exec_sync_boot_id", limit, async {
-        let write = format!("cat {BOOT_ID} && readlink /proc/self/ns/ipc && echo {uid} >{SHM_PROBE}");
+        // Digits only: the pod's name (`--name`) never reaches the shell.
+        let token = format!("{}-{nanos}", std::process::id());
+        let write = format!("cat {BOOT_ID} && readlink /proc/self/ns/ipc && echo {token} >{SHM_PROBE}");
         let read = format!("cat {BOOT_ID} && readlink /proc/self/ns/ipc && cat {SHM_PROBE}");
         let in_a = exec(client, &a, &["sh", "-c", &write], limit).await?;
         let in_b = exec(client, &b, &["sh", "-c", &read], limit).await?;
@@ -474,8 +476,8 @@ async fn pod_steps(client: &mut Client, args: &PodArgs, sandbox: &mut Option<Str
         if a_ipc != b_ipc {
             bail!("containers A and B have different IPC namespaces: {a_ipc} in A, {b_ipc} in B");
         }
-        if shared != uid {
-            bail!("B read '{shared}' from {SHM_PROBE}, where A wrote {uid}: the pod's /dev/shm is not shared");
+        if shared != token {
+            bail!("B read '{shared}' from {SHM_PROBE}, where A wrote {token}: the pod's /dev/shm is not shared");
         }
         Ok((a_boot.to_string(), a_ipc.to_string()))
     })

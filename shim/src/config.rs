@@ -10,8 +10,12 @@ use serde::Deserialize;
 
 /// Where the config is read from unless `$K7D_SHIM_CONFIG` says otherwise.
 pub const DEFAULT_PATH: &str = "/etc/k7d/shim.toml";
-/// The kernel command line a pod VM gets unless the config says otherwise.
-pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet panic=-1";
+/// The kernel command line a pod VM gets unless the config says otherwise:
+/// the console on k7d's serial, only warnings on it, a panic stops the VM,
+/// and no boot-time crypto self-tests or IO-APIC timer check (the two cost
+/// about a second of an emulated boot; `docs/linux-boot.md`, "The command
+/// line").
+pub const DEFAULT_CMDLINE: &str = "console=ttyS0 quiet panic=-1 cryptomgr.notests no_timer_check";
 
 /// Empty drives per CRI pod VM unless the config says otherwise.
 pub const DEFAULT_POD_DRIVES: u8 = 6;

@@ -1234,6 +1234,7 @@ fn run_foreground(
                 "reason": reason,
                 "timed_out": timed_out,
                 "build_ms": ms(built),
+                "process_start_to_guest_start_ms": ms(started.duration_since(process_start)),
                 "process_start_to_first_exit_ms": first_exit.map(|f| ms(started.duration_since(process_start) + f)),
                 "first_exit_after_start_ms": first_exit.map(ms),
                 "ran_ms": ms(ran),
@@ -1243,12 +1244,13 @@ fn run_foreground(
         );
     } else {
         eprintln!(
-            "k7d: vm {id} ({}, {} vCPU, {} MiB) stopped ({reason}){}: built in {:.2} ms, first guest exit {} after start, {} exits, ran {:.1} ms",
+            "k7d: vm {id} ({}, {} vCPU, {} MiB) stopped ({reason}){}: built in {:.2} ms, vCPUs started {:.2} ms after k7d's start, first guest exit {} after start, {} exits, ran {:.1} ms",
             config.guest.describe(),
             config.vcpus,
             config.memory_mib,
             if timed_out { " after the timeout" } else { "" },
             ms(built),
+            ms(started.duration_since(process_start)),
             first_exit
                 .map(|f| format!("{:.3} ms", ms(f)))
                 .unwrap_or_else(|| "never".into()),

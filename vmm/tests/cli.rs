@@ -25,6 +25,14 @@ fn run_boots_the_embedded_guest() {
     assert_eq!(out, "Hello from the k7d test guest!\n");
     assert!(err.contains("stopped (guest reboot)"), "{err}");
     assert!(err.contains("first guest exit"), "{err}");
+    // The lab's boot waterfall reads k7d's own start-up cost from this line.
+    let vcpus_at: f64 = err
+        .split("vCPUs started ")
+        .nth(1)
+        .and_then(|r| r.split(" ms after k7d's start").next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no \"vCPUs started N ms after k7d's start\": {err}"));
+    assert!(vcpus_at > 0.0 && vcpus_at < 60_000.0, "{err}");
 }
 
 /// The README's first command: a cluster of embedded guests forked as a

@@ -230,6 +230,10 @@ lab_boot_series() {
       # decompression: spawn to init minus the guest's uptime at init), then
       # the phases the guest printed from its kernel log.
       lab_sub "$L2_INIT_WALL" "$_up" >>"/tmp/lab-series/$_n.phase.0-before-guest-clock"
+      # k7d's own part of it: from its main() to its vCPUs' start (its line
+      # "vCPUs started N ms after k7d's start"); other VMMs print none.
+      _vmm=$(sed -n "s/.*vCPUs started \([0-9.]*\) ms after k7d's start.*/\1/p" "/tmp/l2-$_n-$_i.log" | head -n1)
+      [ -z "$_vmm" ] || awk -v m="$_vmm" 'BEGIN {printf "%.2f\n", m / 1000}' >>"/tmp/lab-series/$_n.phase.0a-k7d-main-to-vcpus"
       sed -n 's/.*LAB-GUEST phase \([0-9a-z-]*\)=\([0-9.]*\).*/\1 \2/p' "/tmp/l2-$_n-$_i.log" | tr -d '\r' |
         while read -r _ph _t; do echo "$_t" >>"/tmp/lab-series/$_n.phase.$_ph"; done
     done
@@ -251,7 +255,7 @@ lab_boot_series() {
 # (VMM start, firmware, decompression), then the guest's own timestamps of
 # the lines that end each phase (kernel log), then init.
 lab_waterfall() {
-  lab_note "boot waterfall, medians in s (0: spawn to the guest's clock start; 1-6: the guest's clock when each phase ended):"
+  lab_note "boot waterfall, medians in s (0: spawn to the guest's clock start, 0a: k7d's main() to its vCPUs' start, within 0; 1-6: the guest's clock when each phase ended):"
   for _f in /tmp/lab-series/"$1".phase.*; do
     [ -e "$_f" ] || continue
     _ph=${_f##*.phase.} _row=""

@@ -19,7 +19,7 @@ lab_note "$(qemu-system-x86_64 --version | head -n1)"
 lab_vmm k7d '"$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD"
   --cmdline "$LAB_CMDLINE" --vcpus 2 --memory 256 --rng'
 # k7d with no --cmdline: its own default (DEFAULT_CMDLINE: console=ttyS0
-# reboot=k panic=1 quiet).
+# reboot=k panic=1 quiet cryptomgr.notests no_timer_check).
 lab_vmm k7d_default '"$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD"
   --vcpus 2 --memory 256 --rng'
 lab_vmm microvm 'qemu-system-x86_64 -M microvm -accel kvm -cpu host -smp 2 -m 256

@@ -487,7 +487,7 @@ nothing_left k7d-fork
 # after net-k7d's claim is deleted from the daemon) and fills the new one.
 _old=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
 case $_old in pool-*-*) ;; *) fail "before the config edit: expected one pool member, the daemon lists '$_old'" ;; esac
-echo 'cmdline = "console=ttyS0 quiet panic=-1 k7d.lab_edit=1"' >>/etc/k7d/shim.toml
+echo 'cmdline = "console=ttyS0 quiet panic=-1 cryptomgr.notests no_timer_check k7d.lab_edit=1"' >>/etc/k7d/shim.toml
 # (Its log to a file of its own: the daemon writes $DLOG at its own offset.)
 _fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>/tmp/pool-fill-edit.log) || fail "k7d pool-fill after the config edit failed: $(tail -n 3 /tmp/pool-fill-edit.log | tr '\n' ' ')"
 case $_fill in *": 1 member(s) booted, 1 ready") ;; *) fail "k7d pool-fill after the config edit: '$_fill'" ;; esac
@@ -542,7 +542,7 @@ if [ -n "${LAB_CRI_MANY:-}" ]; then
   # Twenty pod VMs on one emulated CPU: a runc create in each took past
   # the agent's 60 s default; the node's runc limit, as a busy node sets it.
   sed -i '/^cmdline = /d' /etc/k7d/shim.toml
-  echo 'cmdline = "console=ttyS0 quiet panic=-1 k7d.runc_timeout_s=900"' >>/etc/k7d/shim.toml
+  echo 'cmdline = "console=ttyS0 quiet panic=-1 cryptomgr.notests no_timer_check k7d.runc_timeout_s=900"' >>/etc/k7d/shim.toml
   # L1 has 3 GiB unless K7D_LAB_L1_MIB says more: pod VMs of 128 MiB for
   # this run (LAB_CRI_MANY_MIB).
   sed -i "s/^memory_mib = .*/memory_mib = ${LAB_CRI_MANY_MIB:-128}/" /etc/k7d/shim.toml

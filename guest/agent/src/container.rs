@@ -248,6 +248,10 @@ struct Container {
     /// A pod sandbox's /dev/shm for its pod's containers (a tmpfs mounted
     /// at `<bundle>/shm`), when it could be made.
     shm: Option<PathBuf>,
+    /// A started pod sandbox's IPC namespace, pinned by a bind mount at
+    /// `<bundle>/ipcns` (as `ip netns` pins a network namespace): the pod's
+    /// containers join it by this path, never by a pid that could be reused.
+    ipc_ns: Mutex<Option<PathBuf>>,
 }
 
 /// The size of a pod's /dev/shm: containerd's default for a sandbox's.
@@ -570,6 +574,7 @@ impl Containers {
             ops: Mutex::new(()),
             stand_in: true,
             shm,
+            ipc_ns: Mutex::new(None),
         }))
     }
 
@@ -580,7 +585,10 @@ impl Containers {
         t.live.values().filter(|c| c.stand_in).find_map(|c| {
             let st = lock(&c.init.state);
             (st.status == Status::Running && st.pid != 0).then(|| spec::Pod {
-                ipc: format!("/proc/{}/ns/ipc", st.pid),
+                ipc: lock(&c.ipc_ns).as_ref().map_or_else(
+                    || format!("/proc/{}/ns/ipc", st.pid),
+                    |pin| pin.to_string_lossy().into_owned(),
+                ),
                 shm: c.shm.as_ref().map(|p| p.to_string_lossy().into_owned()),
             })
         })
@@ -608,6 +616,18 @@ impl Containers {
         // cannot be moved into only costs those figures.
         if let Err(e) = cgroup::enter(&c.cgroup, pid) {
             crate::log!("{}: joining the cgroup {} failed: {e}", p.label, c.cgroup.display());
+        }
+        // Its IPC namespace, pinned while the child is ours and unreaped
+        // (its pid cannot name another process yet).
+        let pin = c.bundle.join("ipcns");
+        let ns = format!("/proc/{pid}/ns/ipc");
+        match std::fs::File::create(&pin).and_then(|_| sys::mount(OsStr::new(&ns), &pin, "none", libc::MS_BIND, None)) {
+            Ok(()) => *lock(&c.ipc_ns) = Some(pin),
+            Err(e) => crate::log!(
+                "{}: pinning its IPC namespace at {} failed ({e}): the pod's containers join it by pid",
+                p.label,
+                pin.display()
+            ),
         }
         // A spawned child's pid is positive.
         let pid = pid.unsigned_abs();
@@ -747,6 +767,7 @@ impl Containers {
             ops: Mutex::new(()),
             stand_in: false,
             shm: None,
+            ipc_ns: Mutex::new(None),
         }))
     }
 
@@ -1051,6 +1072,21 @@ impl Containers {
             // runc removes the cgroups of its containers; this one is the agent's.
             let _ = std::fs::remove_dir(&c.cgroup);
         }
+        // The pod's IPC namespace pin: detached, as the pod's containers may
+        // still be in it.
+        let pin = lock(&c.ipc_ns).clone();
+        if let Some(pin) = pin {
+            if let Err(e) = sys::umount_detach(&pin) {
+                crate::log!(
+                    "container {id}: unmounting the pin of the pod's IPC namespace {} failed: {e}",
+                    pin.display()
+                );
+                return Err(fail(format!(
+                    "pod sandbox {id} was deleted but the pin of its IPC namespace is left in the VM"
+                )));
+            }
+            *lock(&c.ipc_ns) = None;
+        }
         // The pod's /dev/shm: detached, as a container of the pod may still
         // hold it; its memory goes with the last user.
         if let Some(shm) = &c.shm
@@ -1138,6 +1174,7 @@ impl Drop for Rollback<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     #[test]
     fn runcs_last_error_is_found_in_its_json_log() {
@@ -1251,7 +1288,13 @@ mod tests {
             "the stand-in's IPC namespace is not the agent's"
         );
         let pod = a.pod().expect("a running stand-in is a pod to join");
-        assert_eq!(pod.ipc, ipc);
+        // Its namespace is pinned in the bundle, not named by its pid.
+        assert_eq!(pod.ipc, dir.join("state/c/sb/ipcns").to_str().unwrap());
+        let ino = |p: &str| {
+            let m = std::fs::metadata(p).unwrap();
+            (m.dev(), m.ino())
+        };
+        assert_eq!(ino(&pod.ipc), ino(&ipc), "the pin is the stand-in's IPC namespace");
         assert_eq!(pod.shm.as_deref(), shm.to_str());
 
         // `kill --all` on a sandbox signals its one process.

@@ -29,7 +29,8 @@ pub struct Rewritten {
 /// stand-in holds them, as the pause container does under runc.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pod {
-    /// The stand-in's IPC namespace (`/proc/<pid>/ns/ipc`).
+    /// The stand-in's IPC namespace: its pin (`<bundle>/ipcns`, a bind
+    /// mount of `/proc/<pid>/ns/ipc`), else `/proc/<pid>/ns/ipc`.
     pub ipc: String,
     /// The pod's /dev/shm (a tmpfs in the VM), if it has one.
     pub shm: Option<String>,

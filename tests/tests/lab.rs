@@ -985,5 +985,13 @@ fn lab_k7d_memory_per_linux_vm() {
         (0.0..guest).contains(&per_vm),
         "the VMM's part per VM is {per_vm} MiB (guest RAM {guest} MiB)"
     );
-    assert!(metric(&r, "k7d.vmm_mib_1vm") >= 0.0);
+    // One VM's part is a difference of two readings of the daemon's whole
+    // PSS, which moves by up to ~2 MiB between runs of the same binary
+    // (CI run 50 read -0.93 MiB where a by-hand run read +0.99 MiB, other
+    // runs 0.9-1.1 MiB): checked within that, the average over 20 above.
+    let one = metric(&r, "k7d.vmm_mib_1vm");
+    assert!(
+        (-2.5..guest).contains(&one),
+        "one VM's part is {one} MiB (guest RAM {guest} MiB)"
+    );
 }

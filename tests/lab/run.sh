@@ -206,10 +206,13 @@ for f in $(header "$SCRIPT" files); do
   cp -rL "$f" "$RUN/lab/files/"
 done
 # "# lab: pod-initramfs=required": the pod VM's initramfs (guest/agent/mkinitramfs.sh:
-# the agent as /init, the host's runc, the L2 kernel's modules) at /lab/pod/initrd.cpio.
+# the agent as /init, the host's crun, the L2 kernel's modules) at /lab/pod/initrd.cpio.
+# K7D_LAB_POD_RUNTIME=runc (or a path) puts another OCI runtime there, to compare.
 if [[ $POD_INITRAMFS == required ]]; then
-  runc_path=$(host_tool runc) || die "scenario $SCEN wants runc for the pod initramfs: not on this host (tests/lab/setup.sh)"
-  timeout 300 bash "$MKPOD" --kernel-tree "$L2_TREE" --krel "$L2_KREL" --agent "$AGENT" --runc "$runc_path" \
+  rt=${K7D_LAB_POD_RUNTIME:-crun}
+  if [[ $rt == */* ]]; then rt_path=$rt; else rt_path=$(host_tool "$rt") || rt_path=''; fi
+  [[ -n $rt_path && -x $rt_path ]] || die "scenario $SCEN wants $rt for the pod initramfs: not on this host (tests/lab/setup.sh)"
+  timeout 300 bash "$MKPOD" --kernel-tree "$L2_TREE" --krel "$L2_KREL" --agent "$AGENT" --runtime "$rt_path" \
     --out "$RUN/lab/pod/initrd.cpio" || die "guest/agent/mkinitramfs.sh failed"
 fi
 # "# lab: prepare=NAME": scenarios/NAME.prepare.sh built host-side files (an erofs
@@ -232,7 +235,8 @@ done
   [[ -z $TEST_BIN ]] || q LAB_TEST_BIN /lab/bin/test-bin
   [[ -z $CRI_BIN ]] || q LAB_CRI_BIN /lab/bin/k7d-cri
   [[ $POD_INITRAMFS != required ]] || q LAB_POD_INITRD /lab/pod/initrd.cpio
-  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|TEST_BIN|CRI_BIN|POD_INITRD|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
+  [[ $POD_INITRAMFS != required ]] || q LAB_POD_RUNTIME "$(basename "$rt_path")"
+  while IFS='=' read -r name value; do q "$name" "$value"; done < <(env | grep -E '^LAB_[A-Za-z0-9_]*=' | grep -vE '^LAB_(KERNEL|INITRD|BIN|TEST_BIN|CRI_BIN|POD_INITRD|POD_RUNTIME|CMDLINE|SCENARIO.*|L1_BINS|L2_KERNEL_RELEASE)=')
 } >"$RUN/lab/env"
 mkcpio "$RUN" "$OUT/work/run.cpio"
 cat "${IMAGES[@]}" "$OUT/work/run.cpio" >"$OUT/work/l1-initrd.cpio"

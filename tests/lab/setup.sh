@@ -5,11 +5,11 @@
 set -euo pipefail
 # erofs-utils: mkfs.erofs for k7d-blk's read-only image (k7d-blk.prepare.sh);
 # e2fsprogs: mkfs.ext4, copied into the k7d-blk guest (l2-bins).
-# containerd, runc: copied into L1 by k7d-shim (l1-bins), runc also into the
-# pod initramfs; umoci: k7d-shim.prepare.sh builds the OCI image with it. Not
+# containerd, runc: copied into L1 by k7d-shim (l1-bins); crun: the pod
+# initramfs's OCI runtime (mkinitramfs.sh); umoci: k7d-shim.prepare.sh builds the OCI image with it. Not
 # busybox-static: it conflicts with Debian's busybox, so the image takes the
 # lab's cached busybox-static instead ($LAB_BUSYBOX).
-PKGS=(qemu-system-x86 cpio kmod xz-utils zstd iproute2 util-linux coreutils erofs-utils e2fsprogs containerd runc umoci)
+PKGS=(qemu-system-x86 cpio kmod xz-utils zstd iproute2 util-linux coreutils erofs-utils e2fsprogs containerd runc crun umoci)
 [[ $EUID -eq 0 ]] || { echo "setup.sh: run as root (apt-get install)" >&2; exit 2; }
 missing=()
 for p in "${PKGS[@]}"; do

@@ -51,8 +51,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const USAGE: &str =
-    "usage: k7d-agent --listen-unix PATH [--state-dir DIR] [--runc PATH] [--runc-root DIR] [--sysfs DIR] [--dev DIR]";
+const USAGE: &str = "usage: k7d-agent --listen-unix PATH [--state-dir DIR] [--runtime PATH] [--runtime-root DIR] [--sysfs DIR] [--dev DIR]";
 
 fn main() {
     // A CRI pod sandbox's process (`container::Config::stand_in`).
@@ -94,13 +93,18 @@ fn pid1() -> ! {
         if cfg.no_pivot {
             log!("the root is the initramfs: runc runs --no-pivot (containers confined by a chroot only)");
         }
+        let runtime = cfg.runc.clone();
         let reaper = reaper::Reaper::start().map_err(|e| format!("starting the reaper failed: {e}"))?;
         let agent = container::Containers::new(cfg, reaper)
             .map_err(|e| format!("making the agent's state directories failed: {e}"))?;
         let port = k7d_agent::proto::PORT;
         let listener =
             server::Listener::vsock(port).map_err(|e| format!("listening on vsock port {port} failed: {e}"))?;
-        log!("serving on vsock port {port} (kernel {})", sys::kernel_release());
+        log!(
+            "serving on vsock port {port} (kernel {}, OCI runtime {})",
+            sys::kernel_release(),
+            runtime.display()
+        );
         server::serve(listener, Arc::new(agent));
         Ok(())
     });
@@ -124,8 +128,9 @@ fn host_config(mut args: impl Iterator<Item = String>) -> Result<(PathBuf, conta
         match a.as_str() {
             "--listen-unix" => listen = Some(PathBuf::from(value()?)),
             "--state-dir" => cfg.state_dir = value()?.into(),
-            "--runc" => cfg.runc = value()?.into(),
-            "--runc-root" => cfg.runc_root = value()?.into(),
+            // --runc and --runc-root: the names before crun was taken too.
+            "--runtime" | "--runc" => cfg.runc = value()?.into(),
+            "--runtime-root" | "--runc-root" => cfg.runc_root = value()?.into(),
             "--sysfs" => cfg.sysfs = value()?.into(),
             "--dev" => cfg.dev = value()?.into(),
             _ => return Err(format!("unknown argument {a:?}")),

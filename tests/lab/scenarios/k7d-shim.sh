@@ -272,6 +272,12 @@ running() {
     grep -q "k7d-agent: the root moved from the initramfs onto a tmpfs" "$_serial" 2>/dev/null ||
       fail "k7d: the pod VM's agent did not leave the initramfs (runc would run --no-pivot): $(grep k7d-agent "$_serial" 2>/dev/null | head -n 5 | tr '\n' '|')"
     grep -q -- "--no-pivot" "$_serial" && fail "k7d: runc ran with --no-pivot in the pod VM"
+    # The pod initramfs carries crun (run.sh, mkinitramfs.sh): the agent
+    # must have found and taken it (a container starts 4-5x slower on runc).
+    _rt=$(sed -n 's/.*k7d-agent: serving on vsock port.*OCI runtime \([^)]*\)).*/\1/p' "$_serial" 2>/dev/null | head -n 1)
+    [ "$_rt" = "/usr/sbin/${LAB_POD_RUNTIME:-crun}" ] ||
+      fail "k7d: the pod VM's agent runs the OCI runtime '$_rt', not /usr/sbin/${LAB_POD_RUNTIME:-crun}: $(grep k7d-agent "$_serial" 2>/dev/null | head -n 5 | tr '\n' '|')"
+    lab_note "k7d: the pod VM's OCI runtime: $_rt"
   fi
   echo "lab: $_id: running; exec"
   _out=$(timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr task exec --exec-id e1 "$_id" sh -c 'echo exec-ok; exit 5' </dev/null 2>&1); _rc=$?
@@ -290,8 +296,10 @@ running() {
     _i=$((_i + 1)); [ "$_i" -lt 20 ] || fail "$_n: SIGTERM never reached the container's trap"
     sleep 0.5
   done
-  echo "lab: $_id: kill -s SIGKILL"
-  timeout -s KILL 30 /usr/bin/ctr task kill -s SIGKILL "$_id" || fail "$_n: ctr task kill -s SIGKILL failed"
+  # --all: every process of the container (the runtime's kill --all in the
+  # pod VM).
+  echo "lab: $_id: kill --all -s SIGKILL"
+  timeout -s KILL 30 /usr/bin/ctr task kill --all -s SIGKILL "$_id" || fail "$_n: ctr task kill --all -s SIGKILL failed"
   _i=0
   until ctr tasks ls 2>/dev/null | grep -Eq "^$_id +[0-9]+ +STOPPED"; do
     _i=$((_i + 1)); [ "$_i" -lt 20 ] || fail "$_n: $_id not STOPPED 10 s after SIGKILL: $(ctr tasks ls | tr '\n' '|')"
@@ -299,7 +307,7 @@ running() {
   done
   deleted_with "$_id" 137
   timeout -s KILL 30 /usr/bin/ctr containers rm "$_id" >/dev/null || fail "$_n: ctr containers rm $_id failed"
-  lab_note "$_n: running container: exec (exec-ok, exit 5), ps ($_pids pids), metrics (memory.usage $_mem), SIGTERM reached its trap, SIGKILL -> STOPPED, delete 137; its shell in L1's process table: $HOSTPROC"
+  lab_note "$_n: running container: exec (exec-ok, exit 5), ps ($_pids pids), metrics (memory.usage $_mem), SIGTERM reached its trap, SIGKILL to all -> STOPPED, delete 137; its shell in L1's process table: $HOSTPROC"
 }
 
 # pty NAME ARGS...: ctr run -t (a terminal from util-linux script) of a

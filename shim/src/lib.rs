@@ -76,21 +76,36 @@ fn unreachable_daemon() -> Arc<dyn Daemon> {
     Arc::new(NoDaemon)
 }
 
-/// Boots the warm pool of the shim config at `config` (default: as the
-/// shim finds it) full, for the node service before pods arrive; `connect`
-/// reaches the daemon. Returns the pool's name, the members this call
-/// booted and the members ready now.
-pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, u32, usize)> {
+/// What `k7d pool-fill` did to a warm pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Filled {
+    /// The pool's name.
+    pub pool: String,
+    /// Members this call booted.
+    pub booted: u32,
+    /// Members this call removed (the config's `pool_size` was lowered).
+    pub removed: usize,
+    /// Members ready now.
+    pub ready: usize,
+}
+
+/// Brings the warm pool of the shim config at `config` (default: as the
+/// shim finds it) to its `pool_size`, for the node service before pods
+/// arrive: boots the members it lacks, removes those beyond its size (all
+/// of them at `pool_size = 0`); `connect` reaches the daemon.
+pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<Filled> {
     let cfg = read_config(config)?;
     tracing::info!(size = cfg.pool_size, "filling the warm pool");
-    if cfg.pool_size == 0 {
-        anyhow::bail!("the shim config keeps no warm pool (pool_size = 0)");
-    }
     let daemon = connect(&cfg.daemon_socket);
     retire::sweep(&cfg, &*daemon)?;
     let p = pool::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
-    let booted = p.refill(&*daemon, &cfg, cfg.boot_timeout())?;
-    Ok((p.name(), booted, p.ready(&*daemon)?))
+    let (booted, removed) = p.refill(&*daemon, &cfg, cfg.boot_timeout())?;
+    Ok(Filled {
+        pool: p.name(),
+        booted,
+        removed,
+        ready: p.ready(&*daemon)?,
+    })
 }
 
 /// Makes sure the fork template of the shim config at `config` (default:

@@ -214,18 +214,29 @@ impl Pool {
         Ok(Some(id))
     }
 
-    /// Boots members one at a time until the pool holds its size (ready
-    /// or booting), each at most `boot`; returns how many this call booted.
-    pub fn refill(&self, daemon: &dyn Daemon, cfg: &ShimConfig, boot: Duration) -> anyhow::Result<u32> {
+    /// Brings the pool to its size (ready or booting members): a pool
+    /// that holds more (its `pool_size` was lowered, to 0 even) loses its
+    /// newest ready members; one that holds fewer gets members booted one
+    /// at a time, each at most `boot`. Returns how many this call booted
+    /// and how many it removed.
+    pub fn refill(&self, daemon: &dyn Daemon, cfg: &ShimConfig, boot: Duration) -> anyhow::Result<(u32, usize)> {
         let mut booted = 0;
+        let mut removed = 0;
         loop {
             let (n, boot_lock) = {
                 let _held = self.lock()?;
                 // This config uses the pool (`retire`).
                 crate::retire::note_origin(&self.root, cfg, self.shape)?;
                 let s = self.survey(daemon)?;
-                if s.ready.len() + s.booting >= usize::from(self.size) {
-                    return Ok(booted);
+                let size = usize::from(self.size);
+                let excess = (s.ready.len() + s.booting).saturating_sub(size);
+                for &n in s.ready.iter().rev().take(excess) {
+                    tracing::info!(member = %self.member_id(n), "warm pool member removed: the pool keeps {size}");
+                    self.remove(daemon, n);
+                    removed += 1;
+                }
+                if s.ready.len() + s.booting >= size {
+                    return Ok((booted, removed));
                 }
                 let n = self.next_number()?;
                 let dir = self.member_dir(n);
@@ -459,6 +470,37 @@ pub(crate) mod tests {
         let e = format!("{:#}", p.drain(&d).unwrap_err());
         assert!(e.contains("daemon is not running"), "{e}");
         assert!(p.member_dir(5).exists());
+        std::fs::remove_dir_all(&state).unwrap();
+    }
+
+    #[test]
+    fn a_refill_trims_a_pool_whose_size_was_lowered_newest_first() {
+        let state = std::env::temp_dir().join(format!("k7d-pool-trim-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&state);
+        let mut c = cfg(&state);
+        let p = for_shape(&c, c.vcpus, c.memory_mib);
+        let d = Lives::default();
+        std::fs::create_dir_all(&p.root).unwrap();
+        for n in [1, 2, 3] {
+            member(&p, n, true);
+            d.lives.lock().unwrap().insert(p.member_id(n), VmLife::Paused);
+        }
+        // At its size: nothing booted (the fake daemon boots nothing), nothing removed.
+        assert_eq!(p.refill(&d, &c, Duration::from_secs(1)).unwrap(), (0, 0));
+        // Lowered to 1 (the pool's name does not hold its size): the two
+        // newest go, the oldest stays to be claimed.
+        c.pool_size = 1;
+        let p1 = for_shape(&c, c.vcpus, c.memory_mib);
+        assert_eq!(p1.name(), p.name());
+        assert_eq!(p1.refill(&d, &c, Duration::from_secs(1)).unwrap(), (0, 2));
+        assert_eq!(*d.deleted.lock().unwrap(), [p.member_id(3), p.member_id(2)]);
+        assert!(p.member_dir(1).exists() && !p.member_dir(2).exists() && !p.member_dir(3).exists());
+        // pool_size = 0 drains it.
+        c.pool_size = 0;
+        let p0 = for_shape(&c, c.vcpus, c.memory_mib);
+        assert_eq!(p0.refill(&d, &c, Duration::from_secs(1)).unwrap(), (0, 1));
+        assert_eq!(p0.ready(&d).unwrap(), 0);
+        assert!(!p.member_dir(1).exists());
         std::fs::remove_dir_all(&state).unwrap();
     }
 

@@ -381,9 +381,10 @@ enum Cmd {
         #[command(subcommand)]
         cmd: NetCmd,
     },
-    /// Boot the containerd shim's warm pool full (`pool_size` booted,
-    /// paused pod VMs of the shim config's shape; docs/kubernetes.md), as a
-    /// node service does before pods arrive; returns once it is full.
+    /// Bring the containerd shim's warm pool to `pool_size` booted, paused
+    /// pod VMs of the shim config's shape (docs/kubernetes.md), as a node
+    /// service does before pods arrive: boots the members it lacks, removes
+    /// those beyond it (all at `pool_size = 0`); returns once it is so.
     #[cfg(feature = "shim")]
     PoolFill {
         /// The shim config (default: $K7D_SHIM_CONFIG, else /etc/k7d/shim.toml).
@@ -719,11 +720,22 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         Cmd::PoolFill { config, after_s } => {
             init_logs("info");
             std::thread::sleep(std::time::Duration::from_secs(after_s));
-            let (pool, booted, ready) = k7d_shim::fill_pool(k7d_vmm::shim_host::connect, config.as_deref())?;
+            let f = k7d_shim::fill_pool(k7d_vmm::shim_host::connect, config.as_deref())?;
             if cli.json {
-                out!("{}", json!({"pool": pool, "booted": booted, "ready": ready}));
+                out!(
+                    "{}",
+                    json!({"pool": f.pool, "booted": f.booted, "removed": f.removed, "ready": f.ready})
+                );
+            } else if f.removed > 0 {
+                out!(
+                    "warm pool {}: {} member(s) booted, {} removed (beyond its pool_size), {} ready",
+                    f.pool,
+                    f.booted,
+                    f.removed,
+                    f.ready
+                );
             } else {
-                out!("warm pool {pool}: {booted} member(s) booted, {ready} ready");
+                out!("warm pool {}: {} member(s) booted, {} ready", f.pool, f.booted, f.ready);
             }
             Ok(ExitCode::SUCCESS)
         }

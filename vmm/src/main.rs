@@ -726,16 +726,17 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                     "{}",
                     json!({"pool": f.pool, "booted": f.booted, "removed": f.removed, "ready": f.ready})
                 );
-            } else if f.removed > 0 {
+            } else {
+                let removed = match f.removed {
+                    0 => String::new(),
+                    n => format!(", {n} removed (beyond its pool_size)"),
+                };
                 out!(
-                    "warm pool {}: {} member(s) booted, {} removed (beyond its pool_size), {} ready",
+                    "warm pool {}: {} member(s) booted{removed}, {} ready",
                     f.pool,
                     f.booted,
-                    f.removed,
                     f.ready
                 );
-            } else {
-                out!("warm pool {}: {} member(s) booted, {} ready", f.pool, f.booted, f.ready);
             }
             Ok(ExitCode::SUCCESS)
         }

@@ -124,11 +124,10 @@ l1_watchdog() {
   # every 5 s), L1's CPU is looked at every 2 s, and a CPU halted with
   # interrupts enabled (an idle L1 would have run its heartbeat), or running
   # with them enabled and a vector left pending in IRR, is the freeze: the
-  # rescue goes at once. A freeze then costs a scenario
-  # about 8 s instead of 24 (CHALLENGES.md, "A frozen L1 ate 20 s of a pod
-  # start").
+  # rescue goes at once. A freeze then costs a scenario about 10 s instead
+  # of 24 (CHALLENGES.md, "A frozen L1 ate 20 s of a pod start").
   local rescue_s=${K7D_LAB_RESCUE_S:-20} rescue_max=${K7D_LAB_RESCUE_MAX:-3} rescues=0 rescue_t=-100 rescued_hb=''
-  local nudge_s=${K7D_LAB_NUDGE_S:-7} probe_t=-100 regs='' halted=''
+  local nudge_s=${K7D_LAB_NUDGE_S:-7} probe_t=-100 regs='' lost=''
   [[ $nudge_s =~ ^[0-9]+$ ]] || nudge_s=7
   [[ $rescue_max =~ ^[0-9]+$ ]] || rescue_max=3
   cat "$out/work/mon.out" >"$out/work/monitor.log" 2>/dev/null &
@@ -149,7 +148,7 @@ l1_watchdog() {
       fi
       hb=$s hb_t=$SECONDS
     fi
-    halted=''
+    lost=''
     if ((nudge_s > 0 && nudge_s < rescue_s && rescue_s < hb_limit && hb > 0 && rescues < rescue_max)) &&
       ((SECONDS - hb_t >= nudge_s && SECONDS - hb_t < rescue_s && SECONDS - rescue_t >= 15 && SECONDS - probe_t >= 2)) &&
       [[ -z $froze && ! -e $out/work/qemu.done ]]; then
@@ -157,16 +156,16 @@ l1_watchdog() {
       regs=$(_hmp "$out" "info registers" | grep -m1 '^RIP=')
       if [[ $regs =~ RFL=([0-9a-f]+) ]] && (( 0x${BASH_REMATCH[1]} & 0x200 )); then
         if [[ $regs == *HLT=1* ]]; then
-          halted=1
+          lost=1
         # Running with interrupts on and a vector still pending in IRR
         # (CI run 53 met one: HLT=0, IRR 236): the same lost interrupt.
         elif _hmp "$out" "info lapic" | grep -qE '^[[:space:]]*IRR[[:space:]]+[0-9]'; then
-          halted=1
+          lost=1
         fi
       fi
     fi
     if ((rescue_s > 0 && rescue_s < hb_limit && hb > 0 && rescues < rescue_max)) &&
-      { [[ -n $halted ]] || ((SECONDS - hb_t >= rescue_s)); } && ((SECONDS - rescue_t >= 15)) && [[ -z $froze ]] &&
+      { [[ -n $lost ]] || ((SECONDS - hb_t >= rescue_s)); } && ((SECONDS - rescue_t >= 15)) && [[ -z $froze ]] &&
       [[ ! -e $out/work/qemu.done ]] && kill -0 "$pid" 2>/dev/null; then
       rescues=$((rescues + 1)) rescue_t=$SECONDS rescued_hb=1
       local quiet_s=$((SECONDS - hb_t))

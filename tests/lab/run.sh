@@ -4,7 +4,7 @@
 # L2 guest, and judges the result. See docs/lab.md.
 #
 #   tests/lab/run.sh [--bin PATH] [--test-bin PATH] [--agent PATH] [--cri-bin PATH] [--out DIR] [--runs N] [--timeout S] SCENARIO
-#   tests/lab/run.sh --list | --check | --fetch
+#   tests/lab/run.sh --list | --check | --by-hand | --fetch
 #
 # Exit status: 0 pass, 1 scenario failed, 2 harness error.
 set -euo pipefail
@@ -45,6 +45,17 @@ while [[ $# -gt 0 ]]; do
         [[ $f == */scenarios/*.sh && $f != *.guest.sh && $f != *.prepare.sh ]] || continue
         [[ -n $(header "$f" description) && $(header "$f" default) =~ ^(yes|no)$ ]] ||
           { echo "$f: needs '# lab: description=' and '# lab: default=yes|no'"; rc=1; }
+        # Nothing silent: a scenario runs in CI through its test in
+        # tests/tests/lab.rs, or says why it is by hand (default=no), which
+        # CI's summary lists (--by-hand).
+        n=$(basename "$f" .sh)
+        if tr -d ' \n' <"$LAB/../tests/lab.rs" | grep -qE "run_scenario(_with)?\(\"$n\""; then
+          [[ -z $(header "$f" by-hand) ]] || { echo "$f: has a test in tests/tests/lab.rs and says by-hand="; rc=1; }
+        elif [[ -z $(header "$f" by-hand) ]]; then
+          echo "$f: no test in tests/tests/lab.rs runs it and it says no '# lab: by-hand=why': it would never run, silently"; rc=1
+        elif [[ $(header "$f" default) != no ]]; then
+          echo "$f: by-hand= needs default=no"; rc=1
+        fi
         for k in guest:guest prepare:prepare; do  # the files these headers name must exist
           for v in $(header "$f" "${k%%:*}"); do
             [[ -f $LAB/scenarios/$v.${k#*:}.sh ]] || { echo "$f: no scenarios/$v.${k#*:}.sh"; rc=1; }
@@ -60,6 +71,13 @@ while [[ $# -gt 0 ]]; do
         esac
       done
       exit $rc ;;
+    --by-hand)  # the scenarios no test runs, each with why
+      for f in "$LAB"/scenarios/*.sh; do
+        [[ $f == *.guest.sh || $f == *.prepare.sh ]] && continue
+        why=$(header "$f" by-hand)
+        [[ -z $why ]] || printf '%-14s %s\n' "$(basename "$f" .sh)" "$why"
+      done
+      exit 0 ;;
     --fetch) FETCH=1; shift ;;  # only download and unpack the kernels and busybox into the cache
     -h | --help) usage ;;
     -*) die "unknown option $1" ;;
@@ -313,6 +331,8 @@ if [[ -s $OUT/rescues.log ]]; then
   sed 's/^/LAB-NOTE L1 watchdog /' "$OUT/rescues.log" >>"$OUT/l1.log"
   echo "LAB-METRIC lab.rescues $(grep -c '^rescue [0-9]*:' "$OUT/rescues.log")" >>"$OUT/l1.log"
 fi
+# Every freeze the watchdog recorded (a rescue, or L1 frozen for good).
+[[ ! -s $OUT/freezes.log ]] || echo "LAB-METRIC lab.freezes $(grep -c . "$OUT/freezes.log")" >>"$OUT/l1.log"
 reason=
 if [[ -s $WATCH_KIND || -n $EXPECT ]]; then
   # The watchdog fired (or a self-test expected it to): its verdict rules.

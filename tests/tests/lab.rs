@@ -40,12 +40,16 @@ fn out_dir(scenario: &str) -> PathBuf {
 
 /// Runs a scenario and returns its `result.json` once it passed; the error
 /// carries the harness's output (which prints both logs on failure).
-/// A failed run is retried ONCE: the lab is an emulated machine shared with
-/// the rest of the CI run (CHALLENGES.md, "Guests (and L1 itself) dying under
-/// nested I/O"). A retry is never hidden: the first attempt's logs stay in
-/// `<out>.attempt1/`, its failure is printed in full, and the scenario's line
-/// in the lab summary (`<target>/lab/summary.tsv`, printed at the end of CI
-/// by `tests/run-all.sh`) says "passed on retry".
+/// A failed attempt is retried only when the host's L1 watchdog recorded a
+/// freeze of the emulated machine in it (`<out>/freezes.log`, written by
+/// `tests/lab/lib/watchdog.sh` and nothing else: a rescue, or L1 frozen for
+/// good), and then once ([`with_one_retry`]). Any other failure fails the
+/// test at once: a race in k7d that fails one run in three must fail CI,
+/// not pass on retry. A retry is never hidden: the first attempt's logs stay
+/// in `<out>.attempt1/`, its failure is printed in full, and the scenario's
+/// line in the lab summary (`<target>/lab/summary.tsv`, printed at the end
+/// of CI by `tests/run-all.sh`) says "passed on retry" with the first
+/// failure's reason and the freeze that bought the retry.
 fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
     run_scenario_with(scenario, bin, &[])
 }
@@ -56,61 +60,138 @@ fn run_scenario(scenario: &str, bin: Option<&Path>) -> Result<Value> {
 fn run_scenario_with(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]) -> Result<Value> {
     RAN.set(Duration::ZERO);
     let t0 = Ran;
-    let first = match run_scenario_once(scenario, bin, extra) {
-        Ok(r) => {
-            summary(scenario, pass_verdict(&r), 1, t0.elapsed(), &r);
-            return Ok(r);
-        }
-        Err(first) => first,
-    };
     let out = out_dir(scenario);
-    let kept = out.with_file_name(format!("{scenario}.attempt1"));
-    let _ = std::fs::remove_dir_all(&kept);
-    let kept_note = match std::fs::rename(&out, &kept) {
-        Ok(()) => format!("its logs are kept in {}", kept.display()),
-        Err(e) => format!("its logs could not be kept ({e})"),
-    };
-    eprintln!("LAB RETRY: scenario {scenario} failed once ({kept_note}); running it again. First failure:\n{first:#}");
-    let second = match run_scenario_once(scenario, bin, extra) {
+    let mut attempt = 0;
+    let done = with_one_retry(scenario, &out, || {
+        attempt += 1;
+        // The lab's bounds are part of each attempt: a figure stretched by
+        // a recorded freeze gets the same one retry as any failure.
+        run_scenario_once(scenario, bin, extra)
+            .and_then(|r| {
+                let plant = std::env::var("K7D_LAB_PLANTED_FLAKE").ok();
+                planted_flake(plant.as_deref(), scenario, attempt, &out).map(|()| r)
+            })
+            .and_then(|r| check_bounds(scenario, &r).map(|()| r))
+    });
+    let r = done.result.as_ref().ok().cloned().unwrap_or(Value::Null);
+    summary(
+        scenario,
+        done.verdict,
+        done.attempts,
+        t0.elapsed(),
+        &r,
+        done.first_failure.as_deref(),
+    );
+    done.result
+}
+
+/// What [`with_one_retry`] made of a scenario's attempts.
+struct Attempts {
+    result: Result<Value>,
+    /// The lab summary's verdict.
+    verdict: &'static str,
+    attempts: u32,
+    /// The first attempt's failure in one line, when it failed.
+    first_failure: Option<String>,
+}
+
+/// The retry policy: `attempt` runs the scenario once (its logs in `out`);
+/// a failure is retried once, and only when `out/freezes.log` (the L1
+/// watchdog's record of a freeze) says the emulator froze in that attempt.
+fn with_one_retry(scenario: &str, out: &Path, mut attempt: impl FnMut() -> Result<Value>) -> Attempts {
+    let first = match attempt() {
         Ok(r) => {
-            summary(scenario, "passed on retry", 2, t0.elapsed(), &r);
-            return Ok(r);
+            return Attempts {
+                verdict: pass_verdict(&r),
+                result: Ok(r),
+                attempts: 1,
+                first_failure: None,
+            };
         }
         Err(e) => e,
     };
-    // A third attempt only when both failures came with the emulator freezing
-    // under L1, whose evidence is kept: the host watchdog's "L1 froze", or a
-    // rescue (a frozen L1 woken by a key press, `rescues.log`; a freeze
-    // starves one L2 while the other runs and stretches timed checks,
-    // CHALLENGES.md "The lab's stalls"). Any other failure stands.
-    let froze = |e: &anyhow::Error| {
-        let t = format!("{e:#}");
-        t.contains("L1 froze") || t.contains("L1 watchdog rescue")
+    let reason = one_line(&first);
+    let Some(freeze) = freeze_record(out) else {
+        return Attempts {
+            result: Err(first.context(format!(
+                "{scenario} failed, not retried: the L1 watchdog recorded no freeze of the emulator in this attempt ({}/freezes.log)",
+                out.display()
+            ))),
+            verdict: "FAILED",
+            attempts: 1,
+            first_failure: Some(reason),
+        };
     };
-    if !(froze(&first) && froze(&second)) {
-        summary(scenario, "FAILED twice", 2, t0.elapsed(), &Value::Null);
-        return Err(second.context(format!("{scenario} failed twice (first attempt: {kept_note})")));
-    }
-    let kept2 = out.with_file_name(format!("{scenario}.attempt2"));
-    let _ = std::fs::remove_dir_all(&kept2);
-    let _ = std::fs::rename(&out, &kept2);
+    let kept = out.with_file_name(format!("{scenario}.attempt1"));
+    let _ = std::fs::remove_dir_all(&kept);
+    let kept_note = match std::fs::rename(out, &kept) {
+        Ok(()) => format!("its logs are kept in {}", kept.display()),
+        Err(e) => format!("its logs could not be kept ({e})"),
+    };
     eprintln!(
-        "LAB RETRY: scenario {scenario}: L1 froze in both failed attempts (the emulator; logs in {} and {}); a third and last attempt",
-        kept.display(),
-        kept2.display()
+        "LAB RETRY: scenario {scenario} failed once with a recorded L1 freeze ({freeze}; {kept_note}); its one retry. First failure:\n{first:#}"
     );
-    match run_scenario_once(scenario, bin, extra) {
-        Ok(r) => {
-            summary(scenario, "passed on retry", 3, t0.elapsed(), &r);
-            Ok(r)
-        }
-        Err(e) => {
-            summary(scenario, "FAILED 3 times", 3, t0.elapsed(), &Value::Null);
-            Err(e.context(format!(
-                "{scenario} failed 3 times (L1 froze in the first two: {kept_note})"
-            )))
-        }
+    let why = format!("{reason} [retried: {freeze}]");
+    match attempt() {
+        Ok(r) => Attempts {
+            result: Ok(r),
+            verdict: "passed on retry",
+            attempts: 2,
+            first_failure: Some(why),
+        },
+        Err(e) => Attempts {
+            result: Err(e.context(format!(
+                "{scenario} failed twice (the first attempt with a recorded L1 freeze: {kept_note})"
+            ))),
+            verdict: "FAILED twice",
+            attempts: 2,
+            first_failure: Some(why),
+        },
     }
+}
+
+/// The L1 watchdog's freeze record of the attempt whose logs are in `out`:
+/// how many freezes and the first, or `None` when it recorded none.
+fn freeze_record(out: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(out.join("freezes.log")).ok()?;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let first = lines.first()?;
+    Some(format!("{} freeze(s) recorded, the first: {first}", lines.len()))
+}
+
+/// An error's first line (the scenario's reason), tabs and all.
+fn one_line(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}");
+    let line = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("(no message)");
+    line.replace('\t', " ").chars().take(300).collect()
+}
+
+/// `K7D_LAB_PLANTED_FLAKE=SCENARIO[:freeze]`, a plant for showing what CI
+/// does with a flaky scenario (docs/lab.md, "Retries"): that scenario's
+/// odd attempts fail after it ran, as a race in k7d failing one run in two
+/// would, each after a second's sleep; with `:freeze` the failed attempt
+/// also gets a freeze record, as if the L1 watchdog had rescued L1 in it.
+/// Unset (CI), nothing happens.
+fn planted_flake(plant: Option<&str>, scenario: &str, attempt: u32, out: &Path) -> Result<()> {
+    let Some(plant) = plant else {
+        return Ok(());
+    };
+    let (name, freeze) = match plant.split_once(':') {
+        Some((name, "freeze")) => (name, true),
+        _ => (plant, false),
+    };
+    if name != scenario || attempt % 2 == 0 {
+        return Ok(());
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    if freeze {
+        std::fs::write(
+            out.join("freezes.log"),
+            "planted: K7D_LAB_PLANTED_FLAKE says L1 froze\n",
+        )
+        .context("planting a freeze record")?;
+    }
+    bail!("lab scenario {scenario} failed: planted flake (K7D_LAB_PLANTED_FLAKE={plant}), attempt {attempt}")
 }
 
 thread_local! {
@@ -148,14 +229,17 @@ fn pass_verdict(r: &Value) -> &'static str {
 }
 
 /// One line per scenario in `<lab out>/summary.tsv`: name, verdict, attempts,
-/// wall seconds (all attempts, each from its turn in the gate), and the last attempt's prepare and L1 seconds.
-fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Value) {
+/// wall seconds (all attempts, each from its turn in the gate), the last
+/// attempt's prepare and L1 seconds, and the first attempt's failure when
+/// there was one (`-` otherwise).
+fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Value, first_failure: Option<&str>) {
     let dir = out_dir(scenario).parent().map(Path::to_path_buf).unwrap_or_default();
     let line = format!(
-        "{scenario}\t{verdict}\t{attempts}\t{:.1}\t{}\t{}\n",
+        "{scenario}\t{verdict}\t{attempts}\t{:.1}\t{}\t{}\t{}\n",
         wall.as_secs_f64(),
         r["prepare_s"].as_f64().map_or("-".into(), |v| format!("{v:.1}")),
         r["l1_s"].as_f64().map_or("-".into(), |v| format!("{v:.1}")),
+        first_failure.map_or("-".into(), |f| f.replace(['\t', '\n'], " ")),
     );
     eprintln!("lab summary: {}", line.trim_end());
     let written = std::fs::create_dir_all(&dir).and_then(|()| {
@@ -174,9 +258,12 @@ fn summary(scenario: &str, verdict: &str, attempts: u32, wall: Duration, r: &Val
 }
 
 fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]) -> Result<Value> {
+    let out = out_dir(scenario);
+    if std::env::var_os("K7D_LAB_JUDGE").is_some() {
+        return judge_again(scenario, &out);
+    }
     let _turn = Gate::get().enter(scenario);
     let _ran = Running(Instant::now());
-    let out = out_dir(scenario);
     let mut cmd = Command::new(lab_dir().join("run.sh"));
     cmd.arg("--out").arg(&out).env("K7D_LAB_QUIET", "1");
     if let Some(bin) = bin {
@@ -207,6 +294,142 @@ fn run_scenario_once(scenario: &str, bin: Option<&Path>, extra: &[(&str, &Path)]
         }
         None => bail!("lab scenario {scenario}: no result ({})\n{text}", output.status),
     }
+}
+
+/// `K7D_LAB_JUDGE=1`: the scenario's last `result.json` judged again (its
+/// test's assertions and the lab's bounds), without running it: how a
+/// bound is shown to fail on real figures (LATENCY_BUDGETS.md).
+fn judge_again(scenario: &str, out: &Path) -> Result<Value> {
+    let path = out.join("result.json");
+    let r: Value =
+        serde_json::from_slice(&std::fs::read(&path).with_context(|| format!("K7D_LAB_JUDGE: {}", path.display()))?)
+            .with_context(|| format!("K7D_LAB_JUDGE: {} is not JSON", path.display()))?;
+    if r["status"] != "pass" {
+        bail!(
+            "lab scenario {scenario} failed (K7D_LAB_JUDGE: its last run): {}",
+            r["reason"]
+        );
+    }
+    Ok(r)
+}
+
+/// A bound the lab asserts on a scenario's figures, at about 2x the
+/// measured figure or at the goal where the goal is met: the lab's part of
+/// LATENCY_BUDGETS.md ("The lab's bounds"), which must list each one with
+/// the same limit (`lab_bounds_are_the_ones_latency_budgets_md_lists`).
+struct Bound {
+    scenario: &'static str,
+    /// A metric of the scenario, or the ratio `a / b` of two.
+    figure: &'static str,
+    max: f64,
+}
+
+const LAB_BOUNDS: &[Bound] = &[
+    // What a Linux VM costs beyond its guest, per VM of 20 (issue 13's goal, met: 0.24-0.42 MiB).
+    Bound {
+        scenario: "k7d-memory",
+        figure: "k7d.vmm_mib_per_vm_of_20",
+        max: 3.0,
+    },
+    // k7d boots the same kernel, initramfs and command line no slower than QEMU pc + SeaBIOS.
+    Bound {
+        scenario: "boot-compare",
+        figure: "k7d.spawn_to_init / qemu.spawn_to_init",
+        max: 1.0,
+    },
+    // A pod started by fork or from the warm pool, against a cold pod VM's start.
+    Bound {
+        scenario: "k7d-cri",
+        figure: "k7d_fork.pod_start_vs_cold",
+        max: 0.8,
+    },
+    Bound {
+        scenario: "k7d-cri",
+        figure: "k7d_pool.pod_start_vs_cold",
+        max: 0.8,
+    },
+    // k7d's own part of StopPodSandbox (the sandbox's SIGKILL to its shim gone), each kind of pod.
+    Bound {
+        scenario: "k7d-cri",
+        figure: "k7d.pod_vm_stop",
+        max: 1.0,
+    },
+    Bound {
+        scenario: "k7d-cri",
+        figure: "k7d-fork.pod_vm_stop",
+        max: 1.0,
+    },
+    Bound {
+        scenario: "k7d-cri",
+        figure: "k7d-pool.pod_vm_stop",
+        max: 1.0,
+    },
+    // A container's first output under k7d (its pod VM's boot in it) against runc's.
+    Bound {
+        scenario: "k7d-shim",
+        figure: "k7d.first_output_vs_runc",
+        max: 4.0,
+    },
+];
+
+/// Bounds a scenario asserts itself (its shell script fails past them):
+/// (scenario, the text of its failure, the bound as LATENCY_BUDGETS.md names it).
+const SCENARIO_BOUNDS: &[(&str, &str, &str)] = &[
+    (
+        "k7d-shim",
+        "after its VM stopped (limit 1 s)",
+        "crashed guest's task STOPPED after its VM stopped: 1 s",
+    ),
+    (
+        "k7d-shim",
+        "ended $exec_end_s s after its VM stopped (limit 5 s)",
+        "crashing exec's ctr ended after its VM stopped: 5 s",
+    ),
+];
+
+/// A figure of `r`: a metric, or the ratio `a / b` of two.
+fn figure(r: &Value, figure: &str) -> Result<f64> {
+    let one = |name: &str| {
+        r["metrics"][name.trim()]["value"]
+            .as_f64()
+            .with_context(|| format!("the scenario reported no metric {}", name.trim()))
+    };
+    match figure.split_once(" / ") {
+        Some((a, b)) => {
+            let (a, b) = (one(a)?, one(b)?);
+            if b <= 0.0 {
+                bail!("{figure}: the divisor is {b}");
+            }
+            Ok(a / b)
+        }
+        None => one(figure),
+    }
+}
+
+/// Every bound of `scenario` in [`LAB_BOUNDS`] holds on its result; each
+/// figure is printed beside its limit either way.
+fn check_bounds(scenario: &str, r: &Value) -> Result<()> {
+    let mut over = Vec::new();
+    for b in LAB_BOUNDS.iter().filter(|b| b.scenario == scenario) {
+        let v = figure(r, b.figure)?;
+        let ok = v.is_finite() && v > 0.0 && v <= b.max;
+        eprintln!(
+            "lab bound: {scenario}: {} = {v:.2} (limit {}){}",
+            b.figure,
+            b.max,
+            if ok { "" } else { ": OVER" }
+        );
+        if !ok {
+            over.push(format!("{} = {v:.2}, limit {}", b.figure, b.max));
+        }
+    }
+    if !over.is_empty() {
+        bail!(
+            "lab scenario {scenario} passed its own checks but not the lab's bounds (LATENCY_BUDGETS.md): {}",
+            over.join("; ")
+        );
+    }
+    Ok(())
 }
 
 /// Typical L1 seconds of each scenario in CI (the lab summary of a recent
@@ -838,6 +1061,9 @@ fn lab_k7d_cri_pods() {
         "k7d-fork: forked from the template",
         "net-k7d: the pod VMs' NICs",
         "net-k7d (a fork-started server, a pool-claimed client)",
+        "net-k7d: each pod VM's machine-id",
+        "net-k7d-forks (two children of one template)",
+        "net-k7d-forks: each pod VM's machine-id",
         "warm pool: refilled after net-k7d's claim",
         "net-k7d-bridge: the pod VMs' NICs",
     ] {
@@ -994,4 +1220,220 @@ fn lab_k7d_memory_per_linux_vm() {
         (-2.5..guest).contains(&one),
         "one VM's part is {one} MiB (guest RAM {guest} MiB)"
     );
+}
+
+/// A scratch folder for a fast test, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("k7d-lab-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A passing attempt's result, as run.sh writes it.
+fn passed() -> Value {
+    serde_json::json!({"status": "pass", "metrics": {}})
+}
+
+/// The retry policy (fast, no lab): a failure without a freeze record is
+/// not retried; one with a record gets one retry, never a second; a pass
+/// with a retry carries the first failure's reason and the freeze.
+#[test]
+fn lab_retries_only_an_attempt_with_a_recorded_freeze() {
+    let dir = Scratch::new("retry");
+    let out = dir.0.join("sc");
+    let attempt_dir = |freeze: bool| {
+        std::fs::create_dir_all(&out).unwrap();
+        if freeze {
+            std::fs::write(
+                out.join("freezes.log"),
+                "rescue 1 after 9 s without a heartbeat: HLT=1 IRR 236\n",
+            )
+            .unwrap();
+        }
+    };
+    // A k7d race that fails one run in two, no freeze: fails at once.
+    let mut n = 0;
+    let a = with_one_retry("sc", &out, || {
+        n += 1;
+        attempt_dir(false);
+        if n % 2 == 1 {
+            bail!("lab scenario sc failed: \"a race\"")
+        } else {
+            Ok(passed())
+        }
+    });
+    assert_eq!((n, a.attempts, a.verdict), (1, 1, "FAILED"));
+    let e = format!("{:#}", a.result.unwrap_err());
+    assert!(e.contains("not retried: the L1 watchdog recorded no freeze"), "{e}");
+    assert!(a.first_failure.unwrap().contains("a race"));
+    let _ = std::fs::remove_dir_all(&out);
+    // The same with the emulator frozen in the failed attempt: one retry,
+    // the first attempt's logs kept aside, the reason in the summary.
+    let mut n = 0;
+    let a = with_one_retry("sc", &out, || {
+        n += 1;
+        attempt_dir(n == 1);
+        if n == 1 {
+            bail!("lab scenario sc failed: \"stretched\"")
+        } else {
+            Ok(passed())
+        }
+    });
+    assert_eq!((n, a.attempts, a.verdict), (2, 2, "passed on retry"));
+    assert!(a.result.is_ok());
+    let why = a.first_failure.unwrap();
+    assert!(
+        why.contains("stretched") && why.contains("1 freeze(s) recorded"),
+        "{why}"
+    );
+    assert!(dir.0.join("sc.attempt1/freezes.log").exists());
+    let _ = std::fs::remove_dir_all(&out);
+    // Frozen in both failed attempts: still only one retry.
+    let mut n = 0;
+    let a = with_one_retry("sc", &out, || {
+        n += 1;
+        attempt_dir(true);
+        bail!("lab scenario sc failed: \"again\"")
+    });
+    assert_eq!((n, a.attempts, a.verdict), (2, 2, "FAILED twice"));
+    assert!(a.result.is_err());
+    // An empty record is no record.
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("freezes.log"), "\n").unwrap();
+    assert!(freeze_record(&out).is_none());
+}
+
+/// The planted flake (`K7D_LAB_PLANTED_FLAKE`) fails odd attempts of its
+/// scenario only, and plants a freeze record only when asked; through the
+/// retry policy, the plain plant fails and the freeze plant passes on retry.
+#[test]
+fn lab_planted_flake_fails_odd_attempts_of_its_scenario() {
+    let dir = Scratch::new("plant");
+    let out = dir.0.join("sc");
+    std::fs::create_dir_all(&out).unwrap();
+    assert!(planted_flake(None, "sc", 1, &out).is_ok());
+    assert!(planted_flake(Some("other"), "sc", 1, &out).is_ok());
+    assert!(planted_flake(Some("sc"), "sc", 2, &out).is_ok());
+    assert!(planted_flake(Some("sc"), "sc", 1, &out).is_err());
+    assert!(freeze_record(&out).is_none());
+    let runs = |plant: &'static str| {
+        let mut n = 0;
+        with_one_retry("sc", &out, || {
+            n += 1;
+            std::fs::create_dir_all(&out).unwrap();
+            planted_flake(Some(plant), "sc", n, &out).map(|()| passed())
+        })
+    };
+    let a = runs("sc");
+    assert_eq!((a.attempts, a.verdict), (1, "FAILED"));
+    let _ = std::fs::remove_dir_all(&out);
+    let a = runs("sc:freeze");
+    assert_eq!((a.attempts, a.verdict), (2, "passed on retry"));
+}
+
+/// The L1 watchdog's rescue decision (`l1_interrupt_lost` in
+/// tests/lab/lib/watchdog.sh), on canned QEMU monitor output: two samples
+/// a second apart must both show the lost interrupt.
+#[test]
+fn lab_rescue_decision_needs_the_lost_interrupt_in_both_samples() {
+    const HALTED_IF: &str = "RIP=ffffffff81b0f0ee RFL=00000246 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=1";
+    const HALTED_NO_IF: &str = "RIP=ffffffff81b0f0ee RFL=00000046 [---Z-P-] CPL=0 II=0 A20=1 SMM=0 HLT=1";
+    const RUNNING_IF: &str = "RIP=ffffffffc0d3a1b2 RFL=00000286 [--S--P-] CPL=0 II=0 A20=1 SMM=0 HLT=0";
+    const RUNNING_L2_USER: &str = "RIP=00007f3a12c4e9d0 RFL=00000202 [-------] CPL=3 II=0 A20=1 SMM=0 HLT=0";
+    let lapic = |irr: &str| {
+        format!(
+            "dumping local APIC state for CPU 0\n\nLVT0\t 0x00010700 active-hi edge  masked                      ExtINT (vec 0)\n\
+             LVTT\t 0x000400ec active-hi edge                 tsc-deadline Fixed  (vec 236)\n\
+             Timer\t DCR=0x0 (divide by 2) initial_count = 0 current_count = 0\n\
+             SPIV\t 0x000001ff APIC enabled, focus=off, spurious vec 255\nESR\t 0x00000000\nISR\t (none)\nIRR\t {irr}\n\n\
+             APR 0x00 TPR 0x00 DFR 0x0f LDR 0x01PPR 0x00\n"
+        )
+    };
+    let (pending, none, other) = (lapic("236"), lapic("(none)"), lapic("34"));
+    let lost = |r1: &str, a1: &str, r2: &str, a2: &str| {
+        let st = Command::new("bash")
+            .arg("-c")
+            .arg(r#". "$1" && l1_interrupt_lost "$2" "$3" "$4" "$5""#)
+            .arg("watchdog")
+            .arg(lab_dir().join("lib/watchdog.sh"))
+            .args([r1, a1, r2, a2])
+            .status()
+            .expect("bash");
+        match st.code() {
+            Some(0) => true,
+            Some(1) => false,
+            c => panic!("l1_interrupt_lost exited {c:?}"),
+        }
+    };
+    // Halted with interrupts on, in both samples: the freeze (CI runs 52-53).
+    assert!(lost(HALTED_IF, &pending, HALTED_IF, &pending));
+    assert!(lost(HALTED_IF, &none, HALTED_IF, &none));
+    // Running with interrupts on and the same vector pending in both (CI run 53).
+    assert!(lost(RUNNING_IF, &pending, RUNNING_IF, &pending));
+    // A busy, healthy L1: a vector caught pending once, then taken (CI run
+    // 55's two early rescues had IRR empty a second later).
+    assert!(!lost(RUNNING_IF, &pending, RUNNING_IF, &none));
+    assert!(!lost(RUNNING_IF, &none, RUNNING_IF, &pending));
+    // ... or two different vectors, each taken in between.
+    assert!(!lost(RUNNING_IF, &pending, RUNNING_IF, &other));
+    // Running with nothing pending, or running L2's user code.
+    assert!(!lost(RUNNING_IF, &none, RUNNING_IF, &none));
+    assert!(!lost(RUNNING_L2_USER, &none, RUNNING_L2_USER, &none));
+    // Halted once, then woken and running: it took its interrupt.
+    assert!(!lost(HALTED_IF, &pending, RUNNING_IF, &none));
+    // Interrupts off: not the lost interrupt (nothing a key press fixes).
+    assert!(!lost(HALTED_NO_IF, &pending, HALTED_NO_IF, &pending));
+    // No answer from the monitor (QEMU exiting): no rescue.
+    assert!(!lost("", "", "", ""));
+}
+
+/// Every bound in [`LAB_BOUNDS`] and [`SCENARIO_BOUNDS`] is listed in
+/// LATENCY_BUDGETS.md with the same limit, and each scenario-side bound
+/// is still the scenario's own text (fast, no lab).
+#[test]
+fn lab_bounds_are_the_ones_latency_budgets_md_lists() {
+    let md_path = lab_dir().join("../../LATENCY_BUDGETS.md");
+    let md = std::fs::read_to_string(&md_path).unwrap();
+    let section = md
+        .split("## The lab's bounds")
+        .nth(1)
+        .expect("LATENCY_BUDGETS.md has no \"## The lab's bounds\"");
+    let section = section.split("\n## ").next().unwrap_or(section);
+    for b in LAB_BOUNDS {
+        let row = format!("| `{}` | `{}` | {} |", b.scenario, b.figure, b.max);
+        assert!(
+            section.contains(&row),
+            "LATENCY_BUDGETS.md's lab section lacks the row starting {row}"
+        );
+    }
+    let rows = section.lines().filter(|l| l.starts_with("| `")).count();
+    assert_eq!(
+        rows,
+        LAB_BOUNDS.len() + SCENARIO_BOUNDS.len(),
+        "LATENCY_BUDGETS.md's lab section lists bounds the code does not"
+    );
+    for (scenario, text, doc) in SCENARIO_BOUNDS {
+        let path = lab_dir().join("scenarios").join(format!("{scenario}.sh"));
+        let script = std::fs::read_to_string(&path).unwrap();
+        assert!(script.contains(text), "{} no longer says {text:?}", path.display());
+        let row = format!("| `{scenario}` | {doc} |");
+        assert!(section.contains(&row), "LATENCY_BUDGETS.md's lab section lacks {row}");
+    }
+    // A figure that is a ratio is one of two metrics, else one metric.
+    let r = serde_json::json!({"metrics": {"a": {"value": 3.0}, "b": {"value": 2.0}, "z": {"value": 0.0}}});
+    assert_eq!(figure(&r, "a / b").unwrap(), 1.5);
+    assert!(figure(&r, "a / z").is_err());
+    assert!(figure(&r, "c").is_err());
 }

@@ -40,6 +40,12 @@ K7D_SKIP_LOG=$(mktemp /tmp/k7d-skips.XXXXXX)
 SKIPS_SAID=()
 said_skip() { SKIPS_SAID+=("$1"); echo "SKIPPED: $1"; }
 
+# A run leaves tracked files as it found them (a build that rewrites a
+# committed Cargo.lock, say, fails it): their diff against HEAD is compared
+# at the end with the one at the start.
+tracked() { git diff HEAD 2>/dev/null | sha256sum | cut -c1-16; }
+TRACKED0=$(tracked)
+
 # ---- summary: printed at the end, and also when a step fails ------------------
 summary() {
   local rc=$? retried=0 rescued=0 skipped name verdict attempts wall prep l1 lab_total=0 s
@@ -49,23 +55,53 @@ summary() {
   if [ -s "$LAB_OUT/summary.tsv" ]; then
     echo
     printf '%-16s %-16s %8s %10s %10s %8s\n' scenario verdict attempts wall_s prepare_s l1_s
-    while IFS=$'\t' read -r name verdict attempts wall prep l1; do
+    while IFS=$'\t' read -r name verdict attempts wall prep l1 first; do
       printf '%-16s %-16s %8s %10s %10s %8s\n' "$name" "$verdict" "$attempts" "$wall" "$prep" "$l1"
+      # The first attempt's failure, for a retry or a failure (lab.rs).
+      [[ -z $first || $first == - ]] || printf '  %s first failed: %s\n' "$name" "$first"
       [[ $verdict != "passed on retry" ]] || retried=$((retried + 1))
       [[ $verdict != "pass, rescued" ]] || rescued=$((rescued + 1))
       lab_total=$(awk -v a="$lab_total" -v b="$wall" 'BEGIN {printf "%.1f", a + b}')
     done <"$LAB_OUT/summary.tsv"
     echo "lab total: ${lab_total} s over $(wc -l <"$LAB_OUT/summary.tsv") scenarios"
+    # Why each rescue fired (the watchdog's samples of L1's CPU), first attempts' too.
+    for f in "$LAB_OUT"/*/rescues.log; do
+      [[ -s $f ]] || continue
+      f_dir=${f%/rescues.log}
+      sed "s|^|  ${f_dir##*/}: |" "$f"
+    done
+  fi
+  if [ -z "${K7D_SKIP_LAB:-}" ]; then
+    echo
+    echo "lab scenarios run by hand only (no test runs them; tests/lab/run.sh --check holds each to a reason):"
+    tests/lab/run.sh --by-hand | sed 's/^/  /'
   fi
   skipped=$(sort -u "$K7D_SKIP_LOG" | wc -l)
   echo
   echo "skipped test bodies: $((skipped + ${#SKIPS_SAID[@]}))"
   sort -u "$K7D_SKIP_LOG" | sed 's/^/  /'
   for s in "${SKIPS_SAID[@]}"; do echo "  $s"; done
+  # An unexpected skip fails the run: each skip's test must be on the
+  # allowlist (tests/expected-skips.txt, with why this machine skips it).
+  local unexpected
+  unexpected=$(sort -u "$K7D_SKIP_LOG" | sed -n 's/^K7D-SKIP \([^:]*\):.*/\1/p' | while read -r t; do
+    grep -qxF -- "$t" <(sed -n 's/^\([^#][^|]*[^ |]\) *|.*/\1/p' tests/expected-skips.txt) || echo "$t"
+  done)
+  if [[ -n $unexpected ]]; then
+    echo "UNEXPECTED SKIPS (not in tests/expected-skips.txt): a check that silently stopped running fails CI:"
+    printf '%s\n' "$unexpected" | sed 's/^/  /'
+    [[ $rc -ne 0 ]] || rc=3
+  fi
   echo "lab scenarios that passed after the L1 watchdog woke a frozen L1 (rescued): $rescued"
   echo "lab scenarios that passed only on retry: $retried"
   rm -f "$K7D_SKIP_LOG"
+  if [[ $(tracked) != "$TRACKED0" ]]; then
+    echo "TRACKED FILES CHANGED by this run (a test or build rewrote them):"
+    git status --porcelain --untracked-files=no | sed 's/^/  /'
+    [[ $rc -ne 0 ]] || rc=4
+  fi
   if [ "$rc" -eq 0 ]; then log "all tests passed in $(( $(date +%s) - T0 )) s"; else log "FAILED (rc $rc) after $(( $(date +%s) - T0 )) s"; fi
+  exit "$rc"
 }
 trap summary EXIT
 

@@ -1,5 +1,6 @@
 # lab: description=the guest's clock runs at L1's rate under k7d, through the boot and after init (QEMU pc beside it as the reference)
 # lab: default=no
+# lab: by-hand=by hand (for CI's time budget, ~150 s of L1): the guest clock's rate through a boot; boot-compare's boots are CI's
 # lab: timeout=600
 # lab: needs=qemu
 # lab: bin=required

@@ -1,5 +1,6 @@
 # lab: description=reference for k7d-blk: the same guest script and checks with QEMU 7.2 (-drive if=virtio)
 # lab: default=no
+# lab: by-hand=by hand: QEMU's reference figures for k7d-blk, a comparison read by a person (k7d-blk's own checks run in CI)
 # lab: timeout=900
 # lab: needs=qemu
 # lab: guest=k7d-blk

@@ -1,5 +1,6 @@
 # lab: description=reference for k7d-net: the same guest script and checks with QEMU 7.2 (-netdev tap,queues=2; LAB_NET_VHOST=on for vhost-net)
 # lab: default=no
+# lab: by-hand=by hand: QEMU's reference figures for k7d-net, a comparison read by a person (k7d-net's own checks run in CI)
 # lab: timeout=900
 # lab: needs=qemu
 # lab: guest=k7d-net

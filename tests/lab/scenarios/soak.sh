@@ -1,5 +1,6 @@
 # lab: description=soak (not in CI): 2 vCPUs, 2 queue pairs of virtio-net streaming both ways while a raw disk is hammered with O_DIRECT writes/reads, mkfs.ext4 and process churn for LAB_SOAK_S (90) seconds; the guest must survive and every read must match (LAB_SOAK_VMM=qemu: the same under QEMU)
 # lab: default=no
+# lab: by-hand=by hand: a soak of LAB_SOAK_S seconds, too long for CI by design
 # lab: timeout=900
 # lab: needs=qemu
 # lab: guest-modules=virtio_pci virtio_blk virtio_net

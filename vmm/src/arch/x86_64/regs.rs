@@ -255,7 +255,7 @@ mod tests {
     #[test]
     fn kvm_accepts_the_boot_state() {
         let Ok(kvm) = Kvm::new() else {
-            eprintln!("note: /dev/kvm unavailable, skipping the KVM acceptance check");
+            k7d_test_skip::skip("kvm_accepts_the_boot_state", "/dev/kvm cannot be opened");
             return;
         };
         let vm = kvm.create_vm().unwrap();

@@ -189,8 +189,8 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
 }
 
 /// Each pod has its own identity (two pods forked from one template
-/// would otherwise share all of it): its address, its hostname, and the
-/// first 16 bytes its kernel's RNG hands out, its kernel's boot id.
+/// would otherwise share all of it): its address, its hostname, its NIC's
+/// MAC, the first 16 bytes its kernel's RNG hands out, its kernel's boot id.
 async fn identities(client: &mut Client, pods: &[(&str, &str)], own_kernels: bool, limit: Duration) -> Result<()> {
     let mut seen = Vec::new();
     for (ip, c) in pods {
@@ -206,21 +206,36 @@ async fn identities(client: &mut Client, pods: &[(&str, &str)], own_kernels: boo
             bail!("pod at {ip}: 16 bytes of /dev/urandom read as '{rng}'");
         }
         let boot = exec(client, c, &["cat", "/proc/sys/kernel/random/boot_id"], limit).await?;
-        println!("cri: net identity: pod at {ip}: hostname {host}, urandom {rng}, boot id {boot}");
-        seen.push((ip.to_string(), host, rng, boot));
+        // The first interface that is not lo (eth0 under runc and k7d).
+        let mac = exec(
+            client,
+            c,
+            &[
+                "sh",
+                "-c",
+                "for i in /sys/class/net/*; do [ \"${i##*/}\" = lo ] || { cat \"$i/address\"; break; }; done",
+            ],
+            limit,
+        )
+        .await?;
+        if mac.len() != 17 {
+            bail!("pod at {ip}: its NIC's MAC read as '{mac}'");
+        }
+        println!("cri: net identity: pod at {ip}: hostname {host}, mac {mac}, urandom {rng}, boot id {boot}");
+        seen.push((ip.to_string(), host, rng, boot, mac));
     }
     for (i, a) in seen.iter().enumerate() {
         for b in &seen[i + 1..] {
             // runc's pods share the node's kernel, and so its boot id.
-            if a.0 == b.0 || a.1 == b.1 || a.2 == b.2 || (own_kernels && a.3 == b.3) {
+            if a.0 == b.0 || a.1 == b.1 || a.2 == b.2 || (own_kernels && a.3 == b.3) || a.4 == b.4 {
                 bail!("two pods share an identity: {a:?} and {b:?}");
             }
         }
     }
     if own_kernels {
-        println!("cri: net identity: every pod's address, hostname, urandom and boot id differ");
+        println!("cri: net identity: every pod's address, hostname, MAC, urandom and boot id differ");
     } else {
-        println!("cri: net identity: every pod's address, hostname and urandom differ (one kernel, one boot id)");
+        println!("cri: net identity: every pod's address, hostname, MAC and urandom differ (one kernel, one boot id)");
     }
     Ok(())
 }

@@ -41,8 +41,10 @@
 # (io.k7d.pod-start=pool, pool_size = 1, filled by `k7d pool-fill`): the
 # net pair under k7d (the server boots the node's template and is forked
 # from it, the client claims the pool's member; each pod's address,
-# hostname, 16 bytes of /dev/urandom and boot id differ; the pool refills
-# itself), then the two-container pod again, forked from the paused
+# hostname, MAC, 16 bytes of /dev/urandom, boot id and machine-id differ;
+# the pool refills itself), the net pair again with both pods forked from
+# the one template (the same identity checks, fork against fork), then
+# the two-container pod again, forked from the paused
 # template (listed among its fork children), then claimed from the pool.
 # Metrics: each pod's steps (ms), pod start (RunPodSandbox until A's first
 # log line) and pod delete (Stop + Remove) in s, k7d's over runc's, and the
@@ -390,11 +392,15 @@ lab_metric k7d.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d" -v r="$DELETE_runc" 
 # the pods lived are in /tmp/dp.seen ("VM datapath: MODE[ (why)]").
 cri_net() {
   _l=$1 _h=$2 _hook=${3:-} _ps=${4:-}
-  rm -f /tmp/dp.seen
+  rm -f /tmp/dp.seen /tmp/ids.seen
   if [ "${_h%%-*}" = k7d ]; then
     ( while :; do
         for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | awk '{print $1}'); do
           "$LAB_BIN" --socket "$SOCK" info "$_v" 2>/dev/null | grep -o 'datapath: [a-z]*[^;]*' | sed "s/^/$_v /" >>/tmp/dp.seen
+          # The machine-id the agent was given at a fork or a claim
+          # ("VM machine-id", from its console), which no container sees.
+          grep -ho 'identity: entropy [0-9]* bytes, machine-id [0-9a-f]*' "$STATE/vms/$_v/serial.log" 2>/dev/null |
+            sed "s/^.*machine-id /$_v /" >>/tmp/ids.seen
         done
         sleep 1
       done ) &
@@ -409,6 +415,16 @@ cri_net() {
   _mibs=$(sed -n 's/^cri: net tcp 4 MiB .*(\([0-9.]*\) MiB\/s)$/\1/p' "/tmp/cri-$_l.out")
   [ -z "$_mibs" ] || lab_metric "$_l.tcp_mib_s" "$_mibs" MiB/s
   lab_note "$_l (handler $_h): $(sed -n 's/^cri: net ping [^:]*: //p' "/tmp/cri-$_l.out"); $(sed -n 's/^cri: net tcp //p' "/tmp/cri-$_l.out")"
+}
+# machine_ids LABEL: the two pod VMs of LABEL's net pair were each given a
+# machine-id of their own (ids.seen, from their consoles while they lived).
+machine_ids() {
+  _ids=$(sort -u /tmp/ids.seen 2>/dev/null)
+  [ "$(printf '%s\n' "$_ids" | awk 'NF == 2 {print $1}' | sort -u | grep -c .)" -ge 2 ] ||
+    fail "$1: fewer than two pod VMs were given a machine-id (saw: $(printf '%s' "$_ids" | tr '\n' ';'))"
+  [ "$(printf '%s\n' "$_ids" | awk 'NF == 2 {print $2}' | sort -u | grep -c .)" = "$(printf '%s\n' "$_ids" | awk 'NF == 2 {print $1}' | sort -u | grep -c .)" ] ||
+    fail "$1: two pod VMs share a machine-id: $(printf '%s' "$_ids" | tr '\n' ';')"
+  lab_note "$1: each pod VM's machine-id: $(printf '%s' "$_ids" | tr '\n' ';')"
 }
 cri_net net-runc runc
 nothing_left net-runc
@@ -478,10 +494,23 @@ grep -q '^pool-[^ ]* datapath: direct' /tmp/dp.seen || fail "net-k7d: the client
 grep -q '^cri: net identity: every pod' /tmp/cri-net-k7d.out || fail "net-k7d: the identity check did not run"
 lab_note "net-k7d (a fork-started server, a pool-claimed client): $(sed -n 's/^cri: net identity: pod at //p' /tmp/cri-net-k7d.out | tr '\n' ';')"
 
+machine_ids net-k7d
+
 grep -q '^cri: net policy: cleared' /tmp/cri-net-k7d.out || fail "net-k7d: the policy check did not run"
 lab_note "net-k7d: $(sed -n 's/^cri: net policy: default-deny/default-deny/p' /tmp/cri-net-k7d.out); cleared: the ping passes again"
 nothing_left net-k7d
 pool_ready net-k7d
+
+# Two pods forked from the one template: the fork against the fork (a
+# fork child against a cold-booted pool member would differ even if k7d
+# gave a child nothing of its own). Address, hostname, MAC, 16 bytes of
+# /dev/urandom and boot id (k7d-cri net), and machine-id all differ.
+cri_net net-k7d-forks k7d "" fork,fork
+grep -q '^cri: net identity: every pod' /tmp/cri-net-k7d-forks.out || fail "net-k7d-forks: the identity check did not run"
+dp_seen net-k7d-forks direct
+lab_note "net-k7d-forks (two children of one template): $(sed -n 's/^cri: net identity: pod at //p' /tmp/cri-net-k7d-forks.out | tr '\n' ';')"
+machine_ids net-k7d-forks
+nothing_left net-k7d-forks
 lab_note "warm pool: refilled after net-k7d's claim: $("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1 " " $NF}')"
 
 # --- a pod started by fork ---------------------------------------------------------

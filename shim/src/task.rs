@@ -1079,87 +1079,7 @@ impl Task for Service {
     }
 
     fn start(&self, _ctx: &TtrpcContext, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
-        {
-            let mut st = self.inner.lock();
-            let p = st.process_mut(&req.id, &req.exec_id)?;
-            if p.life != Life::Created || p.starting {
-                return Err(err(
-                    Code::FAILED_PRECONDITION,
-                    format!("process {}/{} was already started", req.id, req.exec_id),
-                ));
-            }
-            p.starting = true;
-        }
-        // Clears `starting` however Start ends, and lets a waiting exit go
-        // (after the start event, when it started).
-        let done = |running: bool| {
-            let mut st = self.inner.lock();
-            if let Some(p) = st.tasks.get_mut(&req.id).and_then(|t| t.procs.get_mut(&req.exec_id)) {
-                p.starting = false;
-                if running && p.life == Life::Created {
-                    p.life = Life::Running;
-                }
-            }
-            drop(st);
-            self.inner.changed.notify_all();
-        };
-        match self.inner.call(&Request::Start(pref(&req.id, &req.exec_id))) {
-            Ok(Reply::Pid(_)) => {}
-            Ok(other) => {
-                done(false);
-                return Err(err(
-                    Code::INTERNAL,
-                    format!("the guest agent answered Start with {other:?}"),
-                ));
-            }
-            Err(e) => {
-                done(false);
-                return Err(e);
-            }
-        }
-        let (host_pid, ended) = {
-            let st = self.inner.lock();
-            let ended = st
-                .tasks
-                .get(&req.id)
-                .and_then(|t| t.procs.get(&req.exec_id))
-                .is_none_or(|p| p.life == Life::Stopped);
-            (st.pod.as_ref().map_or(0, |p| p.host_pid), ended)
-        };
-        if ended {
-            // The pod VM died while the agent started it and its exit is
-            // out already: a start event now would follow its exit.
-            done(false);
-            return Err(err(
-                Code::UNAVAILABLE,
-                format!("the pod VM stopped while process {}/{} started", req.id, req.exec_id),
-            ));
-        }
-        if req.exec_id.is_empty() {
-            self.inner.publish(
-                topics::TASK_START_EVENT_TOPIC,
-                Box::new(TaskStart {
-                    container_id: req.id.clone(),
-                    pid: host_pid,
-                    ..Default::default()
-                }),
-            );
-        } else {
-            self.inner.publish(
-                topics::TASK_EXEC_STARTED_EVENT_TOPIC,
-                Box::new(TaskExecStarted {
-                    container_id: req.id.clone(),
-                    exec_id: req.exec_id.clone(),
-                    pid: host_pid,
-                    ..Default::default()
-                }),
-            );
-        }
-        done(true);
-        Ok(api::StartResponse {
-            pid: host_pid,
-            ..Default::default()
-        })
+        self.start_process(req)
     }
 
     fn delete(&self, _ctx: &TtrpcContext, req: api::DeleteRequest) -> TtrpcResult<api::DeleteResponse> {
@@ -1518,6 +1438,91 @@ impl Task for Service {
 }
 
 impl Service {
+    /// containerd's Start ([`Task::start`]; it needs no context).
+    fn start_process(&self, req: api::StartRequest) -> TtrpcResult<api::StartResponse> {
+        {
+            let mut st = self.inner.lock();
+            let p = st.process_mut(&req.id, &req.exec_id)?;
+            if p.life != Life::Created || p.starting {
+                return Err(err(
+                    Code::FAILED_PRECONDITION,
+                    format!("process {}/{} was already started", req.id, req.exec_id),
+                ));
+            }
+            p.starting = true;
+        }
+        // Clears `starting` however Start ends, and lets a waiting exit go
+        // (after the start event, when it started).
+        let done = |running: bool| {
+            let mut st = self.inner.lock();
+            if let Some(p) = st.tasks.get_mut(&req.id).and_then(|t| t.procs.get_mut(&req.exec_id)) {
+                p.starting = false;
+                if running && p.life == Life::Created {
+                    p.life = Life::Running;
+                }
+            }
+            drop(st);
+            self.inner.changed.notify_all();
+        };
+        match self.inner.call(&Request::Start(pref(&req.id, &req.exec_id))) {
+            Ok(Reply::Pid(_)) => {}
+            Ok(other) => {
+                done(false);
+                return Err(err(
+                    Code::INTERNAL,
+                    format!("the guest agent answered Start with {other:?}"),
+                ));
+            }
+            Err(e) => {
+                done(false);
+                return Err(e);
+            }
+        }
+        let (host_pid, ended) = {
+            let st = self.inner.lock();
+            let ended = st
+                .tasks
+                .get(&req.id)
+                .and_then(|t| t.procs.get(&req.exec_id))
+                .is_none_or(|p| p.life == Life::Stopped);
+            (st.pod.as_ref().map_or(0, |p| p.host_pid), ended)
+        };
+        if ended {
+            // The pod VM died while the agent started it and its exit is
+            // out already: a start event now would follow its exit.
+            done(false);
+            return Err(err(
+                Code::UNAVAILABLE,
+                format!("the pod VM stopped while process {}/{} started", req.id, req.exec_id),
+            ));
+        }
+        if req.exec_id.is_empty() {
+            self.inner.publish(
+                topics::TASK_START_EVENT_TOPIC,
+                Box::new(TaskStart {
+                    container_id: req.id.clone(),
+                    pid: host_pid,
+                    ..Default::default()
+                }),
+            );
+        } else {
+            self.inner.publish(
+                topics::TASK_EXEC_STARTED_EVENT_TOPIC,
+                Box::new(TaskExecStarted {
+                    container_id: req.id.clone(),
+                    exec_id: req.exec_id.clone(),
+                    pid: host_pid,
+                    ..Default::default()
+                }),
+            );
+        }
+        done(true);
+        Ok(api::StartResponse {
+            pid: host_pid,
+            ..Default::default()
+        })
+    }
+
     fn pause_resume(&self, id: &str, pause: bool) -> TtrpcResult<api::Empty> {
         let vm_id = {
             let st = self.inner.lock();
@@ -1562,6 +1567,310 @@ impl Service {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixListener;
+    use std::sync::mpsc;
+    use std::thread::JoinHandle;
+
+    use containerd_shim::protos::shim::events::ForwardRequest;
+    use containerd_shim::protos::{Events, create_events};
+
+    use crate::agent::Limits;
+    use crate::pool::tests::Lives;
+
+    /// How long a test waits for what must happen at once.
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    /// containerd's events service: what the shim published, in order.
+    #[derive(Default)]
+    struct Published {
+        events: Mutex<Vec<(String, Any)>>,
+        added: Condvar,
+    }
+
+    impl Events for Published {
+        fn forward(&self, _ctx: &TtrpcContext, req: ForwardRequest) -> TtrpcResult<api::Empty> {
+            let env = req.envelope.unwrap_or_default();
+            let event = env.event.clone().unwrap_or_default();
+            self.events.lock().unwrap().push((env.topic, event));
+            self.added.notify_all();
+            Ok(api::Empty::new())
+        }
+    }
+
+    impl Published {
+        fn topics(&self) -> Vec<String> {
+            self.events.lock().unwrap().iter().map(|(t, _)| t.clone()).collect()
+        }
+
+        /// The (container, id, status) of every exit published, sorted,
+        /// once there are `n` (or what there is after [`LIMIT`]).
+        fn exits(&self, n: usize) -> Vec<(String, String, u32)> {
+            let deadline = Instant::now() + LIMIT;
+            let mut ev = self.events.lock().unwrap();
+            let exits = |ev: &[(String, Any)]| -> Vec<(String, String, u32)> {
+                let mut x: Vec<_> = ev
+                    .iter()
+                    .filter(|(t, _)| t == topics::TASK_EXIT_EVENT_TOPIC)
+                    .map(|(_, a)| {
+                        let e = TaskExit::parse_from_bytes(&a.value).unwrap();
+                        (e.container_id, e.id, e.exit_status)
+                    })
+                    .collect();
+                x.sort();
+                x
+            };
+            while exits(&ev).len() < n && Instant::now() < deadline {
+                ev = self.added.wait_timeout(ev, deadline - Instant::now()).unwrap().0;
+            }
+            exits(&ev)
+        }
+    }
+
+    /// A pod VM's agent behind its vsock socket `uds`: it answers `Hello`,
+    /// then holds one `Start` (runc busy in the guest; the VM may die
+    /// meanwhile) and answers it with a pid once `answer` is sent to or
+    /// dropped. `asked` gets the process that Start names.
+    fn slow_agent(uds: &Path) -> (mpsc::Receiver<ProcessRef>, mpsc::Sender<()>) {
+        let listener = UnixListener::bind(uds).unwrap();
+        let (asked_tx, asked) = mpsc::channel();
+        let (answer, answer_rx) = mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut line = Vec::new();
+            let mut b = [0u8; 1];
+            while s.read(&mut b).unwrap() == 1 && b[0] != b'\n' {
+                line.push(b[0]);
+            }
+            assert_eq!(line, format!("CONNECT {}", proto::PORT).as_bytes());
+            s.write_all(b"OK 1\n").unwrap();
+            loop {
+                match proto::read_frame::<_, Request>(&mut s).unwrap() {
+                    Request::Hello { .. } => {
+                        let hello = Reply::Hello {
+                            version: proto::VERSION,
+                            kernel: "test".into(),
+                        };
+                        proto::write_frame(&mut s, &proto::Response::Ok(hello)).unwrap();
+                    }
+                    Request::Start(p) => {
+                        asked_tx.send(p).unwrap();
+                        let _ = answer_rx.recv();
+                        let _ = proto::write_frame(&mut s, &proto::Response::Ok(Reply::Pid(42)));
+                        return;
+                    }
+                    other => panic!("the test's agent was asked {other:?}"),
+                }
+            }
+        });
+        (asked, answer)
+    }
+
+    /// One shim's task service over a live pod VM (host pid 7) with task
+    /// `c`: its init running, its exec `e` created. containerd's events
+    /// service and the daemon are the test's; the agent is [`slow_agent`].
+    struct Shim {
+        svc: Service,
+        published: Arc<Published>,
+        daemon: Arc<Lives>,
+        vm_id: String,
+        events: Option<ttrpc::Server>,
+        dir: PathBuf,
+    }
+
+    impl Drop for Shim {
+        fn drop(&mut self) {
+            if let Some(s) = self.events.take() {
+                s.shutdown();
+            }
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn shim(tag: &str) -> (Shim, mpsc::Receiver<ProcessRef>, mpsc::Sender<()>) {
+        let dir = std::env::temp_dir().join(format!("k7d-shim-task-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let names = pod_names(&dir, "k7d-test", "c");
+        std::fs::create_dir_all(&names.dir).unwrap();
+        let published = Arc::new(Published::default());
+        let sock = dir.join("events.sock");
+        let mut events = ttrpc::Server::new()
+            .bind(&format!("unix://{}", sock.display()))
+            .unwrap()
+            .register_service(create_events(published.clone()));
+        events.start().unwrap();
+        let publisher = RemotePublisher::new(sock.to_str().unwrap()).unwrap();
+        let (asked, answer) = slow_agent(&names.vsock);
+        let daemon = Arc::new(Lives::default());
+        daemon
+            .lives
+            .lock()
+            .unwrap()
+            .insert(names.vm_id.clone(), VmLife::Running);
+        let proc = |life| Proc {
+            life,
+            starting: false,
+            exit_status: 0,
+            exited_at: None,
+            paths: stdio::Paths::default(),
+            relays: None,
+        };
+        let limits = Limits {
+            call: Duration::from_secs(60),
+            create: Duration::from_secs(60),
+        };
+        let state = State {
+            pod: Some(Pod {
+                names: names.clone(),
+                drives: Vec::new(),
+                agent: Agent::new(&names.vsock).with_limits(limits),
+                host_pid: 7,
+                paused: false,
+                dead: false,
+                sandbox: None,
+            }),
+            tasks: HashMap::from([(
+                "c".to_string(),
+                TaskEntry {
+                    bundle: String::new(),
+                    drives: Vec::new(),
+                    procs: HashMap::from([
+                        (String::new(), proc(Life::Running)),
+                        ("e".to_string(), proc(Life::Created)),
+                    ]),
+                },
+            )]),
+            ..Default::default()
+        };
+        let svc = Service {
+            inner: Arc::new(Inner {
+                namespace: "k7d-test".into(),
+                daemon: daemon.clone(),
+                publisher: Mutex::new(publisher),
+                exit: Arc::new(ExitSignal::default()),
+                state: Mutex::new(state),
+                changed: Condvar::new(),
+            }),
+        };
+        let shim = Shim {
+            svc,
+            published,
+            daemon,
+            vm_id: names.vm_id,
+            events: Some(events),
+            dir,
+        };
+        (shim, asked, answer)
+    }
+
+    impl Shim {
+        /// containerd's Start of exec `e`, in flight: the agent has it.
+        fn start_exec(&self, asked: &mpsc::Receiver<ProcessRef>) -> JoinHandle<TtrpcResult<api::StartResponse>> {
+            let svc = self.svc.clone();
+            let start = std::thread::spawn(move || {
+                svc.start_process(api::StartRequest {
+                    id: "c".into(),
+                    exec_id: "e".into(),
+                    ..Default::default()
+                })
+            });
+            assert_eq!(asked.recv_timeout(LIMIT).unwrap(), pref("c", "e"));
+            start
+        }
+
+        /// A watcher's report of exec `e`'s exit, in its own thread.
+        fn exec_exits(&self, status: u32) -> JoinHandle<()> {
+            let inner = self.svc.inner.clone();
+            std::thread::spawn(move || inner.exited("c", "e", status))
+        }
+
+        /// The monitor's end of the pod VM (it died), in its own thread.
+        fn vm_dies(&self) -> JoinHandle<()> {
+            let (inner, vm_id) = (self.svc.inner.clone(), self.vm_id.clone());
+            std::thread::spawn(move || inner.end_vm(&vm_id))
+        }
+    }
+
+    /// Both of task `c`'s processes killed with the pod VM.
+    fn both_killed() -> Vec<(String, String, u32)> {
+        vec![
+            ("c".to_string(), "c".to_string(), KILLED),
+            ("c".to_string(), "e".to_string(), KILLED),
+        ]
+    }
+
+    /// While the pod VM lives, an exit reported during its process's Start
+    /// waits for that Start: containerd sees the exec's start event first,
+    /// then its exit.
+    #[test]
+    fn while_the_pod_vm_lives_an_exit_waits_for_its_start_in_flight() {
+        let (shim, asked, answer) = shim("live");
+        let start = shim.start_exec(&asked);
+        let exit = shim.exec_exits(0);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(shim.published.topics().is_empty(), "{:?}", shim.published.topics());
+        assert!(!exit.is_finished(), "the exit went before its Start's answer");
+        answer.send(()).unwrap();
+        assert_eq!(start.join().unwrap().unwrap().pid, 7);
+        exit.join().unwrap();
+        assert_eq!(
+            shim.published.topics(),
+            [topics::TASK_EXEC_STARTED_EVENT_TOPIC, topics::TASK_EXIT_EVENT_TOPIC]
+        );
+        assert_eq!(shim.published.exits(1), [("c".to_string(), "e".to_string(), 0)]);
+    }
+
+    /// Once the pod VM is dead its exits do not wait for a Start in flight
+    /// (whose agent call can only fail, at worst at its limit): with the
+    /// crashing exec's Start still waiting for the agent, `end_vm`
+    /// publishes every process's exit (137) and removes the VM, and a
+    /// watcher's exit that was waiting for that Start ends, published once.
+    #[test]
+    fn once_the_pod_vm_is_dead_its_exits_do_not_wait_for_a_start_in_flight() {
+        let (shim, asked, answer) = shim("dead");
+        let start = shim.start_exec(&asked);
+        let waiting = shim.exec_exits(KILLED);
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(shim.published.topics().is_empty(), "{:?}", shim.published.topics());
+        let end = shim.vm_dies();
+        assert_eq!(
+            shim.published.exits(2),
+            both_killed(),
+            "exits while the Start is in flight"
+        );
+        assert!(!start.is_finished(), "the agent has not answered the Start yet");
+        end.join().unwrap();
+        waiting.join().unwrap();
+        assert_eq!(*shim.daemon.deleted.lock().unwrap(), std::slice::from_ref(&shim.vm_id));
+        assert_eq!(shim.published.topics().len(), 2, "{:?}", shim.published.topics());
+        drop(answer);
+        assert!(start.join().unwrap().is_err());
+    }
+
+    /// A Start whose agent answers after its process's exit was published
+    /// (the pod VM died in between) answers UNAVAILABLE and publishes no
+    /// start event: containerd never sees a start after the exit, and the
+    /// process stays stopped with 137.
+    #[test]
+    fn a_start_that_returns_after_its_exit_was_published_answers_unavailable_without_a_start_event() {
+        let (shim, asked, answer) = shim("late-start");
+        let start = shim.start_exec(&asked);
+        let end = shim.vm_dies();
+        assert_eq!(shim.published.exits(2), both_killed());
+        end.join().unwrap();
+        answer.send(()).unwrap();
+        match start.join().unwrap() {
+            Err(ttrpc::Error::RpcStatus(s)) => assert_eq!(s.code(), Code::UNAVAILABLE, "{}", s.message),
+            other => panic!("the late Start answered {other:?}"),
+        }
+        assert_eq!(
+            shim.published.topics(),
+            [topics::TASK_EXIT_EVENT_TOPIC, topics::TASK_EXIT_EVENT_TOPIC]
+        );
+        let st = shim.svc.inner.lock();
+        let p = st.process("c", "e").unwrap();
+        assert_eq!((p.life, p.exit_status, p.starting), (Life::Stopped, KILLED, false));
+    }
 
     #[test]
     fn a_fork_child_gets_its_own_mac_and_identity() {

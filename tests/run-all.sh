@@ -71,6 +71,14 @@ summary() {
       sed "s|^|  ${f_dir##*/}: |" "$f"
     done
   fi
+  if [[ -s ${HOST_TIMES:-} ]]; then
+    echo
+    echo "host-level tests: $(grep -cE '^test .* <[0-9.]+s>$' "$HOST_TIMES") timed, $(grep -E '^test .* <[0-9.]+s>$' "$HOST_TIMES" |
+      sed -E 's/.*<([0-9.]+)s>$/\1/' | awk '{s += $1} END {printf "%.0f", s}') s in all (each binary's tests run two at a time); the slowest:"
+    grep -E '^test .* <[0-9.]+s>$' "$HOST_TIMES" | sed -E 's/^test (.*) \.\.\. [a-zA-Z]+ <([0-9.]+)s>$/\2 \1/' |
+      sort -rn | head -n 12 | awk '{printf "  %7.1f s  %s\n", $1, $2}'
+    rm -f "$HOST_TIMES"
+  fi
   if [ -z "${K7D_SKIP_LAB:-}" ]; then
     echo
     echo "lab scenarios run by hand only (no test runs them; tests/lab/run.sh --check holds each to a reason):"
@@ -137,7 +145,11 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 
 phase "host-level tests (real KVM, release)"
-cargo test --workspace --release
+# Each test's wall time (tests/report-time.sh, cargo's runner for this
+# command only) goes to HOST_TIMES; the summary ranks the slowest.
+HOST_TIMES=$(mktemp /tmp/k7d-host-times.XXXXXX)
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=$(pwd)/tests/report-time.sh \
+  cargo test --workspace --release 2>&1 | tee "$HOST_TIMES"
 
 phase "tc object: no clang embeds nothing, a plain rebuild after clang appears embeds it"
 bpf/tests/clang-appears.sh

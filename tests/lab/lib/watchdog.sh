@@ -217,7 +217,7 @@ l1_watchdog() {
       fi
       echo "rescue $rescues: no heartbeat from L1 for $quiet_s s; $seen; a key press sent to L1 (sendkey shift)" >>"$out/rescues.log"
       # The freeze record (freezes.log): the evidence that buys a failed
-      # attempt its one retry (tests/tests/lab.rs, retry_verdict).
+      # attempt its one retry (tests/tests/lab.rs, with_one_retry).
       echo "rescue $rescues after $quiet_s s without a heartbeat: $seen" >>"$out/freezes.log"
       _hmp "$out" "sendkey shift" >/dev/null
       echo "lab: L1 watchdog: no heartbeat for $quiet_s s: rescue $rescues (a key press makes QEMU re-read L1's pending interrupts; $out/rescues.log)" >&2

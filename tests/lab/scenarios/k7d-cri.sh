@@ -195,7 +195,7 @@ lab_note "containerd $(ctr version 2>/dev/null | sed -n 's/^ *Version: *//p' | t
 cri_pod() {
   _l=$1 _h=$2 _k=$3 _ps=${4:-}
   echo "lab: $_l: k7d-cri pod --runtime-handler $_h${_ps:+ --pod-start $_ps}"
-  rm -f /tmp/vms.max /tmp/forked.seen
+  rm -f /tmp/vms.max /tmp/forked.seen "/tmp/ids-$_l.seen"
   _clines=$(wc -l <"$CLOG")
   if [ "${_h%%-*}" = k7d ]; then
     ( _m=0
@@ -205,6 +205,11 @@ cri_pod() {
         # A fork template's live children (k7d info: "fork children: ...").
         for _t in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | awk '$1 ~ /^tmpl-/ {print $1}'); do
           "$LAB_BIN" --socket "$SOCK" info "$_t" 2>/dev/null | sed -n "s/^ *fork children: /$_t /p" >>/tmp/forked.seen
+        done
+        # Each VM's machine-id, as in cri_net (ids.seen).
+        for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | awk '{print $1}'); do
+          grep -ho 'identity: entropy [0-9]* bytes, machine-id [0-9a-f]*' "$STATE/vms/$_v/serial.log" 2>/dev/null |
+            sed "s/^.*machine-id /$_v /" >>"/tmp/ids-$_l.seen"
         done
         sleep 1
       done ) &
@@ -245,9 +250,13 @@ cri_pod() {
 
 # _ctime TEXT: the time of day (s) of the first containerd log line since
 # this pod's start that contains TEXT; empty if none.
+# The line's first well-formed stamp: containerd's log has two writers (its
+# own logger and the shims' log copier), and a line may start with the
+# other's torn bytes ('time="time="2026-...', seen in a CI run).
 _ctime() {
   tail -n +"$((_clines + 1))" "$CLOG" | grep -F -m1 -- "$1" |
-    sed -n 's/^time="[0-9-]*T\([0-9]*\):\([0-9]*\):\([0-9.]*\)[^"]*".*/\1 \2 \3/p' |
+    grep -o 'time="[0-9-]*T[0-9]*:[0-9]*:[0-9.]*' | head -n1 |
+    sed -n 's/^time="[0-9-]*T\([0-9]*\):\([0-9]*\):\([0-9.]*\)$/\1 \2 \3/p' |
     awk '{printf "%.3f\n", $1 * 3600 + $2 * 60 + $3}'
 }
 
@@ -410,6 +419,7 @@ cri_net() {
     --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_hook:+--hook "$_hook"} ${_ps:+--pod-start "$_ps"} >"/tmp/cri-$_l.out" 2>&1
   _rc=$?
   [ -z "${_dpoll:-}" ] || { kill "$_dpoll"; wait "$_dpoll" 2>/dev/null; _dpoll=; }
+  [ ! -e /tmp/ids.seen ] || cp /tmp/ids.seen "/tmp/ids-$_l.seen"
   sed "s/^/lab: $_l: /" "/tmp/cri-$_l.out"
   [ "$_rc" = 0 ] || fail "$_l: k7d-cri net (handler $_h) exited $_rc: $(grep -v '^cri: step ' "/tmp/cri-$_l.out" | tail -n 2 | tr '\n' ' ')"
   _mibs=$(sed -n 's/^cri: net tcp 4 MiB .*(\([0-9.]*\) MiB\/s)$/\1/p' "/tmp/cri-$_l.out")
@@ -571,6 +581,16 @@ _r=$(refills)
 kill $_r
 _left=$("$LAB_BIN" --socket "$SOCK" list | awk '$1 ~ /^pool-/ {print $1}')
 [ -z "$_left" ] || fail "k7d-pool: the pool's member $_left is still there: the pod did not claim it"
+# Two pool members, net-k7d's client and this pod's (each booted by its
+# own pool-fill): each VM its own machine-id and boot id.
+_p1=$(awk '$1 ~ /^pool-/' /tmp/ids-net-k7d.seen 2>/dev/null | sort -u | head -n1)
+_p2=$(awk '$1 ~ /^pool-/' /tmp/ids-k7d-pool.seen 2>/dev/null | sort -u | head -n1)
+_b1=$(sed -n 's/^cri: net identity: pod at [^:]*: hostname net-k7d-client, .*, boot id //p' /tmp/cri-net-k7d.out)
+[ -n "$_p1" ] && [ -n "$_p2" ] || fail "k7d-pool: no machine-id seen for a pool member (net-k7d: '$_p1', k7d-pool: '$_p2')"
+[ "${_p1%% *}" != "${_p2%% *}" ] && [ "${_p1#* }" != "${_p2#* }" ] ||
+  fail "k7d-pool: two pool members share a VM or a machine-id: $_p1 / $_p2"
+[ -n "$_b1" ] && [ "$_b1" != "$BOOT_ID" ] || fail "k7d-pool: two pool members share a boot id ('$_b1', '$BOOT_ID')"
+lab_note "two pool members: $_p1 (boot id $_b1, net-k7d's client) and $_p2 (boot id $BOOT_ID, k7d-pool): their own machine-ids and boot ids"
 lab_metric k7d_pool.pod_start_vs_runc "$(awk -v k="$START_k7d_pool" -v r="$START_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x
 lab_metric k7d_pool.pod_start_vs_cold "$(awk -v k="$START_k7d_pool" -v c="$START_k7d" 'BEGIN {printf "%.2f", (c > 0 ? k / c : 0)}')" x
 lab_metric k7d_pool.pod_delete_vs_runc "$(awk -v k="$DELETE_k7d_pool" -v r="$DELETE_runc" 'BEGIN {printf "%.2f", (r > 0 ? k / r : 0)}')" x

@@ -23,7 +23,7 @@
 #   3. cat: "in" on stdin comes back, and stdin's end ends it.
 # Metrics: the time from ctr run to the container's first output line.
 # k7d only: its pod VM's agent left the initramfs (runc pivots); a guest
-# crash and a killed daemon stop tasks with 137 (the crash within 1 s of
+# crash and a killed daemon stop tasks with 137 (the crash within 2 s of
 # the VM's stop); concurrent creates; an idle pod's PSS.
 # Afterwards: no task, no container, no shim process, no k7d VM.
 # By hand: tests/lab/run.sh --bin target/release/k7d --agent target/release/k7d-agent k7d-shim
@@ -457,8 +457,11 @@ exec_end_s=$(lab_sub "$(cat /tmp/crash-exec-end)" "$(cat /tmp/crash-vm-down)")
   fail "k7d: ctr task exec of the crash ended $exec_end_s s after its VM stopped (limit 5 s): $(tr '\n' '|' </tmp/ctr-sysrq.out)"
 deleted_with crash 137
 timeout -s KILL 30 /usr/bin/ctr containers rm crash >/dev/null || fail "k7d: ctr containers rm crash failed"
-[ "$(awk -v s="$crash_s" 'BEGIN {print (s <= 1)}')" = 1 ] ||
-  fail "k7d: the crashed guest's task was STOPPED $crash_s s after its VM stopped (limit 1 s)"
+# 2 s: what is timed is mostly the lab's own polling (each `ctr tasks ls`
+# is a Go binary's start on the emulated L1, 0.3-0.7 s, more with the other
+# slot's L1 busy); the shim publishes the exit as the VM's end is seen.
+[ "$(awk -v s="$crash_s" 'BEGIN {print (s <= 2)}')" = 1 ] ||
+  fail "k7d: the crashed guest's task was STOPPED $crash_s s after its VM stopped (limit 2 s)"
 lab_metric k7d.guest_crash_to_stopped "$crash_s" s
 lab_note "k7d: a guest kernel crash (sysrq c): its task STOPPED $crash_s s after the daemon listed its VM as stopped ($exec_s s after the exec), status 137; the crashing exec's ctr ended $exec_end_s s after the VM's stop"
 

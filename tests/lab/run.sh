@@ -128,7 +128,14 @@ flock -w "$TIMEOUT" 9 || die "another lab run holds $CACHE/lock"
 
 # --- inputs: Debian packages, by version -----------------------------------
 read -r L1_TREE L1_KREL <<<"$(kernel_tree linux-image-amd64)"
-read -r L2_TREE L2_KREL <<<"$(kernel_tree linux-image-cloud-amd64)"
+# The L2 guest's kernel: Debian's cloud kernel unless the scenario asks for
+# the generic one ("# lab: l2-kernel=generic", e.g. for its CONFIG_VMGENID).
+case $(header "$SCRIPT" l2-kernel cloud) in
+  cloud) L2_PKG=linux-image-cloud-amd64 ;;
+  generic) L2_PKG=linux-image-amd64 ;;
+  *) die "scenario $SCEN: l2-kernel=$(header "$SCRIPT" l2-kernel) (cloud or generic)" ;;
+esac
+read -r L2_TREE L2_KREL <<<"$(kernel_tree "$L2_PKG")"
 BB_VER=$(pkg_version busybox-static)
 BB=$(unpack busybox-static "$BB_VER")/bin/busybox
 [[ -x $BB ]] || die "busybox-static has no bin/busybox"

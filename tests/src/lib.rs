@@ -80,6 +80,7 @@ pub fn linux_build_config(kernel: &std::path::Path, initrd: &std::path::Path, di
             }],
             nics: vec![NicConfig::default()],
             vsock: None,
+            vmgenid: None,
         },
         ..Default::default()
     }

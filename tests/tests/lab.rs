@@ -451,6 +451,7 @@ fn check_bounds(scenario: &str, r: &Value) -> Result<()> {
 /// A scenario missing here counts as 60 s.
 const TYPICAL_L1_S: &[(&str, u32)] = &[
     ("k7d-cri", 340),
+    ("k7d-vmgenid", 270),
     ("k7d-shim", 180),
     ("k7d-cluster", 175),
     ("k7d-memory", 165),
@@ -956,6 +957,27 @@ fn lab_k7d_fork_linux_vhost() {
     let notes = r["notes"].to_string();
     assert!(notes.contains("both vhost-net"), "{notes}");
     assert!(notes.contains("each VM read back only its own counter"), "{notes}");
+}
+
+/// Issue 40: Debian's generic kernel (it has the vmgenid driver), 1 vCPU,
+/// drawing from /dev/urandom every 3 s: in 20 forks of 8 children, each
+/// child's kernel reseeded (one more "virtual machine fork" message) before
+/// its first draw and no draw repeats among the children and their source;
+/// two restores of one snapshot and a 3 × 2 cluster fork likewise; the same
+/// forks of a VM made with `--no-vmgenid` repeat draws and warn once (all
+/// asserted in the scenario).
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_vmgenid_reseeds_every_child() {
+    if pending("k7d-vmgenid") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("k7d-vmgenid", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("every child reseeded before its first draw"), "{notes}");
+    assert!(notes.contains("repeated draws in 4 forks of off"), "{notes}");
+    assert!(notes.contains("two restores of one snapshot"), "{notes}");
 }
 
 /// Issue 16: a 3-VM cluster of Debian guests on its private bridge (a

@@ -193,6 +193,21 @@ pub struct DevicesConfig {
     /// A virtio-vsock device.
     #[serde(default)]
     pub vsock: Option<VsockConfig>,
+    /// The VM Generation ID (`arch/x86_64/vmgenid.rs`): a fresh ID in every
+    /// fork child and restored VM, from which a guest kernel with the driver
+    /// reseeds its RNG. Unset: on for Linux guests, off for the real-mode
+    /// test guests (which have no ACPI).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmgenid: Option<bool>,
+}
+
+impl VmConfig {
+    /// Whether this VM has the VM Generation ID ([`DevicesConfig::vmgenid`]).
+    pub fn vmgenid(&self) -> bool {
+        self.devices
+            .vmgenid
+            .unwrap_or(matches!(self.guest, GuestSpec::Linux { .. }))
+    }
 }
 
 impl DevicesConfig {

@@ -24,7 +24,7 @@ pub mod vstate;
 pub use config::VmConfig;
 pub use vstate::control::StopReason;
 pub use vstate::fork::ChildSpec;
-pub use vstate::vm::{Vm, VmError, VmOptions, VmState};
+pub use vstate::vm::{RngReseed, Vm, VmError, VmOptions, VmState};
 
 /// vm-memory, re-exported so tests use the exact version k7d maps RAM with.
 pub use vm_memory as vm_memory_reexport;

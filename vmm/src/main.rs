@@ -169,6 +169,11 @@ struct GuestArgs {
     /// A virtio-vsock device: `cid=N,uds=PATH`.
     #[arg(long)]
     vsock: Option<String>,
+    /// No VM Generation ID device (on by default for Linux guests): fork
+    /// children's and restored guests' kernels are then not told to reseed
+    /// their RNGs.
+    #[arg(long = "no-vmgenid")]
+    no_vmgenid: bool,
     /// Fork budget: live fork children at most (children inherit it).
     #[arg(long)]
     max_children: Option<u32>,
@@ -312,6 +317,7 @@ impl GuestArgs {
                     .collect::<Result<_>>()?,
                 nics: self.nics.iter().map(|n| parse_nic(n)).collect::<Result<_>>()?,
                 vsock: self.vsock.as_deref().map(parse_vsock).transpose()?,
+                vmgenid: self.no_vmgenid.then_some(false),
             },
             fork: k7d_vmm::config::ForkBudget {
                 max_children: self.max_children,
@@ -979,6 +985,9 @@ fn print_reply(reply: &Reply) {
                 out!("re-based first (the batch shares one capture): {}", f.rebased.join(" "));
             }
             out!("source {} paused for {:.2} ms", f.id, f.source_paused_ms);
+            for w in &f.warnings {
+                eprintln!("k7d: warning: {w}");
+            }
         }
         Reply::Cluster(c) => {
             out!("cluster {}: {} members", c.id, c.members.len());
@@ -1060,6 +1069,12 @@ fn print_vm(vm: &VmInfo) {
     }
     if let (Some(want), Some(ready)) = (vm.config.fork.shells, vm.shells_ready) {
         out!("  shells ready for its fork children: {ready} of {want}");
+    }
+    if let Some(r) = vm.rng_reseed {
+        out!("  rng reseed after a fork or restore: {}", r.describe());
+    }
+    if let Some(g) = &vm.vmgenid {
+        out!("  vm generation id: {g}");
     }
 }
 

@@ -85,6 +85,9 @@ pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
                 cid: spec.vsock_cid,
                 uds: spec.vsock_uds.clone(),
             }),
+            // A Linux guest's default: on (a fork-started pod's agent
+            // reseeds too, for kernels without the driver).
+            vmgenid: None,
         },
         fork: Default::default(),
     }

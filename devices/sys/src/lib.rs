@@ -7,6 +7,7 @@
 //!   between files and guest memory (vm-memory's `VolatileSlice`), `poll`.
 //! - [`file`]: `flock`, the page size, data extents (`SEEK_DATA` /
 //!   `SEEK_HOLE`), `copy_file_range`, `fallocate`.
+//! - [`random`]: the kernel's CSPRNG (`getrandom`).
 //! - [`socket`]: connecting unix stream sockets without blocking.
 //! - [`thread`]: the calling thread's id.
 //! - [`tap`]: tap queues (`TUNSETIFF`, `TUNSETOFFLOAD`, `TUNSETVNETHDRSZ`,
@@ -18,6 +19,7 @@
 
 pub mod fd;
 pub mod file;
+pub mod random;
 pub mod socket;
 pub mod tap;
 pub mod thread;

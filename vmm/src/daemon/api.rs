@@ -496,6 +496,14 @@ pub struct VmInfo {
     /// (`fork.shells`; shared with the VMs of the same vCPUs and RAM).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shells_ready: Option<u32>,
+    /// How its fork children and restores come to draw their own random
+    /// numbers (`vmgenid`, `no_driver`, `off`; `docs/fork.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rng_reseed: Option<crate::RngReseed>,
+    /// Its VM Generation ID (32 hex digits), new in every fork child and
+    /// restore, when it has the device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmgenid: Option<String>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -554,6 +562,10 @@ pub struct Forked {
     /// (`docs/fork.md`, "Re-basing"): its children copied nothing.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rebased: Vec<String>,
+    /// What the caller should know (once per source: its children's kernel
+    /// RNGs are not reseeded, `rng_reseed`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<String>,
 }
 
 /// A cluster as `cluster_create`, `cluster_add` and `cluster_info` answer it.
@@ -879,6 +891,8 @@ mod tests {
                     cid: 3,
                     uds: "/run/k7d/v.sock".into(),
                 }),
+                // (Unset, as version 1 wrote it: the lines below are v1's.)
+                vmgenid: None,
             },
             fork: Default::default(),
         }
@@ -1246,7 +1260,33 @@ mod tests {
             children: Vec::new(),
             rebases: 0,
             shells_ready: None,
+            rng_reseed: None,
+            vmgenid: None,
         }
+    }
+
+    #[test]
+    fn info_says_how_a_vms_children_are_reseeded() {
+        let mut i = info("web");
+        i.rng_reseed = Some(crate::RngReseed::NoDriver);
+        i.vmgenid = Some("00112233445566778899aabbccddeeff".into());
+        let line = serde_json::to_string(&i).unwrap();
+        assert!(line.contains(r#""rng_reseed":"no_driver""#), "{line}");
+        assert!(
+            line.contains(r#""vmgenid":"00112233445566778899aabbccddeeff""#),
+            "{line}"
+        );
+        assert_eq!(serde_json::from_str::<VmInfo>(&line).unwrap(), i);
+        for (r, word) in [
+            (crate::RngReseed::Vmgenid, "vmgenid"),
+            (crate::RngReseed::NoDriver, "none"),
+            (crate::RngReseed::Off, "none"),
+        ] {
+            assert!(r.describe().starts_with(word), "{r:?}: {}", r.describe());
+        }
+        // A reply without them (a daemon before issue 40) still reads.
+        let old: VmInfo = serde_json::from_str(&serde_json::to_string(&info("web")).unwrap()).unwrap();
+        assert_eq!((old.rng_reseed, old.vmgenid), (None, None));
     }
 
     /// A reply for `req` with every field set.
@@ -1288,6 +1328,7 @@ mod tests {
                 source_paused_ms: 3.5,
                 clusters: vec!["lab-f1".into()],
                 rebased: vec!["web".into()],
+                warnings: Vec::new(),
             }),
             Request::Peek(_) => Reply::Peek(Peeked {
                 id: "web".into(),

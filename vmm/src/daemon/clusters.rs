@@ -650,6 +650,7 @@ impl Daemon {
             source_paused_ms,
             clusters: names,
             rebased,
+            warnings: handles.iter().filter_map(|h| super::rng_warning(&lock_vm(h))).collect(),
         })
     }
 

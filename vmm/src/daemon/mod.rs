@@ -194,6 +194,21 @@ fn lock_vm(vm: &Arc<Mutex<Vm>>) -> MutexGuard<'_, Vm> {
 }
 
 /// A VM as `list` (and `cluster_info`) shows it.
+/// The warning a fork of `vm` carries the first time its children go
+/// without a reseed of their kernel RNGs (`Vm::first_unreseeded_fork`),
+/// also logged.
+fn rng_warning(vm: &Vm) -> Option<String> {
+    vm.first_unreseeded_fork().then(|| {
+        let w = format!(
+            "vm {}'s fork children share its kernel RNG state: {}",
+            vm.id(),
+            vm.rng_reseed().describe()
+        );
+        tracing::warn!(vm = vm.id(), "{w}");
+        w
+    })
+}
+
 fn summary(vm: &Vm) -> VmSummary {
     VmSummary {
         id: vm.id().to_string(),
@@ -612,6 +627,8 @@ impl Daemon {
             children: self.children_of(vm.id()),
             rebases: vm.rebases(),
             shells_ready: vm.config().fork.shells.map(|_| self.shells.count(vm.shape()) as u32),
+            rng_reseed: Some(vm.rng_reseed()),
+            vmgenid: vm.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
         }
     }
 
@@ -900,6 +917,7 @@ impl Daemon {
             source_paused_ms,
             clusters: Vec::new(),
             rebased,
+            warnings: rng_warning(&lock_vm(&source)).into_iter().collect(),
         })
     }
 

@@ -223,6 +223,7 @@ impl Vm {
                             mmio64: None,
                         }),
                         irq0_override: false,
+                        vmgenid: config.vmgenid(),
                         kernel_cache: opts.kernel_cache.as_deref(),
                     },
                 )?)
@@ -313,6 +314,27 @@ impl Vm {
             write_guest(ram.memory(), &image, tsc_khz, config.guest.args())?;
             clock.done("guest image");
         }
+        // The VM Generation ID (`arch/x86_64/vmgenid.rs`): a boot's first,
+        // or a fresh one for a fork child or restored VM, announced while
+        // no vCPU runs (after the restored irqchip and LAPICs, so the edge
+        // is pending when the guest resumes). In a fork child the page is
+        // its own write: recorded as diverged, as a device's would be.
+        let generation_id = if config.vmgenid() {
+            use arch::vmgenid;
+            let gen_id = vmgenid::fresh_id().map_err(io("cannot draw a VM Generation ID"))?;
+            vmgenid::write_id(ram.memory(), &gen_id)
+                .map_err(|e| VmError::Guest(format!("writing the VM Generation ID into guest RAM failed: {e}")))?;
+            if state.is_some() {
+                if dirty_log {
+                    ram.add_diverged_gpas(std::iter::once(vmgenid::VMGENID_ADDR));
+                }
+                vmgenid::notify(&vm_fd).map_err(|e| VmError::Kvm("KVM_IRQ_LINE", e))?;
+            }
+            clock.done("VM Generation ID");
+            Some(gen_id)
+        } else {
+            None
+        };
         tracing::debug!(vm = id, elapsed_us = created.elapsed().as_micros() as u64, "vm built");
         let vcpu_diag: Arc<[vcpu::VcpuDiag]> = (0..config.vcpus).map(|_| vcpu::VcpuDiag::default()).collect();
         let serial_probe = serial.lock().unwrap_or_else(|p| p.into_inner()).probe();
@@ -349,6 +371,8 @@ impl Vm {
             pauses: Default::default(),
             rebases: Default::default(),
             forked: Default::default(),
+            generation_id,
+            rng_warned: Default::default(),
         })
     }
 }

@@ -203,6 +203,43 @@ pub struct Vm {
     pub(super) rebases: std::sync::atomic::AtomicU64,
     /// Whether this VM has been a fork source (captured: `Vm::capture`).
     pub(super) forked: std::sync::atomic::AtomicBool,
+    /// The VM Generation ID k7d gave it last (`None`: no such device).
+    pub(super) generation_id: Option<crate::arch::x86_64::vmgenid::GenerationId>,
+    /// Whether a fork of it was already warned that its children's kernel
+    /// RNGs are not reseeded (once per source).
+    pub(super) rng_warned: std::sync::atomic::AtomicBool,
+}
+
+/// How a VM's fork children (and its restores) come to draw random numbers
+/// of their own (`docs/fork.md`, "What a child shares").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RngReseed {
+    /// The guest's vmgenid driver reads the VM Generation ID: its kernel
+    /// reseeds its RNG as a child or a restored VM first runs.
+    Vmgenid,
+    /// The VM has the device, but its guest has not bound a driver for it
+    /// (not yet, or its kernel has none: Debian's cloud kernel).
+    NoDriver,
+    /// The VM has no VM Generation ID device.
+    Off,
+}
+
+impl RngReseed {
+    /// What it means for the VM's fork children, in one sentence.
+    pub fn describe(self) -> &'static str {
+        match self {
+            RngReseed::Vmgenid => {
+                "vmgenid: a fork child's or a restored guest's kernel reseeds its RNG before it runs on"
+            }
+            RngReseed::NoDriver => {
+                "none: the guest has no vmgenid driver bound, so fork children draw the same random numbers until their kernels reseed on their own"
+            }
+            RngReseed::Off => {
+                "none: the VM has no VM Generation ID device, so fork children draw the same random numbers until their kernels reseed on their own"
+            }
+        }
+    }
 }
 
 impl Vm {
@@ -226,6 +263,28 @@ impl Vm {
     /// Re-bases so far (on request or by the daemon's threshold).
     pub fn rebases(&self) -> u64 {
         self.rebases.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The VM Generation ID k7d gave this VM last (at boot, or fresh for a
+    /// fork child or a restore); `None` without the device.
+    pub fn generation_id(&self) -> Option<crate::arch::x86_64::vmgenid::GenerationId> {
+        self.generation_id
+    }
+
+    /// How this VM's fork children come to draw their own random numbers.
+    pub fn rng_reseed(&self) -> RngReseed {
+        match self.generation_id {
+            None => RngReseed::Off,
+            Some(_) if crate::arch::x86_64::vmgenid::driver_bound(self.ram.memory()) => RngReseed::Vmgenid,
+            Some(_) => RngReseed::NoDriver,
+        }
+    }
+
+    /// True the first time it is asked for a VM whose children are not
+    /// reseeded ([`Vm::rng_reseed`] other than `Vmgenid`): the fork that
+    /// asks warns once per source.
+    pub fn first_unreseeded_fork(&self) -> bool {
+        self.rng_reseed() != RngReseed::Vmgenid && !self.rng_warned.swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// This VM's RAM (fork tests compare children with their source).

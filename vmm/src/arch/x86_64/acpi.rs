@@ -6,7 +6,7 @@
 //! | XSDT | lists FADT, MADT and (with ECAM) MCFG |
 //! | FADT | full (not hardware-reduced) ACPI: SCI on IRQ 9, PM1a event/control blocks at port 0x600 for S5 poweroff, reset register = i8042 port 0x64 value 0xFE, boot flags: legacy devices, no 8042, no VGA, no CMOS RTC |
 //! | FACS | required by full ACPI (global lock, waking vector) |
-//! | DSDT | `\_S5_` (poweroff), `\_SB.PCI0` host bridge (PNP0A08/PNP0A03, `_CRS`, `_PRT`), COM1 (PNP0501), motherboard resources (PNP0C02: ECAM, PM ports) |
+//! | DSDT | `\_S5_` (poweroff), `\_SB.PCI0` host bridge (PNP0A08/PNP0A03, `_CRS`, `_PRT`), COM1 (PNP0501), motherboard resources (PNP0C02: ECAM, PM ports), the VM Generation ID `\_SB.VGEN` and its Generic Event Device `\_SB.GED0` (`vmgenid.rs`) |
 //! | MADT | one local APIC per vCPU (x2APIC entry above id 254), the IOAPIC (GSI base 0), interrupt source overrides, LINT1 = NMI: without it the stock kernel (no MP-table parser) sees 1 CPU |
 //! | MCFG | PCIe ECAM for bus 0 when the VMM emulates ECAM |
 //!
@@ -75,6 +75,9 @@ pub struct AcpiConfig {
     /// with KVM's default routing (what k7d uses) GSI 0 is IOAPIC pin 0 and
     /// the identity mapping, i.e. no override, is correct.
     pub irq0_override: bool,
+    /// Describe the VM Generation ID device and its Generic Event Device
+    /// (`vmgenid.rs`).
+    pub vmgenid: bool,
 }
 
 /// The PCI host bridge the DSDT describes.
@@ -201,6 +204,9 @@ pub fn dsdt_aml(cfg: &AcpiConfig) -> Vec<u8> {
     if cfg.pci.is_some() {
         sb_children.push(&pci0);
     }
+    if cfg.vmgenid {
+        sb_children.push(&super::vmgenid::VmGenIdAml);
+    }
     aml::Scope::new("\\_SB_".into(), sb_children).to_aml_bytes(&mut body);
     body
 }
@@ -308,10 +314,12 @@ pub fn build_tables(cfg: &AcpiConfig) -> Result<AcpiTables, AcpiError> {
     let xsdt_at = place(xsdt.len());
     let rsdp = bytes(&Rsdp::new(OEM_ID, xsdt_at));
 
-    if next > ACPI_AREA_END {
+    // The VM Generation ID's page closes the area.
+    let limit = super::vmgenid::VMGENID_ADDR;
+    if next > limit {
         return Err(AcpiError::TooLarge {
             need: next - RSDP_ADDR,
-            have: ACPI_AREA_END - RSDP_ADDR,
+            have: limit - RSDP_ADDR,
         });
     }
     let mut tables = vec![
@@ -383,6 +391,7 @@ mod tests {
                 mmio64: Some((0x100_0000_0000, 0x10_0000_0000)),
             }),
             irq0_override: false,
+            vmgenid: true,
         }
     }
 
@@ -502,6 +511,7 @@ mod tests {
             vcpus: 300,
             pci: None,
             irq0_override: false,
+            vmgenid: false,
         };
         let s = madt_structs(&madt(&c));
         assert_eq!(s.iter().filter(|(t, _)| *t == MADT_LAPIC).count(), 255);
@@ -541,9 +551,42 @@ mod tests {
             vcpus: 1,
             pci: None,
             irq0_override: false,
+            vmgenid: false,
         });
         assert!(!contains(&without, b"PCI0"));
         assert!(contains(&without, b"COM1"));
+        assert!(!contains(&without, b"VGEN") && !contains(&without, b"ACPI0013"));
+    }
+
+    #[test]
+    fn dsdt_describes_the_vm_generation_id_and_its_event_device() {
+        use super::super::vmgenid::{VMGENID_ADDR, VMGENID_BOUND_ADDR, VMGENID_GSI};
+        let d = dsdt_aml(&cfg(1, true));
+        for name in [
+            &b"VGEN"[..],
+            b"VMGENCTR\0",
+            b"VM_Gen_Counter\0",
+            b"ADDR",
+            b"VGBD",
+            b"GED0",
+            b"ACPI0013\0",
+            b"_EVT",
+        ] {
+            assert!(contains(&d, name), "{}", String::from_utf8_lossy(name));
+        }
+        // OperationRegion(VGBR, SystemMemory, DWord(bound byte), ...).
+        let mut region = vec![0x5b, 0x80, b'V', b'G', b'B', b'R', 0x00, 0x0c];
+        region.extend_from_slice(&(VMGENID_BOUND_ADDR as u32).to_le_bytes());
+        assert!(contains(&d, &region), "the bound byte's region");
+        // ADDR returns Package(2) {DWord(low), Zero (high)}.
+        let mut pkg = vec![0x02, 0x0c];
+        pkg.extend_from_slice(&(VMGENID_ADDR as u32).to_le_bytes());
+        pkg.push(0x00);
+        assert!(contains(&d, &pkg), "ADDR's package");
+        // The GED's Interrupt(ResourceConsumer, Edge, ActiveHigh, Exclusive) {GSI}.
+        let mut irq = vec![0x89, 0x06, 0x00, 0x03, 0x01];
+        irq.extend_from_slice(&VMGENID_GSI.to_le_bytes());
+        assert!(contains(&d, &irq), "the GED's interrupt");
     }
 
     /// Every table written to a file (`$K7D_ACPI_DUMP`, else a temporary
@@ -594,6 +637,23 @@ mod tests {
                 String::from_utf8_lossy(&out.stderr)
             );
             checked += 1;
+        }
+        // What the guest's ACPICA will see of the VM Generation ID.
+        if checked > 0 {
+            let dsl = std::fs::read_to_string(dir.join("DSDT.dsl")).unwrap();
+            for want in [
+                "Device (VGEN)",
+                "Name (_HID, \"VMGENCTR\")",
+                "Name (_CID, \"VM_Gen_Counter\")",
+                "Method (ADDR, 0, NotSerialized)",
+                "VGBD = One",
+                "Device (GED0)",
+                "Name (_HID, \"ACPI0013\"",
+                "Method (_EVT, 1, NotSerialized)",
+                "Notify (\\_SB.VGEN, 0x80)",
+            ] {
+                assert!(dsl.contains(want), "iasl's DSDT lacks `{want}`:\n{dsl}");
+            }
         }
         if keep.is_none() {
             std::fs::remove_dir_all(&dir).unwrap();

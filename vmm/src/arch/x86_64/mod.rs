@@ -15,7 +15,8 @@
 //! zero page), [`gdt`], [`regs`] (page tables, registers, vCPU setup),
 //! [`msr`], [`cpuid`], [`acpi`], [`pm`], [`unpack`] (a bzImage's LZ4
 //! payload unpacked on the host once, so later boots skip the guest's
-//! decompressor).
+//! decompressor), [`vmgenid`] (the VM Generation ID a fork child's or a
+//! restored guest's kernel reseeds its RNG from).
 
 pub mod acpi;
 pub mod boot;
@@ -26,6 +27,7 @@ pub mod msr;
 pub mod pm;
 pub mod regs;
 pub mod unpack;
+pub mod vmgenid;
 
 use std::path::{Path, PathBuf};
 
@@ -91,6 +93,8 @@ pub struct LinuxBootConfig<'a> {
     pub pci: Option<PciConfig>,
     /// See [`AcpiConfig::irq0_override`] (false with KVM's default routing).
     pub irq0_override: bool,
+    /// Describe the VM Generation ID device ([`vmgenid`]).
+    pub vmgenid: bool,
     /// Where unpacked kernels are cached ([`unpack`]). `Some`: an LZ4
     /// bzImage boots from its unpacked ELF (unpacked now if not there yet);
     /// `None`: every bzImage boots through its own decompressor.
@@ -249,6 +253,7 @@ pub fn configure_linux(mem: &GuestMemoryMmap, cfg: &LinuxBootConfig) -> Result<B
         vcpus: cfg.vcpus,
         pci: cfg.pci.clone(),
         irq0_override: cfg.irq0_override,
+        vmgenid: cfg.vmgenid,
     };
     let rsdp = acpi::create_acpi_tables(mem, &acpi_cfg)?;
     regs::write_entry_structures(mem).map_err(|e| BootError::Memory {

@@ -88,6 +88,7 @@ fn cfg<'a>(kernel: &'a Path, initrd: Option<&'a Path>, cmdline: &'a str, vcpus: 
             mmio64: None,
         }),
         irq0_override: false,
+        vmgenid: true,
         kernel_cache: None,
     }
 }

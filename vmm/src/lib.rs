@@ -14,6 +14,7 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod diag;
+pub mod jail;
 pub mod netcli;
 pub mod seccomp;
 #[cfg(feature = "shim")]

@@ -365,6 +365,22 @@ enum Cmd {
         #[command(flatten)]
         kernels: KernelCacheArgs,
     },
+    /// Enter a VM process's jail and report what can be reached from
+    /// inside (the jail's own test, `vmm/tests/jail.rs`): prints the jailed
+    /// process's host pid, then one JSON line from inside, and waits for
+    /// stdin to close.
+    #[command(hide = true)]
+    JailSelftest {
+        /// An empty directory, the jail's root.
+        #[arg(long)]
+        root: PathBuf,
+        /// The jailed process's uid.
+        #[arg(long)]
+        uid: u32,
+        /// Its gid.
+        #[arg(long)]
+        gid: u32,
+    },
     /// Run the daemon that owns VMs and serves the API.
     Daemon {
         /// Where VM records live.
@@ -707,6 +723,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 kernels.dir(),
             )
         }
+        Cmd::JailSelftest { root, uid, gid } => jail_selftest(root, uid, gid),
         Cmd::Daemon {
             state_dir,
             node_config,
@@ -1047,6 +1064,47 @@ fn print_list(l: &VmList) {
             vm.status
         );
     }
+}
+
+/// `k7d jail-selftest`: the jail entered (`k7d_vmm::jail`), then what the
+/// jailed process reaches from inside, as one JSON line: its pid in its own
+/// namespace, its ids, the host's `/etc/passwd`, a TCP connection to
+/// 127.0.0.1 and a unix socket at the daemon's default path. Waits for
+/// stdin to close (the caller inspects it from outside meanwhile).
+fn jail_selftest(root: PathBuf, uid: u32, gid: u32) -> Result<ExitCode> {
+    use k7d_vmm::jail::{Entered, JailConfig, enter};
+    use std::io::Read;
+    let cfg = JailConfig {
+        root,
+        uid,
+        gid,
+        keep_fds: Vec::new(),
+    };
+    match enter(&cfg).context("cannot enter the jail")? {
+        Entered::Outside { pid } => {
+            println!("{}", json!({ "jailed_pid": pid }));
+            return Ok(ExitCode::SUCCESS);
+        }
+        Entered::Inside => {}
+    }
+    let err = |r: std::io::Result<()>| r.err().map(|e| e.to_string());
+    let host_file = err(std::fs::File::open("/etc/passwd").map(drop));
+    let tcp = err(std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], 22).into(), Duration::from_secs(1)).map(drop));
+    let unix = err(std::os::unix::net::UnixStream::connect("/run/k7d/k7d.sock").map(drop));
+    let root_entries = std::fs::read_dir("/").map(|d| d.count()).unwrap_or(usize::MAX);
+    println!(
+        "{}",
+        json!({
+            "pid": std::process::id(),
+            "uid": k7d_vmm::sys::euid(),
+            "root_entries": root_entries,
+            "open_host_file": host_file,
+            "tcp_connect": tcp,
+            "unix_connect": unix,
+        })
+    );
+    let _ = std::io::stdin().read(&mut [0u8; 1]);
+    Ok(ExitCode::SUCCESS)
 }
 
 fn print_vm(vm: &VmInfo) {

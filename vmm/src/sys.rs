@@ -507,6 +507,161 @@ pub fn prepare_malloc() {
     }
 }
 
+// --- the jail's calls (`jail/`) ----------------------------------------------
+
+/// `rc` of a libc call: `Err(errno)` when it is -1.
+fn check_rc(rc: libc::c_int) -> io::Result<()> {
+    if rc == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The calling process's threads (`Threads:` in `/proc/self/status`).
+pub fn thread_count() -> io::Result<u32> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| io::Error::other("/proc/self/status has no Threads: line"))
+}
+
+/// `unshare(2)` of the mount, pid (for the children), ipc, uts and network
+/// namespaces.
+pub fn unshare_namespaces() -> io::Result<()> {
+    let flags = libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | libc::CLONE_NEWNET;
+    // SAFETY: unshare takes flags only and changes the calling thread's
+    // namespaces; the caller has one thread.
+    check_rc(unsafe { libc::unshare(flags) })
+}
+
+/// `fork(2)` of a single-threaded process: `Some(child pid)` in the parent,
+/// `None` in the child.
+pub fn fork_process() -> io::Result<Option<u32>> {
+    // SAFETY: the caller has one thread, so the child is a whole copy of it
+    // (no lock held by another thread can be left locked in the child).
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(io::Error::last_os_error()),
+        0 => Ok(None),
+        p => Ok(Some(p as u32)),
+    }
+}
+
+/// Makes every mount of the calling process's (new) mount namespace
+/// private: nothing it mounts or unmounts reaches the host's, and back.
+pub fn make_mounts_private() -> io::Result<()> {
+    // SAFETY: the strings are NUL-terminated literals; with MS_REC |
+    // MS_PRIVATE only the target is read.
+    check_rc(unsafe {
+        libc::mount(
+            c"none".as_ptr(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    })
+}
+
+/// Makes the directory `root` the calling process's `/`: bind-mounted on
+/// itself (pivot_root wants a mount point), `pivot_root(root, root)` (the
+/// old root stacked under the new one), the old root detached, `chdir("/")`.
+pub fn pivot_into(root: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let r = CString::new(root.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: `r` is a NUL-terminated path we own; a bind mount reads only
+    // the source and target strings.
+    check_rc(unsafe {
+        libc::mount(
+            r.as_ptr(),
+            r.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND | libc::MS_REC,
+            std::ptr::null(),
+        )
+    })?;
+    // SAFETY: `r` is NUL-terminated.
+    check_rc(unsafe { libc::chdir(r.as_ptr()) })?;
+    // SAFETY: pivot_root(".", ".") takes two NUL-terminated paths: the new
+    // root becomes "/", the old one is stacked on it (the documented idiom).
+    let rc = unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) };
+    if rc == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: "." is the old root stacked on the new one; MNT_DETACH unmounts it lazily.
+    check_rc(unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) })?;
+    // SAFETY: a NUL-terminated literal.
+    check_rc(unsafe { libc::chdir(c"/".as_ptr()) })
+}
+
+/// Closes every descriptor of the process but `keep` (`close_range(2)`
+/// over the gaps between them).
+pub fn close_fds_except(keep: &[i32]) -> io::Result<()> {
+    let mut keep: Vec<u32> = keep.iter().filter_map(|&f| u32::try_from(f).ok()).collect();
+    keep.sort_unstable();
+    keep.dedup();
+    let mut from = 0u32;
+    for k in keep.into_iter().chain(std::iter::once(u32::MAX)) {
+        if k > from {
+            // SAFETY: close_range takes integers; it closes descriptors only
+            // this process holds, and the caller keeps none of them.
+            let rc = unsafe { libc::syscall(libc::SYS_close_range, from, k - 1, 0u32) };
+            if rc == -1 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        from = k.saturating_add(1);
+    }
+    Ok(())
+}
+
+/// `sethostname(2)` (in the process's own uts namespace).
+pub fn set_hostname(name: &str) -> io::Result<()> {
+    // SAFETY: reads `name.len()` bytes of a live &str.
+    check_rc(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) })
+}
+
+/// Drops every capability from the bounding set (`PR_CAPBSET_DROP`): not
+/// even an exec of a file with capabilities can bring one back.
+pub fn drop_bounding_set() -> io::Result<()> {
+    let last = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+        .ok()
+        .and_then(|s| s.trim().parse::<libc::c_ulong>().ok())
+        .unwrap_or(40);
+    for cap in 0..=last {
+        // SAFETY: prctl with integer arguments only.
+        let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
+        if rc == -1 {
+            let e = io::Error::last_os_error();
+            // A capability this kernel does not know.
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// No supplementary groups, then real, effective and saved gid and uid
+/// (gid first: changing it needs the uid's privilege). Leaving uid 0
+/// clears the permitted and effective capabilities.
+pub fn set_ids(uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: setgroups with an empty list reads nothing.
+    check_rc(unsafe { libc::setgroups(0, std::ptr::null()) })?;
+    // SAFETY: integer arguments only (glibc applies them to every thread).
+    check_rc(unsafe { libc::setresgid(gid, gid, gid) })?;
+    // SAFETY: as above.
+    check_rc(unsafe { libc::setresuid(uid, uid, uid) })
+}
+
+/// `PR_SET_NO_NEW_PRIVS`: no exec can grant privileges from now on.
+pub fn set_no_new_privs() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    check_rc(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_kernel_release;

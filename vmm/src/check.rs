@@ -246,9 +246,116 @@ pub fn run() -> Vec<Item> {
         ),
     });
     out.push(tc_object_item(k7d_net::tc_object_missing_reason()));
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    out.push(cgroup_item(&mountinfo, |m| {
+        std::fs::read_to_string(m.join("cgroup.controllers")).ok()
+    }));
     #[cfg(feature = "shim")]
     out.extend(shim_items());
     out
+}
+
+/// Where cgroup v2 is mounted (`/proc/self/mountinfo` text) and which
+/// controllers its root offers (`read_controllers` reads a mount point's
+/// `cgroup.controllers`): a VM process's memory and CPU limits need
+/// `memory` and `cpu` there (issue 36; a hybrid host binds them to v1).
+pub fn cgroup_item(mountinfo: &str, read_controllers: impl Fn(&Path) -> Option<String>) -> Item {
+    let mount = mountinfo.lines().find_map(|l| {
+        let (left, right) = l.split_once(" - ")?;
+        (right.split_whitespace().next()? == "cgroup2").then(|| left.split_whitespace().nth(4).map(str::to_string))?
+    });
+    let Some(mount) = mount else {
+        return item(
+            "cgroup-v2",
+            Level::Warn,
+            "no cgroup v2 is mounted: a VM process's memory and CPU limits cannot be set (mount cgroup2 with the memory and cpu controllers)",
+        );
+    };
+    let controllers = read_controllers(Path::new(&mount)).unwrap_or_default();
+    let has = |c: &str| controllers.split_whitespace().any(|x| x == c);
+    let missing: Vec<&str> = ["memory", "cpu"].into_iter().filter(|c| !has(c)).collect();
+    if missing.is_empty() {
+        item(
+            "cgroup-v2",
+            Level::Ok,
+            format!("cgroup v2 at {mount} offers memory and cpu: a VM process can get its limits"),
+        )
+    } else {
+        item(
+            "cgroup-v2",
+            Level::Warn,
+            format!(
+                "cgroup v2 at {mount} lacks the {} controller{} (bound to cgroup v1 on this host?): a VM process's limits cannot be set there",
+                missing.join(" and "),
+                if missing.len() > 1 { "s" } else { "" }
+            ),
+        )
+    }
+}
+
+/// The jail a VM process enters (issue 36), entered for real: `k7d
+/// jail-selftest` (the binary `k7d`) in a scratch root, then judged from
+/// outside (`jail::probe`) and by what it reached from inside.
+pub fn jail_item(k7d: &Path) -> Item {
+    match jail_selftest(k7d) {
+        Ok(()) => item(
+            "jail",
+            Level::Ok,
+            "a process can be jailed: own mount, pid, net, ipc and uts namespaces, an empty root, its own uid, no capabilities, no_new_privs (not yet used: VMs still run in the daemon)",
+        ),
+        Err(why) => item(
+            "jail",
+            Level::Warn,
+            format!("a process cannot be jailed here: {why} (VMs still run in the daemon, unjailed)"),
+        ),
+    }
+}
+
+fn jail_selftest(k7d: &Path) -> Result<(), String> {
+    use std::io::BufReader;
+    use std::process::{Command, Stdio};
+    if crate::sys::euid() != 0 {
+        return Err("it needs root (namespaces, pivot_root, setresuid)".into());
+    }
+    let dir = std::env::temp_dir().join(format!("k7d-check-jail-{}", std::process::id()));
+    let root = dir.join("root");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&root).map_err(|e| format!("cannot make {}: {e}", root.display()))?;
+    let id = (2_000_000_000u32 + 37).to_string();
+    let result = (|| {
+        let mut child = Command::new(k7d)
+            .arg("jail-selftest")
+            .arg("--root")
+            .arg(&root)
+            .args(["--uid", &id, "--gid", &id])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot run {} jail-selftest: {e}", k7d.display()))?;
+        let stdin = child.stdin.take();
+        let report = crate::jail::read_selftest(BufReader::new(child.stdout.take().ok_or("no stdout")?));
+        let status = child.wait().map_err(|e| e.to_string())?;
+        if !status.success() {
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            return Err(err.trim().lines().last().unwrap_or("it failed").to_string());
+        }
+        let (pid, inside) = report?;
+        let v = crate::jail::probe::violations(pid, |_| false);
+        drop(stdin);
+        if !v.is_empty() {
+            return Err(v.join("; "));
+        }
+        if inside["pid"] != 1 || inside["open_host_file"].is_null() || inside["tcp_connect"].is_null() {
+            return Err(format!("from inside it reached more than it should: {inside}"));
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
 }
 
 /// Whether the containerd shim can run pods here: its config, the kernel
@@ -383,6 +490,39 @@ pub fn failed(items: &[Item]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cgroup_line_says_whether_a_vm_process_can_get_limits() {
+        let hybrid = "30 25 0:26 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n\
+                      35 25 0:31 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n";
+        let pure = "29 24 0:25 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n";
+        let none = "22 1 0:21 / / rw - ext4 /dev/vda1 rw\n";
+        let empty = cgroup_item(hybrid, |_| Some(String::new()));
+        assert_eq!(empty.level, Level::Warn);
+        assert!(
+            empty
+                .detail
+                .contains("/sys/fs/cgroup/unified lacks the memory and cpu controllers"),
+            "{}",
+            empty.detail
+        );
+        let only_memory = cgroup_item(pure, |_| Some("cpuset io memory pids\n".into()));
+        assert!(
+            only_memory.detail.contains("lacks the cpu controller "),
+            "{}",
+            only_memory.detail
+        );
+        let full = cgroup_item(pure, |m| {
+            assert_eq!(m, Path::new("/sys/fs/cgroup"));
+            Some("cpuset cpu io memory hugetlb pids rdma misc\n".into())
+        });
+        assert_eq!(full.level, Level::Ok, "{}", full.detail);
+        assert!(
+            cgroup_item(none, |_| None)
+                .detail
+                .starts_with("no cgroup v2 is mounted")
+        );
+    }
 
     #[test]
     fn tc_object_line_says_whether_and_why_not() {

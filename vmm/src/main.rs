@@ -380,6 +380,10 @@ enum Cmd {
         /// Its gid.
         #[arg(long)]
         gid: u32,
+        /// Also run this built-in guest inside the jail (its serial on
+        /// stdout), /dev/kvm handed over as a descriptor.
+        #[arg(long)]
+        guest: Option<String>,
     },
     /// Run the daemon that owns VMs and serves the API.
     Daemon {
@@ -723,7 +727,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 kernels.dir(),
             )
         }
-        Cmd::JailSelftest { root, uid, gid } => jail_selftest(root, uid, gid),
+        Cmd::JailSelftest { root, uid, gid, guest } => jail_selftest(root, uid, gid, guest),
         Cmd::Daemon {
             state_dir,
             node_config,
@@ -801,7 +805,11 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         }
         Cmd::Check => {
             init_logs("warn");
-            let items = check::run();
+            let mut items = check::run();
+            // (Here, not in `check::run`: it runs this binary's `jail-selftest`.)
+            items.push(check::jail_item(
+                &std::env::current_exe().context("cannot find k7d's own binary")?,
+            ));
             if cli.json {
                 out!(
                     "{}",
@@ -1069,16 +1077,24 @@ fn print_list(l: &VmList) {
 /// `k7d jail-selftest`: the jail entered (`k7d_vmm::jail`), then what the
 /// jailed process reaches from inside, as one JSON line: its pid in its own
 /// namespace, its ids, the host's `/etc/passwd`, a TCP connection to
-/// 127.0.0.1 and a unix socket at the daemon's default path. Waits for
-/// stdin to close (the caller inspects it from outside meanwhile).
-fn jail_selftest(root: PathBuf, uid: u32, gid: u32) -> Result<ExitCode> {
+/// 127.0.0.1 and a unix socket at the daemon's default path. With `--guest`
+/// it first opens /dev/kvm (the one descriptor it takes into the jail),
+/// then runs that built-in guest in the jail, its threads under their
+/// seccomp filters, and reports the guest's loop counter. Waits for stdin
+/// to close (the caller inspects it from outside meanwhile).
+fn jail_selftest(root: PathBuf, uid: u32, gid: u32, guest: Option<String>) -> Result<ExitCode> {
     use k7d_vmm::jail::{Entered, JailConfig, enter};
     use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let kvm = match &guest {
+        Some(_) => Some(std::fs::File::open("/dev/kvm").context("cannot open /dev/kvm")?),
+        None => None,
+    };
     let cfg = JailConfig {
         root,
         uid,
         gid,
-        keep_fds: Vec::new(),
+        keep_fds: kvm.iter().map(|f| f.as_raw_fd()).collect(),
     };
     match enter(&cfg).context("cannot enter the jail")? {
         Entered::Outside { pid } => {
@@ -1092,6 +1108,37 @@ fn jail_selftest(root: PathBuf, uid: u32, gid: u32) -> Result<ExitCode> {
     let tcp = err(std::net::TcpStream::connect_timeout(&([127, 0, 0, 1], 22).into(), Duration::from_secs(1)).map(drop));
     let unix = err(std::os::unix::net::UnixStream::connect("/run/k7d/k7d.sock").map(drop));
     let root_entries = std::fs::read_dir("/").map(|d| d.count()).unwrap_or(usize::MAX);
+    // The guest, built and run in the jail (threads only now: the jail
+    // wanted one).
+    let mut vm = None;
+    let mut counter = None;
+    if let (Some(name), Some(kvm)) = (guest, kvm) {
+        k7d_vmm::vstate::kvm::hand_over(kvm).map_err(|_| anyhow::anyhow!("a KVM descriptor was handed over twice"))?;
+        k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
+        k7d_vmm::seccomp::start_init(k7d_vmm::seccomp::Mode::Enforce)
+            .context("cannot confine the jailed VM's threads")?;
+        let config = VmConfig {
+            guest: GuestSpec::Builtin { name, args: Vec::new() },
+            serial: SerialConfig { console: true },
+            ..Default::default()
+        };
+        let mut v = Vm::new("jailed", &config, &VmOptions::default()).context("cannot build the VM in the jail")?;
+        v.start().context("cannot start the VM in the jail")?;
+        let at = k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER;
+        let t = Instant::now();
+        let read = |v: &Vm| {
+            k7d_vmm::vm_memory_reexport::Bytes::read_obj::<u32>(
+                v.memory(),
+                k7d_vmm::vm_memory_reexport::GuestAddress(at),
+            )
+            .unwrap_or(0)
+        };
+        while read(&v) == 0 && t.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        counter = Some(read(&v));
+        vm = Some(v);
+    }
     println!(
         "{}",
         json!({
@@ -1101,9 +1148,13 @@ fn jail_selftest(root: PathBuf, uid: u32, gid: u32) -> Result<ExitCode> {
             "open_host_file": host_file,
             "tcp_connect": tcp,
             "unix_connect": unix,
+            "guest_loop_counter": counter,
         })
     );
     let _ = std::io::stdin().read(&mut [0u8; 1]);
+    if let Some(mut v) = vm {
+        v.stop();
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -6,7 +6,7 @@
 //! judges it also judges this test process and finds every shortfall, so
 //! the check can fail (`jail::probe` unit test too).
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufReader, Write};
 use std::process::{Command, Stdio};
 
 mod common;
@@ -39,15 +39,12 @@ fn a_jailed_process_holds_nothing_of_the_host() {
     // Held until the end: `Child::wait` would close it, and the jailed
     // process stays until its stdin closes.
     let stdin = first.stdin.take();
-    let mut lines = BufReader::new(first.stdout.take().unwrap()).lines();
-    let outside: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
-    let pid = outside["jailed_pid"].as_u64().expect("the jailed pid") as u32;
+    let (pid, inside) = k7d_vmm::jail::read_selftest(BufReader::new(first.stdout.take().unwrap())).unwrap();
     let st = first.wait().unwrap();
     assert!(st.success(), "the first process: {st}");
-    let inside: serde_json::Value = serde_json::from_str(&lines.next().expect("a line from inside").unwrap()).unwrap();
 
     // From outside.
-    let v = k7d_vmm::jail::probe::violations(pid, &[0, 1, 2]);
+    let v = k7d_vmm::jail::probe::violations(pid, |_| false);
     assert!(v.is_empty(), "the jailed process {pid} falls short: {v:#?}");
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     assert!(
@@ -72,7 +69,7 @@ fn a_jailed_process_holds_nothing_of_the_host() {
 
     // The probe is not blind: this test process, unjailed, falls short on
     // every count the jailed one passed.
-    let me = k7d_vmm::jail::probe::violations(std::process::id(), &[0, 1, 2]);
+    let me = k7d_vmm::jail::probe::violations(std::process::id(), |_| false);
     for want in [
         "NoNewPrivs",
         "CapEff",
@@ -125,4 +122,93 @@ fn a_jail_refuses_root_ids_and_a_root_that_is_not_empty() {
     }
     // Nothing was changed in the refused root.
     assert_eq!(std::fs::read_dir(&root).unwrap().count(), 1);
+}
+
+/// What a jailed VM process may hold: /dev/kvm (handed over), its KVM VM
+/// and vCPU fds, its guest RAM's memfd, eventfds, pipes and epoll.
+fn a_vm_processs_own(target: &str) -> bool {
+    target == "/dev/kvm"
+        || target.starts_with("anon_inode:kvm-")
+        || target.starts_with("/memfd:")
+        || target.starts_with("anon_inode:[eventfd]")
+        || target.starts_with("anon_inode:[eventpoll]")
+        || target.starts_with("pipe:[")
+}
+
+#[test]
+fn a_guest_runs_in_the_jail_holding_only_its_own_descriptors() {
+    if k7d_vmm::sys::euid() != 0 {
+        k7d_test_skip::skip(
+            "a_guest_runs_in_the_jail_holding_only_its_own_descriptors",
+            "not root: namespaces, pivot_root and setresuid need it",
+        );
+        return;
+    }
+    let dir = Scratch::new("jail-vm");
+    let root = dir.0.join("root");
+    std::fs::create_dir(&root).unwrap();
+    let id = (JAIL_ID + 1).to_string();
+    let root_arg = root.display().to_string();
+    let mut first = Command::new(K7D)
+        .args([
+            "jail-selftest",
+            "--root",
+            &root_arg,
+            "--uid",
+            &id,
+            "--gid",
+            &id,
+            "--guest",
+            "memwriter",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run k7d jail-selftest --guest memwriter");
+    let stdin = first.stdin.take();
+    let (pid, inside) = k7d_vmm::jail::read_selftest(BufReader::new(first.stdout.take().unwrap())).unwrap();
+    assert!(first.wait().unwrap().success());
+    assert!(
+        inside["guest_loop_counter"].as_u64().unwrap_or(0) > 0,
+        "the guest did not run in the jail: {inside}"
+    );
+    assert_eq!(inside["pid"], 1, "{inside}");
+
+    // From outside: jailed, holding only a VM's own descriptors.
+    let v = k7d_vmm::jail::probe::violations(pid, a_vm_processs_own);
+    assert!(v.is_empty(), "the jailed VM process {pid} falls short: {v:#?}");
+    let fds: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_link(e.path()).ok())
+        .map(|t| t.display().to_string())
+        .collect();
+    for want in ["/dev/kvm", "anon_inode:kvm-vm", "anon_inode:kvm-vcpu:0"] {
+        assert!(fds.iter().any(|f| f == want), "no {want} among {fds:?}");
+    }
+    assert!(
+        fds.iter().any(|f| f.starts_with("/memfd:")),
+        "no guest RAM memfd among {fds:?}"
+    );
+    // Its vCPU thread runs under its seccomp filter.
+    let mut filtered = Vec::new();
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        let seccomp = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Seccomp:"))
+            .map(str::trim)
+            .unwrap_or("?")
+            .to_string();
+        filtered.push((comm.trim().to_string(), seccomp));
+    }
+    assert!(
+        filtered.iter().any(|(c, s)| c.starts_with("vcpu") && s == "2"),
+        "no vCPU thread under a seccomp filter: {filtered:?}"
+    );
+    // A host path among its descriptors would be a leak the probe names.
+    assert!(!a_vm_processs_own("/etc/passwd") && !a_vm_processs_own("socket:[1]"));
+    drop(stdin);
 }

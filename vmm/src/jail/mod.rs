@@ -135,3 +135,31 @@ fn confine(cfg: &JailConfig) -> Result<(), JailError> {
     sys::set_no_new_privs().map_err(step("set no_new_privs"))?;
     Ok(())
 }
+
+/// Reads `k7d jail-selftest`'s two JSON lines from its stdout, in whichever
+/// order the two processes wrote them and skipping a guest's serial lines:
+/// the jailed process's host pid and its report from inside.
+pub fn read_selftest(out: impl std::io::BufRead) -> Result<(u32, serde_json::Value), String> {
+    let (mut pid, mut inside) = (None, None);
+    for line in out.lines() {
+        let line = line.map_err(|e| format!("cannot read jail-selftest's output: {e}"))?;
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        match v.get("jailed_pid").and_then(serde_json::Value::as_u64) {
+            Some(p) => pid = u32::try_from(p).ok(),
+            None => inside = Some(v),
+        }
+        if let (Some(p), Some(i)) = (pid, &inside) {
+            return Ok((p, i.clone()));
+        }
+    }
+    Err(format!(
+        "jail-selftest ended without {}",
+        if pid.is_none() {
+            "the jailed pid"
+        } else {
+            "a report from inside"
+        }
+    ))
+}

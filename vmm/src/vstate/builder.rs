@@ -172,7 +172,7 @@ impl Vm {
             }
         };
         clock.done("vCPU threads spawned");
-        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let kvm = super::kvm::open().map_err(VmError::OpenKvm)?;
         let (vm_fd, reserved) = match shell_parts {
             Some((vm_fd, ram)) => (vm_fd, Some(ram)),
             None => (create_vm(&kvm)?, None),

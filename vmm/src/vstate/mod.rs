@@ -7,6 +7,7 @@ pub mod control;
 mod device_manager;
 pub mod fork;
 pub mod irq;
+pub mod kvm;
 pub mod memory;
 pub mod persist;
 pub mod rebase;

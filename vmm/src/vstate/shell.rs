@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::kvm_cpuid_entry2;
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use kvm_ioctls::{VcpuFd, VmFd};
 
 use super::builder;
 use super::control::VmControl;
@@ -60,7 +60,7 @@ impl Shell {
         let ram = memory::reserve(shape.ram)?;
         let control = Arc::new(VmControl::unnamed());
         let standby = Standby::spawn(u32::from(shape.vcpus), &control).map_err(io("cannot spawn the vCPU threads"))?;
-        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let kvm = super::kvm::open().map_err(VmError::OpenKvm)?;
         let vm_fd = builder::create_vm(&kvm)?;
         // Memslots before the irqchip, as in `Vm::build`.
         memory::register(&ram, &vm_fd, true)?;

@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use k7d_devices::legacy::Serial;
-use kvm_ioctls::{Kvm, VmFd};
+use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
@@ -589,7 +589,7 @@ impl Vm {
         if !matches!(self.state(), VmState::Paused | VmState::Created) {
             return Err(self.state_error("save its state"));
         }
-        let kvm = Kvm::new().map_err(VmError::OpenKvm)?;
+        let kvm = super::kvm::open().map_err(VmError::OpenKvm)?;
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for (i, v) in self.vcpus.iter().enumerate() {
             vcpus.push(persist::save_vcpu(&kvm, &vcpu::lock_vcpu(v), i as u32)?);

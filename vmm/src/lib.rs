@@ -20,6 +20,7 @@ pub mod seccomp;
 #[cfg(feature = "shim")]
 pub mod shim_host;
 pub mod sys;
+pub mod vmproc;
 pub mod vstate;
 
 pub use config::VmConfig;

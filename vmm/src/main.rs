@@ -385,6 +385,26 @@ enum Cmd {
         #[arg(long)]
         guest: Option<String>,
     },
+    /// Run one VM in a jailed process of its own, driven over the channel
+    /// at `--channel-fd` (issue 36; spawned by `k7d_vmm::vmproc::handle`).
+    #[command(hide = true)]
+    VmProcess {
+        /// An empty directory, the jail's root.
+        #[arg(long)]
+        root: PathBuf,
+        /// The VM process's uid.
+        #[arg(long)]
+        uid: u32,
+        /// Its gid.
+        #[arg(long)]
+        gid: u32,
+        /// The descriptor of `/dev/kvm` it was handed.
+        #[arg(long)]
+        kvm_fd: i32,
+        /// The descriptor of its channel (a unix stream socket).
+        #[arg(long)]
+        channel_fd: i32,
+    },
     /// Run the daemon that owns VMs and serves the API.
     Daemon {
         /// Where VM records live.
@@ -728,6 +748,13 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             )
         }
         Cmd::JailSelftest { root, uid, gid, guest } => jail_selftest(root, uid, gid, guest),
+        Cmd::VmProcess {
+            root,
+            uid,
+            gid,
+            kvm_fd,
+            channel_fd,
+        } => vm_process(root, uid, gid, kvm_fd, channel_fd),
         Cmd::Daemon {
             state_dir,
             node_config,
@@ -1072,6 +1099,54 @@ fn print_list(l: &VmList) {
             vm.status
         );
     }
+}
+
+/// `k7d vm-process`: the jail (keeping only `/dev/kvm` and the channel),
+/// then the VM's threads under their seccomp filters, then the channel
+/// served (`k7d_vmm::vmproc::runtime`). The first process writes the
+/// jailed one's host pid on the channel and exits.
+fn vm_process(root: PathBuf, uid: u32, gid: u32, kvm_fd: i32, channel_fd: i32) -> Result<ExitCode> {
+    use k7d_vmm::jail::{Entered, JailConfig, enter};
+    use std::io::Write;
+    use std::os::fd::FromRawFd;
+    for (fd, what) in [(kvm_fd, "--kvm-fd"), (channel_fd, "--channel-fd")] {
+        if fd < 3 || !k7d_vmm::sys::fd_is_open(fd) {
+            anyhow::bail!("{what} {fd} is not a descriptor this process was handed");
+        }
+    }
+    if kvm_fd == channel_fd {
+        anyhow::bail!("--kvm-fd and --channel-fd are both {kvm_fd}");
+    }
+    // SAFETY: both were checked open above and are this process's own,
+    // handed over at spawn for exactly these uses; nothing else owns them.
+    let (kvm, mut channel) = unsafe {
+        (
+            std::fs::File::from_raw_fd(kvm_fd),
+            std::os::unix::net::UnixStream::from_raw_fd(channel_fd),
+        )
+    };
+    let cfg = JailConfig {
+        root,
+        uid,
+        gid,
+        keep_fds: vec![kvm_fd, channel_fd],
+    };
+    match enter(&cfg) {
+        Ok(Entered::Outside { pid }) => {
+            writeln!(channel, "{}", json!({ "jailed_pid": pid })).context("cannot write on the channel")?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Ok(Entered::Inside) => {}
+        Err(e) => {
+            let _ = writeln!(channel, "{}", json!({ "error": e.to_string() }));
+            return Err(e).context("cannot enter the VM process's jail");
+        }
+    }
+    k7d_vmm::vstate::kvm::hand_over(kvm).map_err(|_| anyhow::anyhow!("a KVM descriptor was handed over twice"))?;
+    k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
+    k7d_vmm::seccomp::start_init(k7d_vmm::seccomp::Mode::Enforce).context("cannot confine the VM process's threads")?;
+    k7d_vmm::vmproc::runtime::serve(channel).map_err(|e| anyhow::anyhow!(e))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `k7d jail-selftest`: the jail entered (`k7d_vmm::jail`), then what the

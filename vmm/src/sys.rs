@@ -617,6 +617,38 @@ pub fn close_fds_except(keep: &[i32]) -> io::Result<()> {
     Ok(())
 }
 
+/// Puts each `(from, to)` descriptor at number `to`, in a child between
+/// fork and exec (async-signal-safe: `fcntl` and `dup2` only). Each is
+/// first copied above every target, so no move clobbers a later source.
+pub fn place_fds(moves: &[(i32, i32)]) -> io::Result<()> {
+    let mut high = [0i32; 8];
+    if moves.len() > high.len() {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    for (i, &(from, _)) in moves.iter().enumerate() {
+        // SAFETY: fcntl(F_DUPFD) takes integers; it copies a descriptor we hold.
+        let fd = unsafe { libc::fcntl(from, libc::F_DUPFD, 100) };
+        if fd == -1 {
+            return Err(io::Error::last_os_error());
+        }
+        high[i] = fd;
+    }
+    for (i, &(_, to)) in moves.iter().enumerate() {
+        // SAFETY: dup2 takes integers; the copy above is ours. The new
+        // descriptor has no FD_CLOEXEC, so it survives the exec.
+        check_rc(unsafe { libc::dup2(high[i], to) })?;
+        // SAFETY: closes our own copy.
+        unsafe { libc::close(high[i]) };
+    }
+    Ok(())
+}
+
+/// Whether `fd` is an open descriptor of this process.
+pub fn fd_is_open(fd: i32) -> bool {
+    // SAFETY: fcntl(F_GETFD) takes integers and changes nothing.
+    unsafe { libc::fcntl(fd, libc::F_GETFD) != -1 }
+}
+
 /// `sethostname(2)` (in the process's own uts namespace).
 pub fn set_hostname(name: &str) -> io::Result<()> {
     // SAFETY: reads `name.len()` bytes of a live &str.

@@ -1,0 +1,95 @@
+//! The caller's side of a VM process: spawn `k7d vm-process` with
+//! `/dev/kvm` and one end of a socket pair as its descriptors 3 and 4, read
+//! the jailed process's host pid from the channel, say hello, then one
+//! request and its reply at a time.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+use super::proto::{Reply, Request, VERSION};
+use crate::jail::JailConfig;
+
+/// The descriptor number `/dev/kvm` has in the VM process.
+pub const KVM_FD: i32 = 3;
+/// The descriptor number of its channel.
+pub const CHANNEL_FD: i32 = 4;
+
+/// A VM process, from its caller's side.
+pub struct VmProcess {
+    /// Its pid (in the caller's pid namespace).
+    pub pid: u32,
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl VmProcess {
+    /// Spawns `k7d vm-process` (`k7d` is the binary) in the jail `jail`
+    /// and says hello with this side's [`VERSION`].
+    pub fn spawn(k7d: &Path, jail: &JailConfig) -> Result<Self, String> {
+        let mut p = Self::spawn_unhello(k7d, jail)?;
+        match p.call(&Request::Hello { version: VERSION })? {
+            Reply::Hello { version, .. } if version == VERSION => Ok(p),
+            other => Err(format!("the VM process answered hello with {other:?}")),
+        }
+    }
+
+    /// [`VmProcess::spawn`] without the hello (a test says its own).
+    pub fn spawn_unhello(k7d: &Path, jail: &JailConfig) -> Result<Self, String> {
+        jail.check().map_err(|e| e.to_string())?;
+        let kvm = File::open("/dev/kvm").map_err(|e| format!("cannot open /dev/kvm: {e}"))?;
+        let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cannot make the channel: {e}"))?;
+        let (kvm_fd, chan_fd) = (kvm.as_raw_fd(), theirs.as_raw_fd());
+        let mut cmd = Command::new(k7d);
+        cmd.arg("vm-process")
+            .arg("--root")
+            .arg(&jail.root)
+            .args(["--uid", &jail.uid.to_string(), "--gid", &jail.gid.to_string()])
+            .args(["--kvm-fd", &KVM_FD.to_string(), "--channel-fd", &CHANNEL_FD.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        // SAFETY: the closure runs in the forked child before exec and
+        // makes only async-signal-safe calls (fcntl, dup2) on descriptors
+        // this process holds open until `spawn` returns.
+        unsafe {
+            cmd.pre_exec(move || crate::sys::place_fds(&[(kvm_fd, KVM_FD), (chan_fd, CHANNEL_FD)]));
+        }
+        let mut first = cmd
+            .spawn()
+            .map_err(|e| format!("cannot run {} vm-process: {e}", k7d.display()))?;
+        drop((kvm, theirs));
+        let status = first.wait().map_err(|e| e.to_string())?;
+        let writer = ours.try_clone().map_err(|e| e.to_string())?;
+        let mut reader = BufReader::new(ours);
+        let mut line = String::new();
+        reader
+            .read_line(&mut line)
+            .map_err(|e| format!("cannot read the VM process's pid: {e}"))?;
+        let pid = serde_json::from_str::<serde_json::Value>(&line)
+            .ok()
+            .and_then(|v| v["jailed_pid"].as_u64())
+            .and_then(|p| u32::try_from(p).ok())
+            .ok_or_else(|| format!("the VM process did not start ({status}): `{}`", line.trim()))?;
+        Ok(Self { pid, reader, writer })
+    }
+
+    /// Sends `req` and returns its reply.
+    pub fn call(&mut self, req: &Request) -> Result<Reply, String> {
+        let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
+        line.push('\n');
+        self.writer
+            .write_all(line.as_bytes())
+            .map_err(|e| format!("VM process {} is gone: {e}", self.pid))?;
+        let mut back = String::new();
+        match self.reader.read_line(&mut back) {
+            Ok(0) => Err(format!("VM process {} closed its channel", self.pid)),
+            Ok(_) => serde_json::from_str(&back)
+                .map_err(|e| format!("VM process {} answered `{}`: {e}", self.pid, back.trim())),
+            Err(e) => Err(format!("VM process {} is gone: {e}", self.pid)),
+        }
+    }
+}

@@ -1,0 +1,76 @@
+//! The channel between a VM process and its caller: one JSON object per
+//! line each way, a request answered by exactly one reply. The first
+//! exchange is [`Request::Hello`] / [`Reply::Hello`] with [`VERSION`]; a
+//! caller of another version is refused with a sentence, never guessed at.
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::VmConfig;
+
+/// The channel's version.
+pub const VERSION: u32 = 1;
+
+/// What the caller asks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// The first request: the caller's channel version.
+    Hello {
+        /// [`VERSION`] of the caller.
+        version: u32,
+    },
+    /// Build the VM (once).
+    Build {
+        /// Its id.
+        id: String,
+        /// Its config (built-in guests only, for now).
+        config: Box<VmConfig>,
+    },
+    /// Start its vCPUs.
+    Start,
+    /// Pause every vCPU and device.
+    Pause,
+    /// Resume.
+    Resume,
+    /// Read `count` u32 words of guest RAM at `addr` (at most 1024).
+    Peek {
+        /// Guest physical address.
+        addr: u64,
+        /// Words.
+        count: u32,
+    },
+    /// The VM's state.
+    Status,
+    /// Stop the VM; the process exits after the reply.
+    Stop,
+}
+
+/// What the VM process answers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Reply {
+    /// To [`Request::Hello`].
+    Hello {
+        /// [`VERSION`] of the VM process.
+        version: u32,
+        /// Its pid in its own pid namespace (1).
+        pid: u32,
+    },
+    /// Done.
+    Ok,
+    /// Words read.
+    Peeked {
+        /// The words.
+        words: Vec<u32>,
+    },
+    /// The VM's state in words (`running`, `paused`, `stopped (...)`).
+    Status {
+        /// The state.
+        status: String,
+    },
+    /// Refused or failed: one sentence.
+    Error {
+        /// The sentence.
+        message: String,
+    },
+}

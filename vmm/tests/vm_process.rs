@@ -1,0 +1,216 @@
+//! VM processes (issue 36, `vmm/src/vmproc/`): each VM in a jailed process
+//! of its own, driven over its channel. Three at once: each its own uid,
+//! jailed (`jail::probe`), holding only its own memfd and KVM descriptors
+//! (none of another VM's), its vCPU under its seccomp filter; pause and
+//! resume through the channel; `kill -9` of one stops only that one. A
+//! caller of another channel version is refused with a sentence.
+
+use std::time::{Duration, Instant};
+
+use k7d_vmm::config::{GuestSpec, VmConfig};
+use k7d_vmm::jail::JailConfig;
+use k7d_vmm::vmproc::handle::VmProcess;
+use k7d_vmm::vmproc::proto::{Reply, Request};
+
+mod common;
+use common::{K7D, Scratch};
+
+/// uids and gids no account on a CI machine has.
+const BASE_ID: u32 = 2_000_000_100;
+
+fn root_only(test: &str) -> bool {
+    if k7d_vmm::sys::euid() != 0 {
+        k7d_test_skip::skip(test, "not root: a VM process's jail needs it");
+        return false;
+    }
+    true
+}
+
+fn spawn(dir: &Scratch, i: u32) -> VmProcess {
+    let root = dir.0.join(format!("vm{i}"));
+    std::fs::create_dir(&root).unwrap();
+    let jail = JailConfig {
+        root,
+        uid: BASE_ID + i,
+        gid: BASE_ID + i,
+        keep_fds: Vec::new(),
+    };
+    VmProcess::spawn(std::path::Path::new(K7D), &jail).unwrap_or_else(|e| panic!("vm{i}: {e}"))
+}
+
+fn ok(p: &mut VmProcess, req: Request) {
+    let r = p.call(&req).unwrap_or_else(|e| panic!("{req:?}: {e}"));
+    assert_eq!(r, Reply::Ok, "{req:?}");
+}
+
+/// The memwriter's loop counter, read through the channel.
+fn counter(p: &mut VmProcess) -> u32 {
+    match p.call(&Request::Peek {
+        addr: k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER,
+        count: 1,
+    }) {
+        Ok(Reply::Peeked { words }) => words[0],
+        other => panic!("peek: {other:?}"),
+    }
+}
+
+fn grows(p: &mut VmProcess) -> bool {
+    let c = counter(p);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(5) {
+        if counter(p) > c {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+/// What a VM process may hold: /dev/kvm, its KVM VM and vCPU fds, its
+/// guest RAM's memfd, eventfds, pipes, epoll and its channel's socket.
+fn a_vm_processs_own(target: &str) -> bool {
+    target == "/dev/kvm"
+        || target.starts_with("anon_inode:kvm-")
+        || target.starts_with("/memfd:k7d-ram-")
+        || target.starts_with("anon_inode:[eventfd]")
+        || target.starts_with("anon_inode:[eventpoll]")
+        || target.starts_with("pipe:[")
+        || target.starts_with("socket:[")
+}
+
+#[test]
+fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
+    if !root_only("three_vm_processes_are_each_jailed_with_only_their_own_memory") {
+        return;
+    }
+    let dir = Scratch::new("vmproc");
+    let mut procs: Vec<VmProcess> = (0..3).map(|i| spawn(&dir, i)).collect();
+    for (i, p) in procs.iter_mut().enumerate() {
+        let config = VmConfig {
+            memory_mib: 16,
+            guest: GuestSpec::Builtin {
+                name: "memwriter".into(),
+                args: vec![64, 0x20_0000, 1],
+            },
+            ..Default::default()
+        };
+        ok(
+            p,
+            Request::Build {
+                id: format!("vm{i}"),
+                config: Box::new(config),
+            },
+        );
+        ok(p, Request::Start);
+        assert!(grows(p), "vm{i} does not run");
+    }
+    let mut uids = std::collections::HashSet::new();
+    for (i, p) in procs.iter().enumerate() {
+        let proc = format!("/proc/{}", p.pid);
+        let v = k7d_vmm::jail::probe::violations(p.pid, a_vm_processs_own);
+        assert!(v.is_empty(), "vm{i} (pid {}) falls short of its jail: {v:#?}", p.pid);
+        let status = std::fs::read_to_string(format!("{proc}/status")).unwrap();
+        let uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string();
+        assert!(uids.insert(uid.clone()), "vm{i} shares uid {uid}");
+        // Its own guest RAM, and no other VM's, in its descriptors and its maps.
+        let maps = std::fs::read_to_string(format!("{proc}/maps")).unwrap();
+        let fds: Vec<String> = std::fs::read_dir(format!("{proc}/fd"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .map(|t| t.display().to_string())
+            .collect();
+        for j in 0..3 {
+            let name = format!("memfd:k7d-ram-vm{j} ");
+            let held = fds.iter().any(|f| format!("{f} ").contains(&name)) || maps.contains(&name);
+            assert_eq!(held, i == j, "vm{i}'s process and vm{j}'s guest RAM: {fds:?}");
+        }
+        // Its vCPU thread runs under its seccomp filter.
+        let vcpu_filtered = std::fs::read_dir(format!("{proc}/task")).unwrap().flatten().any(|t| {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            let st = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+            comm.starts_with("vcpu") && st.lines().any(|l| l == "Seccomp:\t2")
+        });
+        assert!(vcpu_filtered, "vm{i}: no vCPU thread under a seccomp filter");
+    }
+
+    // Pause and resume through the channel.
+    ok(&mut procs[0], Request::Pause);
+    let c = counter(&mut procs[0]);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(counter(&mut procs[0]), c, "a paused VM ran");
+    assert_eq!(
+        procs[0].call(&Request::Status).unwrap(),
+        Reply::Status {
+            status: "paused".into()
+        }
+    );
+    ok(&mut procs[0], Request::Resume);
+    assert!(grows(&mut procs[0]));
+
+    // kill -9 of one VM process stops only that VM.
+    let victim = procs[1].pid;
+    // SAFETY: kill takes integers; the pid is a child process this test spawned.
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    let t = Instant::now();
+    let e = loop {
+        match procs[1].call(&Request::Status) {
+            Err(e) => break e,
+            Ok(_) if t.elapsed() < Duration::from_secs(5) => std::thread::sleep(Duration::from_millis(10)),
+            Ok(r) => panic!("vm1 still answers after kill -9: {r:?}"),
+        }
+    };
+    assert!(e.contains(&victim.to_string()), "{e}");
+    assert!(
+        grows(&mut procs[0]) && grows(&mut procs[2]),
+        "a VM stopped with another's process"
+    );
+
+    for i in [0, 2] {
+        ok(&mut procs[i], Request::Stop);
+    }
+}
+
+#[test]
+fn a_vm_process_refuses_a_caller_of_another_channel_version() {
+    if !root_only("a_vm_process_refuses_a_caller_of_another_channel_version") {
+        return;
+    }
+    let dir = Scratch::new("vmproc-version");
+    let root = dir.0.join("root");
+    std::fs::create_dir(&root).unwrap();
+    let jail = JailConfig {
+        root,
+        uid: BASE_ID + 10,
+        gid: BASE_ID + 10,
+        keep_fds: Vec::new(),
+    };
+    let mut p = VmProcess::spawn_unhello(std::path::Path::new(K7D), &jail).unwrap();
+    match p.call(&Request::Hello { version: 999 }) {
+        Ok(Reply::Error { message }) => {
+            assert!(
+                message.contains("version 999") && message.contains("refused"),
+                "{message}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    // It is gone after the refusal.
+    assert!(p.call(&Request::Status).is_err());
+    // A request before hello is refused too.
+    let root2 = dir.0.join("root2");
+    std::fs::create_dir(&root2).unwrap();
+    let jail2 = JailConfig { root: root2, ..jail };
+    let mut q = VmProcess::spawn_unhello(std::path::Path::new(K7D), &jail2).unwrap();
+    match q.call(&Request::Status) {
+        Ok(Reply::Error { message }) => assert!(message.contains("must be hello"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+}

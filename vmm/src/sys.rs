@@ -643,6 +643,29 @@ pub fn place_fds(moves: &[(i32, i32)]) -> io::Result<()> {
     Ok(())
 }
 
+/// Makes the calling process a child subreaper (`PR_SET_CHILD_SUBREAPER`):
+/// an orphaned descendant (a jailed VM process whose first process exited)
+/// becomes its child, so its exit can be waited for.
+pub fn become_subreaper() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    check_rc(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) })
+}
+
+/// How child `pid` ended, if it has (`waitpid` with `WNOHANG`, reaping
+/// it): `Some(Ok(code))` on an exit, `Some(Err(signal))` when a signal
+/// killed it, `None` while it runs.
+pub fn try_reap(pid: u32) -> io::Result<Option<Result<i32, i32>>> {
+    let mut status = 0;
+    // SAFETY: waitpid writes the status into our local.
+    let rc = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
+    match rc {
+        -1 => Err(io::Error::last_os_error()),
+        0 => Ok(None),
+        _ if libc::WIFSIGNALED(status) => Ok(Some(Err(libc::WTERMSIG(status)))),
+        _ => Ok(Some(Ok(libc::WEXITSTATUS(status)))),
+    }
+}
+
 /// Whether `fd` is an open descriptor of this process.
 pub fn fd_is_open(fd: i32) -> bool {
     // SAFETY: fcntl(F_GETFD) takes integers and changes nothing.

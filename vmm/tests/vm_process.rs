@@ -168,6 +168,12 @@ fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
         }
     };
     assert!(e.contains(&victim.to_string()), "{e}");
+    // The caller (a subreaper) learns why, in one sentence.
+    assert_eq!(
+        procs[1].ended(Duration::from_secs(5)).as_deref(),
+        Some(format!("VM process {victim} was killed by signal 9").as_str())
+    );
+    assert_eq!(procs[0].ended(Duration::ZERO), None, "vm0 ended with vm1");
     assert!(
         grows(&mut procs[0]) && grows(&mut procs[2]),
         "a VM stopped with another's process"
@@ -175,6 +181,11 @@ fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
 
     for i in [0, 2] {
         ok(&mut procs[i], Request::Stop);
+        let pid = procs[i].pid;
+        assert_eq!(
+            procs[i].ended(Duration::from_secs(5)).as_deref(),
+            Some(format!("VM process {pid} exited").as_str())
+        );
     }
 }
 

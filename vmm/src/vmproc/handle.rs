@@ -41,6 +41,9 @@ impl VmProcess {
     /// [`VmProcess::spawn`] without the hello (a test says its own).
     pub fn spawn_unhello(k7d: &Path, jail: &JailConfig) -> Result<Self, String> {
         jail.check().map_err(|e| e.to_string())?;
+        // The jailed process outlives its first process: as a subreaper,
+        // this one inherits it and can learn how it ended (`ended`).
+        crate::sys::become_subreaper().map_err(|e| format!("cannot become a child subreaper: {e}"))?;
         let kvm = File::open("/dev/kvm").map_err(|e| format!("cannot open /dev/kvm: {e}"))?;
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cannot make the channel: {e}"))?;
         let (kvm_fd, chan_fd) = (kvm.as_raw_fd(), theirs.as_raw_fd());
@@ -75,6 +78,24 @@ impl VmProcess {
             .and_then(|p| u32::try_from(p).ok())
             .ok_or_else(|| format!("the VM process did not start ({status}): `{}`", line.trim()))?;
         Ok(Self { pid, reader, writer })
+    }
+
+    /// How the VM process ended, in one sentence, once it has (waiting at
+    /// most `timeout`); `None` while it runs.
+    pub fn ended(&self, timeout: std::time::Duration) -> Option<String> {
+        let until = std::time::Instant::now() + timeout;
+        loop {
+            match crate::sys::try_reap(self.pid) {
+                Ok(Some(Ok(0))) => return Some(format!("VM process {} exited", self.pid)),
+                Ok(Some(Ok(code))) => return Some(format!("VM process {} exited with status {code}", self.pid)),
+                Ok(Some(Err(sig))) => {
+                    return Some(format!("VM process {} was killed by signal {sig}", self.pid));
+                }
+                Err(e) => return Some(format!("VM process {} cannot be waited for: {e}", self.pid)),
+                Ok(None) if std::time::Instant::now() >= until => return None,
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(5)),
+            }
+        }
     }
 
     /// Sends `req` and returns its reply.

@@ -404,6 +404,10 @@ enum Cmd {
         /// The descriptor of its channel (a unix stream socket).
         #[arg(long)]
         channel_fd: i32,
+        /// A listening unix socket's descriptor: the next caller
+        /// re-attaches there when this one goes away.
+        #[arg(long)]
+        listen_fd: Option<i32>,
     },
     /// Run the daemon that owns VMs and serves the API.
     Daemon {
@@ -754,7 +758,8 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             gid,
             kvm_fd,
             channel_fd,
-        } => vm_process(root, uid, gid, kvm_fd, channel_fd),
+            listen_fd,
+        } => vm_process(root, uid, gid, kvm_fd, channel_fd, listen_fd),
         Cmd::Daemon {
             state_dir,
             node_config,
@@ -1105,18 +1110,30 @@ fn print_list(l: &VmList) {
 /// then the VM's threads under their seccomp filters, then the channel
 /// served (`k7d_vmm::vmproc::runtime`). The first process writes the
 /// jailed one's host pid on the channel and exits.
-fn vm_process(root: PathBuf, uid: u32, gid: u32, kvm_fd: i32, channel_fd: i32) -> Result<ExitCode> {
+fn vm_process(
+    root: PathBuf,
+    uid: u32,
+    gid: u32,
+    kvm_fd: i32,
+    channel_fd: i32,
+    listen_fd: Option<i32>,
+) -> Result<ExitCode> {
     use k7d_vmm::jail::{Entered, JailConfig, enter};
     use std::io::Write;
     use std::os::fd::FromRawFd;
-    for (fd, what) in [(kvm_fd, "--kvm-fd"), (channel_fd, "--channel-fd")] {
+    let mut fds = vec![(kvm_fd, "--kvm-fd"), (channel_fd, "--channel-fd")];
+    fds.extend(listen_fd.map(|l| (l, "--listen-fd")));
+    for (i, &(fd, what)) in fds.iter().enumerate() {
         if fd < 3 || !k7d_vmm::sys::fd_is_open(fd) {
             anyhow::bail!("{what} {fd} is not a descriptor this process was handed");
         }
+        if let Some((_, other)) = fds[..i].iter().find(|(f, _)| *f == fd) {
+            anyhow::bail!("{other} and {what} are both {fd}");
+        }
     }
-    if kvm_fd == channel_fd {
-        anyhow::bail!("--kvm-fd and --channel-fd are both {kvm_fd}");
-    }
+    // SAFETY: checked open above, this process's own, handed over at spawn
+    // as a listening socket; nothing else owns it.
+    let listener = listen_fd.map(|l| unsafe { std::os::unix::net::UnixListener::from_raw_fd(l) });
     // SAFETY: both were checked open above and are this process's own,
     // handed over at spawn for exactly these uses; nothing else owns them.
     let (kvm, mut channel) = unsafe {
@@ -1129,7 +1146,7 @@ fn vm_process(root: PathBuf, uid: u32, gid: u32, kvm_fd: i32, channel_fd: i32) -
         root,
         uid,
         gid,
-        keep_fds: vec![kvm_fd, channel_fd],
+        keep_fds: fds.iter().map(|(f, _)| *f).collect(),
     };
     match enter(&cfg) {
         Ok(Entered::Outside { pid }) => {
@@ -1145,7 +1162,7 @@ fn vm_process(root: PathBuf, uid: u32, gid: u32, kvm_fd: i32, channel_fd: i32) -
     k7d_vmm::vstate::kvm::hand_over(kvm).map_err(|_| anyhow::anyhow!("a KVM descriptor was handed over twice"))?;
     k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
     k7d_vmm::seccomp::start_init(k7d_vmm::seccomp::Mode::Enforce).context("cannot confine the VM process's threads")?;
-    k7d_vmm::vmproc::runtime::serve(channel).map_err(|e| anyhow::anyhow!(e))?;
+    k7d_vmm::vmproc::runtime::serve(channel, listener).map_err(|e| anyhow::anyhow!(e))?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -225,3 +225,84 @@ fn a_vm_process_refuses_a_caller_of_another_channel_version() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Issue 36 item 4, at the VM process's end: its caller (the daemon) goes
+/// away and the guests run on; the next caller re-attaches to each at its
+/// socket, checks the VM's id in the hello, and finds the counters moved
+/// on. A caller of another version is refused at re-attach, and the VM
+/// waits for the next.
+#[test]
+fn vm_processes_outlive_their_caller_and_the_next_one_re_attaches() {
+    use k7d_vmm::vmproc::proto::VERSION;
+    if !root_only("vm_processes_outlive_their_caller_and_the_next_one_re_attaches") {
+        return;
+    }
+    let dir = Scratch::new("vmproc-reattach");
+    let mut records = Vec::new();
+    let mut procs = Vec::new();
+    for i in 0..3u32 {
+        let root = dir.0.join(format!("vm{i}"));
+        std::fs::create_dir(&root).unwrap();
+        let jail = JailConfig {
+            root,
+            uid: BASE_ID + 20 + i,
+            gid: BASE_ID + 20 + i,
+            keep_fds: Vec::new(),
+        };
+        let sock = dir.0.join(format!("vm{i}.sock"));
+        let mut p = VmProcess::spawn_listening(std::path::Path::new(K7D), &jail, &sock).unwrap();
+        let config = VmConfig {
+            memory_mib: 16,
+            guest: GuestSpec::Builtin {
+                name: "memwriter".into(),
+                args: vec![64, 0x20_0000, 1],
+            },
+            ..Default::default()
+        };
+        let id = format!("re{i}");
+        ok(
+            &mut p,
+            Request::Build {
+                id: id.clone(),
+                config: Box::new(config),
+            },
+        );
+        ok(&mut p, Request::Start);
+        assert!(grows(&mut p));
+        records.push((sock, p.pid, id));
+        procs.push(p);
+    }
+    let before: Vec<u32> = procs.iter_mut().map(counter).collect();
+    // The caller is gone: every channel closes.
+    drop(procs);
+    std::thread::sleep(Duration::from_millis(200));
+    let mut again = Vec::new();
+    for ((sock, pid, id), b) in records.iter().zip(&before) {
+        let (mut p, hello) = VmProcess::attach(sock, *pid, VERSION).unwrap();
+        assert_eq!(
+            hello,
+            Reply::Hello {
+                version: VERSION,
+                pid: 1,
+                vm: Some(id.clone())
+            }
+        );
+        assert!(counter(&mut p) > *b, "{id} stood still while it had no caller");
+        assert!(grows(&mut p), "{id} does not run after the re-attach");
+        again.push(p);
+    }
+    // Another version is refused at re-attach; the VM waits for the next caller.
+    drop(again.remove(0));
+    let (sock, pid, _) = &records[0];
+    match VmProcess::attach(sock, *pid, VERSION + 1) {
+        Ok((_, Reply::Error { message })) => assert!(message.contains("refused"), "{message}"),
+        other => panic!("{:?}", other.map(|(_, r)| r)),
+    }
+    let (p0, _) = VmProcess::attach(sock, *pid, VERSION).unwrap();
+    again.insert(0, p0);
+    assert!(grows(&mut again[0]));
+    for p in &mut again {
+        ok(p, Request::Stop);
+        assert!(p.ended(Duration::from_secs(5)).is_some_and(|s| s.ends_with("exited")));
+    }
+}

@@ -18,6 +18,8 @@ use crate::jail::JailConfig;
 pub const KVM_FD: i32 = 3;
 /// The descriptor number of its channel.
 pub const CHANNEL_FD: i32 = 4;
+/// The descriptor number of its listening socket, when it has one.
+pub const LISTEN_FD: i32 = 5;
 
 /// A VM process, from its caller's side.
 pub struct VmProcess {
@@ -38,8 +40,45 @@ impl VmProcess {
         }
     }
 
+    /// [`VmProcess::spawn`] with a listening unix socket bound at `socket`
+    /// (which must not exist): when this caller goes away the VM runs on,
+    /// and the next caller re-attaches there ([`VmProcess::attach`]).
+    pub fn spawn_listening(k7d: &Path, jail: &JailConfig, socket: &Path) -> Result<Self, String> {
+        let listener = std::os::unix::net::UnixListener::bind(socket)
+            .map_err(|e| format!("cannot listen at {}: {e}", socket.display()))?;
+        let mut p = Self::spawn_inner(k7d, jail, Some(&listener))?;
+        match p.call(&Request::Hello { version: VERSION })? {
+            Reply::Hello { version, .. } if version == VERSION => Ok(p),
+            other => Err(format!("the VM process answered hello with {other:?}")),
+        }
+    }
+
+    /// Re-attaches to VM process `pid` listening at `socket`: says hello
+    /// with `version` and returns its answer with the handle. A caller
+    /// checks the answer (the VM's id) against its record.
+    pub fn attach(socket: &Path, pid: u32, version: u32) -> Result<(Self, Reply), String> {
+        let ours = UnixStream::connect(socket)
+            .map_err(|e| format!("cannot reach VM process {pid} at {}: {e}", socket.display()))?;
+        let writer = ours.try_clone().map_err(|e| e.to_string())?;
+        let mut p = Self {
+            pid,
+            reader: BufReader::new(ours),
+            writer,
+        };
+        let hello = p.call(&Request::Hello { version })?;
+        Ok((p, hello))
+    }
+
     /// [`VmProcess::spawn`] without the hello (a test says its own).
     pub fn spawn_unhello(k7d: &Path, jail: &JailConfig) -> Result<Self, String> {
+        Self::spawn_inner(k7d, jail, None)
+    }
+
+    fn spawn_inner(
+        k7d: &Path,
+        jail: &JailConfig,
+        listener: Option<&std::os::unix::net::UnixListener>,
+    ) -> Result<Self, String> {
         jail.check().map_err(|e| e.to_string())?;
         // The jailed process outlives its first process: as a subreaper,
         // this one inherits it and can learn how it ended (`ended`).
@@ -47,6 +86,7 @@ impl VmProcess {
         let kvm = File::open("/dev/kvm").map_err(|e| format!("cannot open /dev/kvm: {e}"))?;
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cannot make the channel: {e}"))?;
         let (kvm_fd, chan_fd) = (kvm.as_raw_fd(), theirs.as_raw_fd());
+        let listen_fd = listener.map(|l| l.as_raw_fd());
         let mut cmd = Command::new(k7d);
         cmd.arg("vm-process")
             .arg("--root")
@@ -55,11 +95,17 @@ impl VmProcess {
             .args(["--kvm-fd", &KVM_FD.to_string(), "--channel-fd", &CHANNEL_FD.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null());
+        if listen_fd.is_some() {
+            cmd.args(["--listen-fd", &LISTEN_FD.to_string()]);
+        }
         // SAFETY: the closure runs in the forked child before exec and
         // makes only async-signal-safe calls (fcntl, dup2) on descriptors
         // this process holds open until `spawn` returns.
         unsafe {
-            cmd.pre_exec(move || crate::sys::place_fds(&[(kvm_fd, KVM_FD), (chan_fd, CHANNEL_FD)]));
+            cmd.pre_exec(move || match listen_fd {
+                Some(l) => crate::sys::place_fds(&[(kvm_fd, KVM_FD), (chan_fd, CHANNEL_FD), (l, LISTEN_FD)]),
+                None => crate::sys::place_fds(&[(kvm_fd, KVM_FD), (chan_fd, CHANNEL_FD)]),
+            });
         }
         let mut first = cmd
             .spawn()

@@ -5,10 +5,12 @@
 //! channel closes), `handle.rs` the caller's side (spawn, call).
 //!
 //! What exists: a VM process runs one built-in guest (the real-mode test
-//! guests need no files), handed `/dev/kvm` and its channel as descriptors
-//! at spawn; start, pause, resume, peek, status, stop. Not yet: Linux
-//! guests and devices (their files and taps as descriptors), fork across
-//! processes, the daemon using it, re-attach after a daemon restart.
+//! guests need no files), handed `/dev/kvm`, its channel and optionally a
+//! listening socket as descriptors at spawn; start, pause, resume, peek,
+//! status, stop; it outlives its caller when it has the socket, and the
+//! next caller re-attaches there. Not yet: Linux guests and devices (their
+//! files and taps as descriptors), fork across processes, the daemon using
+//! it and re-attaching from its records after a restart.
 
 pub mod handle;
 pub mod proto;

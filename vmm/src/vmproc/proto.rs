@@ -55,6 +55,10 @@ pub enum Reply {
         version: u32,
         /// Its pid in its own pid namespace (1).
         pid: u32,
+        /// The id of the VM it holds, once built: what a caller that
+        /// re-attaches checks against its record.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vm: Option<String>,
     },
     /// Done.
     Ok,

@@ -1,10 +1,12 @@
 //! The VM process's side of the channel (`k7d vm-process`, after its
-//! jail): the hello, then one VM built, run and stopped on request. The
-//! channel closing stops the VM (re-attaching to a new caller is not built
-//! yet).
+//! jail): one VM built, run and stopped on request, for one caller at a
+//! time. Each caller begins with hello. When the caller goes away (its
+//! channel closes: a daemon that crashed or was upgraded), the VM runs on
+//! and, if the process was handed a listening socket, the next caller that
+//! connects to it re-attaches; without one, the VM stops with its caller.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
 
 use vm_memory::{Bytes, GuestAddress};
@@ -16,10 +18,52 @@ use crate::{Vm, VmOptions};
 /// Most words one `peek` reads.
 pub const MAX_PEEK_WORDS: u32 = 1024;
 
-/// Serves `channel` until it closes or a `stop` (module docs). Every
-/// request gets one reply; a bad line gets an error reply and is otherwise
-/// ignored.
-pub fn serve(channel: UnixStream) -> Result<(), String> {
+/// How a caller's session ended.
+enum Ended {
+    /// It asked to stop: the VM is stopped, the process exits.
+    Stop,
+    /// Its channel closed (or it was refused): the next caller may come.
+    Closed,
+}
+
+/// Serves `channel`, then every caller `listener` accepts, until a stop
+/// (module docs). Every request gets one reply; a bad line gets an error
+/// reply and is otherwise ignored. A first caller that is refused ends the
+/// process when there is no listener.
+pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), String> {
+    let mut vm: Option<Vm> = None;
+    let mut next = Some(channel);
+    loop {
+        let conn = match next.take() {
+            Some(c) => c,
+            None => match &listener {
+                Some(l) => match l.accept() {
+                    Ok((c, _)) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot accept a caller; waiting for the next");
+                        std::thread::sleep(Duration::from_millis(100));
+                        continue;
+                    }
+                },
+                None => break,
+            },
+        };
+        match session(conn, &mut vm) {
+            Ok(Ended::Stop) => return Ok(()),
+            Ok(Ended::Closed) => {}
+            Err(e) if listener.is_none() => return Err(e),
+            Err(e) => tracing::warn!("a caller was refused: {e}"),
+        }
+    }
+    // The caller is gone and no other can come: the VM goes with it.
+    if let Some(mut v) = vm {
+        v.stop();
+    }
+    Ok(())
+}
+
+/// One caller: hello, then requests until it closes or asks to stop.
+fn session(channel: UnixStream, vm: &mut Option<Vm>) -> Result<Ended, String> {
     let mut out = channel
         .try_clone()
         .map_err(|e| format!("cannot use the channel: {e}"))?;
@@ -30,15 +74,15 @@ pub fn serve(channel: UnixStream) -> Result<(), String> {
         out.write_all(line.as_bytes())
             .map_err(|e| format!("the channel closed: {e}"))
     };
-    // The hello first.
     let first = match lines.next() {
         Some(Ok(l)) => l,
-        _ => return Ok(()),
+        _ => return Ok(Ended::Closed),
     };
     match serde_json::from_str::<Request>(&first) {
         Ok(Request::Hello { version }) if version == VERSION => send(&Reply::Hello {
             version: VERSION,
             pid: std::process::id(),
+            vm: vm.as_ref().map(|v| v.id().to_string()),
         })?,
         Ok(Request::Hello { version }) => {
             let message = format!(
@@ -57,7 +101,6 @@ pub fn serve(channel: UnixStream) -> Result<(), String> {
             return Err(message);
         }
     }
-    let mut vm: Option<Vm> = None;
     for line in lines {
         let Ok(line) = line else { break };
         let req = match serde_json::from_str::<Request>(&line) {
@@ -70,17 +113,16 @@ pub fn serve(channel: UnixStream) -> Result<(), String> {
             }
         };
         let stop = req == Request::Stop;
-        let reply = handle(&mut vm, req).unwrap_or_else(|message| Reply::Error { message });
-        send(&reply)?;
+        let reply = handle(vm, req).unwrap_or_else(|message| Reply::Error { message });
+        // A caller gone before its reply: the next one will ask again.
+        if send(&reply).is_err() && !stop {
+            return Ok(Ended::Closed);
+        }
         if stop {
-            return Ok(());
+            return Ok(Ended::Stop);
         }
     }
-    // The caller is gone: the VM goes with it (for now).
-    if let Some(mut v) = vm {
-        v.stop();
-    }
-    Ok(())
+    Ok(Ended::Closed)
 }
 
 fn handle(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {

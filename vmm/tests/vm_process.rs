@@ -132,13 +132,25 @@ fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
             let held = fds.iter().any(|f| format!("{f} ").contains(&name)) || maps.contains(&name);
             assert_eq!(held, i == j, "vm{i}'s process and vm{j}'s guest RAM: {fds:?}");
         }
-        // Its vCPU thread runs under its seccomp filter.
-        let vcpu_filtered = std::fs::read_dir(format!("{proc}/task")).unwrap().flatten().any(|t| {
+        // Every thread (its vCPU among them) runs under a seccomp filter,
+        // without capabilities, with no_new_privs.
+        let mut threads = Vec::new();
+        for t in std::fs::read_dir(format!("{proc}/task")).unwrap().flatten() {
             let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
             let st = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
-            comm.starts_with("vcpu") && st.lines().any(|l| l == "Seccomp:\t2")
-        });
-        assert!(vcpu_filtered, "vm{i}: no vCPU thread under a seccomp filter");
+            for want in ["Seccomp:\t2", "NoNewPrivs:\t1", "CapEff:\t0000000000000000"] {
+                assert!(
+                    st.lines().any(|l| l == want),
+                    "vm{i}: thread {} lacks `{want}`",
+                    comm.trim()
+                );
+            }
+            threads.push(comm.trim().to_string());
+        }
+        assert!(
+            threads.iter().any(|c| c.starts_with("vcpu")),
+            "vm{i}: no vCPU thread: {threads:?}"
+        );
     }
 
     // Pause and resume through the channel.

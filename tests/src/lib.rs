@@ -114,6 +114,18 @@ pub fn boot(id: &str, cfg: &VmConfig, log: &std::path::Path) -> Vm {
     vm
 }
 
+/// Boots `cfg` (a `memwriter` guest) as `id` and waits until its loop
+/// has run 1000 times, so that it is churning its pages.
+pub fn boot_churning(id: &str, cfg: &VmConfig, log: &std::path::Path) -> Vm {
+    let vm = boot(id, cfg, log);
+    let counter = k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER;
+    assert!(
+        wait_for(Duration::from_secs(20), || read_u32(&vm, counter) > 1000),
+        "{id}: memwriter did not start churning"
+    );
+    vm
+}
+
 /// Reads a u32 from guest RAM.
 pub fn read_u32(vm: &Vm, addr: u64) -> u32 {
     use k7d_vmm::vstate::memory::GuestMemoryMmap;

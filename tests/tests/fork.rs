@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use k7d_guest::{RESULTS_ADDR, result};
-use k7d_tests::{TempDir, boot, builtin, read_u32, wait_for};
+use k7d_tests::{TempDir, boot_churning, builtin, read_u32, wait_for};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 
@@ -27,19 +27,11 @@ fn first_diff(a: &[u8], b: &[u8]) -> Option<usize> {
 
 /// A `memwriter` that keeps dirtying its 64 pages (ARG2 = 1).
 fn churning(dir: &TempDir, mib: u64) -> Vm {
-    let vm = boot(
+    boot_churning(
         "src",
         &builtin("memwriter", 1, mib, &[PAGES, BASE, 1]),
         &dir.0.join("src.log"),
-    );
-    assert!(
-        wait_for(Duration::from_secs(20), || read_u32(
-            &vm,
-            RESULTS_ADDR + result::LOOP_COUNTER
-        ) > 1000),
-        "memwriter did not start churning"
-    );
-    vm
+    )
 }
 
 fn opts(dir: &TempDir, name: &str) -> VmOptions {

@@ -8,8 +8,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use k7d_guest::{RESULTS_ADDR, result};
-use k7d_tests::{TempDir, boot, builtin, read_u32, wait_for};
+use k7d_tests::{TempDir, boot_churning, builtin};
 use k7d_vmm::arch::x86_64::vmgenid::{self, VMGENID_ADDR};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{RngReseed, Vm, VmConfig, VmOptions};
@@ -43,14 +42,7 @@ fn id_in_ram(vm: &Vm) -> [u8; 16] {
 fn source(dir: &TempDir, vmgenid: Option<bool>) -> (Vm, VmConfig) {
     let mut cfg = builtin("memwriter", 1, SIZE / MIB, &[64, 0x20_0000, 1]);
     cfg.devices.vmgenid = vmgenid;
-    let vm = boot("src", &cfg, &dir.0.join("src.log"));
-    assert!(
-        wait_for(Duration::from_secs(20), || read_u32(
-            &vm,
-            RESULTS_ADDR + result::LOOP_COUNTER
-        ) > 1000),
-        "memwriter did not start churning"
-    );
+    let vm = boot_churning("src", &cfg, &dir.0.join("src.log"));
     (vm, cfg)
 }
 

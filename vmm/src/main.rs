@@ -330,6 +330,32 @@ impl GuestArgs {
     }
 }
 
+/// Where and as whom a jailed process runs (`k7d_vmm::jail`).
+#[derive(Args)]
+struct JailArgs {
+    /// An empty directory, the jail's root.
+    #[arg(long)]
+    root: PathBuf,
+    /// The jailed process's uid (not 0).
+    #[arg(long)]
+    uid: u32,
+    /// Its gid (not 0).
+    #[arg(long)]
+    gid: u32,
+}
+
+impl JailArgs {
+    /// The jail, keeping `keep_fds` besides stdio.
+    fn config(self, keep_fds: Vec<i32>) -> k7d_vmm::jail::JailConfig {
+        k7d_vmm::jail::JailConfig {
+            root: self.root,
+            uid: self.uid,
+            gid: self.gid,
+            keep_fds,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Boot a small cluster of embedded test guests, fork it as a cluster,
@@ -371,15 +397,8 @@ enum Cmd {
     /// stdin to close.
     #[command(hide = true)]
     JailSelftest {
-        /// An empty directory, the jail's root.
-        #[arg(long)]
-        root: PathBuf,
-        /// The jailed process's uid.
-        #[arg(long)]
-        uid: u32,
-        /// Its gid.
-        #[arg(long)]
-        gid: u32,
+        #[command(flatten)]
+        jail: JailArgs,
         /// Also run this built-in guest inside the jail (its serial on
         /// stdout), /dev/kvm handed over as a descriptor.
         #[arg(long)]
@@ -389,15 +408,8 @@ enum Cmd {
     /// at `--channel-fd` (issue 36; spawned by `k7d_vmm::vmproc::handle`).
     #[command(hide = true)]
     VmProcess {
-        /// An empty directory, the jail's root.
-        #[arg(long)]
-        root: PathBuf,
-        /// The VM process's uid.
-        #[arg(long)]
-        uid: u32,
-        /// Its gid.
-        #[arg(long)]
-        gid: u32,
+        #[command(flatten)]
+        jail: JailArgs,
         /// The descriptor of `/dev/kvm` it was handed.
         #[arg(long)]
         kvm_fd: i32,
@@ -751,15 +763,13 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 kernels.dir(),
             )
         }
-        Cmd::JailSelftest { root, uid, gid, guest } => jail_selftest(root, uid, gid, guest),
+        Cmd::JailSelftest { jail, guest } => jail_selftest(jail, guest),
         Cmd::VmProcess {
-            root,
-            uid,
-            gid,
+            jail,
             kvm_fd,
             channel_fd,
             listen_fd,
-        } => vm_process(root, uid, gid, kvm_fd, channel_fd, listen_fd),
+        } => vm_process(jail, kvm_fd, channel_fd, listen_fd),
         Cmd::Daemon {
             state_dir,
             node_config,
@@ -1106,19 +1116,21 @@ fn print_list(l: &VmList) {
     }
 }
 
+/// In a jailed process, before its VM: the `/dev/kvm` it was handed for
+/// every KVM call, then its threads' sandbox and seccomp filters.
+fn confine_jailed_vm(kvm: std::fs::File) -> Result<()> {
+    k7d_vmm::vstate::kvm::hand_over(kvm).map_err(|_| anyhow::anyhow!("a KVM descriptor was handed over twice"))?;
+    k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
+    k7d_vmm::seccomp::start_init(k7d_vmm::seccomp::Mode::Enforce).context("cannot confine the jailed VM's threads")?;
+    Ok(())
+}
+
 /// `k7d vm-process`: the jail (keeping only `/dev/kvm` and the channel),
 /// then the VM's threads under their seccomp filters, then the channel
 /// served (`k7d_vmm::vmproc::runtime`). The first process writes the
 /// jailed one's host pid on the channel and exits.
-fn vm_process(
-    root: PathBuf,
-    uid: u32,
-    gid: u32,
-    kvm_fd: i32,
-    channel_fd: i32,
-    listen_fd: Option<i32>,
-) -> Result<ExitCode> {
-    use k7d_vmm::jail::{Entered, JailConfig, enter};
+fn vm_process(jail: JailArgs, kvm_fd: i32, channel_fd: i32, listen_fd: Option<i32>) -> Result<ExitCode> {
+    use k7d_vmm::jail::{Entered, enter};
     use std::io::Write;
     use std::os::fd::FromRawFd;
     let mut fds = vec![(kvm_fd, "--kvm-fd"), (channel_fd, "--channel-fd")];
@@ -1142,12 +1154,7 @@ fn vm_process(
             std::os::unix::net::UnixStream::from_raw_fd(channel_fd),
         )
     };
-    let cfg = JailConfig {
-        root,
-        uid,
-        gid,
-        keep_fds: fds.iter().map(|(f, _)| *f).collect(),
-    };
+    let cfg = jail.config(fds.iter().map(|(f, _)| *f).collect());
     match enter(&cfg) {
         Ok(Entered::Outside { pid }) => {
             writeln!(channel, "{}", json!({ "jailed_pid": pid })).context("cannot write on the channel")?;
@@ -1159,9 +1166,7 @@ fn vm_process(
             return Err(e).context("cannot enter the VM process's jail");
         }
     }
-    k7d_vmm::vstate::kvm::hand_over(kvm).map_err(|_| anyhow::anyhow!("a KVM descriptor was handed over twice"))?;
-    k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
-    k7d_vmm::seccomp::start_init(k7d_vmm::seccomp::Mode::Enforce).context("cannot confine the VM process's threads")?;
+    confine_jailed_vm(kvm)?;
     k7d_vmm::vmproc::runtime::serve(channel, listener).map_err(|e| anyhow::anyhow!(e))?;
     Ok(ExitCode::SUCCESS)
 }
@@ -1174,20 +1179,15 @@ fn vm_process(
 /// then runs that built-in guest in the jail, its threads under their
 /// seccomp filters, and reports the guest's loop counter. Waits for stdin
 /// to close (the caller inspects it from outside meanwhile).
-fn jail_selftest(root: PathBuf, uid: u32, gid: u32, guest: Option<String>) -> Result<ExitCode> {
-    use k7d_vmm::jail::{Entered, JailConfig, enter};
+fn jail_selftest(jail: JailArgs, guest: Option<String>) -> Result<ExitCode> {
+    use k7d_vmm::jail::{Entered, enter};
     use std::io::Read;
     use std::os::fd::AsRawFd;
     let kvm = match &guest {
         Some(_) => Some(std::fs::File::open("/dev/kvm").context("cannot open /dev/kvm")?),
         None => None,
     };
-    let cfg = JailConfig {
-        root,
-        uid,
-        gid,
-        keep_fds: kvm.iter().map(|f| f.as_raw_fd()).collect(),
-    };
+    let cfg = jail.config(kvm.iter().map(|f| f.as_raw_fd()).collect());
     match enter(&cfg).context("cannot enter the jail")? {
         Entered::Outside { pid } => {
             println!("{}", json!({ "jailed_pid": pid }));
@@ -1205,10 +1205,7 @@ fn jail_selftest(root: PathBuf, uid: u32, gid: u32, guest: Option<String>) -> Re
     let mut vm = None;
     let mut counter = None;
     if let (Some(name), Some(kvm)) = (guest, kvm) {
-        k7d_vmm::vstate::kvm::hand_over(kvm).map_err(|_| anyhow::anyhow!("a KVM descriptor was handed over twice"))?;
-        k7d_devices::sandbox::install(&k7d_vmm::seccomp::DeviceSandbox);
-        k7d_vmm::seccomp::start_init(k7d_vmm::seccomp::Mode::Enforce)
-            .context("cannot confine the jailed VM's threads")?;
+        confine_jailed_vm(kvm)?;
         let config = VmConfig {
             guest: GuestSpec::Builtin { name, args: Vec::new() },
             serial: SerialConfig { console: true },

@@ -7,41 +7,50 @@
 //! the check can fail (`jail::probe` unit test too).
 
 use std::io::{BufReader, Write};
-use std::process::{Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
 
 mod common;
-use common::{K7D, Scratch};
+use common::{K7D, Scratch, a_vm_processs_own, jail_root, root_or_skip};
 
 /// A uid and gid no account on a CI machine has.
 const JAIL_ID: u32 = 2_000_000_000 + 36;
 
-#[test]
-fn a_jailed_process_holds_nothing_of_the_host() {
-    if k7d_vmm::sys::euid() != 0 {
-        k7d_test_skip::skip(
-            "a_jailed_process_holds_nothing_of_the_host",
-            "not root: namespaces, pivot_root and setresuid need it",
-        );
-        return;
+/// `k7d jail-selftest` in a fresh root as `id` (with `--guest` when one is
+/// named), once its first process has exited: the jailed process's host
+/// pid, its report from inside, and its stdin (it stays until that closes).
+fn selftest(dir: &Scratch, id: u32, guest: Option<&str>) -> (u32, serde_json::Value, Option<ChildStdin>) {
+    let root = jail_root(dir, "root");
+    let id = id.to_string();
+    let mut cmd = Command::new(K7D);
+    cmd.arg("jail-selftest")
+        .arg("--root")
+        .arg(&root)
+        .args(["--uid", &id, "--gid", &id]);
+    if let Some(g) = guest {
+        cmd.args(["--guest", g]);
     }
-    let dir = Scratch::new("jail");
-    let root = dir.0.join("root");
-    std::fs::create_dir(&root).unwrap();
-    let id = JAIL_ID.to_string();
-    let root_arg = root.display().to_string();
-    let mut first = Command::new(K7D)
-        .args(["jail-selftest", "--root", &root_arg, "--uid", &id, "--gid", &id])
+    let mut first = cmd
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("run k7d jail-selftest");
-    // Held until the end: `Child::wait` would close it, and the jailed
-    // process stays until its stdin closes.
+    // Taken before the wait: `Child::wait` would close it.
     let stdin = first.stdin.take();
     let (pid, inside) = k7d_vmm::jail::read_selftest(BufReader::new(first.stdout.take().unwrap())).unwrap();
     let st = first.wait().unwrap();
     assert!(st.success(), "the first process: {st}");
+    (pid, inside, stdin)
+}
+
+#[test]
+fn a_jailed_process_holds_nothing_of_the_host() {
+    if !root_or_skip("a_jailed_process_holds_nothing_of_the_host") {
+        return;
+    }
+    let dir = Scratch::new("jail");
+    let (pid, inside, stdin) = selftest(&dir, JAIL_ID, None);
+    let id = JAIL_ID.to_string();
 
     // From outside.
     let v = k7d_vmm::jail::probe::violations(pid, |_| false);
@@ -124,51 +133,13 @@ fn a_jail_refuses_root_ids_and_a_root_that_is_not_empty() {
     assert_eq!(std::fs::read_dir(&root).unwrap().count(), 1);
 }
 
-/// What a jailed VM process may hold: /dev/kvm (handed over), its KVM VM
-/// and vCPU fds, its guest RAM's memfd, eventfds, pipes and epoll.
-fn a_vm_processs_own(target: &str) -> bool {
-    target == "/dev/kvm"
-        || target.starts_with("anon_inode:kvm-")
-        || target.starts_with("/memfd:")
-        || target.starts_with("anon_inode:[eventfd]")
-        || target.starts_with("anon_inode:[eventpoll]")
-        || target.starts_with("pipe:[")
-}
-
 #[test]
 fn a_guest_runs_in_the_jail_holding_only_its_own_descriptors() {
-    if k7d_vmm::sys::euid() != 0 {
-        k7d_test_skip::skip(
-            "a_guest_runs_in_the_jail_holding_only_its_own_descriptors",
-            "not root: namespaces, pivot_root and setresuid need it",
-        );
+    if !root_or_skip("a_guest_runs_in_the_jail_holding_only_its_own_descriptors") {
         return;
     }
     let dir = Scratch::new("jail-vm");
-    let root = dir.0.join("root");
-    std::fs::create_dir(&root).unwrap();
-    let id = (JAIL_ID + 1).to_string();
-    let root_arg = root.display().to_string();
-    let mut first = Command::new(K7D)
-        .args([
-            "jail-selftest",
-            "--root",
-            &root_arg,
-            "--uid",
-            &id,
-            "--gid",
-            &id,
-            "--guest",
-            "memwriter",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run k7d jail-selftest --guest memwriter");
-    let stdin = first.stdin.take();
-    let (pid, inside) = k7d_vmm::jail::read_selftest(BufReader::new(first.stdout.take().unwrap())).unwrap();
-    assert!(first.wait().unwrap().success());
+    let (pid, inside, stdin) = selftest(&dir, JAIL_ID + 1, Some("memwriter"));
     assert!(
         inside["guest_loop_counter"].as_u64().unwrap_or(0) > 0,
         "the guest did not run in the jail: {inside}"

@@ -13,29 +13,38 @@ use k7d_vmm::vmproc::handle::VmProcess;
 use k7d_vmm::vmproc::proto::{Reply, Request};
 
 mod common;
-use common::{K7D, Scratch};
+use common::{K7D, Scratch, jail_root, root_or_skip};
 
 /// uids and gids no account on a CI machine has.
 const BASE_ID: u32 = 2_000_000_100;
 
-fn root_only(test: &str) -> bool {
-    if k7d_vmm::sys::euid() != 0 {
-        k7d_test_skip::skip(test, "not root: a VM process's jail needs it");
-        return false;
+/// The jail of VM process `n`: its own root under `dir`, its own ids.
+fn jail(dir: &Scratch, n: u32) -> JailConfig {
+    JailConfig {
+        root: jail_root(dir, &format!("vm{n}")),
+        uid: BASE_ID + n,
+        gid: BASE_ID + n,
+        keep_fds: Vec::new(),
     }
-    true
+}
+
+/// The `memwriter` guest churning its 64 pages: its loop counter says it runs.
+fn memwriter(id: String) -> Request {
+    Request::Build {
+        id,
+        config: Box::new(VmConfig {
+            memory_mib: 16,
+            guest: GuestSpec::Builtin {
+                name: "memwriter".into(),
+                args: vec![64, 0x20_0000, 1],
+            },
+            ..Default::default()
+        }),
+    }
 }
 
 fn spawn(dir: &Scratch, i: u32) -> VmProcess {
-    let root = dir.0.join(format!("vm{i}"));
-    std::fs::create_dir(&root).unwrap();
-    let jail = JailConfig {
-        root,
-        uid: BASE_ID + i,
-        gid: BASE_ID + i,
-        keep_fds: Vec::new(),
-    };
-    VmProcess::spawn(std::path::Path::new(K7D), &jail).unwrap_or_else(|e| panic!("vm{i}: {e}"))
+    VmProcess::spawn(std::path::Path::new(K7D), &jail(dir, i)).unwrap_or_else(|e| panic!("vm{i}: {e}"))
 }
 
 fn ok(p: &mut VmProcess, req: Request) {
@@ -66,41 +75,21 @@ fn grows(p: &mut VmProcess) -> bool {
     false
 }
 
-/// What a VM process may hold: /dev/kvm, its KVM VM and vCPU fds, its
-/// guest RAM's memfd, eventfds, pipes, epoll and its channel's socket.
+/// What a VM process may hold: a jailed VM's own descriptors and its
+/// channel's (and listening) sockets.
 fn a_vm_processs_own(target: &str) -> bool {
-    target == "/dev/kvm"
-        || target.starts_with("anon_inode:kvm-")
-        || target.starts_with("/memfd:k7d-ram-")
-        || target.starts_with("anon_inode:[eventfd]")
-        || target.starts_with("anon_inode:[eventpoll]")
-        || target.starts_with("pipe:[")
-        || target.starts_with("socket:[")
+    common::a_vm_processs_own(target) || target.starts_with("socket:[")
 }
 
 #[test]
 fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
-    if !root_only("three_vm_processes_are_each_jailed_with_only_their_own_memory") {
+    if !root_or_skip("three_vm_processes_are_each_jailed_with_only_their_own_memory") {
         return;
     }
     let dir = Scratch::new("vmproc");
     let mut procs: Vec<VmProcess> = (0..3).map(|i| spawn(&dir, i)).collect();
     for (i, p) in procs.iter_mut().enumerate() {
-        let config = VmConfig {
-            memory_mib: 16,
-            guest: GuestSpec::Builtin {
-                name: "memwriter".into(),
-                args: vec![64, 0x20_0000, 1],
-            },
-            ..Default::default()
-        };
-        ok(
-            p,
-            Request::Build {
-                id: format!("vm{i}"),
-                config: Box::new(config),
-            },
-        );
+        ok(p, memwriter(format!("vm{i}")));
         ok(p, Request::Start);
         assert!(grows(p), "vm{i} does not run");
     }
@@ -203,18 +192,11 @@ fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
 
 #[test]
 fn a_vm_process_refuses_a_caller_of_another_channel_version() {
-    if !root_only("a_vm_process_refuses_a_caller_of_another_channel_version") {
+    if !root_or_skip("a_vm_process_refuses_a_caller_of_another_channel_version") {
         return;
     }
     let dir = Scratch::new("vmproc-version");
-    let root = dir.0.join("root");
-    std::fs::create_dir(&root).unwrap();
-    let jail = JailConfig {
-        root,
-        uid: BASE_ID + 10,
-        gid: BASE_ID + 10,
-        keep_fds: Vec::new(),
-    };
+    let jail = jail(&dir, 10);
     let mut p = VmProcess::spawn_unhello(std::path::Path::new(K7D), &jail).unwrap();
     match p.call(&Request::Hello { version: 999 }) {
         Ok(Reply::Error { message }) => {
@@ -228,9 +210,10 @@ fn a_vm_process_refuses_a_caller_of_another_channel_version() {
     // It is gone after the refusal.
     assert!(p.call(&Request::Status).is_err());
     // A request before hello is refused too.
-    let root2 = dir.0.join("root2");
-    std::fs::create_dir(&root2).unwrap();
-    let jail2 = JailConfig { root: root2, ..jail };
+    let jail2 = JailConfig {
+        root: jail_root(&dir, "second"),
+        ..jail
+    };
     let mut q = VmProcess::spawn_unhello(std::path::Path::new(K7D), &jail2).unwrap();
     match q.call(&Request::Status) {
         Ok(Reply::Error { message }) => assert!(message.contains("must be hello"), "{message}"),
@@ -246,39 +229,17 @@ fn a_vm_process_refuses_a_caller_of_another_channel_version() {
 #[test]
 fn vm_processes_outlive_their_caller_and_the_next_one_re_attaches() {
     use k7d_vmm::vmproc::proto::VERSION;
-    if !root_only("vm_processes_outlive_their_caller_and_the_next_one_re_attaches") {
+    if !root_or_skip("vm_processes_outlive_their_caller_and_the_next_one_re_attaches") {
         return;
     }
     let dir = Scratch::new("vmproc-reattach");
     let mut records = Vec::new();
     let mut procs = Vec::new();
     for i in 0..3u32 {
-        let root = dir.0.join(format!("vm{i}"));
-        std::fs::create_dir(&root).unwrap();
-        let jail = JailConfig {
-            root,
-            uid: BASE_ID + 20 + i,
-            gid: BASE_ID + 20 + i,
-            keep_fds: Vec::new(),
-        };
         let sock = dir.0.join(format!("vm{i}.sock"));
-        let mut p = VmProcess::spawn_listening(std::path::Path::new(K7D), &jail, &sock).unwrap();
-        let config = VmConfig {
-            memory_mib: 16,
-            guest: GuestSpec::Builtin {
-                name: "memwriter".into(),
-                args: vec![64, 0x20_0000, 1],
-            },
-            ..Default::default()
-        };
+        let mut p = VmProcess::spawn_listening(std::path::Path::new(K7D), &jail(&dir, 20 + i), &sock).unwrap();
         let id = format!("re{i}");
-        ok(
-            &mut p,
-            Request::Build {
-                id: id.clone(),
-                config: Box::new(config),
-            },
-        );
+        ok(&mut p, memwriter(id.clone()));
         ok(&mut p, Request::Start);
         assert!(grows(&mut p));
         records.push((sock, p.pid, id));

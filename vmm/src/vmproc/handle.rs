@@ -20,6 +20,9 @@ pub const KVM_FD: i32 = 3;
 pub const CHANNEL_FD: i32 = 4;
 /// The descriptor number of its listening socket, when it has one.
 pub const LISTEN_FD: i32 = 5;
+/// How long a reply may take (a pause waits at most 2 s): a VM process that
+/// stops answering is reported, not waited on for ever.
+pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A VM process, from its caller's side.
 pub struct VmProcess {
@@ -59,6 +62,7 @@ impl VmProcess {
     pub fn attach(socket: &Path, pid: u32, version: u32) -> Result<(Self, Reply), String> {
         let ours = UnixStream::connect(socket)
             .map_err(|e| format!("cannot reach VM process {pid} at {}: {e}", socket.display()))?;
+        ours.set_read_timeout(Some(CALL_TIMEOUT)).map_err(|e| e.to_string())?;
         let writer = ours.try_clone().map_err(|e| e.to_string())?;
         let mut p = Self {
             pid,
@@ -112,6 +116,7 @@ impl VmProcess {
             .map_err(|e| format!("cannot run {} vm-process: {e}", k7d.display()))?;
         drop((kvm, theirs));
         let status = first.wait().map_err(|e| e.to_string())?;
+        ours.set_read_timeout(Some(CALL_TIMEOUT)).map_err(|e| e.to_string())?;
         let writer = ours.try_clone().map_err(|e| e.to_string())?;
         let mut reader = BufReader::new(ours);
         let mut line = String::new();
@@ -156,6 +161,13 @@ impl VmProcess {
             Ok(0) => Err(format!("VM process {} closed its channel", self.pid)),
             Ok(_) => serde_json::from_str(&back)
                 .map_err(|e| format!("VM process {} answered `{}`: {e}", self.pid, back.trim())),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(format!(
+                    "VM process {} did not answer within {} s",
+                    self.pid,
+                    CALL_TIMEOUT.as_secs()
+                ))
+            }
             Err(e) => Err(format!("VM process {} is gone: {e}", self.pid)),
         }
     }

@@ -125,13 +125,13 @@ fn session(channel: UnixStream, vm: &mut Option<Vm>) -> Result<Ended, String> {
     Ok(Ended::Closed)
 }
 
+/// The VM, or the sentence for a request that needs one before `build`.
+fn built(vm: &mut Option<Vm>) -> Result<&mut Vm, String> {
+    vm.as_mut()
+        .ok_or_else(|| "there is no VM in this process yet: build it first".to_string())
+}
+
 fn handle(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
-    let need = |vm: &mut Option<Vm>| -> Result<(), String> {
-        if vm.is_none() {
-            return Err("there is no VM in this process yet: build it first".into());
-        }
-        Ok(())
-    };
     match req {
         Request::Hello { .. } => Err("hello was already said".into()),
         Request::Build { id, config } => {
@@ -145,46 +145,30 @@ fn handle(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
             *vm = Some(Vm::new(&id, &config, &VmOptions::default()).map_err(|e| e.to_string())?);
             Ok(Reply::Ok)
         }
-        Request::Start => {
-            need(vm)?;
-            vm.as_mut().map_or(Ok(()), |v| v.start()).map_err(|e| e.to_string())?;
-            Ok(Reply::Ok)
-        }
-        Request::Pause => {
-            need(vm)?;
-            vm.as_ref()
-                .map_or(Ok(()), |v| v.pause(Duration::from_secs(2)))
-                .map_err(|e| e.to_string())?;
-            Ok(Reply::Ok)
-        }
-        Request::Resume => {
-            need(vm)?;
-            vm.as_ref().map_or(Ok(()), |v| v.resume()).map_err(|e| e.to_string())?;
-            Ok(Reply::Ok)
-        }
+        Request::Start => built(vm)?.start().map(|()| Reply::Ok).map_err(|e| e.to_string()),
+        Request::Pause => built(vm)?
+            .pause(Duration::from_secs(2))
+            .map(|()| Reply::Ok)
+            .map_err(|e| e.to_string()),
+        Request::Resume => built(vm)?.resume().map(|()| Reply::Ok).map_err(|e| e.to_string()),
         Request::Peek { addr, count } => {
-            need(vm)?;
+            let v = built(vm)?;
             if count > MAX_PEEK_WORDS {
                 return Err(format!("peek reads at most {MAX_PEEK_WORDS} words, not {count}"));
             }
-            let v = vm.as_ref().ok_or("no VM")?;
-            let mut words = Vec::with_capacity(count as usize);
-            for i in 0..u64::from(count) {
-                let at = addr.checked_add(i * 4).ok_or("the address overflows")?;
-                words.push(
+            let words = (0..u64::from(count))
+                .map(|i| {
+                    let at = addr.checked_add(i * 4).ok_or("the address overflows")?;
                     v.memory()
                         .read_obj::<u32>(GuestAddress(at))
-                        .map_err(|e| format!("cannot read guest RAM at {at:#x}: {e}"))?,
-                );
-            }
+                        .map_err(|e| format!("cannot read guest RAM at {at:#x}: {e}"))
+                })
+                .collect::<Result<_, String>>()?;
             Ok(Reply::Peeked { words })
         }
-        Request::Status => {
-            need(vm)?;
-            Ok(Reply::Status {
-                status: vm.as_ref().map(|v| v.state().to_string()).unwrap_or_default(),
-            })
-        }
+        Request::Status => Ok(Reply::Status {
+            status: built(vm)?.state().to_string(),
+        }),
         Request::Stop => {
             if let Some(mut v) = vm.take() {
                 v.stop();

@@ -41,3 +41,32 @@ impl Drop for Scratch {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// True when this test runs as root; otherwise records a skip (a jail
+/// needs namespaces, `pivot_root` and `setresuid`) and returns false.
+pub fn root_or_skip(test: &str) -> bool {
+    if k7d_vmm::sys::euid() == 0 {
+        return true;
+    }
+    k7d_test_skip::skip(test, "not root: namespaces, pivot_root and setresuid need it");
+    false
+}
+
+/// An empty directory `<scratch>/<name>` for a jail's root.
+pub fn jail_root(dir: &Scratch, name: &str) -> PathBuf {
+    let root = dir.0.join(name);
+    std::fs::create_dir(&root).unwrap();
+    root
+}
+
+/// What a jailed VM process may hold besides stdio: the `/dev/kvm` it was
+/// handed, its KVM VM and vCPU fds, its guest RAM's memfd, eventfds, pipes
+/// and epoll (`jail::probe::violations`'s `allowed`).
+pub fn a_vm_processs_own(target: &str) -> bool {
+    target == "/dev/kvm"
+        || target.starts_with("anon_inode:kvm-")
+        || target.starts_with("/memfd:k7d-ram-")
+        || target.starts_with("anon_inode:[eventfd]")
+        || target.starts_with("anon_inode:[eventpoll]")
+        || target.starts_with("pipe:[")
+}

@@ -225,6 +225,7 @@ fn stale_records_are_reconciled_and_the_state_dir_is_exclusive() {
         serial_log: state.join("vms/orphan/serial.log"),
         daemon_pid: 999_999_999,
         created_unix: 0,
+        vm_process: None,
     };
     store.save(&dead).unwrap();
     std::fs::write(store.runtime_dir("orphan").unwrap().join("serial.log"), b"old").unwrap();

@@ -404,6 +404,14 @@ enum Cmd {
         #[arg(long)]
         guest: Option<String>,
     },
+    /// Start VM processes on behalf of a daemon whose threads may not exec
+    /// (`k7d_vmm::vmproc::spawner`), until its socket closes.
+    #[command(hide = true)]
+    VmSpawner {
+        /// The descriptor of the daemon's socket.
+        #[arg(long)]
+        socket_fd: i32,
+    },
     /// Run one VM in a jailed process of its own, driven over the channel
     /// at `--channel-fd` (issue 36; spawned by `k7d_vmm::vmproc::handle`).
     #[command(hide = true)]
@@ -433,6 +441,8 @@ enum Cmd {
         limits: DaemonLimits,
         #[command(flatten)]
         kernels: KernelCacheArgs,
+        #[command(flatten)]
+        jail: DaemonJail,
     },
     #[command(flatten)]
     Api(ApiCmd),
@@ -483,6 +493,28 @@ enum Cmd {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+}
+
+/// Where the daemon runs its VMs (`docs/security.md`, "The jail").
+#[derive(Args, Clone)]
+struct DaemonJail {
+    /// `on`: every VM the daemon creates runs in a jailed VM process of its
+    /// own, which outlives the daemon (built-in guests without devices so
+    /// far); `off`: inside the daemon.
+    #[arg(long, value_enum, default_value_t = JailMode::Off)]
+    jail: JailMode,
+    /// The first uid (and gid) of the range VM processes take, one each.
+    #[arg(long, default_value_t = 2_000_000_000, value_parser = clap::value_parser!(u32).range(1..))]
+    jail_id_base: u32,
+    /// How many ids the range holds (the most VM processes at once).
+    #[arg(long, default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..))]
+    jail_id_count: u32,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum JailMode {
+    On,
+    Off,
 }
 
 /// Who may use the daemon's API and how it bounds its clients (`docs/security.md`).
@@ -770,16 +802,28 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             channel_fd,
             listen_fd,
         } => vm_process(jail, kvm_fd, channel_fd, listen_fd),
+        Cmd::VmSpawner { socket_fd } => {
+            init_logs("warn");
+            vm_spawner(socket_fd)
+        }
         Cmd::Daemon {
             state_dir,
             node_config,
             limits,
             kernels,
+            jail,
         } => {
             init_logs("info");
             let node = load_node(&node_config)?;
+            // Before the filters deny exec: the spawner does it for the
+            // daemon. As a subreaper the daemon learns how its VM
+            // processes end.
+            let procs = match jail.jail {
+                JailMode::On => Some(vm_processes(&jail)?),
+                JailMode::Off => None,
+            };
             confine(cli.seccomp)?;
-            daemon(&state_dir, &cli.socket, node, &limits, kernels.dir())
+            daemon(&state_dir, &cli.socket, node, &limits, kernels.dir(), procs)
         }
         Cmd::Net { cmd } => {
             init_logs("warn");
@@ -1274,6 +1318,36 @@ fn print_vm(vm: &VmInfo) {
     if let Some(g) = &vm.vmgenid {
         out!("  vm generation id: {g}");
     }
+    match &vm.vm_process {
+        Some(p) => out!("  vm process: pid {}, uid {}, gid {} (jailed)", p.pid, p.uid, p.gid),
+        None => out!("  vm process: none (runs inside the daemon: --jail off)"),
+    }
+}
+
+/// The daemon's VM processes (`--jail on`): the spawner started and this
+/// process a child subreaper.
+fn vm_processes(jail: &DaemonJail) -> Result<k7d_vmm::daemon::VmProcesses> {
+    let k7d = std::env::current_exe().context("cannot find this binary to run VM processes with")?;
+    k7d_vmm::sys::become_subreaper().context("cannot become a child subreaper")?;
+    let spawner = k7d_vmm::vmproc::spawner::Spawner::start(&k7d).map_err(|e| anyhow::anyhow!(e))?;
+    let ids = k7d_vmm::daemon::IdRange {
+        base: jail.jail_id_base,
+        count: jail.jail_id_count,
+    };
+    k7d_vmm::daemon::VmProcesses::new(spawner, ids).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// `k7d vm-spawner`: serves its daemon (`k7d_vmm::vmproc::spawner`).
+fn vm_spawner(socket_fd: i32) -> Result<ExitCode> {
+    use std::os::fd::FromRawFd;
+    if socket_fd < 3 || !k7d_vmm::sys::fd_is_open(socket_fd) {
+        anyhow::bail!("--socket-fd {socket_fd} is not a descriptor this process was handed");
+    }
+    // SAFETY: checked open above; handed over at spawn for this use only.
+    let sock = unsafe { std::os::unix::net::UnixStream::from_raw_fd(socket_fd) };
+    let k7d = std::env::current_exe().context("cannot find this binary to run VM processes with")?;
+    k7d_vmm::vmproc::spawner::serve(sock, &k7d).map_err(|e| anyhow::anyhow!(e))?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn daemon(
@@ -1282,6 +1356,7 @@ fn daemon(
     node: NodeConfig,
     limits: &DaemonLimits,
     kernel_cache: Option<PathBuf>,
+    procs: Option<k7d_vmm::daemon::VmProcesses>,
 ) -> Result<ExitCode> {
     k7d_vmm::seccomp::ready().context("cannot confine k7d's threads")?;
     // A few fds per VM and per shell: the default soft limit (1024) would
@@ -1291,7 +1366,13 @@ fn daemon(
         Err(e) => tracing::warn!(error = %e, "cannot raise the open-file limit; it stays as it was"),
     }
     let (d, reconciled) = Daemon::open(state_dir)?;
-    let d = d.with_node_config(node).with_kernel_cache(kernel_cache);
+    let mut d = d.with_node_config(node).with_kernel_cache(kernel_cache);
+    if let Some(p) = procs {
+        d = d.with_vm_processes(p);
+    }
+    for id in d.reattached() {
+        eprintln!("k7d: re-attached vm {id} in its VM process");
+    }
     for r in &reconciled {
         eprintln!(
             "k7d: reconciled vm {} ({}, daemon pid {:?} is gone): record removed",

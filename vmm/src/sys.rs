@@ -717,6 +717,139 @@ pub fn set_no_new_privs() -> io::Result<()> {
     check_rc(unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) })
 }
 
+/// A connected pair of `AF_UNIX` `SOCK_SEQPACKET` sockets (close-on-exec):
+/// each send is one message, read whole, and a closed peer reads as 0
+/// bytes. (Wrapped as `UnixStream`s, which read and write them unchanged.)
+pub fn seqpacket_pair() -> io::Result<(std::os::unix::net::UnixStream, std::os::unix::net::UnixStream)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0i32; 2];
+    // SAFETY: socketpair writes two descriptors into our local array.
+    check_rc(unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: both descriptors were just made and are owned by nothing else.
+    Ok(unsafe {
+        (
+            std::os::unix::net::UnixStream::from_raw_fd(fds[0]),
+            std::os::unix::net::UnixStream::from_raw_fd(fds[1]),
+        )
+    })
+}
+
+/// Sets `FD_CLOEXEC` on `fd` (a descriptor received over a socket).
+pub fn set_cloexec(fd: i32) -> io::Result<()> {
+    // SAFETY: fcntl with integer arguments on a descriptor we hold.
+    check_rc(unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) })
+}
+
+/// A pidfd for process `pid` (`pidfd_open(2)`): it reads ready when the
+/// process ends, whoever its parent is.
+pub fn pidfd_open(pid: u32) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: pidfd_open takes integers and returns a new descriptor.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a new descriptor owned by nothing else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// Waits until the process behind `pidfd` ends, then how it ended when it
+/// is this process's child (reaped: `Some(Ok(code))` or `Some(Err(signal))`);
+/// `None` when it ended but was another process's child.
+pub fn pidfd_wait(pidfd: &std::os::fd::OwnedFd) -> io::Result<Option<Result<i32, i32>>> {
+    use std::os::fd::AsRawFd;
+    loop {
+        let mut p = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll reads and writes our one local pollfd.
+        let rc = unsafe { libc::poll(&mut p, 1, -1) };
+        if rc == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if rc == 1 {
+            break;
+        }
+    }
+    // SAFETY: siginfo_t is plain data; zeroed is a valid value.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid writes into our local siginfo_t. P_PIDFD (3) takes
+    // the pidfd as its id.
+    let rc = unsafe {
+        libc::waitid(
+            3 as libc::idtype_t,
+            pidfd.as_raw_fd() as libc::id_t,
+            &mut info,
+            libc::WEXITED,
+        )
+    };
+    if rc == -1 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ECHILD) {
+            Ok(None)
+        } else {
+            Err(e)
+        };
+    }
+    // SAFETY: waitid filled `info` for an exited child.
+    let (code, status) = unsafe { (info.si_code, info.si_status()) };
+    Ok(Some(if code == libc::CLD_EXITED {
+        Ok(status)
+    } else {
+        Err(status)
+    }))
+}
+
+/// When process `pid` started, in clock ticks after boot (`/proc/<pid>/stat`
+/// field 22): with the pid, what names one process across pid reuse.
+pub fn process_start_ticks(pid: u32) -> io::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name (field 2) is in parentheses and may hold spaces.
+    let after = stat
+        .rfind(')')
+        .map(|i| &stat[i + 1..])
+        .ok_or_else(|| io::Error::other("unreadable /proc stat"))?;
+    after
+        .split_whitespace()
+        .nth(19)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| io::Error::other("no start time in /proc stat"))
+}
+
+/// Sends `SIGKILL` to the process behind `pidfd` (`pidfd_send_signal(2)`:
+/// never to a later process that reused its pid).
+pub fn pidfd_kill(pidfd: &std::os::fd::OwnedFd) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: pidfd_send_signal takes a descriptor we hold, a signal number
+    // and a null siginfo.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            libc::SIGKILL,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    };
+    if rc == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::parse_kernel_release;

@@ -504,6 +504,21 @@ pub struct VmInfo {
     /// restore, when it has the device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vmgenid: Option<String>,
+    /// The VM process it runs in (absent: inside the daemon, `--jail off`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_process: Option<VmProcessInfo>,
+}
+
+/// A VM's own process (`k7d daemon --jail on`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmProcessInfo {
+    /// Its host pid.
+    pub pid: u32,
+    /// Its uid.
+    pub uid: u32,
+    /// Its gid.
+    pub gid: u32,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -1262,6 +1277,11 @@ mod tests {
             shells_ready: None,
             rng_reseed: None,
             vmgenid: None,
+            vm_process: Some(VmProcessInfo {
+                pid: 4242,
+                uid: 2_000_000_000,
+                gid: 2_000_000_000,
+            }),
         }
     }
 

@@ -398,8 +398,10 @@ impl Daemon {
         have: &[String],
     ) -> Result<(), ApiError> {
         for (i, m) in members.iter().enumerate() {
-            if !matches!(vms.get(m), Some(Slot::Vm(_))) {
-                return Err(ApiError::new(ErrorCode::NotFound, format!("vm {m} does not exist")));
+            match vms.get(m) {
+                Some(Slot::Vm(_)) => {}
+                Some(Slot::Process(_)) => return Err(conflict(super::not_served_in_a_process(m))),
+                _ => return Err(ApiError::new(ErrorCode::NotFound, format!("vm {m} does not exist"))),
             }
             if members[..i].contains(m) || have.contains(m) {
                 return Err(ApiError::new(

@@ -1,7 +1,8 @@
-//! The daemon: many VMs in one process, their records, and the API.
+//! The daemon: many VMs, their records, and the API.
 //!
-//! Every VM lives in this one process (forks happen in-process).
-//! [`Daemon`] executes API requests; [`api`] holds the request and result
+//! A VM lives in this process (forks happen in-process), or, with `k7d
+//! daemon --jail on`, in a jailed VM process of its own that outlives the
+//! daemon (`processes.rs`, issue 36 in progress). [`Daemon`] executes API requests; [`api`] holds the request and result
 //! types the daemon and the CLI share; [`server`] carries them over a unix
 //! socket; [`client`] is the CLI side.
 
@@ -9,6 +10,7 @@ pub mod api;
 pub mod client;
 mod clusters;
 mod periodic;
+mod processes;
 mod rebaser;
 mod reconcile;
 mod recorder;
@@ -16,6 +18,7 @@ pub mod server;
 mod shells;
 pub mod store;
 
+pub use processes::{IdRange, VmProcesses};
 pub use rebaser::{REBASE_PERIOD, Rebaser};
 pub use reconcile::{NicSweep, Reconciled};
 pub use shells::{SHELL_PERIOD, ShellKeeper};
@@ -94,6 +97,15 @@ enum Slot {
     /// new VM may not take it yet (the removal would take its files).
     Deleting,
     Vm(Arc<Mutex<Vm>>),
+    /// A VM in a VM process of its own.
+    Process(Arc<Mutex<processes::Remote>>),
+}
+
+/// The sentence for a request a VM process does not serve yet.
+fn not_served_in_a_process(id: &str) -> String {
+    format!(
+        "vm {id} runs in a VM process of its own, which serves start, pause, resume, stop, delete, info and peek so far"
+    )
 }
 
 /// The VM owner.
@@ -110,6 +122,10 @@ pub struct Daemon {
     recorder: recorder::Recorder,
     /// Shells made ahead for fork children (`fork.shells`, `shells.rs`).
     shells: Arc<ShellPool>,
+    /// Where new VMs run in VM processes (`--jail on`); `None`: in this one.
+    processes: Option<Arc<VmProcesses>>,
+    /// The VMs re-attached at open, in their VM processes.
+    reattached: Vec<String>,
     _lock: crate::sys::FileLock,
 }
 
@@ -136,6 +152,17 @@ impl Reservation<'_> {
         for (id, vm) in filled.into_iter().zip(vms) {
             map.insert(id, Slot::Vm(vm));
         }
+    }
+
+    /// Puts the VM process `remote` in the map under the (one) reserved id.
+    fn fill_process(mut self, remote: processes::Remote) {
+        if self.ids.is_empty() {
+            return;
+        }
+        let id = self.ids.remove(0);
+        self.daemon
+            .vms()
+            .insert(id, Slot::Process(Arc::new(Mutex::new(remote))));
     }
 }
 
@@ -336,10 +363,27 @@ impl Daemon {
             tracing::warn!(swept, "removed temp files left by an interrupted record write");
         }
         let mut reconciled = Vec::new();
+        let mut reattached = HashMap::new();
         for id in store.ids()? {
-            // VMs live inside the daemon process: a record on disk at start
-            // belongs to a daemon that is gone, so its VM is gone too.
+            // A VM in a VM process of its own outlived its daemon: it is
+            // served again if its process is still the one its record names.
             let rec = store.load(&id).ok().flatten();
+            if let Some(r) = rec.as_ref().filter(|r| r.vm_process.is_some()) {
+                match processes::Remote::attach(r, &store) {
+                    Ok(remote) => {
+                        tracing::info!(vm = %id, pid = remote.record().pid, "re-attached to the VM's process");
+                        if let Err(e) = store.update(&id, |r| r.daemon_pid = std::process::id()) {
+                            tracing::warn!(vm = %id, error = %e, "cannot record this daemon as the VM's owner");
+                        }
+                        reattached.insert(id.clone(), Slot::Process(Arc::new(Mutex::new(remote))));
+                        continue;
+                    }
+                    Err(why) => tracing::warn!(vm = %id, "cannot re-attach to the VM's process: {why}"),
+                }
+            }
+            // Any other VM lived inside the daemon process: a record on
+            // disk at start belongs to a daemon that is gone, so its VM is
+            // gone too.
             let r = Reconciled {
                 id: id.clone(),
                 state: rec
@@ -377,16 +421,20 @@ impl Daemon {
             what: "cannot start the thread that records VM stops".into(),
             source,
         })?;
+        let mut reattached_ids: Vec<String> = reattached.keys().cloned().collect();
+        reattached_ids.sort();
         Ok((
             Self {
                 store,
                 clusters,
-                vms: Mutex::new(HashMap::new()),
+                vms: Mutex::new(reattached),
                 parents: Mutex::new(HashMap::new()),
                 node: crate::config::NodeConfig::default(),
                 kernel_cache: None,
                 recorder,
                 shells: ShellPool::new(),
+                processes: None,
+                reattached: reattached_ids,
                 _lock: lock,
             },
             reconciled,
@@ -397,6 +445,23 @@ impl Daemon {
     /// shape: a fork of any VM of a shape takes them).
     pub fn shells_ready(&self) -> usize {
         self.shells.total()
+    }
+
+    /// Runs every VM it creates from now on in a VM process of its own
+    /// (`--jail on`); the VM processes it re-attached keep their ids.
+    pub fn with_vm_processes(mut self, procs: VmProcesses) -> Self {
+        for s in self.vms().values() {
+            if let Slot::Process(r) = s {
+                procs.take(r.lock().unwrap_or_else(|p| p.into_inner()).record().uid);
+            }
+        }
+        self.processes = Some(Arc::new(procs));
+        self
+    }
+
+    /// The VMs it re-attached to at open, in their VM processes.
+    pub fn reattached(&self) -> &[String] {
+        &self.reattached
     }
 
     /// Uses `node` (network queue/vhost policy) for every VM it builds.
@@ -434,7 +499,16 @@ impl Daemon {
                 format!("vm {id} is still being created"),
             )),
             Some(Slot::Deleting) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} is being deleted"))),
+            Some(Slot::Process(_)) => Err(ApiError::new(ErrorCode::Conflict, not_served_in_a_process(id))),
             None => Err(ApiError::new(ErrorCode::NotFound, format!("vm {id} does not exist"))),
+        }
+    }
+
+    /// The VM process holding `id`, if a VM process holds it.
+    fn process(&self, id: &str) -> Option<Arc<Mutex<processes::Remote>>> {
+        match self.vms().get(id) {
+            Some(Slot::Process(r)) => Some(r.clone()),
+            _ => None,
         }
     }
 
@@ -457,7 +531,13 @@ impl Daemon {
     /// Executes a request; the reply is the type its op defines.
     pub fn handle(&self, req: Request) -> Result<Reply, ApiError> {
         req.validate()?;
+        if let Some(reply) = self.handle_in_process(&req) {
+            return reply;
+        }
         Ok(match req {
+            Request::Create(a) if self.processes.is_some() => {
+                Reply::Vm(Box::new(self.create_process(a.config, a.start)?))
+            }
             Request::Create(a) => Reply::Vm(Box::new(self.create(a.config, a.start)?)),
             Request::Start(id) => Reply::Vm(Box::new(self.transition(&id, |vm| vm.start())?)),
             Request::Pause(id) => Reply::Vm(Box::new(self.transition(&id, |vm| vm.pause(PAUSE_TIMEOUT))?)),
@@ -577,11 +657,28 @@ impl Daemon {
             .vms()
             .values()
             .filter_map(|s| match s {
-                Slot::Vm(v) => Some(v.clone()),
+                Slot::Vm(v) => Some(Ok(v.clone())),
+                Slot::Process(r) => Some(Err(r.clone())),
                 Slot::Reserved | Slot::Deleting => None,
             })
             .collect();
-        let mut vms: Vec<VmSummary> = vms.iter().map(|v| summary(&lock_vm(v))).collect();
+        let mut vms: Vec<VmSummary> = vms
+            .iter()
+            .map(|v| match v {
+                Ok(v) => summary(&lock_vm(v)),
+                Err(r) => {
+                    let mut g = r.lock().unwrap_or_else(|p| p.into_inner());
+                    let state = g.status().0;
+                    VmSummary {
+                        id: g.id().to_string(),
+                        status: state.to_string(),
+                        vcpus: g.config().vcpus,
+                        memory_mib: g.config().memory_mib,
+                        guest: g.config().guest.describe(),
+                    }
+                }
+            })
+            .collect();
         vms.sort_by(|a, b| a.id.cmp(&b.id));
         VmList { vms }
     }
@@ -629,6 +726,7 @@ impl Daemon {
             shells_ready: vm.config().fork.shells.map(|_| self.shells.count(vm.shape()) as u32),
             rng_reseed: Some(vm.rng_reseed()),
             vmgenid: vm.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
+            vm_process: None,
         }
     }
 
@@ -807,6 +905,7 @@ impl Daemon {
             serial_log,
             daemon_pid: std::process::id(),
             created_unix: now_unix(),
+            vm_process: None,
         };
         self.store.save(&rec).map_err(internal)?;
         // The last vCPU thread to leave records why the VM stopped, also
@@ -943,6 +1042,9 @@ impl Daemon {
     }
 
     fn delete(&self, id: &str) -> Result<Deleted, ApiError> {
+        if let Some(r) = self.process(id) {
+            return self.delete_process(id, &r);
+        }
         let vm = self.get(id)?;
         {
             let mut g = lock_vm(&vm);
@@ -984,9 +1086,15 @@ impl Daemon {
         })
     }
 
-    /// Stops and deletes every VM (daemon exit).
+    /// Stops and deletes every VM in this process (daemon exit); a VM in
+    /// a VM process of its own runs on, for the next daemon.
     pub fn shutdown(&self) {
-        let ids: Vec<String> = self.vms().keys().cloned().collect();
+        let ids: Vec<String> = self
+            .vms()
+            .iter()
+            .filter(|(_, s)| !matches!(s, Slot::Process(_)))
+            .map(|(id, _)| id.clone())
+            .collect();
         for id in ids {
             tracing::info!(vm = %id, "daemon exiting: stopping and deleting the VM");
             if let Err(e) = self.delete(&id) {

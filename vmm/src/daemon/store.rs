@@ -41,6 +41,26 @@ pub struct VmRecord {
     pub daemon_pid: u32,
     /// Seconds since the epoch at creation.
     pub created_unix: u64,
+    /// The VM process it runs in (absent: it runs inside the daemon).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_process: Option<ProcessRecord>,
+}
+
+/// Where a VM's process is, for the next daemon to re-attach.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessRecord {
+    /// Its host pid.
+    pub pid: u32,
+    /// When it started (clock ticks after boot): with the pid, what tells
+    /// it from a later process that reused the pid.
+    pub start_ticks: u64,
+    /// Its uid and gid.
+    pub uid: u32,
+    /// Its gid.
+    pub gid: u32,
+    /// The unix socket it listens on for its next caller.
+    pub socket: PathBuf,
 }
 
 /// Errors from the record store.
@@ -305,6 +325,7 @@ mod tests {
             serial_log: PathBuf::from("/dev/null"),
             daemon_pid: std::process::id(),
             created_unix: 0,
+            vm_process: None,
         }
     }
 

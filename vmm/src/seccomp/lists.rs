@@ -253,4 +253,17 @@ pub(super) const CONTROL_EXTRA: &[Allowed] = &[
     ),
     (libc::SYS_set_tid_address, "process start (glibc)"),
     (libc::SYS_arch_prctl, "process start (glibc)"),
+    (
+        libc::SYS_socketpair,
+        "a VM process's channel (`--jail on`), handed to it through the spawner",
+    ),
+    (
+        libc::SYS_pidfd_open,
+        "watching a VM process's end, also one an earlier daemon started",
+    ),
+    (libc::SYS_waitid, "how a VM process ended (P_PIDFD), reaping it"),
+    (
+        libc::SYS_pidfd_send_signal,
+        "killing a VM process that does not exit when stopped (never another process that reused its pid)",
+    ),
 ];

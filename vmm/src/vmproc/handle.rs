@@ -36,11 +36,7 @@ impl VmProcess {
     /// Spawns `k7d vm-process` (`k7d` is the binary) in the jail `jail`
     /// and says hello with this side's [`VERSION`].
     pub fn spawn(k7d: &Path, jail: &JailConfig) -> Result<Self, String> {
-        let mut p = Self::spawn_unhello(k7d, jail)?;
-        match p.call(&Request::Hello { version: VERSION })? {
-            Reply::Hello { version, .. } if version == VERSION => Ok(p),
-            other => Err(format!("the VM process answered hello with {other:?}")),
-        }
+        Self::spawn_inner(k7d, jail, None)?.hello()
     }
 
     /// [`VmProcess::spawn`] with a listening unix socket bound at `socket`
@@ -49,9 +45,13 @@ impl VmProcess {
     pub fn spawn_listening(k7d: &Path, jail: &JailConfig, socket: &Path) -> Result<Self, String> {
         let listener = std::os::unix::net::UnixListener::bind(socket)
             .map_err(|e| format!("cannot listen at {}: {e}", socket.display()))?;
-        let mut p = Self::spawn_inner(k7d, jail, Some(&listener))?;
-        match p.call(&Request::Hello { version: VERSION })? {
-            Reply::Hello { version, .. } if version == VERSION => Ok(p),
+        Self::spawn_inner(k7d, jail, Some(&listener))?.hello()
+    }
+
+    /// Says hello with this side's [`VERSION`]; another version is refused.
+    pub(super) fn hello(mut self) -> Result<Self, String> {
+        match self.call(&Request::Hello { version: VERSION })? {
+            Reply::Hello { version, .. } if version == VERSION => Ok(self),
             other => Err(format!("the VM process answered hello with {other:?}")),
         }
     }
@@ -78,6 +78,24 @@ impl VmProcess {
         Self::spawn_inner(k7d, jail, None)
     }
 
+    /// The `k7d vm-process` command line for `jail`, its descriptors at
+    /// [`KVM_FD`], [`CHANNEL_FD`] and (with `listening`) [`LISTEN_FD`]:
+    /// the caller places them.
+    pub(super) fn command(k7d: &Path, jail: &JailConfig, listening: bool) -> Command {
+        let mut cmd = Command::new(k7d);
+        cmd.arg("vm-process")
+            .arg("--root")
+            .arg(&jail.root)
+            .args(["--uid", &jail.uid.to_string(), "--gid", &jail.gid.to_string()])
+            .args(["--kvm-fd", &KVM_FD.to_string(), "--channel-fd", &CHANNEL_FD.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        if listening {
+            cmd.args(["--listen-fd", &LISTEN_FD.to_string()]);
+        }
+        cmd
+    }
+
     fn spawn_inner(
         k7d: &Path,
         jail: &JailConfig,
@@ -91,17 +109,7 @@ impl VmProcess {
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cannot make the channel: {e}"))?;
         let (kvm_fd, chan_fd) = (kvm.as_raw_fd(), theirs.as_raw_fd());
         let listen_fd = listener.map(|l| l.as_raw_fd());
-        let mut cmd = Command::new(k7d);
-        cmd.arg("vm-process")
-            .arg("--root")
-            .arg(&jail.root)
-            .args(["--uid", &jail.uid.to_string(), "--gid", &jail.gid.to_string()])
-            .args(["--kvm-fd", &KVM_FD.to_string(), "--channel-fd", &CHANNEL_FD.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null());
-        if listen_fd.is_some() {
-            cmd.args(["--listen-fd", &LISTEN_FD.to_string()]);
-        }
+        let mut cmd = Self::command(k7d, jail, listen_fd.is_some());
         // SAFETY: the closure runs in the forked child before exec and
         // makes only async-signal-safe calls (fcntl, dup2) on descriptors
         // this process holds open until `spawn` returns.
@@ -116,6 +124,13 @@ impl VmProcess {
             .map_err(|e| format!("cannot run {} vm-process: {e}", k7d.display()))?;
         drop((kvm, theirs));
         let status = first.wait().map_err(|e| e.to_string())?;
+        Self::from_channel(ours, &status.to_string())
+    }
+
+    /// The VM process on the other end of `ours`, once its first process
+    /// has written the jailed process's host pid there; `started` says how
+    /// the first process ended, for the error when it wrote none.
+    pub(super) fn from_channel(ours: UnixStream, started: &str) -> Result<Self, String> {
         ours.set_read_timeout(Some(CALL_TIMEOUT)).map_err(|e| e.to_string())?;
         let writer = ours.try_clone().map_err(|e| e.to_string())?;
         let mut reader = BufReader::new(ours);
@@ -123,12 +138,19 @@ impl VmProcess {
         reader
             .read_line(&mut line)
             .map_err(|e| format!("cannot read the VM process's pid: {e}"))?;
-        let pid = serde_json::from_str::<serde_json::Value>(&line)
-            .ok()
+        let v = serde_json::from_str::<serde_json::Value>(&line).ok();
+        if let Some(pid) = v
+            .as_ref()
             .and_then(|v| v["jailed_pid"].as_u64())
             .and_then(|p| u32::try_from(p).ok())
-            .ok_or_else(|| format!("the VM process did not start ({status}): `{}`", line.trim()))?;
-        Ok(Self { pid, reader, writer })
+        {
+            return Ok(Self { pid, reader, writer });
+        }
+        Err(match v.as_ref().and_then(|v| v["error"].as_str()) {
+            Some(e) => format!("the VM process did not start: {e}"),
+            None if line.trim().is_empty() => format!("the VM process did not start ({started})"),
+            None => format!("the VM process did not start ({started}): `{}`", line.trim()),
+        })
     }
 
     /// How the VM process ended, in one sentence, once it has (waiting at

@@ -15,3 +15,4 @@
 pub mod handle;
 pub mod proto;
 pub mod runtime;
+pub mod spawner;

@@ -6,6 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config::VmConfig;
+use crate::vstate::vm::VmState;
 
 /// The channel's version.
 pub const VERSION: u32 = 1;
@@ -67,10 +68,18 @@ pub enum Reply {
         /// The words.
         words: Vec<u32>,
     },
-    /// The VM's state in words (`running`, `paused`, `stopped (...)`).
+    /// The VM's state and the figures `k7d info` shows.
     Status {
         /// The state.
-        status: String,
+        state: VmState,
+        /// vCPU exits so far.
+        exits: u32,
+        /// Milliseconds since its vCPUs started.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ms_since_start: Option<u64>,
+        /// Microseconds from the start to the first vCPU exit.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        first_exit_us_after_start: Option<u64>,
     },
     /// Refused or failed: one sentence.
     Error {

@@ -166,9 +166,19 @@ fn handle(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
                 .collect::<Result<_, String>>()?;
             Ok(Reply::Peeked { words })
         }
-        Request::Status => Ok(Reply::Status {
-            status: built(vm)?.state().to_string(),
-        }),
+        Request::Status => {
+            let v = built(vm)?;
+            let started = v.started_at();
+            Ok(Reply::Status {
+                state: v.state(),
+                exits: v.control().exit_count(),
+                ms_since_start: started.map(|s| s.elapsed().as_millis() as u64),
+                first_exit_us_after_start: match (started, v.control().first_exit()) {
+                    (Some(s), Some(f)) => Some(f.saturating_duration_since(s).as_micros() as u64),
+                    _ => None,
+                },
+            })
+        }
         Request::Stop => {
             if let Some(mut v) = vm.take() {
                 v.stop();

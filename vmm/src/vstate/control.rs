@@ -42,6 +42,12 @@ pub enum StopReason {
         /// One sentence naming the VM, the thread and the call.
         message: String,
     },
+    /// The VM's process ended without being asked to (killed, crashed):
+    /// what its daemon saw.
+    ProcessEnded {
+        /// One sentence naming the VM, its process and how it ended.
+        message: String,
+    },
 }
 
 impl std::fmt::Display for StopReason {
@@ -50,7 +56,9 @@ impl std::fmt::Display for StopReason {
             Self::GuestReset => f.write_str("guest reboot"),
             Self::GuestPoweroff => f.write_str("guest poweroff"),
             Self::Requested => f.write_str("stop requested"),
-            Self::VcpuError { message, .. } | Self::SeccompDenied { message, .. } => f.write_str(message),
+            Self::VcpuError { message, .. } | Self::SeccompDenied { message, .. } | Self::ProcessEnded { message } => {
+                f.write_str(message)
+            }
         }
     }
 }
@@ -58,7 +66,10 @@ impl std::fmt::Display for StopReason {
 impl StopReason {
     /// Whether the guest ended on its own terms (exit status 0 for `k7d run`).
     pub fn is_clean(&self) -> bool {
-        !matches!(self, Self::VcpuError { .. } | Self::SeccompDenied { .. })
+        !matches!(
+            self,
+            Self::VcpuError { .. } | Self::SeccompDenied { .. } | Self::ProcessEnded { .. }
+        )
     }
 }
 

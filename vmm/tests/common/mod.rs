@@ -70,3 +70,85 @@ pub fn a_vm_processs_own(target: &str) -> bool {
         || target.starts_with("anon_inode:[eventpoll]")
         || target.starts_with("pipe:[")
 }
+
+/// What a jailed VM process may hold: [`a_vm_processs_own`], and its
+/// channel's and listening sockets.
+pub fn a_vm_processs_own_or_socket(target: &str) -> bool {
+    a_vm_processs_own(target) || target.starts_with("socket:[")
+}
+
+/// Asserts what VM process `pid` (`label` in messages) must be: nothing of
+/// its jail missing (`jail::probe`), every thread (a vCPU among them) under
+/// its seccomp filter, with `no_new_privs` and no effective capability.
+/// Returns its uid.
+pub fn assert_jailed_vm_process(pid: u32, label: &str) -> u32 {
+    let proc = format!("/proc/{pid}");
+    let v = k7d_vmm::jail::probe::violations(pid, a_vm_processs_own_or_socket);
+    assert!(v.is_empty(), "{label} (pid {pid}) falls short of its jail: {v:#?}");
+    let status = std::fs::read_to_string(format!("{proc}/status")).unwrap();
+    let uid: u32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|u| u.parse().ok())
+        .unwrap();
+    assert_ne!(uid, 0, "{label} runs as root");
+    let mut threads = Vec::new();
+    for t in std::fs::read_dir(format!("{proc}/task")).unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        let st = std::fs::read_to_string(t.path().join("status")).unwrap_or_default();
+        for want in ["Seccomp:\t2", "NoNewPrivs:\t1", "CapEff:\t0000000000000000"] {
+            assert!(
+                st.lines().any(|l| l == want),
+                "{label}: thread {} lacks `{want}`",
+                comm.trim()
+            );
+        }
+        threads.push(comm.trim().to_string());
+    }
+    assert!(
+        threads.iter().any(|c| c.starts_with("vcpu")),
+        "{label}: no vCPU thread: {threads:?}"
+    );
+    uid
+}
+
+/// Whether process `pid` holds guest RAM of VM `vm`, as a descriptor or a
+/// mapping.
+pub fn holds_ram_of(pid: u32, vm: &str) -> bool {
+    let name = format!("memfd:k7d-ram-{vm} ");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .any(|t| format!("{} ", t.display()).contains(&name))
+        })
+        .unwrap_or(false);
+    fds || maps.contains(&name)
+}
+
+/// Reads a u32 of VM `vm`'s guest RAM at guest address `gpa` straight
+/// from the mapping in VM process `pid` (`/proc/<pid>/mem`, as root):
+/// what a test reads while no daemon exists to ask.
+pub fn read_guest_u32(pid: u32, vm: &str, gpa: u64) -> u32 {
+    use std::os::unix::fs::FileExt;
+    let name = format!("/memfd:k7d-ram-{vm} ");
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    for l in maps.lines().filter(|l| format!("{l} ").contains(&name)) {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let (range, offset) = (f[0], u64::from_str_radix(f[2], 16).unwrap());
+        let (lo, hi) = range.split_once('-').unwrap();
+        let (lo, hi) = (
+            u64::from_str_radix(lo, 16).unwrap(),
+            u64::from_str_radix(hi, 16).unwrap(),
+        );
+        if gpa >= offset && gpa + 4 <= offset + (hi - lo) {
+            let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+            let mut b = [0u8; 4];
+            mem.read_exact_at(&mut b, lo + gpa - offset).unwrap();
+            return u32::from_le_bytes(b);
+        }
+    }
+    panic!("VM process {pid} maps no guest RAM of {vm} at {gpa:#x}")
+}

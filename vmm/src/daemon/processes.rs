@@ -1,0 +1,571 @@
+//! The daemon's VMs that run in VM processes of their own (issue 36,
+//! `vmproc/`): `k7d daemon --jail on`. Each such VM is a jailed process
+//! with its own uid from the daemon's range, reached over its channel; its
+//! record names the process (pid, start time, socket), so that a daemon
+//! started after this one re-attaches to it instead of reconciling it
+//! away. A watcher thread per VM process waits on its pidfd and records
+//! why it ended when nobody asked it to (`kill -9`, a crash).
+//!
+//! What runs in a VM process so far: built-in guests without devices;
+//! start, pause, resume, stop, delete, info, list and peek. A request the
+//! VM process does not serve yet is refused with a sentence.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::api::{ApiError, ErrorCode};
+use super::store::{ProcessRecord, RecordStore, VmRecord};
+use crate::config::{GuestSpec, VmConfig};
+use crate::jail::JailConfig;
+use crate::vmproc::handle::VmProcess;
+use crate::vmproc::proto::{Reply, Request, VERSION};
+use crate::vmproc::spawner::Spawner;
+use crate::vstate::control::StopReason;
+use crate::vstate::vm::VmState;
+
+/// How long a stopped VM process may take to exit before it is killed.
+const EXIT_WAIT: Duration = Duration::from_secs(5);
+/// The longest unix socket path (`sun_path` less its NUL).
+const MAX_SOCKET_PATH: usize = 107;
+
+/// The uids (and gids, the same numbers) VM processes take, one each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdRange {
+    /// The first.
+    pub base: u32,
+    /// How many.
+    pub count: u32,
+}
+
+impl IdRange {
+    /// Refuses a range that holds root or wraps around.
+    pub fn check(&self) -> Result<(), String> {
+        if self.base == 0 || self.count == 0 || self.base.checked_add(self.count).is_none() {
+            return Err(format!(
+                "the VM processes' id range {}+{} must be non-empty, start above 0 and end below 2^32",
+                self.base, self.count
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What a daemon with VM processes has: the spawner and the id range.
+pub struct VmProcesses {
+    spawner: Spawner,
+    ids: IdRange,
+    /// Ids in use by a live VM process.
+    used: Mutex<std::collections::BTreeSet<u32>>,
+}
+
+impl VmProcesses {
+    /// VM processes started by `spawner`, with ids from `ids`.
+    pub fn new(spawner: Spawner, ids: IdRange) -> Result<Self, String> {
+        ids.check()?;
+        Ok(Self {
+            spawner,
+            ids,
+            used: Mutex::new(Default::default()),
+        })
+    }
+
+    fn used(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<u32>> {
+        self.used.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Marks `uid` taken (a re-attached VM process's).
+    pub(super) fn take(&self, uid: u32) {
+        self.used().insert(uid);
+    }
+
+    /// The lowest free id, taken.
+    fn allocate(&self) -> Result<u32, ApiError> {
+        let mut used = self.used();
+        let free = (self.ids.base..self.ids.base + self.ids.count).find(|u| !used.contains(u));
+        let uid = free.ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "all {} ids of the VM processes' range are taken: no VM process can start",
+                    self.ids.count
+                ),
+            )
+        })?;
+        used.insert(uid);
+        Ok(uid)
+    }
+
+    pub(super) fn release(&self, uid: u32) {
+        self.used().remove(&uid);
+    }
+}
+
+/// Refuses a config a VM process cannot run yet.
+pub(super) fn check_config(id: &str, config: &VmConfig) -> Result<(), ApiError> {
+    if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
+        return Err(ApiError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "vm {id}: a VM process runs only a built-in guest without devices so far; this daemon runs every VM in one (--jail on)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A VM in a VM process, from the daemon's side.
+pub(super) struct Remote {
+    id: String,
+    config: VmConfig,
+    /// The channel; `None` once the process is known to be gone.
+    proc: Option<VmProcess>,
+    rec: ProcessRecord,
+    /// Why it stopped, once it has: set by a requested stop, or by the
+    /// watcher when the process ended on its own.
+    ended: Arc<Mutex<Option<StopReason>>>,
+    pidfd: Arc<OwnedFd>,
+    watcher: Option<JoinHandle<()>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(ErrorCode::Internal, format!("{what}: {e}"))
+}
+
+impl Remote {
+    /// Starts a VM process for `id` (its files under `runtime_dir`), builds
+    /// `config` in it, and watches it. On any failure the process is gone.
+    pub(super) fn spawn(
+        procs: &VmProcesses,
+        store: &Arc<RecordStore>,
+        id: &str,
+        config: &VmConfig,
+        runtime_dir: &Path,
+    ) -> Result<Self, ApiError> {
+        check_config(id, config)?;
+        let socket = runtime_dir.join("vm.sock");
+        if socket.as_os_str().len() > MAX_SOCKET_PATH {
+            return Err(ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "vm {id}: its VM process's socket {} is longer than a unix socket path may be; use a shorter state directory",
+                    socket.display()
+                ),
+            ));
+        }
+        let root = runtime_dir.join("root");
+        std::fs::create_dir(&root).map_err(|e| internal(&format!("cannot make {}", root.display()), e))?;
+        let uid = procs.allocate()?;
+        let made = (|| {
+            let listener = std::os::unix::net::UnixListener::bind(&socket)
+                .map_err(|e| internal(&format!("cannot listen at {}", socket.display()), e))?;
+            let jail = JailConfig {
+                root,
+                uid,
+                gid: uid,
+                keep_fds: Vec::new(),
+            };
+            let mut proc = procs
+                .spawner
+                .spawn(&jail, &listener)
+                .map_err(|e| internal(&format!("vm {id}: the VM process did not start"), e))?;
+            // Ours is a copy: the VM process listens on its own.
+            drop(listener);
+            let pid = proc.pid;
+            let pidfd =
+                crate::sys::pidfd_open(pid).map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
+            let start_ticks = crate::sys::process_start_ticks(pid)
+                .map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
+            let built = match (pidfd, start_ticks) {
+                (Ok(fd), Ok(t)) => match proc.call(&Request::Build {
+                    id: id.to_string(),
+                    config: Box::new(config.clone()),
+                }) {
+                    Ok(Reply::Ok) => Ok((fd, t)),
+                    Ok(Reply::Error { message }) => Err((
+                        Some(fd),
+                        ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {message}")),
+                    )),
+                    Ok(other) => Err((Some(fd), internal(&format!("vm {id}: build"), format!("{other:?}")))),
+                    Err(e) => Err((Some(fd), internal(&format!("vm {id}: build"), e))),
+                },
+                (fd, t) => Err((fd.ok(), t.err().unwrap_or_else(|| internal("pidfd", "none")))),
+            };
+            match built {
+                Ok((pidfd, start_ticks)) => Ok((proc, pidfd, start_ticks)),
+                Err((pidfd, e)) => {
+                    // Nothing of it may stay: asked to stop, then killed.
+                    let _ = proc.call(&Request::Stop);
+                    if let Some(fd) = pidfd {
+                        end_and_reap(&fd, pid);
+                    }
+                    Err(e)
+                }
+            }
+        })();
+        let (proc, pidfd, start_ticks) = made.inspect_err(|_| procs.release(uid))?;
+        let rec = ProcessRecord {
+            pid: proc.pid,
+            start_ticks,
+            uid,
+            gid: uid,
+            socket,
+        };
+        Ok(Self::watched(id, config.clone(), proc, rec, pidfd, store))
+    }
+
+    /// Re-attaches to the VM process `rec` names, if it is still the one
+    /// the record was written for (pid and start time) and holds this VM.
+    pub(super) fn attach(rec: &VmRecord, store: &Arc<RecordStore>) -> Result<Self, String> {
+        let Some(p) = rec.vm_process.clone() else {
+            return Err("it ran inside the daemon that is gone".into());
+        };
+        match crate::sys::process_start_ticks(p.pid) {
+            Ok(t) if t == p.start_ticks => {}
+            Ok(_) => return Err(format!("pid {} is now another process", p.pid)),
+            Err(_) => return Err(format!("its VM process {} is gone", p.pid)),
+        }
+        // The pidfd before the hello: the process checked above is the one
+        // it names unless it ended in between, which the hello then finds.
+        let pidfd = crate::sys::pidfd_open(p.pid).map_err(|e| format!("its VM process {} is gone: {e}", p.pid))?;
+        let (proc, hello) = VmProcess::attach(&p.socket, p.pid, VERSION)?;
+        match hello {
+            Reply::Hello { vm: Some(vm), .. } if vm == rec.id => {}
+            Reply::Hello { vm, .. } => {
+                return Err(format!("VM process {} holds {vm:?}, not this VM", p.pid));
+            }
+            Reply::Error { message } => return Err(message),
+            other => return Err(format!("VM process {} answered hello with {other:?}", p.pid)),
+        }
+        Ok(Self::watched(&rec.id, rec.config.clone(), proc, p, pidfd, store))
+    }
+
+    fn watched(
+        id: &str,
+        config: VmConfig,
+        proc: VmProcess,
+        rec: ProcessRecord,
+        pidfd: OwnedFd,
+        store: &Arc<RecordStore>,
+    ) -> Self {
+        let ended = Arc::new(Mutex::new(None));
+        let pidfd = Arc::new(pidfd);
+        let (vm, pid, e, fd, st) = (id.to_string(), rec.pid, ended.clone(), pidfd.clone(), store.clone());
+        let watcher = std::thread::Builder::new()
+            .name("k7d-vmproc-watch".into())
+            .spawn(move || watch(&vm, pid, &fd, &e, &st))
+            .map_err(|e| tracing::error!(vm = %id, error = %e, "cannot start the thread that watches the VM process; its end will not be recorded"))
+            .ok();
+        Self {
+            id: id.to_string(),
+            config,
+            proc: Some(proc),
+            rec,
+            ended,
+            pidfd,
+            watcher,
+        }
+    }
+
+    pub(super) fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub(super) fn config(&self) -> &VmConfig {
+        &self.config
+    }
+
+    pub(super) fn record(&self) -> &ProcessRecord {
+        &self.rec
+    }
+
+    fn ended(&self) -> Option<StopReason> {
+        lock(&self.ended).clone()
+    }
+
+    /// One request; its error reply as a sentence naming the VM.
+    pub(super) fn call(&mut self, req: &Request) -> Result<Reply, ApiError> {
+        if let Some(reason) = self.ended() {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("vm {} is stopped ({reason})", self.id),
+            ));
+        }
+        let id = &self.id;
+        let proc = self
+            .proc
+            .as_mut()
+            .ok_or_else(|| ApiError::new(ErrorCode::Conflict, format!("vm {id}'s VM process is gone")))?;
+        match proc.call(req) {
+            Ok(Reply::Error { message }) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {id}: {message}"))),
+            Ok(r) => Ok(r),
+            Err(e) => Err(ApiError::new(ErrorCode::Internal, format!("vm {id}: {e}"))),
+        }
+    }
+
+    /// Its state and the figures `info` shows.
+    pub(super) fn status(&mut self) -> (VmState, u32, Option<u64>, Option<u64>) {
+        if let Some(reason) = self.ended() {
+            return (VmState::Stopped { reason }, 0, None, None);
+        }
+        match self.call(&Request::Status) {
+            Ok(Reply::Status {
+                state,
+                exits,
+                ms_since_start,
+                first_exit_us_after_start,
+            }) => (state, exits, ms_since_start, first_exit_us_after_start),
+            // The process died under the call: the watcher is recording why.
+            _ => {
+                let reason = self.ended().unwrap_or_else(|| StopReason::ProcessEnded {
+                    message: format!("vm {}: VM process {} does not answer", self.id, self.rec.pid),
+                });
+                (VmState::Stopped { reason }, 0, None, None)
+            }
+        }
+    }
+
+    /// Stops the VM (a requested stop) and waits until its process is gone.
+    pub(super) fn stop(&mut self) {
+        {
+            let mut e = lock(&self.ended);
+            if e.is_none() {
+                *e = Some(StopReason::Requested);
+            }
+        }
+        if let Some(mut p) = self.proc.take() {
+            let _ = p.call(&Request::Stop);
+        }
+        self.reap();
+    }
+
+    /// Waits for the watcher (the process gone), killing the process if
+    /// it outstays [`EXIT_WAIT`].
+    fn reap(&mut self) {
+        let Some(w) = self.watcher.take() else {
+            return;
+        };
+        let until = Instant::now() + EXIT_WAIT;
+        while !w.is_finished() && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if !w.is_finished() {
+            tracing::warn!(vm = %self.id, pid = self.rec.pid, "the VM process did not exit when stopped; killing it");
+            let _ = crate::sys::pidfd_kill(&self.pidfd);
+        }
+        let _ = w.join();
+    }
+}
+
+/// Kills the process behind `pidfd` and waits until it is gone.
+fn end_and_reap(pidfd: &OwnedFd, pid: u32) {
+    let _ = crate::sys::pidfd_kill(pidfd);
+    if let Err(e) = crate::sys::pidfd_wait(pidfd) {
+        tracing::warn!(pid, error = %e, "cannot wait for a VM process that was killed");
+    }
+}
+
+/// The watcher: waits for the process to end, and when nobody asked it
+/// to, records why (one sentence) as the VM's stop.
+fn watch(id: &str, pid: u32, pidfd: &OwnedFd, ended: &Mutex<Option<StopReason>>, store: &RecordStore) {
+    let how = match crate::sys::pidfd_wait(pidfd) {
+        Ok(Some(Ok(0))) => format!("VM process {pid} exited"),
+        Ok(Some(Ok(code))) => format!("VM process {pid} exited with status {code}"),
+        Ok(Some(Err(sig))) => format!("VM process {pid} was killed by signal {sig}"),
+        Ok(None) => format!("VM process {pid} ended (an earlier daemon started it, so how is not known)"),
+        Err(e) => format!("VM process {pid} cannot be waited for ({e})"),
+    };
+    let mut e = lock(ended);
+    if e.is_some() {
+        tracing::debug!(vm = %id, "{how}");
+        return;
+    }
+    let reason = StopReason::ProcessEnded {
+        message: format!("vm {id}: {how}"),
+    };
+    tracing::warn!(vm = %id, "{reason}");
+    *e = Some(reason.clone());
+    drop(e);
+    if let Err(err) = store.update(id, |r| r.state = VmState::Stopped { reason }) {
+        tracing::error!(vm = %id, error = %err, "cannot record the VM process's end");
+    }
+}
+
+impl super::Daemon {
+    /// The requests a VM in a VM process takes (delete aside), served
+    /// there; `None` for any other request, or a VM in this process.
+    pub(super) fn handle_in_process(&self, req: &super::api::Request) -> Option<Result<super::api::Reply, ApiError>> {
+        use super::api::{Peeked, Reply as ApiReply, Request as Api};
+        let id = match req {
+            Api::Start(id) | Api::Pause(id) | Api::Resume(id) | Api::Stop(id) | Api::Info(id) => id,
+            Api::Peek(a) => &a.id,
+            _ => return None,
+        };
+        let r = self.process(id)?;
+        let mut g = lock(&r);
+        let done = match req {
+            Api::Start(_) => g.call(&Request::Start).map(drop),
+            Api::Pause(_) => g.call(&Request::Pause).map(drop),
+            Api::Resume(_) => g.call(&Request::Resume).map(drop),
+            Api::Stop(_) => match g.status().0 {
+                s @ VmState::Stopped { .. } => {
+                    Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} is already {s}")))
+                }
+                _ => {
+                    g.stop();
+                    Ok(())
+                }
+            },
+            Api::Peek(a) => {
+                return Some(
+                    match g.call(&Request::Peek {
+                        addr: a.addr,
+                        count: a.count,
+                    }) {
+                        Ok(Reply::Peeked { words }) => Ok(ApiReply::Peek(Peeked {
+                            id: id.clone(),
+                            addr: a.addr,
+                            words,
+                        })),
+                        Ok(other) => Err(internal(&format!("vm {id}: peek"), format!("{other:?}"))),
+                        Err(e) if e.code == ErrorCode::Conflict => {
+                            Err(ApiError::new(ErrorCode::InvalidArgument, e.message))
+                        }
+                        Err(e) => Err(e),
+                    },
+                );
+            }
+            _ => Ok(()),
+        };
+        Some(done.and_then(|()| {
+            let info = self.process_info(&mut g);
+            if !matches!(req, Api::Info(_)) {
+                let state = info.state.clone();
+                self.store
+                    .update(id, |r| r.state = state)
+                    .map_err(|e| internal(&format!("vm {id}: cannot record its state"), e))?;
+            }
+            Ok(ApiReply::Vm(Box::new(info)))
+        }))
+    }
+
+    /// `create` with `--jail on`: the VM built in a VM process of its own.
+    pub(super) fn create_process(&self, config: VmConfig, start: bool) -> Result<super::api::VmInfo, ApiError> {
+        config
+            .validate()
+            .map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
+        check_config(config.id.as_deref().unwrap_or("(new)"), &config)?;
+        let Some(procs) = self.processes.clone() else {
+            return Err(internal("create", "this daemon runs no VM processes"));
+        };
+        let (held, id) = self.reserve(config.id.clone())?;
+        let dir = self
+            .store
+            .runtime_dir(&id)
+            .map_err(|e| internal(&format!("vm {id}: its runtime directory"), e))?;
+        let mut config = config;
+        config.id = Some(id.clone());
+        let mut remote = Remote::spawn(&procs, &self.store, &id, &config, &dir)?;
+        let rec = VmRecord {
+            version: super::store::RECORD_VERSION,
+            id: id.clone(),
+            config: config.clone(),
+            state: VmState::Created,
+            devices: Vec::new(),
+            serial_log: dir.join("serial.log"),
+            daemon_pid: std::process::id(),
+            created_unix: super::now_unix(),
+            vm_process: Some(remote.record().clone()),
+        };
+        let started = self
+            .store
+            .save(&rec)
+            .map_err(|e| internal(&format!("vm {id}: cannot write its record"), e))
+            .and_then(|()| {
+                if start {
+                    remote.call(&Request::Start).map(drop)
+                } else {
+                    Ok(())
+                }
+            });
+        if let Err(e) = started {
+            // The reservation removes its files; the process goes first.
+            remote.stop();
+            procs.release(remote.record().uid);
+            return Err(e);
+        }
+        let info = self.process_info(&mut remote);
+        let state = info.state.clone();
+        if let Err(e) = self.store.update(&id, |r| r.state = state) {
+            tracing::warn!(vm = %id, error = %e, "cannot record the VM's state");
+        }
+        held.fill_process(remote);
+        Ok(info)
+    }
+
+    /// `delete` of a VM in a VM process: stopped, its process gone, its
+    /// files and id freed.
+    pub(super) fn delete_process(&self, id: &str, r: &Arc<Mutex<Remote>>) -> Result<super::api::Deleted, ApiError> {
+        let uid = {
+            let mut g = lock(r);
+            g.stop();
+            g.record().uid
+        };
+        self.vms().insert(id.to_string(), super::Slot::Deleting);
+        let removed = self
+            .store
+            .remove(id)
+            .map_err(|e| internal(&format!("vm {id}: cannot remove its files"), e));
+        {
+            let mut vms = self.vms();
+            if matches!(vms.get(id), Some(super::Slot::Deleting)) {
+                vms.remove(id);
+            }
+        }
+        if let Some(p) = &self.processes {
+            p.release(uid);
+        }
+        removed?;
+        Ok(super::api::Deleted {
+            id: id.to_string(),
+            deleted: true,
+        })
+    }
+
+    /// `info` of a VM in a VM process.
+    pub(super) fn process_info(&self, g: &mut Remote) -> super::api::VmInfo {
+        let rec = self.store.load(g.id()).ok().flatten();
+        let (state, exits, ms_since_start, first_exit_us_after_start) = g.status();
+        let p = g.record();
+        super::api::VmInfo {
+            id: g.id().to_string(),
+            status: state.to_string(),
+            state,
+            config: g.config().clone(),
+            devices: Vec::new(),
+            serial_log: None,
+            daemon_pid: std::process::id(),
+            created_unix: rec.as_ref().map(|r| r.created_unix),
+            ms_since_start,
+            first_exit_us_after_start,
+            exits,
+            parent: None,
+            children: Vec::new(),
+            rebases: 0,
+            shells_ready: None,
+            rng_reseed: None,
+            vmgenid: None,
+            vm_process: Some(super::api::VmProcessInfo {
+                pid: p.pid,
+                uid: p.uid,
+                gid: p.gid,
+            }),
+        }
+    }
+}

@@ -1,0 +1,263 @@
+//! `k7d daemon --jail on` (issue 36): every VM the daemon creates runs in
+//! a jailed VM process of its own, which outlives the daemon. Three VMs:
+//! three VM processes, each its own uid and jail, holding only its own
+//! guest RAM; `kill -9` of one stops only that VM, and the daemon records
+//! why in one sentence; `kill -9` of the daemon leaves the guests running
+//! (read straight from their RAM while no daemon exists), and the next
+//! daemon re-attaches to each and serves it; delete leaves nothing behind.
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{K7D, Scratch, root_or_skip, text};
+
+/// The memwriter's loop counter.
+const COUNTER: u64 = k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER;
+
+fn start_daemon(dir: &Path) -> Child {
+    let child = Command::new(K7D)
+        .args(["daemon", "--jail", "on", "--jail-id-base", "2000000200", "--state-dir"])
+        .arg(dir.join("state"))
+        .arg("--socket")
+        .arg(dir.join("k7d.sock"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    // A killed daemon leaves its socket file: wait until one accepts.
+    while std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(10), "daemon did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child
+}
+
+fn cli(dir: &Path, args: &[&str]) -> Output {
+    Command::new(K7D)
+        .arg("--socket")
+        .arg(dir.join("k7d.sock"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn info(dir: &Path, id: &str) -> serde_json::Value {
+    let o = cli(dir, &["--json", "info", id]);
+    assert!(o.status.success(), "info {id}: {:?}", text(&o));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+fn pid_of(dir: &Path, id: &str) -> u32 {
+    info(dir, id)["vm_process"]["pid"].as_u64().unwrap() as u32
+}
+
+fn counter(dir: &Path, id: &str) -> u32 {
+    let o = cli(dir, &["--json", "peek", id, &format!("{COUNTER:#x}")]);
+    assert!(o.status.success(), "peek {id}: {:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["words"][0].as_u64().unwrap() as u32
+}
+
+/// Whether `read` grows within 5 s.
+fn grows(mut read: impl FnMut() -> u32) -> bool {
+    let c = read();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(5) {
+        if read() > c {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+/// Whether process `pid` exists and is not a zombie (one an earlier
+/// daemon started is reaped by whoever inherited it).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, r)| r.trim_start().starts_with('Z')))
+        .is_some_and(|zombie| !zombie)
+}
+
+fn kill9(pid: u32) {
+    // SAFETY: kill takes integers; the pid is a process this test started
+    // (the daemon) or one the daemon started for it.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+}
+
+/// Stops whatever a failed test left: the daemon, then every VM process
+/// its records name.
+struct Cleanup<'a> {
+    dir: &'a Path,
+    daemon: Option<Child>,
+    pids: Vec<u32>,
+}
+
+impl Drop for Cleanup<'_> {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            let _ = d.kill();
+            let _ = d.wait();
+        }
+        for &p in &self.pids {
+            let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if cmdline.contains("vm-process") && cmdline.contains(&*self.dir.to_string_lossy()) {
+                // SAFETY: kill takes integers; a VM process of this test.
+                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+            }
+        }
+    }
+}
+
+#[test]
+fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
+    if !root_or_skip("vms_run_in_jailed_processes_that_outlive_the_daemon") {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc");
+    let dir = scratch.0.as_path();
+    let mut guard = Cleanup {
+        dir,
+        daemon: Some(start_daemon(dir)),
+        pids: Vec::new(),
+    };
+    let daemon_pid = guard.daemon.as_ref().unwrap().id();
+    let ids = ["a", "b", "c"];
+    for id in ids {
+        let o = cli(
+            dir,
+            &[
+                "create",
+                "--id",
+                id,
+                "--builtin",
+                "memwriter",
+                "--memory",
+                "16",
+                "--start",
+            ],
+        );
+        assert!(o.status.success(), "create {id}: {:?}", text(&o));
+        guard.pids.push(pid_of(dir, id));
+        assert!(grows(|| counter(dir, id)), "vm {id} does not run");
+    }
+    // Each VM in a process of its own: jailed, its own uid, holding its own
+    // guest RAM and no other VM's. The daemon holds none of it.
+    let mut uids = std::collections::HashMap::new();
+    for (i, id) in ids.iter().enumerate() {
+        let pid = guard.pids[i];
+        assert_ne!(pid, daemon_pid);
+        let uid = common::assert_jailed_vm_process(pid, &format!("vm {id}"));
+        assert!(!uids.values().any(|&u| u == uid), "vm {id} shares uid {uid}");
+        uids.insert(*id, uid);
+        for other in ids {
+            assert_eq!(
+                common::holds_ram_of(pid, other),
+                *id == other,
+                "vm {id}'s process and vm {other}'s RAM"
+            );
+        }
+        assert!(!common::holds_ram_of(daemon_pid, id), "the daemon maps vm {id}'s RAM");
+    }
+    let o = cli(dir, &["info", "a"]);
+    assert!(
+        text(&o).0.contains(&format!("vm process: pid {}", guard.pids[0])),
+        "{:?}",
+        text(&o)
+    );
+    // What a VM process does not serve yet is refused with a sentence.
+    let o = cli(dir, &["snapshot", "a", &dir.join("snap").to_string_lossy()]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("runs in a VM process of its own"), "{:?}", text(&o));
+
+    // kill -9 of one VM process stops only that VM, and says why.
+    kill9(guard.pids[1]);
+    let want = format!("stopped (vm b: VM process {} was killed by signal 9)", guard.pids[1]);
+    let t = Instant::now();
+    while info(dir, "b")["status"] != want.as_str() {
+        assert!(t.elapsed() < Duration::from_secs(5), "{}", info(dir, "b"));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(grows(|| counter(dir, "a")) && grows(|| counter(dir, "c")));
+
+    // kill -9 of the daemon: the guests run on without it.
+    let mut d = guard.daemon.take().unwrap();
+    kill9(d.id());
+    let _ = d.wait();
+    for (i, id) in [(0, "a"), (2, "c")] {
+        let pid = guard.pids[i];
+        assert!(
+            grows(|| common::read_guest_u32(pid, id, COUNTER)),
+            "vm {id} stopped with its daemon"
+        );
+    }
+    let before: Vec<u32> = [(0, "a"), (2, "c")]
+        .iter()
+        .map(|&(i, id)| common::read_guest_u32(guard.pids[i], id, COUNTER))
+        .collect();
+
+    // The next daemon re-attaches to both and serves them; b's record, whose
+    // process is gone, is reconciled away.
+    guard.daemon = Some(start_daemon(dir));
+    for ((i, id), b) in [(0, "a"), (2, "c")].into_iter().zip(before) {
+        let v = info(dir, id);
+        assert_eq!(v["status"], "running", "{v}");
+        assert_eq!(v["vm_process"]["pid"].as_u64(), Some(u64::from(guard.pids[i])));
+        assert!(counter(dir, id) > b, "vm {id}'s counter went back");
+        assert!(grows(|| counter(dir, id)));
+        let o = cli(dir, &["pause", id]);
+        assert!(o.status.success(), "{:?}", text(&o));
+        let c = counter(dir, id);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(counter(dir, id), c, "a paused VM ran");
+        assert!(cli(dir, &["resume", id]).status.success());
+    }
+    assert_eq!(
+        cli(dir, &["info", "b"]).status.code(),
+        Some(1),
+        "b's record outlived its process"
+    );
+
+    // A new VM takes a uid none of the re-attached ones holds (b's is free).
+    let o = cli(
+        dir,
+        &[
+            "create",
+            "--id",
+            "d",
+            "--builtin",
+            "memwriter",
+            "--memory",
+            "16",
+            "--start",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let pd = pid_of(dir, "d");
+    guard.pids.push(pd);
+    let ud = common::assert_jailed_vm_process(pd, "vm d");
+    assert!(
+        ud != uids["a"] && ud != uids["c"],
+        "vm d shares a re-attached VM's uid {ud}"
+    );
+
+    // Delete leaves no process and no file.
+    for id in ["a", "c", "d"] {
+        let o = cli(dir, &["delete", id]);
+        assert!(o.status.success(), "{:?}", text(&o));
+    }
+    for &p in &guard.pids {
+        assert!(!alive(p), "VM process {p} outlived its delete");
+    }
+    let left: Vec<_> = std::fs::read_dir(dir.join("state/vms"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}

@@ -137,12 +137,25 @@ if [ -z "${K7D_SKIP_LAB:-}" ]; then
 fi
 
 phase "build and host readiness (k7d check)"
+# The escape drill's k7d (the test-only `escape-drill` feature,
+# vmm/src/drill.rs) first, copied aside for vmm/tests/escape_drill.rs:
+# the plain build after it is the release binary, which must not carry it.
+cargo build --release --bin k7d --features k7d-vmm/escape-drill
+mkdir -p "${CARGO_TARGET_DIR:-target}/drill"
+cp "${CARGO_TARGET_DIR:-target}/release/k7d" "${CARGO_TARGET_DIR:-target}/drill/k7d"
+K7D_DRILL_BIN=$(cd "${CARGO_TARGET_DIR:-target}/drill" && pwd)/k7d
+export K7D_DRILL_BIN
 cargo build --release --bin k7d
+if "${CARGO_TARGET_DIR:-target}/release/k7d" --version | grep -q escape-drill; then
+  echo "FAIL: the release build of k7d carries the test-only escape drill" >&2
+  exit 1
+fi
 "${CARGO_TARGET_DIR:-target}/release/k7d" check || true
 
 phase "format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
+cargo clippy -p k7d-vmm --lib --release --features escape-drill -- -D warnings
 
 phase "host-level tests (real KVM, release)"
 # Each test's wall time (tests/report-time.sh, cargo's runner for this

@@ -38,6 +38,38 @@ pub mod result {
     pub const PATTERN_DONE: u64 = 0xC;
     /// `memwriter`'s loop counter, incremented forever after the pattern.
     pub const LOOP_COUNTER: u64 = 0x10;
+    /// `drill`: the drill device's answer to the last command, as read
+    /// from its port: a status dword ([`super::drill`]), then 16 bytes.
+    pub const DRILL_ANSWER: u64 = 0x40;
+    /// `drill`: commands carried out so far.
+    pub const DRILL_DONE: u64 = 0x54;
+}
+
+/// The escape drill's device (only in a k7d built with the test-only
+/// `escape-drill` feature; `vmm/src/drill.rs`): its ports and commands.
+pub mod drill {
+    /// Command port (a byte write runs the command).
+    pub const PORT: u16 = 0x7d0;
+    /// Answer port (bytes read in turn: [`super::result::DRILL_ANSWER`]'s 20).
+    pub const ANSWER_PORT: u16 = 0x7d1;
+    /// Address port, low dword.
+    pub const ADDR_LO_PORT: u16 = 0x7d2;
+    /// Address port, high dword.
+    pub const ADDR_HI_PORT: u16 = 0x7d6;
+    /// Bytes of an answer.
+    pub const ANSWER_LEN: u32 = 20;
+    /// Read 16 bytes of the VMM process at the address.
+    pub const CMD_READ: u32 = 1;
+    /// Open `/etc/passwd` from the VMM process.
+    pub const CMD_OPEN: u32 = 2;
+    /// TCP connect to 127.0.0.1 at the port in the address's low 16 bits.
+    pub const CMD_CONNECT: u32 = 3;
+    /// Status: done (read, opened, connected).
+    pub const DONE: u32 = 1;
+    /// Status: the address is not mapped in the VMM process.
+    pub const UNMAPPED: u32 = 2;
+    /// Status: the call failed.
+    pub const FAILED: u32 = 3;
 }
 
 /// Number of program arguments the parameter block holds.
@@ -47,7 +79,7 @@ pub const MAX_ARGS: usize = 3;
 #[derive(Debug, Error)]
 pub enum GuestError {
     /// The name is not one of [`BUILTIN_NAMES`].
-    #[error("unknown built-in guest `{0}` (known: hello, idle, pit, tscdeadline, memwriter, smp, fault)")]
+    #[error("unknown built-in guest `{0}` (known: hello, idle, pit, tscdeadline, memwriter, smp, fault, drill)")]
     Unknown(String),
     /// iced-x86 refused the program (a bug in this crate).
     #[error("assembling the `{name}` guest failed: {msg}")]
@@ -81,13 +113,27 @@ pub enum Builtin {
     /// error-path guest. PVM's emulator cannot `iret` in protected mode
     /// (`KVM_EXIT_INTERNAL_ERROR`); VMX/SVM triple-fault (`KVM_EXIT_SHUTDOWN`).
     Fault,
+    /// The escape drill's attacker (issue 36): waits for a command in
+    /// `ARG2` (the test writes `ARG0`/`ARG1`, the address, first), hands it
+    /// to the drill device's ports, stores the answer at `DRILL_ANSWER`,
+    /// clears `ARG2` and counts `DRILL_DONE`; forever.
+    Drill,
 }
 
 /// The text the `hello` guest prints.
 pub const HELLO_TEXT: &str = "Hello from the k7d test guest!\n";
 
 /// Names accepted by [`Builtin::from_name`].
-pub const BUILTIN_NAMES: [&str; 7] = ["hello", "idle", "pit", "tscdeadline", "memwriter", "smp", "fault"];
+pub const BUILTIN_NAMES: [&str; 8] = [
+    "hello",
+    "idle",
+    "pit",
+    "tscdeadline",
+    "memwriter",
+    "smp",
+    "fault",
+    "drill",
+];
 
 impl Builtin {
     /// Parses a built-in guest name.
@@ -100,6 +146,7 @@ impl Builtin {
             "memwriter" => Self::MemWriter,
             "smp" => Self::Smp,
             "fault" => Self::Fault,
+            "drill" => Self::Drill,
             other => return Err(GuestError::Unknown(other.to_string())),
         })
     }
@@ -114,6 +161,7 @@ impl Builtin {
             Self::MemWriter => "memwriter",
             Self::Smp => "smp",
             Self::Fault => "fault",
+            Self::Drill => "drill",
         }
     }
 

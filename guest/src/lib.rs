@@ -45,6 +45,7 @@ impl Builtin {
             Self::MemWriter => image!("memwriter"),
             Self::Smp => image!("smp"),
             Self::Fault => image!("fault"),
+            Self::Drill => image!("drill"),
         }
     }
 }

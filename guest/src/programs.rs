@@ -50,6 +50,7 @@ pub fn build(which: Builtin) -> Result<Vec<u8>, GuestError> {
         Builtin::MemWriter => memwriter().map_err(wrap),
         Builtin::Smp => smp().map_err(wrap),
         Builtin::Fault => fault().map_err(wrap),
+        Builtin::Drill => drill().map_err(wrap),
     }
 }
 
@@ -256,6 +257,42 @@ fn tscdeadline() -> Result<Vec<u8>, IcedError> {
     print(&mut a, "tscdeadline: x2apic timer armed\n")?;
     idle_with_interrupts(&mut a)?;
     Ok(join(a.assemble(LOAD_ADDR)?, Layout { handlers }))
+}
+
+/// The escape drill's attacker ([`Builtin::Drill`]).
+fn drill() -> Result<Vec<u8>, IcedError> {
+    use crate::defs::drill as d;
+    let mut a = CodeAssembler::new(16)?;
+    prologue(&mut a, BSP_STACK)?;
+    let mut wait = a.create_label();
+    let mut answer = a.create_label();
+    a.set_label(&mut wait)?;
+    a.pause()?;
+    a.mov(eax, dword_ptr(params(param::ARG2)))?;
+    a.test(eax, eax)?;
+    a.je(wait)?;
+    a.mov(eax, dword_ptr(params(param::ARG0)))?;
+    a.mov(dx, u32::from(d::ADDR_LO_PORT))?;
+    a.out(dx, eax)?;
+    a.mov(eax, dword_ptr(params(param::ARG1)))?;
+    a.mov(dx, u32::from(d::ADDR_HI_PORT))?;
+    a.out(dx, eax)?;
+    a.mov(eax, dword_ptr(params(param::ARG2)))?;
+    a.mov(dx, u32::from(d::PORT))?;
+    a.out(dx, al)?;
+    a.mov(dx, u32::from(d::ANSWER_PORT))?;
+    a.mov(di, (RESULTS_ADDR + result::DRILL_ANSWER) as u32)?;
+    a.mov(cx, d::ANSWER_LEN)?;
+    a.set_label(&mut answer)?;
+    a.in_(al, dx)?;
+    a.mov(byte_ptr(di), al)?;
+    a.inc(di)?;
+    a.dec(cx)?;
+    a.jne(answer)?;
+    a.mov(dword_ptr(params(param::ARG2)), 0_u32)?;
+    a.inc(dword_ptr(results(result::DRILL_DONE)))?;
+    a.jmp(wait)?;
+    a.assemble(LOAD_ADDR)
 }
 
 fn memwriter() -> Result<Vec<u8>, IcedError> {

@@ -14,6 +14,8 @@ pub mod config;
 pub mod daemon;
 pub mod demo;
 pub mod diag;
+#[cfg(feature = "escape-drill")]
+pub mod drill;
 pub mod jail;
 pub mod netcli;
 pub mod seccomp;

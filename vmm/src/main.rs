@@ -100,10 +100,20 @@ fn default_kernel_cache(
     Some(base.join("k7d").join("kernels"))
 }
 
+/// `k7d --version`: a build with the test-only escape drill says so
+/// (`vmm/src/drill.rs`; CI checks the release binary's does not).
+#[cfg(not(feature = "escape-drill"))]
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+#[cfg(feature = "escape-drill")]
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (escape-drill: a test-only build, never for production)"
+);
+
 #[derive(Parser)]
 #[command(
     name = "k7d",
-    version,
+    version = VERSION,
     about = "k7d: light VMs for secure containers and forkable RL rollouts"
 )]
 struct Cli {

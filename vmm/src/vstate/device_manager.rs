@@ -98,6 +98,19 @@ pub(super) fn build_devices(
         location: format!("ports {I8042_PORT:#x}-{:#x}", I8042_PORT + 4),
         detail: "reset stops the VM".into(),
     });
+    #[cfg(feature = "escape-drill")]
+    {
+        let (base, len) = crate::drill::PORTS;
+        buses
+            .pio
+            .insert(base, len, shared(crate::drill::Drill::default()))
+            .map_err(|e| VmError::Guest(e.to_string()))?;
+        info.push(DeviceInfo {
+            kind: "escape-drill".into(),
+            location: format!("ports {base:#x}-{:#x}", base + len - 1),
+            detail: "test-only: arbitrary reads of the VMM process".into(),
+        });
+    }
     Ok((buses, info, serial))
 }
 

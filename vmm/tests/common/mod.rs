@@ -133,22 +133,35 @@ pub fn holds_ram_of(pid: u32, vm: &str) -> bool {
 /// what a test reads while no daemon exists to ask.
 pub fn read_guest_u32(pid: u32, vm: &str, gpa: u64) -> u32 {
     use std::os::unix::fs::FileExt;
+    let at = host_addr_of(pid, vm, gpa).unwrap_or_else(|| panic!("process {pid} maps no RAM of {vm} at {gpa:#x}"));
+    let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    let mut b = [0u8; 4];
+    mem.read_exact_at(&mut b, at).unwrap();
+    u32::from_le_bytes(b)
+}
+
+/// Where guest address `gpa` of VM `vm` is mapped in process `pid`
+/// (`/proc/<pid>/maps`), if it is.
+pub fn host_addr_of(pid: u32, vm: &str, gpa: u64) -> Option<u64> {
     let name = format!("/memfd:k7d-ram-{vm} ");
-    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
-    for l in maps.lines().filter(|l| format!("{l} ").contains(&name)) {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).ok()?;
+    maps.lines().filter(|l| format!("{l} ").contains(&name)).find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        let (range, offset) = (f[0], u64::from_str_radix(f[2], 16).unwrap());
-        let (lo, hi) = range.split_once('-').unwrap();
-        let (lo, hi) = (
-            u64::from_str_radix(lo, 16).unwrap(),
-            u64::from_str_radix(hi, 16).unwrap(),
-        );
-        if gpa >= offset && gpa + 4 <= offset + (hi - lo) {
-            let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
-            let mut b = [0u8; 4];
-            mem.read_exact_at(&mut b, lo + gpa - offset).unwrap();
-            return u32::from_le_bytes(b);
-        }
-    }
-    panic!("VM process {pid} maps no guest RAM of {vm} at {gpa:#x}")
+        let offset = u64::from_str_radix(f[2], 16).ok()?;
+        let (lo, hi) = f[0].split_once('-')?;
+        let (lo, hi) = (u64::from_str_radix(lo, 16).ok()?, u64::from_str_radix(hi, 16).ok()?);
+        (gpa >= offset && gpa + 4 <= offset + (hi - lo)).then(|| lo + gpa - offset)
+    })
+}
+
+/// Writes a u32 into VM `vm`'s guest RAM at `gpa` through its mapping in
+/// process `pid` (`/proc/<pid>/mem`, as root).
+pub fn write_guest_u32(pid: u32, vm: &str, gpa: u64, v: u32) {
+    use std::os::unix::fs::FileExt;
+    let at = host_addr_of(pid, vm, gpa).unwrap_or_else(|| panic!("process {pid} maps no RAM of {vm} at {gpa:#x}"));
+    let mem = std::fs::OpenOptions::new()
+        .write(true)
+        .open(format!("/proc/{pid}/mem"))
+        .unwrap();
+    mem.write_all_at(&v.to_le_bytes(), at).unwrap();
 }

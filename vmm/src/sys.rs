@@ -681,11 +681,17 @@ pub fn set_hostname(name: &str) -> io::Result<()> {
 /// Drops every capability from the bounding set (`PR_CAPBSET_DROP`): not
 /// even an exec of a file with capabilities can bring one back.
 pub fn drop_bounding_set() -> io::Result<()> {
+    drop_bounding_set_except(0)
+}
+
+/// Drops every capability but those in `keep` (bit `n` for capability `n`)
+/// from the bounding set: an exec, even as root, gets no others.
+pub fn drop_bounding_set_except(keep: u64) -> io::Result<()> {
     let last = std::fs::read_to_string("/proc/sys/kernel/cap_last_cap")
         .ok()
         .and_then(|s| s.trim().parse::<libc::c_ulong>().ok())
         .unwrap_or(40);
-    for cap in 0..=last {
+    for cap in (0..=last).filter(|&c| c >= 64 || keep & (1u64 << c) == 0) {
         // SAFETY: prctl with integer arguments only.
         let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) };
         if rc == -1 {

@@ -170,6 +170,23 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
         "{:?}",
         text(&o)
     );
+    // The spawner (the daemon's child that execs VM processes) keeps only
+    // what the jail needs, in its own sets and its bounding set.
+    let spawner = std::fs::read_to_string(format!("/proc/{daemon_pid}/task/{daemon_pid}/children"))
+        .unwrap()
+        .split_whitespace()
+        .filter_map(|p| p.parse::<u32>().ok())
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("vm-spawner"))
+        })
+        .expect("the daemon has a spawner child");
+    let status = std::fs::read_to_string(format!("/proc/{spawner}/status")).unwrap();
+    let want = format!("{:016x}", k7d_vmm::vmproc::spawner::jail_caps_mask());
+    for set in ["CapEff:", "CapPrm:", "CapBnd:"] {
+        let have = status.lines().find_map(|l| l.strip_prefix(set)).unwrap().trim();
+        assert_eq!(have, want, "the spawner's {set}");
+    }
     // What a VM process does not serve yet is refused with a sentence.
     let o = cli(dir, &["snapshot", "a", &dir.join("snap").to_string_lossy()]);
     assert_eq!(o.status.code(), Some(1));

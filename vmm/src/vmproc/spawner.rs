@@ -30,6 +30,24 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 use super::handle::{CHANNEL_FD, KVM_FD, LISTEN_FD, VmProcess};
 use crate::jail::JailConfig;
 
+/// The capabilities `k7d vm-process` needs before its jail, and all the
+/// spawner keeps (its own and its bounding set, so the VM processes it
+/// execs as root get no others).
+pub const JAIL_CAPS: &[(u32, &str)] = &[
+    (6, "CAP_SETGID: the jail's gid, no supplementary groups"),
+    (7, "CAP_SETUID: the jail's uid"),
+    (8, "CAP_SETPCAP: dropping the jailed process's bounding set"),
+    (
+        21,
+        "CAP_SYS_ADMIN: the namespaces, the mounts, pivot_root, the hostname",
+    ),
+];
+
+/// [`JAIL_CAPS`] as a mask.
+pub fn jail_caps_mask() -> u64 {
+    JAIL_CAPS.iter().fold(0, |m, &(c, _)| m | (1u64 << c))
+}
+
 /// The descriptor number of the spawner's socket in the spawner.
 pub const SOCKET_FD: i32 = 3;
 /// Largest request or answer.
@@ -135,6 +153,12 @@ impl Drop for Spawner {
 /// `k7d vm-spawner`: serves the daemon at descriptor [`SOCKET_FD`] until it
 /// closes (module docs). `k7d` is this binary.
 pub fn serve(sock: UnixStream, k7d: &Path) -> Result<(), String> {
+    // Least privilege: what the jail needs, nothing else, for this process
+    // and every VM process it execs.
+    let keep = jail_caps_mask();
+    crate::sys::drop_bounding_set_except(keep).map_err(|e| format!("cannot narrow the bounding set: {e}"))?;
+    let have = crate::sys::permitted_capabilities().map_err(|e| format!("cannot read the capabilities: {e}"))?;
+    crate::sys::set_capabilities(have & keep).map_err(|e| format!("cannot narrow the capabilities: {e}"))?;
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
         let mut fds: [RawFd; 2] = [-1; 2];

@@ -64,6 +64,8 @@ pub mod drill {
     pub const CMD_OPEN: u32 = 2;
     /// TCP connect to 127.0.0.1 at the port in the address's low 16 bits.
     pub const CMD_CONNECT: u32 = 3;
+    /// Panic on the vCPU thread (a device model's bug that is caught).
+    pub const CMD_PANIC: u32 = 4;
     /// Status: done (read, opened, connected).
     pub const DONE: u32 = 1;
     /// Status: the address is not mapped in the VMM process.

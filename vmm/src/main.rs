@@ -1220,6 +1220,16 @@ fn vm_process(jail: JailArgs, kvm_fd: i32, channel_fd: i32, listen_fd: Option<i3
             return Err(e).context("cannot enter the VM process's jail");
         }
     }
+    // A panic ends the VM process (issue 36, "failure stays local"):
+    // nothing carries on with the state a panic left half-changed; its
+    // daemon records why as the VM's stop. (Not `abort`: the jailed
+    // process is pid 1 of its namespace, which ignores a SIGABRT it sends
+    // itself.)
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        k7d_vmm::sys::exit_now(k7d_vmm::vmproc::PANIC_EXIT);
+    }));
     confine_jailed_vm(kvm)?;
     k7d_vmm::vmproc::runtime::serve(channel, listener).map_err(|e| anyhow::anyhow!(e))?;
     Ok(ExitCode::SUCCESS)

@@ -4,7 +4,8 @@
 //! guest RAM; `kill -9` of one stops only that VM, and the daemon records
 //! why in one sentence; `kill -9` of the daemon leaves the guests running
 //! (read straight from their RAM while no daemon exists), and the next
-//! daemon re-attaches to each and serves it; delete leaves nothing behind.
+//! daemon re-attaches to each and serves it; so does a daemon that exits
+//! on SIGTERM; delete leaves nothing behind.
 
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -239,6 +240,24 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
         Some(1),
         "b's record outlived its process"
     );
+
+    // A daemon that exits as asked (SIGTERM, an upgrade's first step)
+    // leaves them running too, for the next.
+    let mut d = guard.daemon.take().unwrap();
+    // SAFETY: kill takes integers; the daemon is this test's child.
+    assert_eq!(unsafe { libc::kill(d.id() as i32, libc::SIGTERM) }, 0);
+    assert!(d.wait().unwrap().success());
+    for (i, id) in [(0, "a"), (2, "c")] {
+        let pid = guard.pids[i];
+        assert!(
+            grows(|| common::read_guest_u32(pid, id, COUNTER)),
+            "vm {id} stopped with a daemon that exited"
+        );
+    }
+    guard.daemon = Some(start_daemon(dir));
+    for id in ["a", "c"] {
+        assert_eq!(info(dir, id)["status"], "running");
+    }
 
     // A new VM takes a uid none of the re-attached ones holds (b's is free).
     let o = cli(

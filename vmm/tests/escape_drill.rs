@@ -104,7 +104,7 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        for id in ["victim", "attacker"] {
+        for id in ["victim", "attacker", "crasher"] {
             let _ = self.cli(&["delete", id]);
         }
         let _ = self.child.kill();
@@ -208,6 +208,25 @@ fn drill(bin: &Path, jail: bool) -> Reached {
         }
         std::thread::sleep(Duration::from_millis(10));
     };
+    // A panic in the attacker's device model (a bug that is caught): in a
+    // VM process it ends that process, and its daemon records why; the
+    // victim runs on.
+    if jail {
+        daemon.create("crasher", "drill", &[]);
+        let crasher = daemon.holder("crasher");
+        common::write_guest_u32(crasher, "crasher", at(k7d_guest::param::ARG2), d::CMD_PANIC);
+        let want =
+            format!("stopped (vm crasher: VM process {crasher} panicked and ended itself (its log has the panic))");
+        let t = Instant::now();
+        while daemon.info("crasher")["status"] != want.as_str() {
+            assert!(t.elapsed() < Duration::from_secs(5), "{}", daemon.info("crasher"));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let counter = || common::read_guest_u32(victim, "victim", k7d_guest::RESULTS_ADDR + result::LOOP_COUNTER);
+        let c = counter();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(counter() > c, "the victim stopped with the crasher");
+    }
     Reached {
         own_ram,
         victims_ram,

@@ -376,6 +376,9 @@ fn end_and_reap(pidfd: &OwnedFd, pid: u32) {
 fn watch(id: &str, pid: u32, pidfd: &OwnedFd, ended: &Mutex<Option<StopReason>>, store: &RecordStore) {
     let how = match crate::sys::pidfd_wait(pidfd) {
         Ok(Some(Ok(0))) => format!("VM process {pid} exited"),
+        Ok(Some(Ok(crate::vmproc::PANIC_EXIT))) => {
+            format!("VM process {pid} panicked and ended itself (its log has the panic)")
+        }
         Ok(Some(Ok(code))) => format!("VM process {pid} exited with status {code}"),
         Ok(Some(Err(sig))) => format!("VM process {pid} was killed by signal {sig}"),
         Ok(None) => format!("VM process {pid} ended (an earlier daemon started it, so how is not known)"),

@@ -12,6 +12,10 @@
 //! files and taps as descriptors), fork across processes, the daemon using
 //! it and re-attaching from its records after a restart.
 
+/// The exit status of a VM process that panicked (its panic hook ends it:
+/// nothing carries on with what the panic left half-changed).
+pub const PANIC_EXIT: i32 = 101;
+
 pub mod handle;
 pub mod proto;
 pub mod runtime;

@@ -297,3 +297,106 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
         .collect();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+/// Reads `pages` pages of VM `vm`'s guest RAM from `gpa` in process `pid`.
+fn read_pages(pid: u32, vm: &str, gpa: u64, pages: u64) -> Vec<u32> {
+    common::read_guest(pid, vm, gpa, (pages * 4096) as usize)
+        .chunks(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// A fork of a VM in a VM process (issue 36, item 3): the source exports
+/// its fork instant (base memfd, the pages diverged since its first fork,
+/// machine state) and each child is built in a jailed VM process of its
+/// own from it. The children's RAM equals the source's at the fork
+/// instant, pages written since the first fork included.
+#[test]
+fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
+    if !root_or_skip("forks_of_a_vm_process_are_vm_processes_equal_to_their_source") {
+        return;
+    }
+    const AREA: u64 = 0x20_0000;
+    const PAGES: u64 = 64;
+    let scratch = Scratch::new("daemon-vmproc-fork");
+    let dir = scratch.0.as_path();
+    let mut guard = Cleanup {
+        dir,
+        daemon: Some(start_daemon(dir)),
+        pids: Vec::new(),
+    };
+    // memwriter with ARG2 = 1: each round writes its counter into a page.
+    let o = cli(
+        dir,
+        &[
+            "create",
+            "--id",
+            "src",
+            "--builtin",
+            "memwriter",
+            "--memory",
+            "16",
+            "--arg",
+            "64",
+            "--arg",
+            "2097152",
+            "--arg",
+            "1",
+            "--start",
+        ],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    let src = pid_of(dir, "src");
+    guard.pids.push(src);
+    assert!(grows(|| counter(dir, "src")));
+    // The first fork freezes the base; the source then writes on.
+    let o = cli(dir, &["--json", "fork", "src"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    guard.pids.push(pid_of(dir, "src-f1"));
+    assert!(cli(dir, &["delete", "src-f1"]).status.success());
+    std::thread::sleep(Duration::from_millis(100));
+    // From here the source (and so its children) only counts: its pages
+    // stay as the rounds since the freeze left them.
+    let arg2 = k7d_guest::PARAMS_ADDR + k7d_guest::param::ARG2;
+    common::write_guest_u32(src, "src", arg2, 0);
+    assert!(cli(dir, &["pause", "src"]).status.success());
+    let at_fork = read_pages(src, "src", AREA, PAGES);
+    let count_at_fork = counter(dir, "src");
+    assert!(
+        at_fork.chunks(1024).any(|p| p[0] != p[1]),
+        "no page was written since the first fork: the test would not see a lost page"
+    );
+    let o = cli(dir, &["--json", "fork", "src", "--count", "2"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut uids = std::collections::HashSet::new();
+    for c in ["src-f1", "src-f2"] {
+        let pid = pid_of(dir, c);
+        guard.pids.push(pid);
+        assert_ne!(pid, src);
+        assert!(
+            uids.insert(common::assert_jailed_vm_process(pid, c)),
+            "{c} shares a uid"
+        );
+        assert_eq!(info(dir, c)["parent"], "src");
+        assert!(grows(|| counter(dir, c)), "{c} does not run");
+        assert!(counter(dir, c) > count_at_fork, "{c} did not continue from the source");
+        // Its RAM is the source's base (the memfd named after the source)
+        // mapped copy-on-write, with the pages diverged since copied in.
+        assert!(
+            read_pages(pid, "src", AREA, PAGES) == at_fork,
+            "{c}'s RAM differs from its source's at the fork instant"
+        );
+    }
+    assert_eq!(v["children"].as_array().map(Vec::len), Some(2), "{v}");
+    // The source stayed paused (it was), and resumes on its own.
+    assert_eq!(info(dir, "src")["status"], "paused");
+    assert!(cli(dir, &["resume", "src"]).status.success());
+    assert!(grows(|| counter(dir, "src")));
+    for id in ["src-f1", "src-f2", "src"] {
+        assert!(cli(dir, &["delete", id]).status.success());
+    }
+    for &p in &guard.pids {
+        assert!(!alive(p), "VM process {p} outlived its delete");
+    }
+}

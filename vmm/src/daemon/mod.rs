@@ -104,7 +104,7 @@ enum Slot {
 /// The sentence for a request a VM process does not serve yet.
 fn not_served_in_a_process(id: &str) -> String {
     format!(
-        "vm {id} runs in a VM process of its own, which serves start, pause, resume, stop, delete, info and peek so far"
+        "vm {id} runs in a VM process of its own, which serves start, pause, resume, stop, delete, info, peek and fork so far"
     )
 }
 
@@ -155,14 +155,18 @@ impl Reservation<'_> {
     }
 
     /// Puts the VM process `remote` in the map under the (one) reserved id.
-    fn fill_process(mut self, remote: processes::Remote) {
-        if self.ids.is_empty() {
-            return;
+    fn fill_process(self, remote: processes::Remote) {
+        self.fill_processes(vec![remote]);
+    }
+
+    /// Puts VM processes in the map under the reserved ids, in order.
+    fn fill_processes(mut self, remotes: Vec<processes::Remote>) {
+        let n = remotes.len().min(self.ids.len());
+        let filled: Vec<String> = self.ids.drain(..n).collect();
+        let mut map = self.daemon.vms();
+        for (id, r) in filled.into_iter().zip(remotes) {
+            map.insert(id, Slot::Process(Arc::new(Mutex::new(r))));
         }
-        let id = self.ids.remove(0);
-        self.daemon
-            .vms()
-            .insert(id, Slot::Process(Arc::new(Mutex::new(remote))));
     }
 }
 
@@ -561,7 +565,10 @@ impl Daemon {
                 ));
             }
             Request::Fork(a) if self.is_cluster(&a.id) => Reply::Forked(self.cluster_fork(&a.id, a.count)?),
-            Request::Fork(a) => Reply::Forked(self.fork(&a)?),
+            Request::Fork(a) => match self.process(&a.id) {
+                Some(source) => Reply::Forked(self.fork_process(&a, &source)?),
+                None => Reply::Forked(self.fork(&a)?),
+            },
             Request::Peek(a) => Reply::Peek(self.peek(&a.id, a.addr, a.count)?),
             Request::Medium(a) => Reply::Vm(Box::new(self.transition(&a.id, |vm| {
                 let disk = usize::try_from(a.disk).unwrap_or(usize::MAX);
@@ -787,9 +794,15 @@ impl Daemon {
     fn reserve_children(&self, source: &str, count: u32, name: Option<&str>) -> Result<Reservation<'_>, ApiError> {
         // The source's budget (its config never changes) before the map:
         // the map is never held while waiting for a VM's lock.
-        let (budget, memory_mib, disk_used) = self.with_vm(source, |vm| {
-            (vm.config().fork, vm.config().memory_mib, vm.children_disk_bytes())
-        })?;
+        let (budget, memory_mib, disk_used) = match self.process(source) {
+            Some(r) => {
+                let g = r.lock().unwrap_or_else(|p| p.into_inner());
+                (g.config().fork, g.config().memory_mib, 0)
+            }
+            None => self.with_vm(source, |vm| {
+                (vm.config().fork, vm.config().memory_mib, vm.children_disk_bytes())
+            })?,
+        };
         let mut ids = Vec::new();
         let mut vms = self.vms();
         let live = self.parents().values().filter(|p| p.id == source && !p.deleted).count() as u32;

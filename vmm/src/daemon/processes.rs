@@ -148,6 +148,24 @@ impl Remote {
         config: &VmConfig,
         runtime_dir: &Path,
     ) -> Result<Self, ApiError> {
+        let build = Request::Build {
+            id: id.to_string(),
+            config: Box::new(config.clone()),
+        };
+        Self::spawn_with(procs, store, id, config, runtime_dir, &build, &[])
+    }
+
+    /// [`Remote::spawn`] with the build request `build` (a plain build, or
+    /// a fork child's with its fork instant's descriptors `fds`).
+    pub(super) fn spawn_with(
+        procs: &VmProcesses,
+        store: &Arc<RecordStore>,
+        id: &str,
+        config: &VmConfig,
+        runtime_dir: &Path,
+        build: &Request,
+        fds: &[std::os::fd::RawFd],
+    ) -> Result<Self, ApiError> {
         check_config(id, config)?;
         let socket = runtime_dir.join("vm.sock");
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
@@ -183,10 +201,7 @@ impl Remote {
             let start_ticks = crate::sys::process_start_ticks(pid)
                 .map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
             let built = match (pidfd, start_ticks) {
-                (Ok(fd), Ok(t)) => match proc.call(&Request::Build {
-                    id: id.to_string(),
-                    config: Box::new(config.clone()),
-                }) {
+                (Ok(fd), Ok(t)) => match proc.call_with_fds(build, fds).map(|(r, _)| r) {
                     Ok(Reply::Ok) => Ok((fd, t)),
                     Ok(Reply::Error { message }) => Err((
                         Some(fd),
@@ -291,6 +306,15 @@ impl Remote {
 
     /// One request; its error reply as a sentence naming the VM.
     pub(super) fn call(&mut self, req: &Request) -> Result<Reply, ApiError> {
+        self.call_fds(req, &[]).map(|(r, _)| r)
+    }
+
+    /// [`Remote::call`] with descriptors both ways.
+    pub(super) fn call_fds(
+        &mut self,
+        req: &Request,
+        fds: &[std::os::fd::RawFd],
+    ) -> Result<(Reply, Vec<OwnedFd>), ApiError> {
         if let Some(reason) = self.ended() {
             return Err(ApiError::new(
                 ErrorCode::Conflict,
@@ -302,8 +326,8 @@ impl Remote {
             .proc
             .as_mut()
             .ok_or_else(|| ApiError::new(ErrorCode::Conflict, format!("vm {id}'s VM process is gone")))?;
-        match proc.call(req) {
-            Ok(Reply::Error { message }) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {id}: {message}"))),
+        match proc.call_with_fds(req, fds) {
+            Ok((Reply::Error { message }, _)) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {id}: {message}"))),
             Ok(r) => Ok(r),
             Err(e) => Err(ApiError::new(ErrorCode::Internal, format!("vm {id}: {e}"))),
         }
@@ -458,6 +482,129 @@ impl super::Daemon {
         }))
     }
 
+    /// `fork` of a VM in a VM process: the source exports its fork instant
+    /// (paused for that only: the export is self-contained, the source
+    /// runs on while the children are built), and each child is built in a
+    /// VM process of its own from it, copy-on-write over the source's base.
+    pub(super) fn fork_process(
+        &self,
+        args: &super::api::ForkArgs,
+        source: &Arc<Mutex<Remote>>,
+    ) -> Result<super::api::Forked, ApiError> {
+        use std::os::fd::AsRawFd;
+        let id = args.id.as_str();
+        if !args.nics.is_empty() || args.vsock_uds.is_some() {
+            return Err(ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!("vm {id} runs in a VM process: its children take no NICs or vsock sockets of their own yet"),
+            ));
+        }
+        let Some(procs) = self.processes.clone() else {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "vm {id} runs in a VM process, and so would its children, but this daemon runs none (--jail off)"
+                ),
+            ));
+        };
+        let held = self.reserve_children(id, args.count, args.name.as_deref())?;
+        let t = Instant::now();
+        let (config, state, diverged, fds, pause_ms) = {
+            let mut g = lock(source);
+            let was_running = matches!(g.status().0, VmState::Running);
+            if was_running {
+                g.call(&Request::Pause)?;
+            }
+            let pause_ms = super::ms(t.elapsed());
+            let got = g.call_fds(&Request::Capture, &[]);
+            if was_running {
+                g.call(&Request::Resume)?;
+            }
+            let (reply, fds) = got?;
+            let Reply::Captured { state, diverged } = reply else {
+                return Err(internal(&format!("vm {id}: capture"), format!("{reply:?}")));
+            };
+            if fds.len() != 2 {
+                return Err(internal(
+                    &format!("vm {id}: capture"),
+                    format!("{} descriptors instead of the base and the diverged pages", fds.len()),
+                ));
+            }
+            (g.config().clone(), state, diverged, fds, pause_ms)
+        };
+        let source_paused_ms = super::ms(t.elapsed());
+        let raw: Vec<_> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let mut built: Vec<Remote> = Vec::with_capacity(held.ids().len());
+        let mut children = Vec::with_capacity(held.ids().len());
+        let made = held.ids().iter().try_for_each(|cid| {
+            let t = Instant::now();
+            let dir = self
+                .store
+                .runtime_dir(cid)
+                .map_err(|e| internal(&format!("vm {cid}: its runtime directory"), e))?;
+            let mut c = config.clone();
+            c.id = Some(cid.clone());
+            c.fork.shells = None;
+            let build = Request::BuildFork {
+                id: cid.clone(),
+                config: Box::new(c.clone()),
+                state: state.clone(),
+                diverged: diverged.clone(),
+            };
+            let mut remote = Remote::spawn_with(&procs, &self.store, cid, &c, &dir, &build, &raw)?;
+            let rec = VmRecord {
+                version: super::store::RECORD_VERSION,
+                id: cid.clone(),
+                config: c,
+                state: VmState::Created,
+                devices: Vec::new(),
+                serial_log: dir.join("serial.log"),
+                daemon_pid: std::process::id(),
+                created_unix: super::now_unix(),
+                vm_process: Some(remote.record().clone()),
+            };
+            let started = self
+                .store
+                .save(&rec)
+                .map_err(|e| internal(&format!("vm {cid}: cannot write its record"), e))
+                .and_then(|()| remote.call(&Request::Start).map(drop));
+            let fork_ms = super::ms(t.elapsed());
+            built.push(remote);
+            started?;
+            let r = built.last_mut().expect("just pushed");
+            let info = self.process_info(r);
+            let st = info.state.clone();
+            if let Err(e) = self.store.update(cid, |r| r.state = st) {
+                tracing::warn!(vm = %cid, error = %e, "cannot record the VM's state");
+            }
+            children.push(super::api::ForkedChild {
+                info,
+                fork_ms,
+                shell: false,
+            });
+            Ok::<(), ApiError>(())
+        });
+        if let Err(e) = made {
+            // Every child or none: the built ones stop; the reservation
+            // removes their files and frees their ids.
+            for mut r in built {
+                r.stop();
+                procs.release(r.record().uid);
+            }
+            return Err(e);
+        }
+        held.fill_processes(built);
+        Ok(super::api::Forked {
+            id: id.to_string(),
+            children,
+            pause_ms,
+            source_paused_ms,
+            clusters: Vec::new(),
+            rebased: Vec::new(),
+            warnings: Vec::new(),
+        })
+    }
+
     /// `create` with `--jail on`: the VM built in a VM process of its own.
     pub(super) fn create_process(&self, config: VmConfig, start: bool) -> Result<super::api::VmInfo, ApiError> {
         config
@@ -520,7 +667,15 @@ impl super::Daemon {
             g.stop();
             g.record().uid
         };
-        self.vms().insert(id.to_string(), super::Slot::Deleting);
+        {
+            let mut vms = self.vms();
+            vms.insert(id.to_string(), super::Slot::Deleting);
+            let mut parents = self.parents();
+            parents.remove(id);
+            for p in parents.values_mut().filter(|p| p.id == id) {
+                p.deleted = true;
+            }
+        }
         let removed = self
             .store
             .remove(id)
@@ -546,6 +701,15 @@ impl super::Daemon {
         let rec = self.store.load(g.id()).ok().flatten();
         let (state, exits, ms_since_start, first_exit_us_after_start) = g.status();
         let p = g.record();
+        // Its own statement: the guard must be gone before `children_of`
+        // takes the lock again.
+        let parent = self.parents().get(g.id()).map(|p| {
+            if p.deleted {
+                format!("{} (deleted)", p.id)
+            } else {
+                p.id.clone()
+            }
+        });
         super::api::VmInfo {
             id: g.id().to_string(),
             status: state.to_string(),
@@ -558,8 +722,8 @@ impl super::Daemon {
             ms_since_start,
             first_exit_us_after_start,
             exits,
-            parent: None,
-            children: Vec::new(),
+            parent,
+            children: self.children_of(g.id()),
             rebases: 0,
             shells_ready: None,
             rng_reseed: None,

@@ -4,14 +4,14 @@
 //! request and its reply at a time.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Write};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
 use super::proto::{Reply, Request, VERSION};
+use super::wire::Channel;
 use crate::jail::JailConfig;
 
 /// The descriptor number `/dev/kvm` has in the VM process.
@@ -28,8 +28,7 @@ pub const CALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30)
 pub struct VmProcess {
     /// Its pid (in the caller's pid namespace).
     pub pid: u32,
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
+    chan: Channel,
 }
 
 impl VmProcess {
@@ -63,11 +62,9 @@ impl VmProcess {
         let ours = UnixStream::connect(socket)
             .map_err(|e| format!("cannot reach VM process {pid} at {}: {e}", socket.display()))?;
         ours.set_read_timeout(Some(CALL_TIMEOUT)).map_err(|e| e.to_string())?;
-        let writer = ours.try_clone().map_err(|e| e.to_string())?;
         let mut p = Self {
             pid,
-            reader: BufReader::new(ours),
-            writer,
+            chan: Channel::new(ours),
         };
         let hello = p.call(&Request::Hello { version })?;
         Ok((p, hello))
@@ -132,19 +129,19 @@ impl VmProcess {
     /// the first process ended, for the error when it wrote none.
     pub(super) fn from_channel(ours: UnixStream, started: &str) -> Result<Self, String> {
         ours.set_read_timeout(Some(CALL_TIMEOUT)).map_err(|e| e.to_string())?;
-        let writer = ours.try_clone().map_err(|e| e.to_string())?;
-        let mut reader = BufReader::new(ours);
-        let mut line = String::new();
-        reader
-            .read_line(&mut line)
-            .map_err(|e| format!("cannot read the VM process's pid: {e}"))?;
+        let mut chan = Channel::new(ours);
+        let line = chan
+            .recv()
+            .map_err(|e| format!("cannot read the VM process's pid: {e}"))?
+            .map(|(l, _)| l)
+            .unwrap_or_default();
         let v = serde_json::from_str::<serde_json::Value>(&line).ok();
         if let Some(pid) = v
             .as_ref()
             .and_then(|v| v["jailed_pid"].as_u64())
             .and_then(|p| u32::try_from(p).ok())
         {
-            return Ok(Self { pid, reader, writer });
+            return Ok(Self { pid, chan });
         }
         Err(match v.as_ref().and_then(|v| v["error"].as_str()) {
             Some(e) => format!("the VM process did not start: {e}"),
@@ -173,15 +170,20 @@ impl VmProcess {
 
     /// Sends `req` and returns its reply.
     pub fn call(&mut self, req: &Request) -> Result<Reply, String> {
-        let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
-        line.push('\n');
-        self.writer
-            .write_all(line.as_bytes())
+        self.call_with_fds(req, &[]).map(|(r, _)| r)
+    }
+
+    /// Sends `req` with `fds` and returns its reply with the descriptors
+    /// that came with it.
+    pub fn call_with_fds(&mut self, req: &Request, fds: &[RawFd]) -> Result<(Reply, Vec<OwnedFd>), String> {
+        let line = serde_json::to_string(req).map_err(|e| e.to_string())?;
+        self.chan
+            .send(&line, fds)
             .map_err(|e| format!("VM process {} is gone: {e}", self.pid))?;
-        let mut back = String::new();
-        match self.reader.read_line(&mut back) {
-            Ok(0) => Err(format!("VM process {} closed its channel", self.pid)),
-            Ok(_) => serde_json::from_str(&back)
+        match self.chan.recv() {
+            Ok(None) => Err(format!("VM process {} closed its channel", self.pid)),
+            Ok(Some((back, fds))) => serde_json::from_str(&back)
+                .map(|r| (r, fds))
                 .map_err(|e| format!("VM process {} answered `{}`: {e}", self.pid, back.trim())),
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
                 Err(format!(

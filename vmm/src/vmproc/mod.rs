@@ -20,3 +20,4 @@ pub mod handle;
 pub mod proto;
 pub mod runtime;
 pub mod spawner;
+pub mod wire;

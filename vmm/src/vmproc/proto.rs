@@ -27,6 +27,22 @@ pub enum Request {
         /// Its config (built-in guests only, for now).
         config: Box<VmConfig>,
     },
+    /// Build the VM (once) as a fork child of the fork instant another VM
+    /// process exported ([`Reply::Captured`]): its base and diverged-pages
+    /// memfds come with the request, in that order.
+    BuildFork {
+        /// Its id.
+        id: String,
+        /// Its config (the source's, with this id).
+        config: Box<VmConfig>,
+        /// The source's machine state at the fork instant (JSON).
+        state: String,
+        /// The pages in the diverged-pages memfd (bitmap words over the
+        /// whole RAM).
+        diverged: Vec<u64>,
+    },
+    /// Export this paused VM's fork instant: [`Reply::Captured`].
+    Capture,
     /// Start its vCPUs.
     Start,
     /// Pause every vCPU and device.
@@ -63,6 +79,14 @@ pub enum Reply {
     },
     /// Done.
     Ok,
+    /// To [`Request::Capture`]: the fork instant; the base and the
+    /// diverged-pages memfds come with the reply, in that order.
+    Captured {
+        /// The machine state (JSON).
+        state: String,
+        /// The pages in the diverged-pages memfd.
+        diverged: Vec<u64>,
+    },
     /// Words read.
     Peeked {
         /// The words.

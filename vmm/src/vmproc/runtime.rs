@@ -5,13 +5,14 @@
 //! and, if the process was handed a listening socket, the next caller that
 //! connects to it re-attaches; without one, the VM stops with its caller.
 
-use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
 
 use vm_memory::{Bytes, GuestAddress};
 
 use super::proto::{Reply, Request, VERSION};
+use super::wire::Channel;
 use crate::config::GuestSpec;
 use crate::{Vm, VmOptions};
 
@@ -64,58 +65,73 @@ pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), 
 
 /// One caller: hello, then requests until it closes or asks to stop.
 fn session(channel: UnixStream, vm: &mut Option<Vm>) -> Result<Ended, String> {
-    let mut out = channel
-        .try_clone()
-        .map_err(|e| format!("cannot use the channel: {e}"))?;
-    let mut lines = BufReader::new(channel).lines();
-    let mut send = |r: &Reply| -> Result<(), String> {
-        let mut line = serde_json::to_string(r).map_err(|e| e.to_string())?;
-        line.push('\n');
-        out.write_all(line.as_bytes())
-            .map_err(|e| format!("the channel closed: {e}"))
+    let mut chan = Channel::new(channel);
+    let send = |chan: &Channel, r: &Reply, fds: &[std::os::fd::RawFd]| -> Result<(), String> {
+        let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
+        chan.send(&line, fds).map_err(|e| format!("the channel closed: {e}"))
     };
-    let first = match lines.next() {
-        Some(Ok(l)) => l,
+    let first = match chan.recv() {
+        Ok(Some((l, _))) => l,
         _ => return Ok(Ended::Closed),
     };
     match serde_json::from_str::<Request>(&first) {
-        Ok(Request::Hello { version }) if version == VERSION => send(&Reply::Hello {
-            version: VERSION,
-            pid: std::process::id(),
-            vm: vm.as_ref().map(|v| v.id().to_string()),
-        })?,
+        Ok(Request::Hello { version }) if version == VERSION => send(
+            &chan,
+            &Reply::Hello {
+                version: VERSION,
+                pid: std::process::id(),
+                vm: vm.as_ref().map(|v| v.id().to_string()),
+            },
+            &[],
+        )?,
         Ok(Request::Hello { version }) => {
             let message = format!(
                 "the caller speaks channel version {version}, this VM process speaks version {VERSION}: refused"
             );
-            send(&Reply::Error {
-                message: message.clone(),
-            })?;
+            send(
+                &chan,
+                &Reply::Error {
+                    message: message.clone(),
+                },
+                &[],
+            )?;
             return Err(message);
         }
         _ => {
             let message = "the first request on the channel must be hello".to_string();
-            send(&Reply::Error {
-                message: message.clone(),
-            })?;
+            send(
+                &chan,
+                &Reply::Error {
+                    message: message.clone(),
+                },
+                &[],
+            )?;
             return Err(message);
         }
     }
-    for line in lines {
-        let Ok(line) = line else { break };
+    loop {
+        let (line, fds) = match chan.recv() {
+            Ok(Some(m)) => m,
+            _ => break,
+        };
         let req = match serde_json::from_str::<Request>(&line) {
             Ok(r) => r,
             Err(e) => {
-                send(&Reply::Error {
-                    message: format!("the request is not one this VM process knows: {e}"),
-                })?;
+                send(
+                    &chan,
+                    &Reply::Error {
+                        message: format!("the request is not one this VM process knows: {e}"),
+                    },
+                    &[],
+                )?;
                 continue;
             }
         };
-        let stop = req == Request::Stop;
-        let reply = handle(vm, req).unwrap_or_else(|message| Reply::Error { message });
+        let stop = matches!(req, Request::Stop);
+        let (reply, out) = handle(vm, req, fds).unwrap_or_else(|message| (Reply::Error { message }, Vec::new()));
+        let raw: Vec<_> = out.iter().map(|f| f.as_raw_fd()).collect();
         // A caller gone before its reply: the next one will ask again.
-        if send(&reply).is_err() && !stop {
+        if send(&chan, &reply, &raw).is_err() && !stop {
             return Ok(Ended::Closed);
         }
         if stop {
@@ -131,9 +147,61 @@ fn built(vm: &mut Option<Vm>) -> Result<&mut Vm, String> {
         .ok_or_else(|| "there is no VM in this process yet: build it first".to_string())
 }
 
-fn handle(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
+/// Descriptors a reply carries (a fork instant's memfds).
+type Fds = Vec<std::sync::Arc<std::fs::File>>;
+
+fn handle(vm: &mut Option<Vm>, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, Fds), String> {
+    match req {
+        Request::Capture => {
+            let e = built(vm)?.export_capture().map_err(|e| e.to_string())?;
+            let state = serde_json::to_string(&e.state).map_err(|e| e.to_string())?;
+            Ok((
+                Reply::Captured {
+                    state,
+                    diverged: e.words,
+                },
+                vec![e.base, std::sync::Arc::new(e.delta)],
+            ))
+        }
+        Request::BuildFork {
+            id,
+            config,
+            state,
+            diverged,
+        } => {
+            if vm.is_some() {
+                return Err("this VM process already holds its VM".into());
+            }
+            let [base, delta]: [OwnedFd; 2] = fds
+                .try_into()
+                .map_err(|f: Vec<OwnedFd>| format!("a fork child takes 2 descriptors, not {}", f.len()))?;
+            if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
+                return Err("a VM process runs only a built-in guest without devices so far".into());
+            }
+            config.validate().map_err(|e| e.to_string())?;
+            let state: crate::vstate::persist::MachineState =
+                serde_json::from_str(&state).map_err(|e| format!("the fork instant's state is unreadable: {e}"))?;
+            let child = Vm::from_export(
+                &id,
+                &config,
+                &VmOptions::default(),
+                &state,
+                std::fs::File::from(base),
+                &std::fs::File::from(delta),
+                &diverged,
+            )
+            .map_err(|e| e.to_string())?;
+            *vm = Some(child);
+            Ok((Reply::Ok, Vec::new()))
+        }
+        other => handle_plain(vm, other).map(|r| (r, Vec::new())),
+    }
+}
+
+fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
     match req {
         Request::Hello { .. } => Err("hello was already said".into()),
+        Request::Capture | Request::BuildFork { .. } => Err("handled above".into()),
         Request::Build { id, config } => {
             if vm.is_some() {
                 return Err("this VM process already holds its VM".into());

@@ -170,6 +170,81 @@ impl Vm {
     }
 }
 
+/// A fork instant handed to another process (a child in a VM process of
+/// its own, `vmproc/`): the machine state, the source's frozen base, and
+/// the pages that differed from it, copied into a memfd of their own at
+/// their offsets (`delta`), so that nothing of the source's mapping is
+/// needed afterwards: the source may run on at once.
+pub struct Exported {
+    /// The machine state.
+    pub state: super::persist::MachineState,
+    /// The pages in `delta` (bitmap words over the whole RAM).
+    pub words: Vec<u64>,
+    /// The source's frozen base.
+    pub base: Arc<std::fs::File>,
+    /// The diverged pages.
+    pub delta: std::fs::File,
+}
+
+impl Vm {
+    /// Captures this paused VM's fork instant for a child built in another
+    /// process ([`Vm::capture`], then the diverged pages written out).
+    /// Only VMs without devices so far: a device's twin would need its
+    /// backend handed over too.
+    pub fn export_capture(&self) -> Result<Exported, VmError> {
+        if !self.virtio.is_empty() {
+            return Err(VmError::Refused(format!(
+                "vm {} has devices: its children cannot be built in another process yet",
+                self.id
+            )));
+        }
+        let capture = self.capture()?;
+        let words = self.ram.diverged_words();
+        let delta =
+            crate::sys::memfd(&format!("k7d-delta-{}", self.id), self.ram.size()).map_err(|source| VmError::Io {
+                what: "cannot make the memfd of a fork's diverged pages".into(),
+                source,
+            })?;
+        self.ram.write_pages_to(&delta, &words)?;
+        Ok(Exported {
+            state: capture.state,
+            words,
+            base: self.ram.memfd(),
+            delta,
+        })
+    }
+
+    /// A fork child built from an [`Exported`] fork instant (its parts as
+    /// received): `config` is the child's (its id set), without devices.
+    pub fn from_export(
+        id: &str,
+        config: &crate::config::VmConfig,
+        opts: &VmOptions,
+        state: &super::persist::MachineState,
+        base: std::fs::File,
+        delta: &std::fs::File,
+        words: &[u64],
+    ) -> Result<Self, VmError> {
+        if config.devices.any() {
+            return Err(VmError::Refused(format!(
+                "vm {id}: a child built from a fork instant handed over has no devices yet"
+            )));
+        }
+        let parent = GuestRam::from_capture(base, delta, words, config.memory_mib << 20)?;
+        Self::build(
+            id,
+            config,
+            opts,
+            BuildPlan::Fork {
+                state,
+                parent: &parent,
+                backends: VecDeque::new(),
+                shell: None,
+            },
+        )
+    }
+}
+
 impl Vm {
     /// What a shell for this VM's fork children must fit.
     pub fn shape(&self) -> Shape {

@@ -179,6 +179,36 @@ impl GuestRam {
         })
     }
 
+    /// A fork source's RAM as it was at its fork instant, rebuilt in
+    /// another process (a VM process, `vmproc/`): `base` (the source's
+    /// frozen base) mapped privately, then the pages set in `words` (those
+    /// that differed from it) read in from `delta`, which holds them at
+    /// their memfd offsets. A child is then built from it as from the
+    /// source itself ([`GuestRam::new_child`]).
+    pub fn from_capture(base: File, delta: &File, words: &[u64], size: u64) -> Result<Self, MemoryError> {
+        let ram = Self::map(Arc::new(base), size, libc::MAP_PRIVATE, true)?;
+        let pages = size.div_ceil(PAGE);
+        for (first, n) in page_runs(set_bits(words).into_iter().filter(|&p| p < pages)) {
+            let len = usize::try_from(n * PAGE).map_err(|_| MemoryError::Copy(first))?;
+            let slice = ram
+                .mem
+                .get_slice(GuestAddress(gpa_of(first * PAGE)), len)
+                .map_err(|_| MemoryError::Copy(first))?;
+            let mut off = 0;
+            while off < len {
+                let mut rest = slice.offset(off).map_err(|_| MemoryError::Copy(first))?;
+                let got = k7d_sys::fd::pread_volatile(delta, &mut rest, first * PAGE + off as u64)
+                    .map_err(|_| MemoryError::Copy(first))?;
+                if got == 0 {
+                    return Err(MemoryError::Copy(first));
+                }
+                off += got;
+            }
+        }
+        ram.add_diverged(words, 0);
+        Ok(ram)
+    }
+
     /// Whether the memfd is a frozen base (this VM maps it privately).
     pub fn is_frozen(&self) -> bool {
         self.frozen.load(std::sync::atomic::Ordering::SeqCst)

@@ -132,12 +132,18 @@ pub fn holds_ram_of(pid: u32, vm: &str) -> bool {
 /// from the mapping in VM process `pid` (`/proc/<pid>/mem`, as root):
 /// what a test reads while no daemon exists to ask.
 pub fn read_guest_u32(pid: u32, vm: &str, gpa: u64) -> u32 {
+    let b = read_guest(pid, vm, gpa, 4);
+    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// [`read_guest_u32`] for `len` bytes (within one mapping).
+pub fn read_guest(pid: u32, vm: &str, gpa: u64, len: usize) -> Vec<u8> {
     use std::os::unix::fs::FileExt;
     let at = host_addr_of(pid, vm, gpa).unwrap_or_else(|| panic!("process {pid} maps no RAM of {vm} at {gpa:#x}"));
     let mem = std::fs::File::open(format!("/proc/{pid}/mem")).unwrap();
-    let mut b = [0u8; 4];
+    let mut b = vec![0u8; len];
     mem.read_exact_at(&mut b, at).unwrap();
-    u32::from_le_bytes(b)
+    b
 }
 
 /// Where guest address `gpa` of VM `vm` is mapped in process `pid`

@@ -519,6 +519,10 @@ struct DaemonJail {
     /// How many ids the range holds (the most VM processes at once).
     #[arg(long, default_value_t = 65_536, value_parser = clap::value_parser!(u32).range(1..))]
     jail_id_count: u32,
+    /// VM processes kept started and jailed ahead, waiting for a fork
+    /// child or a VM to build (their start is off the request's path).
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=256))]
+    jail_spares: u32,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -1144,7 +1148,12 @@ fn print_reply(reply: &Reply) {
             r.rounds,
             r.paused_ms
         ),
-        Reply::Version(v) => out!("k7d daemon {} (API version {}, pid {})", v.k7d, v.api_version, v.pid),
+        Reply::Version(v) => {
+            out!("k7d daemon {} (API version {}, pid {})", v.k7d, v.api_version, v.pid);
+            if let Some(n) = v.vm_process_spares {
+                out!("  VM processes ready ahead (--jail on): {n}");
+            }
+        }
     }
 }
 
@@ -1354,7 +1363,7 @@ fn vm_processes(jail: &DaemonJail) -> Result<k7d_vmm::daemon::VmProcesses> {
         base: jail.jail_id_base,
         count: jail.jail_id_count,
     };
-    k7d_vmm::daemon::VmProcesses::new(spawner, ids).map_err(|e| anyhow::anyhow!(e))
+    k7d_vmm::daemon::VmProcesses::new(spawner, ids, jail.jail_spares as usize).map_err(|e| anyhow::anyhow!(e))
 }
 
 /// `k7d vm-spawner`: serves its daemon (`k7d_vmm::vmproc::spawner`).

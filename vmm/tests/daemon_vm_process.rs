@@ -45,6 +45,16 @@ fn cli(dir: &Path, args: &[&str]) -> Output {
         .unwrap()
 }
 
+/// One request line on the API socket, its response.
+fn api(dir: &Path, line: &str) -> serde_json::Value {
+    use std::io::{BufRead, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).unwrap();
+    writeln!(s, "{line}").unwrap();
+    let mut back = String::new();
+    std::io::BufReader::new(s).read_line(&mut back).unwrap();
+    serde_json::from_str(&back).unwrap()
+}
+
 fn info(dir: &Path, id: &str) -> serde_json::Value {
     let o = cli(dir, &["--json", "info", id]);
     assert!(o.status.success(), "info {id}: {:?}", text(&o));
@@ -366,9 +376,28 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
         at_fork.chunks(1024).any(|p| p[0] != p[1]),
         "no page was written since the first fork: the test would not see a lost page"
     );
+    // Both children from spares, made ahead (`--jail-spares`, default 2).
+    let t = Instant::now();
+    loop {
+        let v = api(dir, r#"{"v":1,"op":"version"}"#);
+        if v["result"]["vm_process_spares"].as_u64() >= Some(2) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no spares made: {v}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let o = cli(dir, &["--json", "fork", "src", "--count", "2"]);
     assert!(o.status.success(), "{:?}", text(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut spare_dirs = Vec::new();
+    for c in ["src-f1", "src-f2"] {
+        let rec: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(format!("state/vms/{c}.json"))).unwrap()).unwrap();
+        let d = rec["vm_process"]["spare_dir"].as_str().map(std::path::PathBuf::from);
+        let d = d.unwrap_or_else(|| panic!("{c} was not built in a spare: {rec}"));
+        assert!(d.starts_with(dir.join("state/spares")), "{}", d.display());
+        spare_dirs.push(d);
+    }
     let mut uids = std::collections::HashSet::new();
     for c in ["src-f1", "src-f2"] {
         let pid = pid_of(dir, c);
@@ -398,5 +427,8 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     }
     for &p in &guard.pids {
         assert!(!alive(p), "VM process {p} outlived its delete");
+    }
+    for d in spare_dirs {
+        assert!(!d.exists(), "{} outlived its VM", d.display());
     }
 }

@@ -661,6 +661,9 @@ pub struct VersionInfo {
     pub k7d: String,
     /// The daemon's pid.
     pub pid: u32,
+    /// With `--jail on`: VM processes made ahead and ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm_process_spares: Option<u32>,
 }
 
 /// A result: the one type its request's op defines. On the wire it is the
@@ -1368,6 +1371,7 @@ mod tests {
                 api_version: API_VERSION,
                 k7d: "0.1.0".into(),
                 pid: 42,
+                vm_process_spares: Some(2),
             }),
             Request::ClusterCreate(_) | Request::ClusterAdd(_) | Request::ClusterInfo(_) => {
                 Reply::Cluster(ClusterInfo {

@@ -459,7 +459,11 @@ impl Daemon {
                 procs.take(r.lock().unwrap_or_else(|p| p.into_inner()).record().uid);
             }
         }
-        self.processes = Some(Arc::new(procs));
+        let spares = self.store.dir().with_file_name("spares");
+        procs.set_spare_dir(spares);
+        let procs = Arc::new(procs);
+        processes::keep_spares(&procs);
+        self.processes = Some(procs);
         self
     }
 
@@ -580,6 +584,7 @@ impl Daemon {
                 api_version: api::API_VERSION,
                 k7d: env!("CARGO_PKG_VERSION").into(),
                 pid: std::process::id(),
+                vm_process_spares: self.processes.as_ref().map(|p| p.spares_ready() as u32),
             }),
             Request::ClusterCreate(a) => Reply::Cluster(self.cluster_create(&a.id, &a.members)?),
             Request::ClusterAdd(a) => Reply::Cluster(self.cluster_add(&a.id, &a.members)?),

@@ -53,23 +53,113 @@ impl IdRange {
     }
 }
 
-/// What a daemon with VM processes has: the spawner and the id range.
+/// A VM process made ahead, jailed and waiting for the request that
+/// builds its VM (a fork child's or a create's): its start is off the
+/// request's path. It has no listening socket until then, so a spare
+/// whose daemon goes away ends with it.
+pub(super) struct Spare {
+    proc: VmProcess,
+    uid: u32,
+    /// `<state>/spares/<uid>`, its jail root's parent.
+    dir: std::path::PathBuf,
+}
+
+/// What a daemon with VM processes has: the spawner, the id range and the
+/// spares made ahead.
 pub struct VmProcesses {
     spawner: Spawner,
     ids: IdRange,
-    /// Ids in use by a live VM process.
+    /// Ids in use by a live VM process (spares included).
     used: Mutex<std::collections::BTreeSet<u32>>,
+    spares: Mutex<Vec<Spare>>,
+    /// How many spares to keep ready.
+    spare_target: usize,
+    /// Where spares' jail roots go (`<state>/spares`), set by the daemon.
+    spare_dir: std::sync::OnceLock<std::path::PathBuf>,
 }
 
 impl VmProcesses {
-    /// VM processes started by `spawner`, with ids from `ids`.
-    pub fn new(spawner: Spawner, ids: IdRange) -> Result<Self, String> {
+    /// VM processes started by `spawner`, with ids from `ids`, keeping
+    /// `spares` made ahead.
+    pub fn new(spawner: Spawner, ids: IdRange, spares: usize) -> Result<Self, String> {
         ids.check()?;
         Ok(Self {
             spawner,
             ids,
             used: Mutex::new(Default::default()),
+            spares: Mutex::new(Vec::new()),
+            spare_target: spares,
+            spare_dir: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Where spares' jail roots go; their leftovers from an earlier daemon
+    /// (whose spares ended with it) are removed, those of re-attached VMs
+    /// kept.
+    pub(super) fn set_spare_dir(&self, dir: std::path::PathBuf) {
+        if let Ok(rd) = std::fs::read_dir(&dir) {
+            let used = self.used().clone();
+            for e in rd.flatten() {
+                let keep = e
+                    .file_name()
+                    .to_str()
+                    .and_then(|n| n.parse::<u32>().ok())
+                    .is_some_and(|u| used.contains(&u));
+                if !keep {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
+        }
+        let _ = self.spare_dir.set(dir);
+    }
+
+    /// A spare, if one is ready.
+    pub(super) fn take_spare(&self) -> Option<Spare> {
+        lock(&self.spares).pop()
+    }
+
+    /// Spares ready.
+    pub fn spares_ready(&self) -> usize {
+        lock(&self.spares).len()
+    }
+
+    /// Makes spares until [`VmProcesses::new`]'s count are ready.
+    pub(super) fn top_up(&self) {
+        while lock(&self.spares).len() < self.spare_target {
+            match self.make_spare() {
+                Ok(s) => lock(&self.spares).push(s),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot make a spare VM process; trying again later");
+                    return;
+                }
+            }
+        }
+    }
+
+    fn make_spare(&self) -> Result<Spare, String> {
+        let base = self.spare_dir.get().ok_or("no directory for spares yet")?;
+        let uid = self.allocate().map_err(|e| e.message)?;
+        let dir = base.join(uid.to_string());
+        let made = (|| {
+            let _ = std::fs::remove_dir_all(&dir);
+            let root = dir.join("root");
+            std::fs::create_dir_all(&root).map_err(|e| format!("cannot make {}: {e}", root.display()))?;
+            let jail = JailConfig {
+                root,
+                uid,
+                gid: uid,
+                keep_fds: Vec::new(),
+            };
+            self.spawner.spawn(&jail, None)
+        })();
+        match made {
+            Ok(proc) => Ok(Spare { proc, uid, dir }),
+            Err(e) => {
+                self.release(uid);
+                let _ = std::fs::remove_dir_all(&dir);
+                Err(e)
+            }
+        }
     }
 
     fn used(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<u32>> {
@@ -100,6 +190,30 @@ impl VmProcesses {
 
     pub(super) fn release(&self, uid: u32) {
         self.used().remove(&uid);
+    }
+}
+
+/// How often the spare keeper looks.
+const SPARE_PERIOD: Duration = Duration::from_millis(50);
+
+/// Starts the thread (`k7d-vmproc-spares`) that keeps `procs`' spares
+/// ready; it ends with the last handle on `procs`.
+pub(super) fn keep_spares(procs: &Arc<VmProcesses>) {
+    if procs.spare_target == 0 {
+        return;
+    }
+    let weak = Arc::downgrade(procs);
+    let spawned = std::thread::Builder::new()
+        .name("k7d-vmproc-spares".into())
+        .spawn(move || {
+            while let Some(p) = weak.upgrade() {
+                p.top_up();
+                drop(p);
+                std::thread::sleep(SPARE_PERIOD);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start the thread that keeps VM processes ready; each is started when asked for");
     }
 }
 
@@ -166,6 +280,7 @@ impl Remote {
         build: &Request,
         fds: &[std::os::fd::RawFd],
     ) -> Result<Self, ApiError> {
+        use std::os::fd::AsRawFd;
         check_config(id, config)?;
         let socket = runtime_dir.join("vm.sock");
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
@@ -177,62 +292,89 @@ impl Remote {
                 ),
             ));
         }
-        let root = runtime_dir.join("root");
-        std::fs::create_dir(&root).map_err(|e| internal(&format!("cannot make {}", root.display()), e))?;
-        let uid = procs.allocate()?;
-        let made = (|| {
-            let listener = std::os::unix::net::UnixListener::bind(&socket)
-                .map_err(|e| internal(&format!("cannot listen at {}", socket.display()), e))?;
-            let jail = JailConfig {
-                root,
-                uid,
-                gid: uid,
-                keep_fds: Vec::new(),
-            };
-            let mut proc = procs
-                .spawner
-                .spawn(&jail, &listener)
-                .map_err(|e| internal(&format!("vm {id}: the VM process did not start"), e))?;
-            // Ours is a copy: the VM process listens on its own.
-            drop(listener);
-            let pid = proc.pid;
-            let pidfd =
-                crate::sys::pidfd_open(pid).map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
-            let start_ticks = crate::sys::process_start_ticks(pid)
-                .map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
-            let built = match (pidfd, start_ticks) {
-                (Ok(fd), Ok(t)) => match proc.call_with_fds(build, fds).map(|(r, _)| r) {
-                    Ok(Reply::Ok) => Ok((fd, t)),
-                    Ok(Reply::Error { message }) => Err((
-                        Some(fd),
-                        ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {message}")),
-                    )),
-                    Ok(other) => Err((Some(fd), internal(&format!("vm {id}: build"), format!("{other:?}")))),
-                    Err(e) => Err((Some(fd), internal(&format!("vm {id}: build"), e))),
-                },
-                (fd, t) => Err((fd.ok(), t.err().unwrap_or_else(|| internal("pidfd", "none")))),
-            };
-            match built {
-                Ok((pidfd, start_ticks)) => Ok((proc, pidfd, start_ticks)),
-                Err((pidfd, e)) => {
-                    // Nothing of it may stay: asked to stop, then killed.
-                    let _ = proc.call(&Request::Stop);
-                    if let Some(fd) = pidfd {
-                        end_and_reap(&fd, pid);
-                    }
-                    Err(e)
-                }
+        let listener = std::os::unix::net::UnixListener::bind(&socket)
+            .map_err(|e| internal(&format!("cannot listen at {}", socket.display()), e))?;
+        // A spare made ahead when there is one (its listening socket goes
+        // with the build request), else a VM process started now.
+        let (proc, uid, spare_dir, with_listener) = match procs.take_spare() {
+            Some(spare) => (spare.proc, spare.uid, Some(spare.dir), true),
+            None => {
+                let root = runtime_dir.join("root");
+                std::fs::create_dir(&root).map_err(|e| internal(&format!("cannot make {}", root.display()), e))?;
+                let uid = procs.allocate()?;
+                let jail = JailConfig {
+                    root,
+                    uid,
+                    gid: uid,
+                    keep_fds: Vec::new(),
+                };
+                let proc = procs
+                    .spawner
+                    .spawn(&jail, Some(&listener))
+                    .map_err(|e| internal(&format!("vm {id}: the VM process did not start"), e))
+                    .inspect_err(|_| procs.release(uid))?;
+                (proc, uid, None, false)
             }
-        })();
-        let (proc, pidfd, start_ticks) = made.inspect_err(|_| procs.release(uid))?;
+        };
+        let mut fds = fds.to_vec();
+        if with_listener {
+            fds.push(listener.as_raw_fd());
+        }
+        let built = Self::build_in(proc, id, build, &fds);
+        // Ours is a copy: the VM process listens on its own.
+        drop(listener);
+        let (proc, pidfd, start_ticks) = built.inspect_err(|_| {
+            procs.release(uid);
+            if let Some(d) = &spare_dir {
+                let _ = std::fs::remove_dir_all(d);
+            }
+        })?;
         let rec = ProcessRecord {
             pid: proc.pid,
             start_ticks,
             uid,
             gid: uid,
             socket,
+            spare_dir,
         };
         Ok(Self::watched(id, config.clone(), proc, rec, pidfd, store))
+    }
+
+    /// Builds the VM in `proc` with `build` (and `fds`); on failure the
+    /// process is asked to stop, then killed.
+    fn build_in(
+        mut proc: VmProcess,
+        id: &str,
+        build: &Request,
+        fds: &[std::os::fd::RawFd],
+    ) -> Result<(VmProcess, OwnedFd, u64), ApiError> {
+        let pid = proc.pid;
+        let pidfd = crate::sys::pidfd_open(pid).map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
+        let start_ticks = crate::sys::process_start_ticks(pid)
+            .map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
+        let built = match (pidfd, start_ticks) {
+            (Ok(fd), Ok(t)) => match proc.call_with_fds(build, fds).map(|(r, _)| r) {
+                Ok(Reply::Ok) => Ok((fd, t)),
+                Ok(Reply::Error { message }) => Err((
+                    Some(fd),
+                    ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {message}")),
+                )),
+                Ok(other) => Err((Some(fd), internal(&format!("vm {id}: build"), format!("{other:?}")))),
+                Err(e) => Err((Some(fd), internal(&format!("vm {id}: build"), e))),
+            },
+            (fd, t) => Err((fd.ok(), t.err().unwrap_or_else(|| internal("pidfd", "none")))),
+        };
+        match built {
+            Ok((pidfd, start_ticks)) => Ok((proc, pidfd, start_ticks)),
+            Err((pidfd, e)) => {
+                // Nothing of it may stay: asked to stop, then killed.
+                let _ = proc.call(&Request::Stop);
+                if let Some(fd) = pidfd {
+                    end_and_reap(&fd, pid);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Re-attaches to the VM process `rec` names, if it is still the one
@@ -662,11 +804,14 @@ impl super::Daemon {
     /// `delete` of a VM in a VM process: stopped, its process gone, its
     /// files and id freed.
     pub(super) fn delete_process(&self, id: &str, r: &Arc<Mutex<Remote>>) -> Result<super::api::Deleted, ApiError> {
-        let uid = {
+        let (uid, spare_dir) = {
             let mut g = lock(r);
             g.stop();
-            g.record().uid
+            (g.record().uid, g.record().spare_dir.clone())
         };
+        if let Some(d) = spare_dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
         {
             let mut vms = self.vms();
             vms.insert(id.to_string(), super::Slot::Deleting);

@@ -61,6 +61,10 @@ pub struct ProcessRecord {
     pub gid: u32,
     /// The unix socket it listens on for its next caller.
     pub socket: PathBuf,
+    /// Its jail root's directory when it was a spare made ahead
+    /// (`<state>/spares/<uid>`), removed with the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spare_dir: Option<PathBuf>,
 }
 
 /// Errors from the record store.
@@ -133,6 +137,11 @@ pub struct RecordStore {
 }
 
 impl RecordStore {
+    /// `<state_dir>/vms`.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Opens (creating) `<state_dir>/vms`.
     pub fn open(state_dir: &Path) -> Result<Self, StoreError> {
         let dir = state_dir.join("vms");

@@ -33,6 +33,9 @@ enum Ended {
 /// process when there is no listener.
 pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), String> {
     let mut vm: Option<Vm> = None;
+    // A VM process spawned ahead (a spare) gets its listening socket with
+    // the request that builds its VM.
+    let mut listener = listener;
     let mut next = Some(channel);
     loop {
         let conn = match next.take() {
@@ -49,7 +52,7 @@ pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), 
                 None => break,
             },
         };
-        match session(conn, &mut vm) {
+        match session(conn, &mut vm, &mut listener) {
             Ok(Ended::Stop) => return Ok(()),
             Ok(Ended::Closed) => {}
             Err(e) if listener.is_none() => return Err(e),
@@ -64,7 +67,7 @@ pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), 
 }
 
 /// One caller: hello, then requests until it closes or asks to stop.
-fn session(channel: UnixStream, vm: &mut Option<Vm>) -> Result<Ended, String> {
+fn session(channel: UnixStream, vm: &mut Option<Vm>, listener: &mut Option<UnixListener>) -> Result<Ended, String> {
     let mut chan = Channel::new(channel);
     let send = |chan: &Channel, r: &Reply, fds: &[std::os::fd::RawFd]| -> Result<(), String> {
         let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
@@ -128,7 +131,8 @@ fn session(channel: UnixStream, vm: &mut Option<Vm>) -> Result<Ended, String> {
             }
         };
         let stop = matches!(req, Request::Stop);
-        let (reply, out) = handle(vm, req, fds).unwrap_or_else(|message| (Reply::Error { message }, Vec::new()));
+        let (reply, out) =
+            handle(vm, listener, req, fds).unwrap_or_else(|message| (Reply::Error { message }, Vec::new()));
         let raw: Vec<_> = out.iter().map(|f| f.as_raw_fd()).collect();
         // A caller gone before its reply: the next one will ask again.
         if send(&chan, &reply, &raw).is_err() && !stop {
@@ -150,8 +154,40 @@ fn built(vm: &mut Option<Vm>) -> Result<&mut Vm, String> {
 /// Descriptors a reply carries (a fork instant's memfds).
 type Fds = Vec<std::sync::Arc<std::fs::File>>;
 
-fn handle(vm: &mut Option<Vm>, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, Fds), String> {
+/// Takes a listening socket handed over with a build request, when this
+/// process has none yet (a spare's).
+fn take_listener(listener: &mut Option<UnixListener>, fd: Option<OwnedFd>) -> Result<(), String> {
+    match (fd, listener.is_some()) {
+        (Some(_), true) => Err("this VM process has its listening socket already".into()),
+        (Some(fd), false) => {
+            *listener = Some(UnixListener::from(fd));
+            Ok(())
+        }
+        (None, _) => Ok(()),
+    }
+}
+
+fn handle(
+    vm: &mut Option<Vm>,
+    listener: &mut Option<UnixListener>,
+    req: Request,
+    mut fds: Vec<OwnedFd>,
+) -> Result<(Reply, Fds), String> {
     match req {
+        Request::Build { .. } if fds.len() > 1 => Err(format!("a build takes at most 1 descriptor, not {}", fds.len())),
+        Request::Build { id, config } => {
+            if vm.is_some() {
+                return Err("this VM process already holds its VM".into());
+            }
+            if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
+                return Err("a VM process runs only a built-in guest without devices so far".into());
+            }
+            config.validate().map_err(|e| e.to_string())?;
+            let built = Vm::new(&id, &config, &VmOptions::default()).map_err(|e| e.to_string())?;
+            take_listener(listener, fds.pop())?;
+            *vm = Some(built);
+            Ok((Reply::Ok, Vec::new()))
+        }
         Request::Capture => {
             let e = built(vm)?.export_capture().map_err(|e| e.to_string())?;
             let state = serde_json::to_string(&e.state).map_err(|e| e.to_string())?;
@@ -172,9 +208,14 @@ fn handle(vm: &mut Option<Vm>, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply
             if vm.is_some() {
                 return Err("this VM process already holds its VM".into());
             }
-            let [base, delta]: [OwnedFd; 2] = fds
-                .try_into()
-                .map_err(|f: Vec<OwnedFd>| format!("a fork child takes 2 descriptors, not {}", f.len()))?;
+            if !(2..=3).contains(&fds.len()) {
+                return Err(format!("a fork child takes 2 or 3 descriptors, not {}", fds.len()));
+            }
+            let listen = (fds.len() == 3).then(|| fds.pop()).flatten();
+            let (delta, base) = match (fds.pop(), fds.pop()) {
+                (Some(d), Some(b)) => (d, b),
+                _ => return Err("a fork child takes its base and diverged pages".into()),
+            };
             if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
                 return Err("a VM process runs only a built-in guest without devices so far".into());
             }
@@ -191,6 +232,7 @@ fn handle(vm: &mut Option<Vm>, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply
                 &diverged,
             )
             .map_err(|e| e.to_string())?;
+            take_listener(listener, listen)?;
             *vm = Some(child);
             Ok((Reply::Ok, Vec::new()))
         }
@@ -201,18 +243,7 @@ fn handle(vm: &mut Option<Vm>, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply
 fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
     match req {
         Request::Hello { .. } => Err("hello was already said".into()),
-        Request::Capture | Request::BuildFork { .. } => Err("handled above".into()),
-        Request::Build { id, config } => {
-            if vm.is_some() {
-                return Err("this VM process already holds its VM".into());
-            }
-            if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
-                return Err("a VM process runs only a built-in guest without devices so far".into());
-            }
-            config.validate().map_err(|e| e.to_string())?;
-            *vm = Some(Vm::new(&id, &config, &VmOptions::default()).map_err(|e| e.to_string())?);
-            Ok(Reply::Ok)
-        }
+        Request::Capture | Request::BuildFork { .. } | Request::Build { .. } => Err("handled above".into()),
         Request::Start => built(vm)?.start().map(|()| Reply::Ok).map_err(|e| e.to_string()),
         Request::Pause => built(vm)?
             .pause(Duration::from_secs(2))

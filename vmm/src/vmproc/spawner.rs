@@ -109,8 +109,10 @@ impl Spawner {
     }
 
     /// Starts a VM process in `jail`, listening on `listener` for the
-    /// callers after this one, and says hello on its channel.
-    pub fn spawn(&self, jail: &JailConfig, listener: &UnixListener) -> Result<VmProcess, String> {
+    /// callers after this one (without one: a spare, which gets its
+    /// listening socket with the request that builds its VM), and says
+    /// hello on its channel.
+    pub fn spawn(&self, jail: &JailConfig, listener: Option<&UnixListener>) -> Result<VmProcess, String> {
         jail.check().map_err(|e| e.to_string())?;
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cannot make the VM process's channel: {e}"))?;
         let req = serde_json::to_vec(&SpawnRequest {
@@ -121,7 +123,9 @@ impl Spawner {
         .map_err(|e| e.to_string())?;
         {
             let sock = self.sock.lock().unwrap_or_else(|p| p.into_inner());
-            sock.send_with_fds(&[&req[..]], &[theirs.as_raw_fd(), listener.as_raw_fd()])
+            let mut fds = vec![theirs.as_raw_fd()];
+            fds.extend(listener.map(|l| l.as_raw_fd()));
+            sock.send_with_fds(&[&req[..]], &fds)
                 .map_err(|e| format!("the VM process spawner is gone: {e}"))?;
             drop(theirs);
             sock.set_read_timeout(Some(super::handle::CALL_TIMEOUT))
@@ -195,8 +199,10 @@ pub fn serve(sock: UnixStream, k7d: &Path) -> Result<(), String> {
 
 fn spawn_one(req: &[u8], fds: &[OwnedFd], k7d: &Path) -> Result<(), String> {
     let req: SpawnRequest = serde_json::from_slice(req).map_err(|e| format!("the spawn request is unreadable: {e}"))?;
-    let [channel, listener] = fds else {
-        return Err(format!("a spawn request carries 2 descriptors, not {}", fds.len()));
+    let (channel, listener) = match fds {
+        [c] => (c, None),
+        [c, l] => (c, Some(l)),
+        _ => return Err(format!("a spawn request carries 1 or 2 descriptors, not {}", fds.len())),
     };
     let jail = JailConfig {
         root: req.root,
@@ -206,17 +212,17 @@ fn spawn_one(req: &[u8], fds: &[OwnedFd], k7d: &Path) -> Result<(), String> {
     };
     jail.check().map_err(|e| e.to_string())?;
     let kvm = std::fs::File::open("/dev/kvm").map_err(|e| format!("cannot open /dev/kvm: {e}"))?;
-    let mut cmd = VmProcess::command(k7d, &jail, true);
-    let moves = [
-        (kvm.as_raw_fd(), KVM_FD),
-        (channel.as_raw_fd(), CHANNEL_FD),
-        (listener.as_raw_fd(), LISTEN_FD),
-    ];
+    let mut cmd = VmProcess::command(k7d, &jail, listener.is_some());
+    let (kvm_fd, chan_fd) = (kvm.as_raw_fd(), channel.as_raw_fd());
+    let listen_fd = listener.map(|l| l.as_raw_fd());
     // SAFETY: the closure runs in the forked child before exec and makes
     // only async-signal-safe calls (fcntl, dup2) on descriptors this
     // process holds open until `spawn` returns.
     unsafe {
-        cmd.pre_exec(move || crate::sys::place_fds(&moves));
+        cmd.pre_exec(move || match listen_fd {
+            Some(l) => crate::sys::place_fds(&[(kvm_fd, KVM_FD), (chan_fd, CHANNEL_FD), (l, LISTEN_FD)]),
+            None => crate::sys::place_fds(&[(kvm_fd, KVM_FD), (chan_fd, CHANNEL_FD)]),
+        });
     }
     let status = cmd
         .spawn()

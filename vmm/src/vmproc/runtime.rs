@@ -228,7 +228,7 @@ fn handle(
                 &VmOptions::default(),
                 &state,
                 std::fs::File::from(base),
-                &std::fs::File::from(delta),
+                std::fs::File::from(delta),
                 &diverged,
             )
             .map_err(|e| e.to_string())?;

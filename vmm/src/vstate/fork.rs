@@ -222,7 +222,7 @@ impl Vm {
         opts: &VmOptions,
         state: &super::persist::MachineState,
         base: std::fs::File,
-        delta: &std::fs::File,
+        delta: std::fs::File,
         words: &[u64],
     ) -> Result<Self, VmError> {
         if config.devices.any() {

@@ -179,34 +179,19 @@ impl GuestRam {
         })
     }
 
-    /// A fork source's RAM as it was at its fork instant, rebuilt in
-    /// another process (a VM process, `vmproc/`): `base` (the source's
-    /// frozen base) mapped privately, then the pages set in `words` (those
-    /// that differed from it) read in from `delta`, which holds them at
-    /// their memfd offsets. A child is then built from it as from the
-    /// source itself ([`GuestRam::new_child`]).
-    pub fn from_capture(base: File, delta: &File, words: &[u64], size: u64) -> Result<Self, MemoryError> {
-        let ram = Self::map(Arc::new(base), size, libc::MAP_PRIVATE, true)?;
-        let pages = size.div_ceil(PAGE);
-        for (first, n) in page_runs(set_bits(words).into_iter().filter(|&p| p < pages)) {
-            let len = usize::try_from(n * PAGE).map_err(|_| MemoryError::Copy(first))?;
-            let slice = ram
-                .mem
-                .get_slice(GuestAddress(gpa_of(first * PAGE)), len)
-                .map_err(|_| MemoryError::Copy(first))?;
-            let mut off = 0;
-            while off < len {
-                let mut rest = slice.offset(off).map_err(|_| MemoryError::Copy(first))?;
-                let got = k7d_sys::fd::pread_volatile(delta, &mut rest, first * PAGE + off as u64)
-                    .map_err(|_| MemoryError::Copy(first))?;
-                if got == 0 {
-                    return Err(MemoryError::Copy(first));
-                }
-                off += got;
-            }
-        }
-        ram.add_diverged(words, 0);
-        Ok(ram)
+    /// A fork source's RAM at its fork instant, seen from another process
+    /// (a child's VM process, `vmproc/`), for building children only: its
+    /// memfd is `base` (the source's frozen base, which a child maps
+    /// privately, [`GuestRam::new_child`]), and its mapping is `delta`,
+    /// which holds the pages set in `words` (those that differed from the
+    /// base) at their memfd offsets, so a child copies them straight from
+    /// it ([`GuestRam::copy_diverged_from`]). Nothing else of the mapping
+    /// is ever read.
+    pub fn from_capture(base: File, delta: File, words: &[u64], size: u64) -> Result<Self, MemoryError> {
+        let view = Self::map(Arc::new(delta), size, libc::MAP_SHARED, true)?;
+        *view.memfd.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(base);
+        view.add_diverged(words, 0);
+        Ok(view)
     }
 
     /// Whether the memfd is a frozen base (this VM maps it privately).

@@ -320,7 +320,9 @@ fn read_pages(pid: u32, vm: &str, gpa: u64, pages: u64) -> Vec<u32> {
 /// its fork instant (base memfd, the pages diverged since its first fork,
 /// machine state) and each child is built in a jailed VM process of its
 /// own from it. The children's RAM equals the source's at the fork
-/// instant, pages written since the first fork included.
+/// instant, pages written since the first fork included; a new daemon
+/// re-attaches to the source and its children after a `kill -9`, the
+/// snapshot tree included.
 #[test]
 fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     if !root_or_skip("forks_of_a_vm_process_are_vm_processes_equal_to_their_source") {
@@ -418,6 +420,19 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
         );
     }
     assert_eq!(v["children"].as_array().map(Vec::len), Some(2), "{v}");
+    // A new daemon re-attaches to the source and both children, the
+    // snapshot tree included.
+    let mut d = guard.daemon.take().unwrap();
+    kill9(d.id());
+    let _ = d.wait();
+    guard.daemon = Some(start_daemon(dir));
+    for c in ["src-f1", "src-f2"] {
+        let i = info(dir, c);
+        assert_eq!(i["status"], "running", "{i}");
+        assert_eq!(i["parent"], "src", "{i}");
+        assert!(grows(|| counter(dir, c)));
+    }
+    assert_eq!(info(dir, "src")["children"], serde_json::json!(["src-f1", "src-f2"]));
     // The source stayed paused (it was), and resumes on its own.
     assert_eq!(info(dir, "src")["status"], "paused");
     assert!(cli(dir, &["resume", "src"]).status.success());

@@ -368,6 +368,7 @@ impl Daemon {
         }
         let mut reconciled = Vec::new();
         let mut reattached = HashMap::new();
+        let mut reattached_parents = HashMap::new();
         for id in store.ids()? {
             // A VM in a VM process of its own outlived its daemon: it is
             // served again if its process is still the one its record names.
@@ -378,6 +379,15 @@ impl Daemon {
                         tracing::info!(vm = %id, pid = remote.record().pid, "re-attached to the VM's process");
                         if let Err(e) = store.update(&id, |r| r.daemon_pid = std::process::id()) {
                             tracing::warn!(vm = %id, error = %e, "cannot record this daemon as the VM's owner");
+                        }
+                        if let Some(parent) = &r.parent {
+                            reattached_parents.insert(
+                                id.clone(),
+                                Parent {
+                                    id: parent.clone(),
+                                    deleted: false,
+                                },
+                            );
                         }
                         reattached.insert(id.clone(), Slot::Process(Arc::new(Mutex::new(remote))));
                         continue;
@@ -425,6 +435,10 @@ impl Daemon {
             what: "cannot start the thread that records VM stops".into(),
             source,
         })?;
+        // A parent that was not re-attached is gone.
+        for p in reattached_parents.values_mut() {
+            p.deleted = !reattached.contains_key(&p.id);
+        }
         let mut reattached_ids: Vec<String> = reattached.keys().cloned().collect();
         reattached_ids.sort();
         Ok((
@@ -432,7 +446,7 @@ impl Daemon {
                 store,
                 clusters,
                 vms: Mutex::new(reattached),
-                parents: Mutex::new(HashMap::new()),
+                parents: Mutex::new(reattached_parents),
                 node: crate::config::NodeConfig::default(),
                 kernel_cache: None,
                 recorder,
@@ -924,6 +938,7 @@ impl Daemon {
             daemon_pid: std::process::id(),
             created_unix: now_unix(),
             vm_process: None,
+            parent: None,
         };
         self.store.save(&rec).map_err(internal)?;
         // The last vCPU thread to leave records why the VM stopped, also

@@ -704,6 +704,7 @@ impl super::Daemon {
                 daemon_pid: std::process::id(),
                 created_unix: super::now_unix(),
                 vm_process: Some(remote.record().clone()),
+                parent: Some(id.to_string()),
             };
             let started = self
                 .store
@@ -774,6 +775,7 @@ impl super::Daemon {
             daemon_pid: std::process::id(),
             created_unix: super::now_unix(),
             vm_process: Some(remote.record().clone()),
+            parent: None,
         };
         let started = self
             .store

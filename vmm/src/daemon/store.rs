@@ -44,6 +44,9 @@ pub struct VmRecord {
     /// The VM process it runs in (absent: it runs inside the daemon).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_process: Option<ProcessRecord>,
+    /// The VM it was forked from (kept for a daemon that re-attaches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
 }
 
 /// Where a VM's process is, for the next daemon to re-attach.
@@ -335,6 +338,7 @@ mod tests {
             daemon_pid: std::process::id(),
             created_unix: 0,
             vm_process: None,
+            parent: None,
         }
     }
 

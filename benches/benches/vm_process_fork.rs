@@ -73,6 +73,23 @@ impl Drop for Daemon {
     }
 }
 
+/// Kills every VM process whose jail is under `dir`: they outlive their
+/// daemon by design, so a bench that stops half-way must not leave them.
+fn kill_vm_processes_under(dir: &Path) {
+    let dir = dir.to_string_lossy().into_owned();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains("vm-process") && cmdline.contains(&dir) {
+            // SAFETY: kill takes integers; a VM process this bench's daemon started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}
+
 /// A source dirtying `pages` pages of its RAM in a loop (0: none).
 fn source(d: &Daemon, pages: u64) -> Result<()> {
     let _ = d.call("delete", serde_json::json!({"id": "src"}));
@@ -112,8 +129,15 @@ fn main() -> Result<()> {
     let k7d = k7d_bin()?;
     let dir = std::env::temp_dir().join(format!("k7d-bench-vmproc-fork-{}", std::process::id()));
     std::fs::create_dir_all(&dir).context("scratch dir")?;
-    let inproc = Daemon::start(&k7d, &dir, "off")?;
-    let vmproc = Daemon::start(&k7d, &dir, "on")?;
+    let measured = measure(&k7d, &dir, runs);
+    kill_vm_processes_under(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    measured
+}
+
+fn measure(k7d: &Path, dir: &Path, runs: usize) -> Result<()> {
+    let inproc = Daemon::start(k7d, dir, "off")?;
+    let vmproc = Daemon::start(k7d, dir, "on")?;
     println!("vm_process_fork: one child of a {MIB} MiB memwriter, median of {runs}, in the daemon vs in VM processes");
     let pages = MIB * 256;
     for (label, dirty) in [("0 % dirty", 0), ("10 % dirty", pages / 10)] {
@@ -136,7 +160,5 @@ fn main() -> Result<()> {
             median(&mut pb)
         );
     }
-    drop((inproc, vmproc));
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

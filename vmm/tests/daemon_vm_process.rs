@@ -101,7 +101,7 @@ fn kill9(pid: u32) {
 }
 
 /// Stops whatever a failed test left: the daemon, then every VM process
-/// its records name.
+/// under the test's directory.
 struct Cleanup<'a> {
     dir: &'a Path,
     daemon: Option<Child>,
@@ -114,14 +114,7 @@ impl Drop for Cleanup<'_> {
             let _ = d.kill();
             let _ = d.wait();
         }
-        for &p in &self.pids {
-            let cmdline = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
-            let cmdline = String::from_utf8_lossy(&cmdline);
-            if cmdline.contains("vm-process") && cmdline.contains(&*self.dir.to_string_lossy()) {
-                // SAFETY: kill takes integers; a VM process of this test.
-                unsafe { libc::kill(p as i32, libc::SIGKILL) };
-            }
-        }
+        common::kill_vm_processes_under(self.dir);
     }
 }
 

@@ -109,6 +109,7 @@ impl Drop for Daemon {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        common::kill_vm_processes_under(&self.dir);
     }
 }
 

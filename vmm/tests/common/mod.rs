@@ -171,3 +171,26 @@ pub fn write_guest_u32(pid: u32, vm: &str, gpa: u64, v: u32) {
         .unwrap();
     mem.write_all_at(&v.to_le_bytes(), at).unwrap();
 }
+
+/// Kills (`SIGKILL`) every VM process whose command line names `dir` (its
+/// jail root is under it): VM processes outlive their daemon by design, so
+/// a test that fails half-way must not leave them running (and spinning)
+/// after it. Returns how many it killed.
+pub fn kill_vm_processes_under(dir: &std::path::Path) -> usize {
+    let dir = dir.to_string_lossy().into_owned();
+    let mut killed = 0;
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains("vm-process") && cmdline.contains(&dir) {
+            // SAFETY: kill takes integers; the process is a VM process this
+            // test's daemon started (its jail root is under the test's dir).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            killed += 1;
+        }
+    }
+    killed
+}

@@ -76,7 +76,7 @@ summary() {
     echo "host-level tests: $(grep -cE '^test .* <[0-9.]+s>$' "$HOST_TIMES") timed, $(grep -E '^test .* <[0-9.]+s>$' "$HOST_TIMES" |
       sed -E 's/.*<([0-9.]+)s>$/\1/' | awk '{s += $1} END {printf "%.0f", s}') s in all (each binary's tests run two at a time); the slowest:"
     grep -E '^test .* <[0-9.]+s>$' "$HOST_TIMES" | sed -E 's/^test (.*) \.\.\. [a-zA-Z]+ <([0-9.]+)s>$/\2 \1/' |
-      sort -rn | head -n 12 | awk '{printf "  %7.1f s  %s\n", $1, $2}'
+      sort -rn | awk 'NR <= 12 {printf "  %7.1f s  %s\n", $1, $2}'
   fi
   rm -f "${HOST_TIMES:-}"
   if [ -z "${K7D_SKIP_LAB:-}" ]; then

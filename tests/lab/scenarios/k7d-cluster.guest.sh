@@ -94,12 +94,20 @@ while :; do
   n=$((n + 1))
   echo "req $n" >&4
   # The answer may wait out a paused peer and TCP's retransmissions: read
-  # until it comes (60 s at most), each wait 2 s.
-  w=0
+  # until it comes (60 s at most), each wait 2 s, a byte at a time: when
+  # its time runs out mid-line, busybox's `read -t` drops what it read of
+  # the line (an answer whose first byte landed at a deadline came out as
+  # 'eq 8'); `read -n 1` returns each byte it got.
+  w=0 line=
   while :; do
-    if read -t 2 -r line <&5; then
+    if IFS= read -t 2 -n 1 -r ch <&5; then
+      if [ -n "$ch" ]; then
+        line="$line$ch"
+        continue
+      fi
       [ "$line" = "req $n" ] && break
       g "error request $n was answered with '$line'"
+      line=
     else
       w=$((w + 1))
       [ "$w" -lt 30 ] || { g "error request $n was not answered within 60 s"; break; }

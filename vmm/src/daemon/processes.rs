@@ -566,6 +566,22 @@ fn watch(id: &str, pid: u32, pidfd: &OwnedFd, ended: &Mutex<Option<StopReason>>,
     }
 }
 
+/// The first record of a VM just built in `remote` (files under `dir`).
+fn record_of(id: &str, config: VmConfig, dir: &Path, remote: &Remote, parent: Option<&str>) -> VmRecord {
+    VmRecord {
+        version: super::store::RECORD_VERSION,
+        id: id.to_string(),
+        config,
+        state: VmState::Created,
+        devices: Vec::new(),
+        serial_log: dir.join("serial.log"),
+        daemon_pid: std::process::id(),
+        created_unix: super::now_unix(),
+        vm_process: Some(remote.record().clone()),
+        parent: parent.map(str::to_string),
+    }
+}
+
 impl super::Daemon {
     /// The requests a VM in a VM process takes (delete aside), served
     /// there; `None` for any other request, or a VM in this process.
@@ -694,18 +710,7 @@ impl super::Daemon {
                 diverged: diverged.clone(),
             };
             let mut remote = Remote::spawn_with(&procs, &self.store, cid, &c, &dir, &build, &raw)?;
-            let rec = VmRecord {
-                version: super::store::RECORD_VERSION,
-                id: cid.clone(),
-                config: c,
-                state: VmState::Created,
-                devices: Vec::new(),
-                serial_log: dir.join("serial.log"),
-                daemon_pid: std::process::id(),
-                created_unix: super::now_unix(),
-                vm_process: Some(remote.record().clone()),
-                parent: Some(id.to_string()),
-            };
+            let rec = record_of(cid, c, &dir, &remote, Some(id));
             let started = self
                 .store
                 .save(&rec)
@@ -765,18 +770,7 @@ impl super::Daemon {
         let mut config = config;
         config.id = Some(id.clone());
         let mut remote = Remote::spawn(&procs, &self.store, &id, &config, &dir)?;
-        let rec = VmRecord {
-            version: super::store::RECORD_VERSION,
-            id: id.clone(),
-            config: config.clone(),
-            state: VmState::Created,
-            devices: Vec::new(),
-            serial_log: dir.join("serial.log"),
-            daemon_pid: std::process::id(),
-            created_unix: super::now_unix(),
-            vm_process: Some(remote.record().clone()),
-            parent: None,
-        };
+        let rec = record_of(&id, config.clone(), &dir, &remote, None);
         let started = self
             .store
             .save(&rec)

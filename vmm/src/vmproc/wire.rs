@@ -18,6 +18,8 @@ pub const MAX_LINE: usize = 64 << 20;
 pub struct Channel {
     sock: UnixStream,
     buf: Vec<u8>,
+    /// One `recvmsg`'s worth, kept between reads.
+    chunk: Vec<u8>,
     fds: Vec<OwnedFd>,
 }
 
@@ -27,6 +29,7 @@ impl Channel {
         Self {
             sock,
             buf: Vec::new(),
+            chunk: vec![0u8; 64 << 10],
             fds: Vec::new(),
         }
     }
@@ -72,11 +75,10 @@ impl Channel {
             if self.buf.len() > MAX_LINE {
                 return Err(io::Error::new(io::ErrorKind::InvalidData, "a message is too long"));
             }
-            let mut chunk = vec![0u8; 64 << 10];
             let mut fds: [RawFd; MAX_FDS] = [-1; MAX_FDS];
             let mut iov = [libc::iovec {
-                iov_base: chunk.as_mut_ptr().cast(),
-                iov_len: chunk.len(),
+                iov_base: self.chunk.as_mut_ptr().cast(),
+                iov_len: self.chunk.len(),
             }];
             // SAFETY: the iovec points at our own buffer of that length.
             let (n, nfds) = unsafe { self.sock.recv_with_fds(&mut iov, &mut fds) }.map_err(io::Error::from)?;
@@ -90,7 +92,7 @@ impl Channel {
             if n == 0 && nfds == 0 {
                 return Ok(None);
             }
-            self.buf.extend_from_slice(&chunk[..n]);
+            self.buf.extend_from_slice(&self.chunk[..n]);
         }
     }
 }

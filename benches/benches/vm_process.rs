@@ -97,6 +97,8 @@ fn vm_process(i: usize, k7d: &std::path::Path, dir: &std::path::Path, pss: &mut 
         Request::Build {
             id: format!("vmproc{i}"),
             config: Box::new(config()),
+            files: Vec::new(),
+            serial_log: None,
         },
     )?;
     ok(&mut p, Request::Start)?;

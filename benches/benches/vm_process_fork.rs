@@ -8,6 +8,13 @@
 //! running) and how long the source stood still, medians, and their ratio.
 //! Goal (issue 36): fork p50 ≤ 1.2× in-process.
 //!
+//! Then a cluster of 3 such sources (idle, 0 % dirty): one cluster fork
+//! (one pause for the 3, 3 children) and a batch of `K7D_BENCH_BATCH`
+//! (default 8) cluster forks in one request, in each daemon, medians of
+//! `K7D_BENCH_CLUSTER_RUNS` (default 7). Goals (issue 36): a cluster fork
+//! ≤ 1.2× in-process; a batch's time per cluster ≤ 0.5× a single cluster
+//! fork, in VM processes as in the daemon.
+//!
 //! Run as root: `cargo build --release --bin k7d && cargo bench -p k7d-benches --bench vm_process_fork`
 //! (`K7D_BENCH_RUNS` sets the run count, default 21).
 
@@ -68,6 +75,7 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         let _ = self.call("delete", serde_json::json!({"id": "src"}));
+        let _ = self.call("cluster_delete", serde_json::json!({"id": "cl"}));
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -120,6 +128,39 @@ fn fork(d: &Daemon) -> Result<(f64, f64)> {
     Ok((took, paused))
 }
 
+/// Cluster `cl` of 3 idle 256 MiB memwriters.
+fn cluster(d: &Daemon) -> Result<()> {
+    let _ = d.call("delete", serde_json::json!({"id": "src"}));
+    let members: Vec<String> = (0..3).map(|i| format!("m{i}")).collect();
+    for m in &members {
+        d.call(
+            "create",
+            serde_json::json!({
+                "config": {
+                    "id": m,
+                    "memory_mib": MIB,
+                    "guest": {"kind": "builtin", "name": "memwriter", "args": [64, AREA, 0]},
+                },
+                "start": true,
+            }),
+        )?;
+    }
+    d.call("cluster_create", serde_json::json!({"id": "cl", "members": members}))?;
+    Ok(())
+}
+
+/// `count` forks of cluster `cl` in one request: its wall time in ms; the
+/// child clusters are deleted after.
+fn cluster_fork(d: &Daemon, count: u32) -> Result<f64> {
+    let t = Instant::now();
+    let r = d.call("fork", serde_json::json!({"id": "cl", "count": count}))?;
+    let took = t.elapsed().as_secs_f64() * 1e3;
+    for c in r["clusters"].as_array().into_iter().flatten() {
+        d.call("cluster_delete", serde_json::json!({"id": c}))?;
+    }
+    Ok(took)
+}
+
 fn main() -> Result<()> {
     if !is_root() {
         println!("vm_process_fork: skipped (VM processes need root)");
@@ -160,5 +201,26 @@ fn measure(k7d: &Path, dir: &Path, runs: usize) -> Result<()> {
             median(&mut pb)
         );
     }
+    let runs = env_num("K7D_BENCH_CLUSTER_RUNS", 7);
+    let batch = env_num("K7D_BENCH_BATCH", 8) as u32;
+    cluster(&inproc)?;
+    cluster(&vmproc)?;
+    let (mut a, mut b, mut ba, mut bb) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        a.push(cluster_fork(&inproc, 1)?);
+        b.push(cluster_fork(&vmproc, 1)?);
+        ba.push(cluster_fork(&inproc, batch)? / f64::from(batch));
+        bb.push(cluster_fork(&vmproc, batch)? / f64::from(batch));
+    }
+    let (a, b, ba, bb) = (median(&mut a), median(&mut b), median(&mut ba), median(&mut bb));
+    println!(
+        "  cluster of 3  fork: in the daemon {a:7.2} ms, in VM processes {b:7.2} ms ({:.2}x; goal <= 1.2x)",
+        b / a
+    );
+    println!(
+        "  batch of {batch}    per cluster: in the daemon {ba:7.2} ms ({:.2}x a single), in VM processes {bb:7.2} ms ({:.2}x; goal <= 0.5x)",
+        ba / a,
+        bb / b
+    );
     Ok(())
 }

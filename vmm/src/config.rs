@@ -532,6 +532,9 @@ enum Purpose {
     /// A restored VM: its RAM and saved state already hold the guest and its
     /// devices.
     Restore,
+    /// A new VM in a VM process: its files arrive open (`vstate::handed`),
+    /// checked by the daemon that opened them; no path is looked at.
+    Handed,
 }
 
 impl VmConfig {
@@ -551,6 +554,13 @@ impl VmConfig {
     /// devices match the config's).
     pub fn validate_restored(&self) -> Result<(), ConfigError> {
         self.check(Purpose::Restore)
+    }
+
+    /// Validates the config of a VM built in a VM process, whose files the
+    /// daemon opened and handed over: [`VmConfig::validate`] without looking
+    /// at any path (the process has no filesystem).
+    pub fn validate_handed(&self) -> Result<(), ConfigError> {
+        self.check(Purpose::Handed)
     }
 
     fn check(&self, purpose: Purpose) -> Result<(), ConfigError> {
@@ -592,13 +602,14 @@ impl VmConfig {
                 n * u32::from(self.vcpus)
             )));
         }
-        if purpose == Purpose::Create && self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {
+        if purpose != Purpose::Restore && self.devices.any() && !matches!(self.guest, GuestSpec::Linux { .. }) {
             return Err(ConfigError::Guest(
                 "virtio devices need a Linux guest (the real-mode test guests have no PCI bus)".into(),
             ));
         }
         for (i, d) in self.devices.disks.iter().enumerate() {
             match &d.path {
+                Some(_) if purpose == Purpose::Handed => {}
                 Some(p) => check_disk_path(p)?,
                 None if !d.read_only => {
                     return Err(ConfigError::Guest(format!(
@@ -653,7 +664,7 @@ impl VmConfig {
                     )));
                 }
             }
-            GuestSpec::Linux { .. } | GuestSpec::Raw { .. } if purpose == Purpose::Restore => {}
+            GuestSpec::Linux { .. } | GuestSpec::Raw { .. } if purpose != Purpose::Create => {}
             GuestSpec::Linux { kernel, initrd, .. } => {
                 for p in std::iter::once(kernel).chain(initrd) {
                     let md = std::fs::metadata(p).map_err(|e| ConfigError::Image {

@@ -671,6 +671,9 @@ enum ApiCmd {
     },
     /// List VMs.
     List,
+    /// The daemon's version, API version and pid (with `--jail on`, also
+    /// how many VM processes are ready ahead).
+    Version,
     /// Clusters: named sets of VMs forked together (`k7d fork <cluster>`).
     #[command(subcommand)]
     Cluster(ClusterCmd),
@@ -1020,6 +1023,7 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             },
         }),
         ApiCmd::List => Request::List,
+        ApiCmd::Version => Request::Version,
         ApiCmd::Rebase { id } => Request::Rebase(id),
         ApiCmd::Cluster(c) => match c {
             ClusterCmd::Create { id, members } => Request::ClusterCreate(ClusterArgs { id, members }),
@@ -1522,6 +1526,7 @@ fn run_foreground(
             serial_log: log.clone(),
             node,
             kernel_cache,
+            files: Default::default(),
         },
     )?;
     let built = vm.created_at().elapsed();

@@ -565,10 +565,26 @@ pub fn make_mounts_private() -> io::Result<()> {
     })
 }
 
+/// How [`pivot_into`] made the new root the process's `/`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RootChange {
+    /// `pivot_root`, the old root detached.
+    Pivoted,
+    /// The host's root is an initramfs (rootfs), which `pivot_root` cannot
+    /// leave: the new root moved over `/` and `chroot` into it, as `runc
+    /// --no-pivot` does. The old root stays under it in the process's own
+    /// mount namespace, out of its reach: leaving a chroot takes
+    /// `CAP_SYS_CHROOT` and a descriptor outside, and the jail leaves it
+    /// neither.
+    MovedAndChrooted,
+}
+
 /// Makes the directory `root` the calling process's `/`: bind-mounted on
 /// itself (pivot_root wants a mount point), `pivot_root(root, root)` (the
-/// old root stacked under the new one), the old root detached, `chdir("/")`.
-pub fn pivot_into(root: &std::path::Path) -> io::Result<()> {
+/// old root stacked under the new one), the old root detached, `chdir("/")`;
+/// on a host whose root `pivot_root` cannot leave (an initramfs), moved
+/// over `/` and chrooted into instead ([`RootChange`]).
+pub fn pivot_into(root: &std::path::Path) -> io::Result<RootChange> {
     use std::os::unix::ffi::OsStrExt;
     let r = CString::new(root.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     // SAFETY: `r` is a NUL-terminated path we own; a bind mount reads only
@@ -588,12 +604,33 @@ pub fn pivot_into(root: &std::path::Path) -> io::Result<()> {
     // root becomes "/", the old one is stacked on it (the documented idiom).
     let rc = unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) };
     if rc == -1 {
-        return Err(io::Error::last_os_error());
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINVAL) {
+            return Err(e);
+        }
+        // rootfs: the bind mount of `root` (the current directory) moves
+        // over "/", and the process chroots into it.
+        // SAFETY: two NUL-terminated literals; MS_MOVE reads only them.
+        check_rc(unsafe {
+            libc::mount(
+                c".".as_ptr(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_MOVE,
+                std::ptr::null(),
+            )
+        })?;
+        // SAFETY: a NUL-terminated literal.
+        check_rc(unsafe { libc::chroot(c".".as_ptr()) })?;
+        // SAFETY: a NUL-terminated literal.
+        check_rc(unsafe { libc::chdir(c"/".as_ptr()) })?;
+        return Ok(RootChange::MovedAndChrooted);
     }
     // SAFETY: "." is the old root stacked on the new one; MNT_DETACH unmounts it lazily.
     check_rc(unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) })?;
     // SAFETY: a NUL-terminated literal.
-    check_rc(unsafe { libc::chdir(c"/".as_ptr()) })
+    check_rc(unsafe { libc::chdir(c"/".as_ptr()) })?;
+    Ok(RootChange::Pivoted)
 }
 
 /// Closes every descriptor of the process but `keep` (`close_range(2)`
@@ -852,6 +889,18 @@ pub fn pidfd_kill(pidfd: &std::os::fd::OwnedFd) -> io::Result<()> {
     };
     if rc == -1 {
         return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Makes `log` this process's standard error (descriptor 2), replacing
+/// whatever was there.
+pub fn redirect_stderr(log: &std::fs::File) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: dup3 takes two descriptor numbers and a flag word; `log` is
+    // open for the call's duration and descriptor 2 is only replaced.
+    if unsafe { libc::dup3(log.as_raw_fd(), libc::STDERR_FILENO, 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }

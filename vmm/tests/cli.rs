@@ -155,24 +155,7 @@ struct DaemonProc {
 
 impl DaemonProc {
     fn start(dir: &Path) -> (Self, String) {
-        let mut child = Command::new(K7D)
-            .args(["daemon", "--state-dir"])
-            .arg(dir.join("state"))
-            .arg("--socket")
-            .arg(dir.join("k7d.sock"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let t = Instant::now();
-        // A killed daemon leaves its socket file: wait until one accepts.
-        while std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(10), "daemon did not start");
-            if let Some(st) = child.try_wait().unwrap() {
-                panic!("daemon exited early: {st}");
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let child = common::start_daemon(Path::new(K7D), dir, &[], false);
         // Reconcile messages are printed before the socket appears.
         let err = String::new();
         (Self { child }, err)
@@ -275,6 +258,15 @@ fn daemon_verbs_and_crash_reconcile() {
         out.lines().any(|l| l.starts_with("web") && l.ends_with("running")),
         "{out}"
     );
+    // The daemon's own version, through the API (not the CLI's --version).
+    let o = cli(&dir.0, &["version"]);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out} {err}");
+    assert!(
+        out.starts_with(&format!("k7d daemon {} (API version ", env!("CARGO_PKG_VERSION"))),
+        "{out}"
+    );
+    assert!(!out.contains("VM processes ready"), "a --jail off daemon: {out}");
     let o = cli(&dir.0, &["pause", "web"]);
     assert!(text(&o).0.contains("vm web: paused"), "{:?}", text(&o));
     let o = cli(&dir.0, &["info", "web"]);

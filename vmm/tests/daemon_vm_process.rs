@@ -8,7 +8,7 @@
 //! on SIGTERM; delete leaves nothing behind.
 
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
 mod common;
@@ -18,22 +18,12 @@ use common::{K7D, Scratch, root_or_skip, text};
 const COUNTER: u64 = k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER;
 
 fn start_daemon(dir: &Path) -> Child {
-    let child = Command::new(K7D)
-        .args(["daemon", "--jail", "on", "--jail-id-base", "2000000200", "--state-dir"])
-        .arg(dir.join("state"))
-        .arg("--socket")
-        .arg(dir.join("k7d.sock"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    // A killed daemon leaves its socket file: wait until one accepts.
-    while std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(10), "daemon did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child
+    common::start_daemon(
+        Path::new(K7D),
+        dir,
+        &["--jail", "on", "--jail-id-base", "2000000200"],
+        false,
+    )
 }
 
 fn cli(dir: &Path, args: &[&str]) -> Output {
@@ -131,32 +121,54 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
         pids: Vec::new(),
     };
     let daemon_pid = guard.daemon.as_ref().unwrap().id();
+    // c's guest is a raw image file: the daemon opens it and hands it over,
+    // as it does every VM's serial log and own log (the VM process has no
+    // filesystem to open them in).
+    let image = dir.join("memwriter.bin");
+    std::fs::write(&image, k7d_guest::Builtin::MemWriter.image()).unwrap();
     let ids = ["a", "b", "c"];
     for id in ids {
-        let o = cli(
-            dir,
-            &[
-                "create",
-                "--id",
-                id,
-                "--builtin",
-                "memwriter",
-                "--memory",
-                "16",
-                "--start",
-            ],
-        );
+        let guest = match id {
+            "c" => [
+                "--raw",
+                image.to_str().unwrap(),
+                "--arg",
+                "64",
+                "--arg",
+                "2097152",
+                "--arg",
+                "1",
+            ]
+            .to_vec(),
+            _ => ["--builtin", "memwriter"].to_vec(),
+        };
+        let mut args = vec!["create", "--id", id, "--memory", "16", "--start"];
+        args.extend(guest);
+        let o = cli(dir, &args);
         assert!(o.status.success(), "create {id}: {:?}", text(&o));
         guard.pids.push(pid_of(dir, id));
         assert!(grows(|| counter(dir, id)), "vm {id} does not run");
     }
     // Each VM in a process of its own: jailed, its own uid, holding its own
-    // guest RAM and no other VM's. The daemon holds none of it.
+    // guest RAM and files and no other VM's. The daemon holds none of it.
     let mut uids = std::collections::HashMap::new();
     for (i, id) in ids.iter().enumerate() {
         let pid = guard.pids[i];
         assert_ne!(pid, daemon_pid);
-        let uid = common::assert_jailed_vm_process(pid, &format!("vm {id}"));
+        let own = dir.join("state/vms").join(id);
+        let uid = common::assert_jailed_vm_process_with(pid, &format!("vm {id}"), Some(&own));
+        let serial = own.join("serial.log");
+        assert_eq!(
+            info(dir, id)["serial_log"].as_str(),
+            serial.to_str(),
+            "vm {id}'s serial log"
+        );
+        let held: Vec<_> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+            .filter_map(|e| std::fs::read_link(e.path()).ok())
+            .collect();
+        assert!(held.contains(&serial), "vm {id} does not hold its serial log: {held:?}");
         assert!(!uids.values().any(|&u| u == uid), "vm {id} shares uid {uid}");
         uids.insert(*id, uid);
         for other in ids {
@@ -168,6 +180,43 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
         }
         assert!(!common::holds_ram_of(daemon_pid, id), "the daemon maps vm {id}'s RAM");
     }
+    // What a guest prints reaches the serial log the daemon opened for it.
+    let hello = dir.join("hello.bin");
+    std::fs::write(&hello, k7d_guest::Builtin::Hello.image()).unwrap();
+    let o = cli(
+        dir,
+        &[
+            "create",
+            "--id",
+            "h",
+            "--raw",
+            hello.to_str().unwrap(),
+            "--memory",
+            "16",
+            "--start",
+        ],
+    );
+    assert!(o.status.success(), "create h: {:?}", text(&o));
+    let log = dir.join("state/vms/h/serial.log");
+    let t = Instant::now();
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains(k7d_guest::HELLO_TEXT)
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "vm h's serial log: {:?}",
+            std::fs::read_to_string(&log)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(cli(dir, &["delete", "h"]).status.success());
+    let o = cli(dir, &["version"]);
+    assert!(
+        text(&o).0.contains("VM processes ready ahead (--jail on): "),
+        "{:?}",
+        text(&o)
+    );
     let o = cli(dir, &["info", "a"]);
     assert!(
         text(&o).0.contains(&format!("vm process: pid {}", guard.pids[0])),
@@ -279,7 +328,7 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
     assert!(o.status.success(), "{:?}", text(&o));
     let pd = pid_of(dir, "d");
     guard.pids.push(pd);
-    let ud = common::assert_jailed_vm_process(pd, "vm d");
+    let ud = common::assert_jailed_vm_process_with(pd, "vm d", Some(&dir.join("state/vms/d")));
     assert!(
         ud != uids["a"] && ud != uids["c"],
         "vm d shares a re-attached VM's uid {ud}"
@@ -354,9 +403,20 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     let src = pid_of(dir, "src");
     guard.pids.push(src);
     assert!(grows(|| counter(dir, "src")));
-    // The first fork freezes the base; the source then writes on.
+    // The first fork freezes the base; the source then writes on. It
+    // warns, once, that the children share the guest's RNG state (a
+    // built-in guest has no VM Generation ID), as a fork inside the
+    // daemon does.
+    assert_eq!(info(dir, "src")["rng_reseed"], "off");
     let o = cli(dir, &["--json", "fork", "src"]);
     assert!(o.status.success(), "{:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        v["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("share its kernel RNG state")),
+        "{v}"
+    );
     guard.pids.push(pid_of(dir, "src-f1"));
     assert!(cli(dir, &["delete", "src-f1"]).status.success());
     std::thread::sleep(Duration::from_millis(100));
@@ -399,7 +459,11 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
         guard.pids.push(pid);
         assert_ne!(pid, src);
         assert!(
-            uids.insert(common::assert_jailed_vm_process(pid, c)),
+            uids.insert(common::assert_jailed_vm_process_with(
+                pid,
+                c,
+                Some(&dir.join("state/vms").join(c))
+            )),
             "{c} shares a uid"
         );
         assert_eq!(info(dir, c)["parent"], "src");
@@ -413,6 +477,10 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
         );
     }
     assert_eq!(v["children"].as_array().map(Vec::len), Some(2), "{v}");
+    assert!(
+        v.get("warnings").is_none_or(|w| w == &serde_json::json!([])),
+        "warned twice: {v}"
+    );
     // A new daemon re-attaches to the source and both children, the
     // snapshot tree included.
     let mut d = guard.daemon.take().unwrap();
@@ -438,5 +506,180 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     }
     for d in spare_dirs {
         assert!(!d.exists(), "{} outlived its VM", d.display());
+    }
+}
+
+/// The members of cluster `id` (`cluster info`), by id and status.
+fn cluster_members(dir: &Path, id: &str) -> Vec<(String, String)> {
+    let o = cli(dir, &["--json", "cluster", "info", id]);
+    assert!(o.status.success(), "cluster info {id}: {:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (m["id"].as_str().unwrap().into(), m["status"].as_str().unwrap().into()))
+        .collect()
+}
+
+/// A cluster of VMs in VM processes (issue 36, items 3 and 4): its fork
+/// pauses every member, exports each one's fork instant and resumes them,
+/// then builds each child in a jailed VM process of its own, equal to its
+/// member at that instant; each fork's children form a cluster. After
+/// `kill -9` of the daemon the next one re-attaches every VM and keeps
+/// every cluster, without a member whose process died meanwhile; cluster
+/// delete ends its members' processes.
+#[test]
+fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
+    if !root_or_skip("clusters_of_vm_processes_fork_together_and_outlive_the_daemon") {
+        return;
+    }
+    const AREA: u64 = 0x20_0000;
+    const PAGES: u64 = 64;
+    let scratch = Scratch::new("daemon-vmproc-cluster");
+    let dir = scratch.0.as_path();
+    let mut guard = Cleanup {
+        dir,
+        daemon: Some(start_daemon(dir)),
+        pids: Vec::new(),
+    };
+    let members = ["m1", "m2"];
+    for m in members {
+        let o = cli(
+            dir,
+            &[
+                "create",
+                "--id",
+                m,
+                "--builtin",
+                "memwriter",
+                "--memory",
+                "16",
+                "--arg",
+                "64",
+                "--arg",
+                "2097152",
+                "--arg",
+                "1",
+                "--start",
+            ],
+        );
+        assert!(o.status.success(), "create {m}: {:?}", text(&o));
+        guard.pids.push(pid_of(dir, m));
+        assert!(grows(|| counter(dir, m)), "{m} does not run");
+    }
+    let o = cli(dir, &["cluster", "create", "cl", "m1", "m2"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    // From here the members (and so their children) only count, and
+    // paused they keep their pages still: what each child must hold.
+    let arg2 = k7d_guest::PARAMS_ADDR + k7d_guest::param::ARG2;
+    let mut at_fork = std::collections::HashMap::new();
+    for (i, m) in members.iter().enumerate() {
+        common::write_guest_u32(guard.pids[i], m, arg2, 0);
+        assert!(cli(dir, &["pause", m]).status.success());
+        at_fork.insert(*m, read_pages(guard.pids[i], m, AREA, PAGES));
+    }
+    let o = cli(dir, &["--json", "fork", "cl", "--count", "2"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["clusters"], serde_json::json!(["cl-f1", "cl-f2"]), "{v}");
+    assert_eq!(v["children"].as_array().map(Vec::len), Some(4), "{v}");
+    let mut uids = std::collections::HashSet::new();
+    let mut child_pid = std::collections::HashMap::new();
+    for f in ["f1", "f2"] {
+        let want: Vec<(String, String)> = members
+            .iter()
+            .map(|m| (format!("{m}-{f}"), "running".to_string()))
+            .collect();
+        assert_eq!(cluster_members(dir, &format!("cl-{f}")), want);
+        for m in members {
+            let c = format!("{m}-{f}");
+            let pid = pid_of(dir, &c);
+            guard.pids.push(pid);
+            child_pid.insert(c.clone(), pid);
+            let own = dir.join("state/vms").join(&c);
+            assert!(
+                uids.insert(common::assert_jailed_vm_process_with(pid, &c, Some(&own))),
+                "{c} shares a uid"
+            );
+            assert_eq!(info(dir, &c)["parent"], m);
+            assert!(
+                read_pages(pid, m, AREA, PAGES) == at_fork[m],
+                "{c}'s RAM differs from {m}'s at the fork instant"
+            );
+            assert!(grows(|| counter(dir, &c)), "{c} does not run");
+        }
+    }
+    // The members stay as they were (paused).
+    for m in members {
+        assert_eq!(info(dir, m)["status"], "paused");
+    }
+
+    // kill -9 of the daemon, and of one child's process while no daemon
+    // exists: the next daemon keeps every cluster, without that child.
+    let mut d = guard.daemon.take().unwrap();
+    kill9(d.id());
+    let _ = d.wait();
+    kill9(child_pid["m2-f2"]);
+    guard.daemon = Some(start_daemon(dir));
+    let o = cli(dir, &["--json", "cluster", "list"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let listed: Vec<(String, Vec<String>)> = v["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["id"].as_str().unwrap().into(),
+                c["members"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|m| m.as_str().unwrap().into())
+                    .collect(),
+            )
+        })
+        .collect();
+    let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<String>>();
+    assert_eq!(
+        listed,
+        vec![
+            ("cl".into(), s(&["m1", "m2"])),
+            ("cl-f1".into(), s(&["m1-f1", "m2-f1"])),
+            ("cl-f2".into(), s(&["m1-f2"])),
+        ]
+    );
+    for c in ["m1-f1", "m2-f1", "m1-f2"] {
+        assert_eq!(info(dir, c)["status"], "running");
+        assert!(grows(|| counter(dir, c)), "{c} stopped across the daemon's restart");
+    }
+    // A re-attached cluster forks again.
+    for m in members {
+        assert!(cli(dir, &["resume", m]).status.success());
+    }
+    let o = cli(dir, &["--json", "fork", "cl-f1"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["clusters"], serde_json::json!(["cl-f1-f1"]), "{v}");
+    for c in ["m1-f1-f1", "m2-f1-f1"] {
+        guard.pids.push(pid_of(dir, c));
+        assert!(grows(|| counter(dir, c)), "{c} does not run");
+    }
+    // Cluster delete ends its members' processes; nothing is left.
+    for cl in ["cl-f1-f1", "cl-f1", "cl-f2", "cl"] {
+        let o = cli(dir, &["cluster", "delete", cl]);
+        assert!(o.status.success(), "cluster delete {cl}: {:?}", text(&o));
+    }
+    for &p in &guard.pids {
+        assert!(!alive(p), "VM process {p} outlived its delete");
+    }
+    for sub in ["state/vms", "state/clusters"] {
+        let left: Vec<_> = std::fs::read_dir(dir.join(sub))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert!(left.is_empty(), "left behind in {sub}: {left:?}");
     }
 }

@@ -12,7 +12,7 @@
 //! host's loopback: the drill can fail.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::time::{Duration, Instant};
 
 use k7d_guest::drill as d;
@@ -48,21 +48,8 @@ struct Daemon {
 
 impl Daemon {
     fn start(bin: &Path, dir: &Path, jail: bool) -> Self {
-        let child = Command::new(bin)
-            .args(["daemon", "--jail", if jail { "on" } else { "off" }])
-            .args(["--jail-id-base", "2000000300", "--state-dir"])
-            .arg(dir.join("state"))
-            .arg("--socket")
-            .arg(dir.join("k7d.sock"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t = Instant::now();
-        while std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).is_err() {
-            assert!(t.elapsed() < Duration::from_secs(10), "daemon did not start");
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        let jail = if jail { "on" } else { "off" };
+        let child = common::start_daemon(bin, dir, &["--jail", jail, "--jail-id-base", "2000000300"], true);
         Self {
             child,
             bin: bin.to_path_buf(),

@@ -40,6 +40,8 @@ fn memwriter(id: String) -> Request {
             },
             ..Default::default()
         }),
+        files: Vec::new(),
+        serial_log: None,
     }
 }
 

@@ -122,6 +122,18 @@ impl DiskImage {
     /// advertises `VIRTIO_BLK_F_RO` and fails writes with IOERR).
     pub fn open(path: impl AsRef<std::path::Path>, read_only: bool) -> Result<Self, DiskError> {
         let p = path.as_ref();
+        let file = Self::open_file(p, read_only)?;
+        let mut disk = Self::from_file(file, read_only, p.display().to_string())?;
+        disk.overlay_dir = Some(match p.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+            _ => PathBuf::from("."),
+        });
+        Ok(disk)
+    }
+
+    /// The file [`DiskImage::open`] wraps, with its checks: what a daemon
+    /// opens for a VM process, which wraps it with [`DiskImage::from_file`].
+    pub fn open_file(p: &std::path::Path, read_only: bool) -> Result<File, DiskError> {
         let open_err = |source| DiskError::Open {
             path: p.display().to_string(),
             source,
@@ -153,12 +165,7 @@ impl DiskImage {
         if !read_only {
             let _ = flock(&file, Lock::Unlock, false);
         }
-        let mut disk = Self::from_file(file, read_only, p.display().to_string())?;
-        disk.overlay_dir = Some(match p.parent() {
-            Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-            _ => PathBuf::from("."),
-        });
-        Ok(disk)
+        Ok(file)
     }
 
     /// Wraps an open file (tests, memfds). `read_only` must match how it was

@@ -147,12 +147,17 @@ pub fn fallocate(file: &impl AsRawFd, mode: Fallocate, offset: u64, len: u64) ->
 /// once instead of blocking the caller (the flag changes nothing for a
 /// regular file).
 pub fn read_regular_file(path: &std::path::Path, max: u64) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
         .open(path)?;
+    read_open_regular_file(f, max)
+}
+
+/// [`read_regular_file`] of a file already open (a descriptor handed over).
+pub fn read_open_regular_file(f: std::fs::File, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
     if !f.metadata()?.is_file() {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,

@@ -94,17 +94,48 @@ pub(super) struct Clusters {
 }
 
 impl Clusters {
-    /// Opens `<state_dir>/clusters`, removing the records a gone daemon
-    /// left (their members went with it); returns the ids removed.
-    pub(super) fn open(state_dir: &Path) -> Result<(Self, Vec<String>), std::io::Error> {
+    /// Opens `<state_dir>/clusters`. A record of members that outlived the
+    /// daemon that wrote it (re-attached in their VM processes: `live`) is
+    /// kept with those members (VM processes have no NICs, so such a
+    /// cluster has no bridge); any other was left by a gone daemon whose
+    /// members went with it and is removed. Returns the ids removed.
+    pub(super) fn open(state_dir: &Path, live: &dyn Fn(&str) -> bool) -> Result<(Self, Vec<String>), std::io::Error> {
         let dir = state_dir.join("clusters");
         fs::create_dir_all(&dir)?;
         let mut removed = Vec::new();
+        let mut kept = BTreeMap::new();
         for e in fs::read_dir(&dir)? {
             let e = e?;
             let name = e.file_name().to_string_lossy().into_owned();
             if !e.file_type()?.is_file() {
                 tracing::warn!(entry = %name, "not a cluster record; left alone");
+                continue;
+            }
+            let rec = fs::read(e.path())
+                .ok()
+                .and_then(|b| serde_json::from_slice::<ClusterRecord>(&b).ok())
+                .filter(|r| {
+                    r.version == CLUSTER_RECORD_VERSION
+                        && name == format!("{}.json", r.id)
+                        && r.bridge.is_none()
+                        && r.members.iter().all(|m| m.bridged.is_empty())
+                })
+                .map(|mut r| {
+                    // A member whose process is gone is out, as a deleted
+                    // member is.
+                    r.members.retain(|m| live(&m.id));
+                    r
+                })
+                .filter(|r| !r.members.is_empty());
+            if let Some(r) = rec {
+                tracing::info!(cluster = %r.id, "kept: its members were re-attached in their VM processes");
+                kept.insert(
+                    r.id.clone(),
+                    ClusterSlot::Ready(Cluster {
+                        members: r.members,
+                        bridge: None,
+                    }),
+                );
                 continue;
             }
             fs::remove_file(e.path())?;
@@ -117,7 +148,7 @@ impl Clusters {
         Ok((
             Self {
                 dir,
-                map: Mutex::new(BTreeMap::new()),
+                map: Mutex::new(kept),
                 seq: AtomicU64::new(0),
             },
             removed,
@@ -399,8 +430,7 @@ impl Daemon {
     ) -> Result<(), ApiError> {
         for (i, m) in members.iter().enumerate() {
             match vms.get(m) {
-                Some(Slot::Vm(_)) => {}
-                Some(Slot::Process(_)) => return Err(conflict(super::not_served_in_a_process(m))),
+                Some(Slot::Vm(_) | Slot::Process(_)) => {}
                 _ => return Err(ApiError::new(ErrorCode::NotFound, format!("vm {m} does not exist"))),
             }
             if members[..i].contains(m) || have.contains(m) {
@@ -434,9 +464,10 @@ impl Daemon {
         let members = c
             .members
             .iter()
-            .map(|m| match self.get(&m.id) {
-                Ok(vm) => summary(&lock_vm(&vm)),
-                Err(_) => VmSummary {
+            .map(|m| match (self.process(&m.id), self.get(&m.id)) {
+                (Some(r), _) => self.process_summary(&r),
+                (None, Ok(vm)) => summary(&lock_vm(&vm)),
+                (None, Err(_)) => VmSummary {
                     id: m.id.clone(),
                     status: "gone".into(),
                     vcpus: 0,
@@ -534,6 +565,15 @@ impl Daemon {
                     members.len()
                 ),
             ));
+        }
+        let remotes: Vec<_> = members.iter().map(|m| self.process(m)).collect();
+        if remotes.iter().any(Option::is_some) {
+            let Some(remotes) = remotes.into_iter().collect::<Option<Vec<_>>>() else {
+                return Err(conflict(format!(
+                    "cluster {id} has members in VM processes and members inside the daemon: it cannot be forked under one pause"
+                )));
+            };
+            return self.cluster_fork_processes(id, &source.members, &remotes, count);
         }
         let handles: Vec<Arc<Mutex<Vm>>> = members.iter().map(|m| self.get(m)).collect::<Result<_, _>>()?;
         let mut child_clusters = self.reserve_child_clusters(id, count)?;
@@ -653,6 +693,153 @@ impl Daemon {
             clusters: names,
             rebased,
             warnings: handles.iter().filter_map(|h| super::rng_warning(&lock_vm(h))).collect(),
+        })
+    }
+
+    /// [`Daemon::cluster_fork`] of a cluster whose members run in VM
+    /// processes (`remotes`, in member order): every member paused (all or
+    /// none), each member's fork instant exported, the members resumed
+    /// (one pause for the whole batch); then each fork's children are built
+    /// in VM processes of their own and form cluster `<id>-f<n>`. Every
+    /// child and child cluster, or none.
+    fn cluster_fork_processes(
+        &self,
+        id: &str,
+        members: &[Member],
+        remotes: &[Arc<Mutex<super::processes::Remote>>],
+        count: u32,
+    ) -> Result<Forked, ApiError> {
+        use crate::vstate::vm::VmState;
+        let ids_of: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
+        let procs = self.forking_processes(id)?;
+        let mut child_clusters = self.reserve_child_clusters(id, count)?;
+        let held: Vec<Reservation<'_>> = ids_of
+            .iter()
+            .map(|m| self.reserve_children(m, count, None))
+            .collect::<Result<_, _>>()?;
+        // Lock every member in id order (as the in-daemon fork does).
+        let mut order: Vec<usize> = (0..remotes.len()).collect();
+        order.sort_by(|&a, &b| ids_of[a].cmp(&ids_of[b]));
+        let mut guards: Vec<Option<MutexGuard<'_, super::processes::Remote>>> =
+            (0..remotes.len()).map(|_| None).collect();
+        for &i in &order {
+            guards[i] = Some(remotes[i].lock().unwrap_or_else(|p| p.into_inner()));
+        }
+        let warnings: Vec<String> = guards
+            .iter_mut()
+            .filter_map(|g| g.as_mut().expect("locked above").rng_warning())
+            .collect();
+        let t = std::time::Instant::now();
+        let mut paused = Vec::new();
+        let mut captured = Vec::with_capacity(remotes.len());
+        let mut failed = None;
+        // Pause all, then export each: the one instant every child shares.
+        for (i, g) in guards.iter_mut().enumerate() {
+            let g = g.as_mut().expect("locked above");
+            if matches!(g.status().state, VmState::Running) {
+                match g.call(&crate::vmproc::proto::Request::Pause) {
+                    Ok(_) => paused.push(i),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        let pause_ms = ms(t.elapsed());
+        if failed.is_none() {
+            for g in guards.iter_mut() {
+                match g.as_mut().expect("locked above").capture() {
+                    Ok(c) => captured.push(c),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        let mut resume_failed = Vec::new();
+        for &i in &paused {
+            if let Err(e) = guards[i]
+                .as_mut()
+                .expect("locked above")
+                .call(&crate::vmproc::proto::Request::Resume)
+            {
+                resume_failed.push(e.message);
+            }
+        }
+        let source_paused_ms = ms(t.elapsed());
+        drop(guards);
+        if let Some(e) = failed {
+            return Err(match resume_failed.is_empty() {
+                true => e,
+                false => ApiError::new(
+                    e.code,
+                    format!(
+                        "{e}; resuming cluster {id}'s members afterwards failed too: {}",
+                        resume_failed.join("; ")
+                    ),
+                ),
+            });
+        }
+        if let Some(r) = resume_failed.first() {
+            return Err(ApiError::new(ErrorCode::Internal, format!("cluster {id}: {r}")));
+        }
+
+        let mut built = Vec::new();
+        let mut per_member: Vec<Vec<super::processes::Remote>> = (0..members.len()).map(|_| Vec::new()).collect();
+        let mut out = Vec::new();
+        let mut made = Vec::with_capacity(count as usize);
+        let children = (0..count as usize).try_for_each(|f| {
+            let mut kids = Vec::with_capacity(members.len());
+            for (m, cap) in captured.iter().enumerate() {
+                let cid = held[m].ids()[f].clone();
+                let child = self.build_child(&procs, &ids_of[m], &cid, cap, &mut built)?;
+                out.push(child);
+                kids.push(Member {
+                    id: cid,
+                    bridged: Vec::new(),
+                });
+            }
+            made.push(Cluster {
+                members: kids,
+                bridge: None,
+            });
+            Ok::<(), ApiError>(())
+        });
+        if let Err(e) = children {
+            super::processes::stop_all(&procs, built);
+            return Err(e);
+        }
+        for (cid, c) in child_clusters.ids.iter().zip(&made) {
+            if let Err(e) = self.clusters.save(cid, c) {
+                super::processes::stop_all(&procs, built);
+                return Err(internal(e));
+            }
+        }
+        // Children in fork order, member within fork: back to each
+        // member's reservation, in its fork order.
+        for (k, r) in built.into_iter().enumerate() {
+            per_member[k % members.len()].push(r);
+        }
+        let names = std::mem::take(&mut child_clusters.ids);
+        {
+            let mut map = self.clusters.map();
+            for (cid, c) in names.iter().zip(made) {
+                map.insert(cid.clone(), ClusterSlot::Ready(c));
+            }
+        }
+        for (r, remotes) in held.into_iter().zip(per_member) {
+            r.fill_processes(remotes);
+        }
+        Ok(Forked {
+            id: id.to_string(),
+            children: out,
+            pause_ms,
+            source_paused_ms,
+            clusters: names,
+            rebased: Vec::new(),
+            warnings,
         })
     }
 

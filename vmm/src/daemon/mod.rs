@@ -18,7 +18,7 @@ pub mod server;
 mod shells;
 pub mod store;
 
-pub use processes::{IdRange, VmProcesses};
+pub use processes::{IdRange, PROCESS_LOG, VmProcesses};
 pub use rebaser::{REBASE_PERIOD, Rebaser};
 pub use reconcile::{NicSweep, Reconciled};
 pub use shells::{SHELL_PERIOD, ShellKeeper};
@@ -424,10 +424,13 @@ impl Daemon {
         for name in store.sweep_orphans() {
             tracing::warn!(entry = %name, "removed a VM's runtime files that had no record");
         }
-        let (clusters, gone) = clusters::Clusters::open(state_dir).map_err(|source| DaemonError::Io {
-            what: format!("cannot open the cluster records in {}", state_dir.display()),
-            source,
-        })?;
+        let (clusters, gone) =
+            clusters::Clusters::open(state_dir, &|id| reattached.contains_key(id)).map_err(|source| {
+                DaemonError::Io {
+                    what: format!("cannot open the cluster records in {}", state_dir.display()),
+                    source,
+                }
+            })?;
         for id in gone {
             tracing::warn!(cluster = %id, "cluster record left by a daemon that is gone; its members no longer exist, removed");
         }
@@ -692,17 +695,7 @@ impl Daemon {
             .iter()
             .map(|v| match v {
                 Ok(v) => summary(&lock_vm(v)),
-                Err(r) => {
-                    let mut g = r.lock().unwrap_or_else(|p| p.into_inner());
-                    let state = g.status().0;
-                    VmSummary {
-                        id: g.id().to_string(),
-                        status: state.to_string(),
-                        vcpus: g.config().vcpus,
-                        memory_mib: g.config().memory_mib,
-                        guest: g.config().guest.describe(),
-                    }
-                }
+                Err(r) => self.process_summary(r),
             })
             .collect();
         vms.sort_by(|a, b| a.id.cmp(&b.id));
@@ -761,6 +754,7 @@ impl Daemon {
             serial_log: Some(serial_log.to_path_buf()),
             node: self.node.clone(),
             kernel_cache: self.kernel_cache.clone(),
+            files: Default::default(),
         }
     }
 

@@ -6,9 +6,11 @@
 //! away. A watcher thread per VM process waits on its pidfd and records
 //! why it ended when nobody asked it to (`kill -9`, a crash).
 //!
-//! What runs in a VM process so far: built-in guests without devices;
-//! start, pause, resume, stop, delete, info, list and peek. A request the
-//! VM process does not serve yet is refused with a sentence.
+//! What runs in a VM process so far: built-in guests, raw images and Linux
+//! guests with disks and virtio-rng, every host file opened here and handed
+//! over (`host_files`); start, pause, resume, stop, delete, info, list,
+//! peek and fork (of VMs without devices). NICs and vsock, and a request
+//! the VM process does not serve yet, are refused with a sentence.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -24,6 +26,7 @@ use crate::vmproc::handle::VmProcess;
 use crate::vmproc::proto::{Reply, Request, VERSION};
 use crate::vmproc::spawner::Spawner;
 use crate::vstate::control::StopReason;
+use crate::vstate::handed::FileRole;
 use crate::vstate::vm::VmState;
 
 /// How long a stopped VM process may take to exit before it is killed.
@@ -150,7 +153,10 @@ impl VmProcesses {
                 gid: uid,
                 keep_fds: Vec::new(),
             };
-            self.spawner.spawn(&jail, None)
+            // Its own log until its VM's replaces it.
+            let log = crate::vstate::handed::open_log(&dir.join(PROCESS_LOG))
+                .map_err(|e| format!("cannot open a spare's log in {}: {e}", dir.display()))?;
+            self.spawner.spawn(&jail, &log, None)
         })();
         match made {
             Ok(proc) => Ok(Spare { proc, uid, dir }),
@@ -219,15 +225,127 @@ pub(super) fn keep_spares(procs: &Arc<VmProcesses>) {
 
 /// Refuses a config a VM process cannot run yet.
 pub(super) fn check_config(id: &str, config: &VmConfig) -> Result<(), ApiError> {
-    if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
+    if !config.devices.nics.is_empty() || config.devices.vsock.is_some() {
         return Err(ApiError::new(
             ErrorCode::InvalidArgument,
             format!(
-                "vm {id}: a VM process runs only a built-in guest without devices so far; this daemon runs every VM in one (--jail on)"
+                "vm {id}: a VM process runs no NIC or vsock device yet; this daemon runs every VM in one (--jail on)"
             ),
         ));
     }
     Ok(())
+}
+
+/// The name of a VM process's own log in its runtime directory.
+pub const PROCESS_LOG: &str = "vm-process.log";
+
+/// Opens `what` at `path` with `open`, or says why not in one sentence.
+fn opened(
+    id: &str,
+    what: FileRole,
+    path: &Path,
+    open: impl FnOnce(&Path) -> std::io::Result<std::fs::File>,
+) -> Result<std::fs::File, ApiError> {
+    open(path).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidArgument,
+            format!("vm {id}: cannot open {what} {}: {e}", path.display()),
+        )
+    })
+}
+
+/// A guest input file (kernel, initrd, raw image) opened for a VM process:
+/// a regular file, as the VM would have refused anything else.
+fn input(id: &str, what: FileRole, path: &Path) -> Result<std::fs::File, ApiError> {
+    opened(id, what, path, |p| {
+        let f = crate::vstate::handed::open_input(p)?;
+        if !f.metadata()?.is_file() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "it is not a regular file",
+            ));
+        }
+        Ok(f)
+    })
+}
+
+/// The host files a VM process needs for `config` (its files under
+/// `dir`), opened here with the flags the VM would have used, each named:
+/// the VM process opens nothing itself. A fork child (`fork_child`) needs
+/// only its logs: its RAM holds its guest.
+pub(super) fn host_files(
+    id: &str,
+    config: &VmConfig,
+    dir: &Path,
+    kernel_cache: Option<&Path>,
+    fork_child: bool,
+) -> Result<(Vec<FileRole>, Vec<std::fs::File>), ApiError> {
+    let mut roles = vec![FileRole::ProcessLog, FileRole::SerialLog];
+    let mut files = vec![
+        opened(
+            id,
+            FileRole::ProcessLog,
+            &dir.join(PROCESS_LOG),
+            crate::vstate::handed::open_log,
+        )?,
+        opened(
+            id,
+            FileRole::SerialLog,
+            &dir.join("serial.log"),
+            crate::vstate::handed::open_log,
+        )?,
+    ];
+    if fork_child {
+        return Ok((roles, files));
+    }
+    match &config.guest {
+        GuestSpec::Builtin { .. } => {}
+        GuestSpec::Raw { path, .. } => {
+            roles.push(FileRole::RawImage);
+            files.push(input(id, FileRole::RawImage, path)?);
+        }
+        GuestSpec::Linux { kernel, initrd, .. } => {
+            let mut k = input(id, FileRole::Kernel, kernel)?;
+            // The daemon's cache of unpacked kernels, as a VM built here
+            // would use it; without it the bzImage boots as it is.
+            if let Some(cache) = kernel_cache {
+                match crate::arch::x86_64::unpack::unpacked(kernel, &mut k, cache) {
+                    Ok(Some(u)) => {
+                        roles.push(FileRole::UnpackedKernel);
+                        files.push(u.file);
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(vm = %id, "{e}; the kernel boots through its own decompressor"),
+                }
+            }
+            roles.push(FileRole::Kernel);
+            files.push(k);
+            if let Some(i) = initrd {
+                roles.push(FileRole::Initrd);
+                files.push(input(id, FileRole::Initrd, i)?);
+            }
+        }
+    }
+    for (i, d) in config.devices.disks.iter().enumerate() {
+        let Some(path) = &d.path else { continue };
+        let index = u16::try_from(i)
+            .map_err(|_| ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: too many disks")))?;
+        let role = FileRole::Disk { index };
+        let f = k7d_devices::virtio::block::DiskImage::open_file(path, d.read_only)
+            .map_err(|e| ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {role}: {e}")))?;
+        roles.push(role);
+        files.push(f);
+    }
+    if config.devices.rng {
+        roles.push(FileRole::Entropy);
+        files.push(opened(
+            id,
+            FileRole::Entropy,
+            Path::new(k7d_devices::virtio::rng::ENTROPY_SOURCE),
+            |p| std::fs::File::open(p),
+        )?);
+    }
+    Ok((roles, files))
 }
 
 /// A VM in a VM process, from the daemon's side.
@@ -242,6 +360,9 @@ pub(super) struct Remote {
     ended: Arc<Mutex<Option<StopReason>>>,
     pidfd: Arc<OwnedFd>,
     watcher: Option<JoinHandle<()>>,
+    /// Whether a fork warned already that its children share its RNG
+    /// state (once per source, as inside the daemon).
+    rng_warned: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -261,12 +382,30 @@ impl Remote {
         id: &str,
         config: &VmConfig,
         runtime_dir: &Path,
+        kernel_cache: Option<&Path>,
     ) -> Result<Self, ApiError> {
+        use std::os::fd::AsRawFd;
+        check_config(id, config)?;
+        let (roles, files) = host_files(id, config, runtime_dir, kernel_cache, false)?;
         let build = Request::Build {
             id: id.to_string(),
             config: Box::new(config.clone()),
+            files: roles,
+            serial_log: Some(runtime_dir.join("serial.log")),
         };
-        Self::spawn_with(procs, store, id, config, runtime_dir, &build, &[])
+        // Its listening socket goes with them.
+        if files.len() >= crate::vmproc::wire::MAX_FDS {
+            return Err(ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "vm {id} needs {} host files, more than a VM process takes ({}): use fewer disks",
+                    files.len(),
+                    crate::vmproc::wire::MAX_FDS - 1
+                ),
+            ));
+        }
+        let fds: Vec<_> = files.iter().map(|f| f.as_raw_fd()).collect();
+        Self::spawn_with(procs, store, id, config, runtime_dir, &build, &fds)
     }
 
     /// [`Remote::spawn`] with the build request `build` (a plain build, or
@@ -308,9 +447,12 @@ impl Remote {
                     gid: uid,
                     keep_fds: Vec::new(),
                 };
+                let log = crate::vstate::handed::open_log(&runtime_dir.join(PROCESS_LOG))
+                    .map_err(|e| internal(&format!("vm {id}: cannot open its VM process's log"), e))
+                    .inspect_err(|_| procs.release(uid))?;
                 let proc = procs
                     .spawner
-                    .spawn(&jail, Some(&listener))
+                    .spawn(&jail, &log, Some(&listener))
                     .map_err(|e| internal(&format!("vm {id}: the VM process did not start"), e))
                     .inspect_err(|_| procs.release(uid))?;
                 (proc, uid, None, false)
@@ -427,6 +569,7 @@ impl Remote {
             ended,
             pidfd,
             watcher,
+            rng_warned: false,
         }
     }
 
@@ -475,10 +618,48 @@ impl Remote {
         }
     }
 
+    /// The warning a fork of it gives, the first time, when its children
+    /// share its kernel RNG state (`Vm::first_unreseeded_fork`).
+    pub(super) fn rng_warning(&mut self) -> Option<String> {
+        let reseed = self.status().rng_reseed?;
+        if reseed == crate::RngReseed::Vmgenid || self.rng_warned {
+            return None;
+        }
+        self.rng_warned = true;
+        let w = format!(
+            "vm {}'s fork children share its kernel RNG state: {}",
+            self.id,
+            reseed.describe()
+        );
+        tracing::warn!(vm = %self.id, "{w}");
+        Some(w)
+    }
+
+    /// Exports its fork instant (the caller paused it).
+    pub(super) fn capture(&mut self) -> Result<Capture, ApiError> {
+        let id = self.id.clone();
+        let (reply, fds) = self.call_fds(&Request::Capture, &[])?;
+        let Reply::Captured { state, diverged } = reply else {
+            return Err(internal(&format!("vm {id}: capture"), format!("{reply:?}")));
+        };
+        if fds.len() != 2 {
+            return Err(internal(
+                &format!("vm {id}: capture"),
+                format!("{} descriptors instead of the base and the diverged pages", fds.len()),
+            ));
+        }
+        Ok(Capture {
+            config: self.config.clone(),
+            state,
+            diverged,
+            fds,
+        })
+    }
+
     /// Its state and the figures `info` shows.
-    pub(super) fn status(&mut self) -> (VmState, u32, Option<u64>, Option<u64>) {
+    pub(super) fn status(&mut self) -> RemoteStatus {
         if let Some(reason) = self.ended() {
-            return (VmState::Stopped { reason }, 0, None, None);
+            return RemoteStatus::stopped(reason);
         }
         match self.call(&Request::Status) {
             Ok(Reply::Status {
@@ -486,13 +667,24 @@ impl Remote {
                 exits,
                 ms_since_start,
                 first_exit_us_after_start,
-            }) => (state, exits, ms_since_start, first_exit_us_after_start),
+                devices,
+                rng_reseed,
+                vmgenid,
+            }) => RemoteStatus {
+                state,
+                exits,
+                ms_since_start,
+                first_exit_us_after_start,
+                devices,
+                rng_reseed,
+                vmgenid,
+            },
             // The process died under the call: the watcher is recording why.
             _ => {
                 let reason = self.ended().unwrap_or_else(|| StopReason::ProcessEnded {
                     message: format!("vm {}: VM process {} does not answer", self.id, self.rec.pid),
                 });
-                (VmState::Stopped { reason }, 0, None, None)
+                RemoteStatus::stopped(reason)
             }
         }
     }
@@ -526,6 +718,52 @@ impl Remote {
             let _ = crate::sys::pidfd_kill(&self.pidfd);
         }
         let _ = w.join();
+    }
+}
+
+/// A VM process's exported fork instant: what its children are built from.
+pub(super) struct Capture {
+    /// The source's config.
+    config: VmConfig,
+    /// Its machine state (JSON).
+    state: String,
+    /// The pages in the diverged-pages memfd.
+    diverged: Vec<u64>,
+    /// The base and the diverged-pages memfds.
+    fds: Vec<OwnedFd>,
+}
+
+/// Stops VM processes built for a request that failed (every child or
+/// none); the reservation removes their files and frees their ids.
+pub(super) fn stop_all(procs: &VmProcesses, built: Vec<Remote>) {
+    for mut r in built {
+        r.stop();
+        procs.release(r.record().uid);
+    }
+}
+
+/// What a VM process says of its VM (`info`).
+pub(super) struct RemoteStatus {
+    pub(super) state: VmState,
+    exits: u32,
+    ms_since_start: Option<u64>,
+    first_exit_us_after_start: Option<u64>,
+    devices: Vec<crate::vstate::vm::DeviceInfo>,
+    rng_reseed: Option<crate::RngReseed>,
+    vmgenid: Option<String>,
+}
+
+impl RemoteStatus {
+    fn stopped(reason: StopReason) -> Self {
+        Self {
+            state: VmState::Stopped { reason },
+            exits: 0,
+            ms_since_start: None,
+            first_exit_us_after_start: None,
+            devices: Vec::new(),
+            rng_reseed: None,
+            vmgenid: None,
+        }
     }
 }
 
@@ -598,7 +836,7 @@ impl super::Daemon {
             Api::Start(_) => g.call(&Request::Start).map(drop),
             Api::Pause(_) => g.call(&Request::Pause).map(drop),
             Api::Resume(_) => g.call(&Request::Resume).map(drop),
-            Api::Stop(_) => match g.status().0 {
+            Api::Stop(_) => match g.status().state {
                 s @ VmState::Stopped { .. } => {
                     Err(ApiError::new(ErrorCode::Conflict, format!("vm {id} is already {s}")))
                 }
@@ -649,7 +887,6 @@ impl super::Daemon {
         args: &super::api::ForkArgs,
         source: &Arc<Mutex<Remote>>,
     ) -> Result<super::api::Forked, ApiError> {
-        use std::os::fd::AsRawFd;
         let id = args.id.as_str();
         if !args.nics.is_empty() || args.vsock_uds.is_some() {
             return Err(ApiError::new(
@@ -657,88 +894,32 @@ impl super::Daemon {
                 format!("vm {id} runs in a VM process: its children take no NICs or vsock sockets of their own yet"),
             ));
         }
-        let Some(procs) = self.processes.clone() else {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!(
-                    "vm {id} runs in a VM process, and so would its children, but this daemon runs none (--jail off)"
-                ),
-            ));
-        };
+        let procs = self.forking_processes(id)?;
         let held = self.reserve_children(id, args.count, args.name.as_deref())?;
         let t = Instant::now();
-        let (config, state, diverged, fds, pause_ms) = {
+        let (cap, pause_ms, warnings) = {
             let mut g = lock(source);
-            let was_running = matches!(g.status().0, VmState::Running);
+            let warnings: Vec<String> = g.rng_warning().into_iter().collect();
+            let was_running = matches!(g.status().state, VmState::Running);
             if was_running {
                 g.call(&Request::Pause)?;
             }
             let pause_ms = super::ms(t.elapsed());
-            let got = g.call_fds(&Request::Capture, &[]);
+            let got = g.capture();
             if was_running {
                 g.call(&Request::Resume)?;
             }
-            let (reply, fds) = got?;
-            let Reply::Captured { state, diverged } = reply else {
-                return Err(internal(&format!("vm {id}: capture"), format!("{reply:?}")));
-            };
-            if fds.len() != 2 {
-                return Err(internal(
-                    &format!("vm {id}: capture"),
-                    format!("{} descriptors instead of the base and the diverged pages", fds.len()),
-                ));
-            }
-            (g.config().clone(), state, diverged, fds, pause_ms)
+            (got?, pause_ms, warnings)
         };
         let source_paused_ms = super::ms(t.elapsed());
-        let raw: Vec<_> = fds.iter().map(|f| f.as_raw_fd()).collect();
         let mut built: Vec<Remote> = Vec::with_capacity(held.ids().len());
         let mut children = Vec::with_capacity(held.ids().len());
         let made = held.ids().iter().try_for_each(|cid| {
-            let t = Instant::now();
-            let dir = self
-                .store
-                .runtime_dir(cid)
-                .map_err(|e| internal(&format!("vm {cid}: its runtime directory"), e))?;
-            let mut c = config.clone();
-            c.id = Some(cid.clone());
-            c.fork.shells = None;
-            let build = Request::BuildFork {
-                id: cid.clone(),
-                config: Box::new(c.clone()),
-                state: state.clone(),
-                diverged: diverged.clone(),
-            };
-            let mut remote = Remote::spawn_with(&procs, &self.store, cid, &c, &dir, &build, &raw)?;
-            let rec = record_of(cid, c, &dir, &remote, Some(id));
-            let started = self
-                .store
-                .save(&rec)
-                .map_err(|e| internal(&format!("vm {cid}: cannot write its record"), e))
-                .and_then(|()| remote.call(&Request::Start).map(drop));
-            let fork_ms = super::ms(t.elapsed());
-            built.push(remote);
-            started?;
-            let r = built.last_mut().expect("just pushed");
-            let info = self.process_info(r);
-            let st = info.state.clone();
-            if let Err(e) = self.store.update(cid, |r| r.state = st) {
-                tracing::warn!(vm = %cid, error = %e, "cannot record the VM's state");
-            }
-            children.push(super::api::ForkedChild {
-                info,
-                fork_ms,
-                shell: false,
-            });
-            Ok::<(), ApiError>(())
+            self.build_child(&procs, id, cid, &cap, &mut built)
+                .map(|c| children.push(c))
         });
         if let Err(e) = made {
-            // Every child or none: the built ones stop; the reservation
-            // removes their files and frees their ids.
-            for mut r in built {
-                r.stop();
-                procs.release(r.record().uid);
-            }
+            stop_all(&procs, built);
             return Err(e);
         }
         held.fill_processes(built);
@@ -749,7 +930,74 @@ impl super::Daemon {
             source_paused_ms,
             clusters: Vec::new(),
             rebased: Vec::new(),
-            warnings: Vec::new(),
+            warnings,
+        })
+    }
+
+    /// The daemon's VM processes, for the children of `id` (in a VM process).
+    pub(super) fn forking_processes(&self, id: &str) -> Result<Arc<VmProcesses>, ApiError> {
+        self.processes.clone().ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "vm {id} runs in a VM process, and so would its children, but this daemon runs none (--jail off)"
+                ),
+            )
+        })
+    }
+
+    /// Builds fork child `cid` of `parent` from its exported fork instant
+    /// `cap` in a VM process of its own (a spare when one is ready), records
+    /// and starts it; it goes into `built` as soon as it exists, so that a
+    /// caller that fails later stops it.
+    pub(super) fn build_child(
+        &self,
+        procs: &VmProcesses,
+        parent: &str,
+        cid: &str,
+        cap: &Capture,
+        built: &mut Vec<Remote>,
+    ) -> Result<super::api::ForkedChild, ApiError> {
+        use std::os::fd::AsRawFd;
+        let t = Instant::now();
+        let dir = self
+            .store
+            .runtime_dir(cid)
+            .map_err(|e| internal(&format!("vm {cid}: its runtime directory"), e))?;
+        let mut c = cap.config.clone();
+        c.id = Some(cid.to_string());
+        c.fork.shells = None;
+        let (roles, files) = host_files(cid, &c, &dir, None, true)?;
+        let build = Request::BuildFork {
+            id: cid.to_string(),
+            config: Box::new(c.clone()),
+            state: cap.state.clone(),
+            diverged: cap.diverged.clone(),
+            files: roles,
+            serial_log: Some(dir.join("serial.log")),
+        };
+        let mut fds: Vec<_> = cap.fds.iter().map(|f| f.as_raw_fd()).collect();
+        fds.extend(files.iter().map(|f| f.as_raw_fd()));
+        let mut remote = Remote::spawn_with(procs, &self.store, cid, &c, &dir, &build, &fds)?;
+        let rec = record_of(cid, c, &dir, &remote, Some(parent));
+        let started = self
+            .store
+            .save(&rec)
+            .map_err(|e| internal(&format!("vm {cid}: cannot write its record"), e))
+            .and_then(|()| remote.call(&Request::Start).map(drop));
+        let fork_ms = super::ms(t.elapsed());
+        built.push(remote);
+        started?;
+        let r = built.last_mut().expect("just pushed");
+        let info = self.process_info(r);
+        let st = info.state.clone();
+        if let Err(e) = self.store.update(cid, |r| r.state = st) {
+            tracing::warn!(vm = %cid, error = %e, "cannot record the VM's state");
+        }
+        Ok(super::api::ForkedChild {
+            info,
+            fork_ms,
+            shell: false,
         })
     }
 
@@ -769,7 +1017,7 @@ impl super::Daemon {
             .map_err(|e| internal(&format!("vm {id}: its runtime directory"), e))?;
         let mut config = config;
         config.id = Some(id.clone());
-        let mut remote = Remote::spawn(&procs, &self.store, &id, &config, &dir)?;
+        let mut remote = Remote::spawn(&procs, &self.store, &id, &config, &dir, self.kernel_cache.as_deref())?;
         let rec = record_of(&id, config.clone(), &dir, &remote, None);
         let started = self
             .store
@@ -811,6 +1059,7 @@ impl super::Daemon {
         {
             let mut vms = self.vms();
             vms.insert(id.to_string(), super::Slot::Deleting);
+            self.clusters.forget_member(id);
             let mut parents = self.parents();
             parents.remove(id);
             for p in parents.values_mut().filter(|p| p.id == id) {
@@ -837,10 +1086,32 @@ impl super::Daemon {
         })
     }
 
+    /// A VM in a VM process as `list` and `cluster_info` show it.
+    pub(super) fn process_summary(&self, r: &Arc<Mutex<Remote>>) -> super::api::VmSummary {
+        let mut g = lock(r);
+        let status = g.status().state.to_string();
+        let c = g.config();
+        super::api::VmSummary {
+            id: g.id().to_string(),
+            status,
+            vcpus: c.vcpus,
+            memory_mib: c.memory_mib,
+            guest: c.guest.describe(),
+        }
+    }
+
     /// `info` of a VM in a VM process.
     pub(super) fn process_info(&self, g: &mut Remote) -> super::api::VmInfo {
         let rec = self.store.load(g.id()).ok().flatten();
-        let (state, exits, ms_since_start, first_exit_us_after_start) = g.status();
+        let RemoteStatus {
+            state,
+            exits,
+            ms_since_start,
+            first_exit_us_after_start,
+            devices,
+            rng_reseed,
+            vmgenid,
+        } = g.status();
         let p = g.record();
         // Its own statement: the guard must be gone before `children_of`
         // takes the lock again.
@@ -856,8 +1127,8 @@ impl super::Daemon {
             status: state.to_string(),
             state,
             config: g.config().clone(),
-            devices: Vec::new(),
-            serial_log: None,
+            devices,
+            serial_log: rec.as_ref().map(|r| r.serial_log.clone()),
             daemon_pid: std::process::id(),
             created_unix: rec.as_ref().map(|r| r.created_unix),
             ms_since_start,
@@ -867,8 +1138,8 @@ impl super::Daemon {
             children: self.children_of(g.id()),
             rebases: 0,
             shells_ready: None,
-            rng_reseed: None,
-            vmgenid: None,
+            rng_reseed,
+            vmgenid,
             vm_process: Some(super::api::VmProcessInfo {
                 pid: p.pid,
                 uid: p.uid,

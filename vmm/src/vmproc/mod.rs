@@ -4,13 +4,15 @@
 //! vm-process`: the jail first, then the VM, then requests until the
 //! channel closes), `handle.rs` the caller's side (spawn, call).
 //!
-//! What exists: a VM process runs one built-in guest (the real-mode test
-//! guests need no files), handed `/dev/kvm`, its channel and optionally a
-//! listening socket as descriptors at spawn; start, pause, resume, peek,
-//! status, stop; it outlives its caller when it has the socket, and the
-//! next caller re-attaches there. Not yet: Linux guests and devices (their
-//! files and taps as descriptors), fork across processes, the daemon using
-//! it and re-attaching from its records after a restart.
+//! What exists: a VM process is handed `/dev/kvm`, its channel and
+//! optionally a listening socket as descriptors at spawn, and its VM's host
+//! files (kernel, initrd, raw image, disks, serial log, its own log) with
+//! the build request (`vstate::handed`): it opens nothing by path. Start,
+//! pause, resume, peek, status, stop, capture and fork-child builds; it
+//! outlives its caller when it has the socket, and the next caller
+//! re-attaches there (the daemon does, from its records:
+//! `daemon/processes.rs`). Not yet: NICs and vsock (taps, vhost and the
+//! vsock listener as descriptors), snapshots, forks of VMs with devices.
 
 /// The exit status of a VM process that panicked (its panic hook ends it:
 /// nothing carries on with what the panic left half-changed).

@@ -5,11 +5,15 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::VmConfig;
-use crate::vstate::vm::VmState;
+use std::path::PathBuf;
 
-/// The channel's version.
-pub const VERSION: u32 = 1;
+use crate::config::VmConfig;
+use crate::vstate::handed::FileRole;
+use crate::vstate::vm::{DeviceInfo, VmState};
+
+/// The channel's version (2: builds carry their files, status its
+/// devices).
+pub const VERSION: u32 = 2;
 
 /// What the caller asks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -20,16 +24,26 @@ pub enum Request {
         /// [`VERSION`] of the caller.
         version: u32,
     },
-    /// Build the VM (once).
+    /// Build the VM (once). Its host files come with the request as
+    /// descriptors, in the order `files` names them, then (a spare's) its
+    /// listening socket.
     Build {
         /// Its id.
         id: String,
-        /// Its config (built-in guests only, for now).
+        /// Its config (no NICs or vsock, for now).
         config: Box<VmConfig>,
+        /// What each descriptor is.
+        #[serde(default)]
+        files: Vec<FileRole>,
+        /// The serial log's path, for what `info` shows (the file itself
+        /// is handed over).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        serial_log: Option<PathBuf>,
     },
     /// Build the VM (once) as a fork child of the fork instant another VM
     /// process exported ([`Reply::Captured`]): its base and diverged-pages
-    /// memfds come with the request, in that order.
+    /// memfds come with the request, in that order, then its files as for
+    /// [`Request::Build`], then (a spare's) its listening socket.
     BuildFork {
         /// Its id.
         id: String,
@@ -40,6 +54,12 @@ pub enum Request {
         /// The pages in the diverged-pages memfd (bitmap words over the
         /// whole RAM).
         diverged: Vec<u64>,
+        /// What each file descriptor after the two memfds is.
+        #[serde(default)]
+        files: Vec<FileRole>,
+        /// The serial log's path (as for [`Request::Build`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        serial_log: Option<PathBuf>,
     },
     /// Export this paused VM's fork instant: [`Reply::Captured`].
     Capture,
@@ -104,6 +124,15 @@ pub enum Reply {
         /// Microseconds from the start to the first vCPU exit.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         first_exit_us_after_start: Option<u64>,
+        /// Its devices, as `info` lists them.
+        #[serde(default)]
+        devices: Vec<DeviceInfo>,
+        /// Whether its fork children reseed their RNGs.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rng_reseed: Option<crate::RngReseed>,
+        /// Its VM Generation ID (hex), when it has the device.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        vmgenid: Option<String>,
     },
     /// Refused or failed: one sentence.
     Error {

@@ -13,7 +13,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::proto::{Reply, Request, VERSION};
 use super::wire::Channel;
-use crate::config::GuestSpec;
+use crate::vstate::handed::{FileRole, HandedFiles, HostFiles};
 use crate::{Vm, VmOptions};
 
 /// Most words one `peek` reads.
@@ -66,13 +66,28 @@ pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), 
     Ok(())
 }
 
+/// Sends `r` with `fds`.
+fn send(chan: &Channel, r: &Reply, fds: &[std::os::fd::RawFd]) -> Result<(), String> {
+    let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
+    chan.send(&line, fds).map_err(|e| format!("the channel closed: {e}"))
+}
+
+/// Refuses the caller with `message` (as its error reply and as the end of
+/// its session).
+fn refuse(chan: &Channel, message: String) -> Result<Ended, String> {
+    send(
+        chan,
+        &Reply::Error {
+            message: message.clone(),
+        },
+        &[],
+    )?;
+    Err(message)
+}
+
 /// One caller: hello, then requests until it closes or asks to stop.
 fn session(channel: UnixStream, vm: &mut Option<Vm>, listener: &mut Option<UnixListener>) -> Result<Ended, String> {
     let mut chan = Channel::new(channel);
-    let send = |chan: &Channel, r: &Reply, fds: &[std::os::fd::RawFd]| -> Result<(), String> {
-        let line = serde_json::to_string(r).map_err(|e| e.to_string())?;
-        chan.send(&line, fds).map_err(|e| format!("the channel closed: {e}"))
-    };
     let first = match chan.recv() {
         Ok(Some((l, _))) => l,
         _ => return Ok(Ended::Closed),
@@ -88,29 +103,14 @@ fn session(channel: UnixStream, vm: &mut Option<Vm>, listener: &mut Option<UnixL
             &[],
         )?,
         Ok(Request::Hello { version }) => {
-            let message = format!(
-                "the caller speaks channel version {version}, this VM process speaks version {VERSION}: refused"
+            return refuse(
+                &chan,
+                format!(
+                    "the caller speaks channel version {version}, this VM process speaks version {VERSION}: refused"
+                ),
             );
-            send(
-                &chan,
-                &Reply::Error {
-                    message: message.clone(),
-                },
-                &[],
-            )?;
-            return Err(message);
         }
-        _ => {
-            let message = "the first request on the channel must be hello".to_string();
-            send(
-                &chan,
-                &Reply::Error {
-                    message: message.clone(),
-                },
-                &[],
-            )?;
-            return Err(message);
-        }
+        _ => return refuse(&chan, "the first request on the channel must be hello".into()),
     }
     loop {
         let (line, fds) = match chan.recv() {
@@ -167,6 +167,50 @@ fn take_listener(listener: &mut Option<UnixListener>, fd: Option<OwnedFd>) -> Re
     }
 }
 
+/// The sentence for a config a VM process cannot build yet.
+fn check_kind(config: &crate::config::VmConfig) -> Result<(), String> {
+    if !config.devices.nics.is_empty() || config.devices.vsock.is_some() {
+        return Err("a VM process runs no NIC or vsock device yet".into());
+    }
+    config.validate_handed().map_err(|e| e.to_string())
+}
+
+/// Splits the descriptors of a build: `files.len()` host files (each named
+/// by `files`), then at most one listening socket.
+fn split_files(
+    files: &[FileRole],
+    mut fds: Vec<OwnedFd>,
+    what: &str,
+) -> Result<(Vec<std::fs::File>, Option<OwnedFd>), String> {
+    if fds.len() != files.len() && fds.len() != files.len() + 1 {
+        return Err(format!(
+            "{what} names {} files but came with {} descriptors",
+            files.len(),
+            fds.len()
+        ));
+    }
+    let listen = (fds.len() > files.len()).then(|| fds.pop()).flatten();
+    Ok((fds.into_iter().map(std::fs::File::from).collect(), listen))
+}
+
+/// The options of a VM whose files were handed over; its own log, when
+/// handed, becomes this process's standard error first.
+fn handed_options(
+    files: &[FileRole],
+    opened: Vec<std::fs::File>,
+    serial_log: Option<std::path::PathBuf>,
+) -> Result<VmOptions, String> {
+    let handed = HandedFiles::new(files, opened)?;
+    if let Some(log) = handed.take(FileRole::ProcessLog) {
+        crate::sys::redirect_stderr(&log).map_err(|e| format!("cannot write to its own log: {e}"))?;
+    }
+    Ok(VmOptions {
+        serial_log,
+        files: HostFiles::Handed(std::sync::Arc::new(handed)),
+        ..VmOptions::default()
+    })
+}
+
 fn handle(
     vm: &mut Option<Vm>,
     listener: &mut Option<UnixListener>,
@@ -174,17 +218,20 @@ fn handle(
     mut fds: Vec<OwnedFd>,
 ) -> Result<(Reply, Fds), String> {
     match req {
-        Request::Build { .. } if fds.len() > 1 => Err(format!("a build takes at most 1 descriptor, not {}", fds.len())),
-        Request::Build { id, config } => {
+        Request::Build {
+            id,
+            config,
+            files,
+            serial_log,
+        } => {
             if vm.is_some() {
                 return Err("this VM process already holds its VM".into());
             }
-            if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
-                return Err("a VM process runs only a built-in guest without devices so far".into());
-            }
-            config.validate().map_err(|e| e.to_string())?;
-            let built = Vm::new(&id, &config, &VmOptions::default()).map_err(|e| e.to_string())?;
-            take_listener(listener, fds.pop())?;
+            check_kind(&config)?;
+            let (opened, listen) = split_files(&files, fds, "the build")?;
+            let opts = handed_options(&files, opened, serial_log)?;
+            let built = Vm::new(&id, &config, &opts).map_err(|e| e.to_string())?;
+            take_listener(listener, listen)?;
             *vm = Some(built);
             Ok((Reply::Ok, Vec::new()))
         }
@@ -204,28 +251,35 @@ fn handle(
             config,
             state,
             diverged,
+            files,
+            serial_log,
         } => {
             if vm.is_some() {
                 return Err("this VM process already holds its VM".into());
             }
-            if !(2..=3).contains(&fds.len()) {
-                return Err(format!("a fork child takes 2 or 3 descriptors, not {}", fds.len()));
+            if fds.len() < 2 {
+                return Err(format!(
+                    "a fork child takes its base and diverged pages, not {} descriptors",
+                    fds.len()
+                ));
             }
-            let listen = (fds.len() == 3).then(|| fds.pop()).flatten();
+            let rest = fds.split_off(2);
             let (delta, base) = match (fds.pop(), fds.pop()) {
                 (Some(d), Some(b)) => (d, b),
                 _ => return Err("a fork child takes its base and diverged pages".into()),
             };
-            if !matches!(config.guest, GuestSpec::Builtin { .. }) || config.devices.any() {
-                return Err("a VM process runs only a built-in guest without devices so far".into());
+            if config.devices.any() {
+                return Err("a VM process forks only VMs without devices so far".into());
             }
-            config.validate().map_err(|e| e.to_string())?;
+            check_kind(&config)?;
+            let (opened, listen) = split_files(&files, rest, "the fork child")?;
+            let opts = handed_options(&files, opened, serial_log)?;
             let state: crate::vstate::persist::MachineState =
                 serde_json::from_str(&state).map_err(|e| format!("the fork instant's state is unreadable: {e}"))?;
             let child = Vm::from_export(
                 &id,
                 &config,
-                &VmOptions::default(),
+                &opts,
                 &state,
                 std::fs::File::from(base),
                 std::fs::File::from(delta),
@@ -276,6 +330,9 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
                     (Some(s), Some(f)) => Some(f.saturating_duration_since(s).as_micros() as u64),
                     _ => None,
                 },
+                devices: v.devices().to_vec(),
+                rng_reseed: Some(v.rng_reseed()),
+                vmgenid: v.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
             })
         }
         Request::Stop => {

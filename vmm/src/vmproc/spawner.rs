@@ -4,9 +4,11 @@
 //! does the exec on the daemon's behalf.
 //!
 //! The daemon sends one message per VM process over a `SOCK_SEQPACKET`
-//! pair: the jail (root, uid, gid) as JSON, with the VM process's channel
-//! and listening socket as `SCM_RIGHTS` descriptors. The spawner opens
-//! `/dev/kvm`, runs `k7d vm-process` with the three descriptors, waits for
+//! pair: the jail (root, uid, gid) as JSON, with the VM process's channel,
+//! its log and its listening socket as `SCM_RIGHTS` descriptors. The
+//! spawner opens `/dev/kvm`, runs `k7d vm-process` with the channel,
+//! `/dev/kvm` and the listening socket as descriptors and the log as its
+//! standard error (never the daemon's), waits for
 //! its first process (which reports the jailed one's pid on the channel,
 //! to the daemon) and answers one message: `{"ok":true}` or
 //! `{"error":"..."}`. It holds nothing of any VM between requests and
@@ -37,6 +39,10 @@ pub const JAIL_CAPS: &[(u32, &str)] = &[
     (6, "CAP_SETGID: the jail's gid, no supplementary groups"),
     (7, "CAP_SETUID: the jail's uid"),
     (8, "CAP_SETPCAP: dropping the jailed process's bounding set"),
+    (
+        18,
+        "CAP_SYS_CHROOT: the jail's root on a host whose own root is an initramfs, which pivot_root cannot leave",
+    ),
     (
         21,
         "CAP_SYS_ADMIN: the namespaces, the mounts, pivot_root, the hostname",
@@ -108,11 +114,16 @@ impl Spawner {
         self.child.lock().unwrap_or_else(|p| p.into_inner()).id()
     }
 
-    /// Starts a VM process in `jail`, listening on `listener` for the
-    /// callers after this one (without one: a spare, which gets its
-    /// listening socket with the request that builds its VM), and says
-    /// hello on its channel.
-    pub fn spawn(&self, jail: &JailConfig, listener: Option<&UnixListener>) -> Result<VmProcess, String> {
+    /// Starts a VM process in `jail`, writing its log to `log`, listening
+    /// on `listener` for the callers after this one (without one: a spare,
+    /// which gets its listening socket with the request that builds its
+    /// VM), and says hello on its channel.
+    pub fn spawn(
+        &self,
+        jail: &JailConfig,
+        log: &std::fs::File,
+        listener: Option<&UnixListener>,
+    ) -> Result<VmProcess, String> {
         jail.check().map_err(|e| e.to_string())?;
         let (ours, theirs) = UnixStream::pair().map_err(|e| format!("cannot make the VM process's channel: {e}"))?;
         let req = serde_json::to_vec(&SpawnRequest {
@@ -123,7 +134,7 @@ impl Spawner {
         .map_err(|e| e.to_string())?;
         {
             let sock = self.sock.lock().unwrap_or_else(|p| p.into_inner());
-            let mut fds = vec![theirs.as_raw_fd()];
+            let mut fds = vec![theirs.as_raw_fd(), log.as_raw_fd()];
             fds.extend(listener.map(|l| l.as_raw_fd()));
             sock.send_with_fds(&[&req[..]], &fds)
                 .map_err(|e| format!("the VM process spawner is gone: {e}"))?;
@@ -165,7 +176,7 @@ pub fn serve(sock: UnixStream, k7d: &Path) -> Result<(), String> {
     crate::sys::set_capabilities(have & keep).map_err(|e| format!("cannot narrow the capabilities: {e}"))?;
     let mut buf = vec![0u8; MAX_MESSAGE];
     loop {
-        let mut fds: [RawFd; 2] = [-1; 2];
+        let mut fds: [RawFd; 3] = [-1; 3];
         let mut iov = [libc::iovec {
             iov_base: buf.as_mut_ptr().cast(),
             iov_len: buf.len(),
@@ -199,10 +210,10 @@ pub fn serve(sock: UnixStream, k7d: &Path) -> Result<(), String> {
 
 fn spawn_one(req: &[u8], fds: &[OwnedFd], k7d: &Path) -> Result<(), String> {
     let req: SpawnRequest = serde_json::from_slice(req).map_err(|e| format!("the spawn request is unreadable: {e}"))?;
-    let (channel, listener) = match fds {
-        [c] => (c, None),
-        [c, l] => (c, Some(l)),
-        _ => return Err(format!("a spawn request carries 1 or 2 descriptors, not {}", fds.len())),
+    let (channel, log, listener) = match fds {
+        [c, g] => (c, g, None),
+        [c, g, l] => (c, g, Some(l)),
+        _ => return Err(format!("a spawn request carries 2 or 3 descriptors, not {}", fds.len())),
     };
     let jail = JailConfig {
         root: req.root,
@@ -213,6 +224,10 @@ fn spawn_one(req: &[u8], fds: &[OwnedFd], k7d: &Path) -> Result<(), String> {
     jail.check().map_err(|e| e.to_string())?;
     let kvm = std::fs::File::open("/dev/kvm").map_err(|e| format!("cannot open /dev/kvm: {e}"))?;
     let mut cmd = VmProcess::command(k7d, &jail, listener.is_some());
+    let log = log
+        .try_clone()
+        .map_err(|e| format!("cannot take the VM process's log: {e}"))?;
+    cmd.stderr(std::process::Stdio::from(log));
     let (kvm_fd, chan_fd) = (kvm.as_raw_fd(), channel.as_raw_fd());
     let listen_fd = listener.map(|l| l.as_raw_fd());
     // SAFETY: the closure runs in the forked child before exec and makes

@@ -9,8 +9,9 @@ use std::os::unix::net::UnixStream;
 
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-/// Most descriptors one message carries.
-pub const MAX_FDS: usize = 4;
+/// Most descriptors one message carries (a build's files and listening
+/// socket; a daemon refuses a VM that would need more).
+pub const MAX_FDS: usize = 32;
 /// Longest line (a fork instant's machine state is the largest message).
 pub const MAX_LINE: usize = 64 << 20;
 

@@ -20,6 +20,7 @@ use vm_memory::{Bytes, GuestAddress};
 use super::control::VmControl;
 use super::device_manager::{Wiring, add_linux_platform, build_devices, restore_virtio};
 use super::fork::RamWriters;
+use super::handed::{FileRole, HostFiles};
 use super::memory::{GuestMemoryMmap, GuestRam};
 use super::persist::{self, MachineState};
 use super::shell::Shell;
@@ -149,13 +150,31 @@ impl Vm {
         // Every guest-file error comes before any KVM object exists. A
         // restored or forked guest's RAM already holds its image: the files
         // are not opened again (they may be gone or changed).
+        let boot_files = match (&config.guest, &ram_source) {
+            (GuestSpec::Linux { .. }, None) if opts.files.handed() => {
+                let take = |r| opts.files.take(r).map_err(VmError::Guest);
+                Some(arch::BootFiles {
+                    kernel: take(FileRole::Kernel)?,
+                    // Present only when the daemon had it unpacked.
+                    unpacked_kernel: take(FileRole::UnpackedKernel).ok().flatten(),
+                    initrd: match &config.guest {
+                        GuestSpec::Linux { initrd: Some(_), .. } => take(FileRole::Initrd)?,
+                        _ => None,
+                    },
+                })
+            }
+            _ => None,
+        };
         let image = match (&config.guest, &ram_source) {
             (_, Some(_)) => None,
             (GuestSpec::Linux { kernel, .. }, None) => {
-                arch::probe_kernel(kernel)?;
+                match boot_files.as_ref().and_then(|b| b.kernel.as_ref()) {
+                    Some(f) => arch::probe_kernel_file(kernel, f)?,
+                    None => arch::probe_kernel(kernel)?,
+                };
                 None
             }
-            (other, None) => Some(load_image(other)?),
+            (other, None) => Some(load_image(other, &opts.files)?),
         };
         clock.done("guest files checked");
         // The vCPU threads confine themselves while the machine is built.
@@ -225,6 +244,7 @@ impl Vm {
                         irq0_override: false,
                         vmgenid: config.vmgenid(),
                         kernel_cache: opts.kernel_cache.as_deref(),
+                        files: boot_files.as_ref(),
                     },
                 )?)
             }
@@ -409,14 +429,18 @@ pub(super) fn create_vcpu(vm_fd: &VmFd, index: u32) -> Result<VcpuFd, VcpuSetupE
     })
 }
 
-pub(super) fn load_image(spec: &GuestSpec) -> Result<Vec<u8>, VmError> {
+pub(super) fn load_image(spec: &GuestSpec, files: &HostFiles) -> Result<Vec<u8>, VmError> {
     match spec {
         GuestSpec::Builtin { name, .. } => k7d_guest::Builtin::from_name(name)
             .map(|b| b.image().to_vec())
             .map_err(|e| VmError::Guest(e.to_string())),
         GuestSpec::Raw { path, .. } => {
-            let img = k7d_sys::file::read_regular_file(path, crate::config::MAX_RAW_IMAGE)
-                .map_err(io(format!("cannot read guest image {}", path.display())))?;
+            let max = crate::config::MAX_RAW_IMAGE;
+            let img = match files.take(FileRole::RawImage).map_err(VmError::Guest)? {
+                Some(f) => k7d_sys::file::read_open_regular_file(f, max),
+                None => k7d_sys::file::read_regular_file(path, max),
+            }
+            .map_err(io(format!("cannot read guest image {}", path.display())))?;
             if img.is_empty() || img.len() as u64 > crate::config::MAX_RAW_IMAGE {
                 return Err(VmError::Guest(format!(
                     "{} is {} bytes, a real-mode image must be 1 to {} bytes",

@@ -4,7 +4,7 @@
 //! the MACs a restored or forked guest keeps.
 
 use std::collections::VecDeque;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -16,6 +16,7 @@ use kvm_ioctls::VmFd;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::control::{StopReason, VmControl};
+use super::handed::{FileRole, HostFiles};
 use super::irq::{DeviceMsiRouter, GsiRouting};
 use super::memory::GuestRam;
 use super::persist::PersistError;
@@ -47,9 +48,11 @@ pub(super) fn build_devices(
     let mut buses = Buses::default();
     let mut info = Vec::new();
 
-    let log = match &opts.serial_log {
-        Some(p) => Some(open_log(p)?),
-        None => None,
+    let log = match (&opts.serial_log, opts.files.take(FileRole::SerialLog)) {
+        (_, Ok(Some(f))) => Some(f),
+        (Some(p), Ok(None)) => Some(open_log(p)?),
+        (None, _) => None,
+        (Some(_), Err(e)) => return Err(VmError::Guest(e)),
     };
     let evt = EventFd::new(EFD_NONBLOCK).map_err(io("cannot create the serial interrupt eventfd"))?;
     vm_fd
@@ -156,6 +159,7 @@ pub(super) fn add_linux_platform(
         mem: Arc::new(ram.memory().clone()),
         id: control.vm_id().to_string(),
         fork_backends,
+        files: &opts.files,
     };
     if config.devices.rng {
         pci.add_rng()?;
@@ -391,6 +395,8 @@ pub(super) struct PciCtx<'a> {
     id: String,
     /// A fork child's: the source devices' backends, in bus order.
     fork_backends: Option<VecDeque<ForkBackend>>,
+    /// Where disk images and the entropy source come from.
+    files: &'a HostFiles,
 }
 
 impl PciCtx<'_> {
@@ -408,7 +414,13 @@ impl PciCtx<'_> {
     /// virtio-rng (a fork child's reads its own entropy source).
     fn add_rng(&mut self) -> Result<(), VmError> {
         self.source_backend("virtio-rng")?;
-        let rng = k7d_devices::virtio::rng::Rng::new().map_err(|e| dev_err("virtio-rng")(&e))?;
+        let rng = match self.files.take(FileRole::Entropy).map_err(|msg| VmError::Device {
+            what: "virtio-rng",
+            msg,
+        })? {
+            Some(f) => k7d_devices::virtio::rng::Rng::with_source(f),
+            None => k7d_devices::virtio::rng::Rng::new().map_err(|e| dev_err("virtio-rng")(&e))?,
+        };
         let mem = self.mem.clone();
         self.add("virtio-rng", Box::new(rng), mem, String::new())
     }
@@ -427,7 +439,22 @@ impl PciCtx<'_> {
                     what: "virtio-blk",
                     msg: format!("disk {i} has no copy-on-write view from the fork source"),
                 })?,
-            None => open_medium(d.path.as_deref(), d.read_only)?,
+            None => {
+                let handed = self
+                    .files
+                    .take(FileRole::Disk { index: i as u16 })
+                    .map_err(|msg| VmError::Device {
+                        what: "virtio-blk",
+                        msg,
+                    })?;
+                match (handed, &d.path) {
+                    (Some(f), Some(p)) => {
+                        k7d_devices::virtio::block::DiskImage::from_file(f, d.read_only, p.display().to_string())
+                            .map_err(|e| dev_err("virtio-blk")(&e))?
+                    }
+                    _ => open_medium(d.path.as_deref(), d.read_only)?,
+                }
+            }
         };
         let serial = format!("k7d-disk{i}");
         let mut blk = k7d_devices::virtio::block::Block::new(disk, &serial).map_err(|e| dev_err("virtio-blk")(&e))?;
@@ -649,11 +676,7 @@ pub(super) fn derived_mac(vm_id: &str, idx: u16) -> [u8; 6] {
 }
 
 pub(super) fn open_log(p: &Path) -> Result<File, VmError> {
-    OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(p)
-        .map_err(io(format!("cannot open the serial log {}", p.display())))
+    super::handed::open_log(p).map_err(io(format!("cannot open the serial log {}", p.display())))
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod control;
 mod device_manager;
 pub mod fork;
+pub mod handed;
 pub mod irq;
 pub mod kvm;
 pub mod memory;

@@ -161,6 +161,9 @@ pub struct VmOptions {
     /// (`arch::x86_64::unpack`); `None` boots them through their own
     /// decompressor.
     pub kernel_cache: Option<PathBuf>,
+    /// Where the VM's host files come from: opened by path, or handed over
+    /// to a VM process ([`super::handed`]).
+    pub files: super::handed::HostFiles,
 }
 
 /// A VM.

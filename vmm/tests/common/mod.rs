@@ -2,7 +2,7 @@
 //! (`mod common;` in each test file).
 #![allow(dead_code)] // each test binary uses its own subset
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -82,9 +82,30 @@ pub fn a_vm_processs_own_or_socket(target: &str) -> bool {
 /// its seccomp filter, with `no_new_privs` and no effective capability.
 /// Returns its uid.
 pub fn assert_jailed_vm_process(pid: u32, label: &str) -> u32 {
+    assert_jailed_vm_process_with(pid, label, None)
+}
+
+/// [`assert_jailed_vm_process`] of a daemon's VM process whose files are
+/// in `own_dir` (its runtime directory): besides its own descriptors it
+/// holds only files there (its serial log, its disks' images are named by
+/// the caller's config, not here), its standard input and output are
+/// `/dev/null` and its standard error is its own log there, never the
+/// daemon's.
+pub fn assert_jailed_vm_process_with(pid: u32, label: &str, own_dir: Option<&Path>) -> u32 {
     let proc = format!("/proc/{pid}");
-    let v = k7d_vmm::jail::probe::violations(pid, a_vm_processs_own_or_socket);
+    let own = |t: &str| a_vm_processs_own_or_socket(t) || own_dir.is_some_and(|d| Path::new(t).starts_with(d));
+    let v = k7d_vmm::jail::probe::violations(pid, own);
     assert!(v.is_empty(), "{label} (pid {pid}) falls short of its jail: {v:#?}");
+    if let Some(d) = own_dir {
+        let fd = |n: u32| std::fs::read_link(format!("{proc}/fd/{n}")).unwrap_or_default();
+        assert_eq!(fd(0), Path::new("/dev/null"), "{label}: stdin");
+        assert_eq!(fd(1), Path::new("/dev/null"), "{label}: stdout");
+        assert_eq!(
+            fd(2),
+            d.join(k7d_vmm::daemon::PROCESS_LOG),
+            "{label}: its standard error is not its own log"
+        );
+    }
     let status = std::fs::read_to_string(format!("{proc}/status")).unwrap();
     let uid: u32 = status
         .lines()
@@ -193,4 +214,37 @@ pub fn kill_vm_processes_under(dir: &std::path::Path) -> usize {
         }
     }
     killed
+}
+
+/// Starts `bin daemon` with its state directory and socket under `dir`
+/// (`<dir>/state`, `<dir>/k7d.sock`) and `extra` flags, its stderr piped
+/// (`stderr_null`: discarded), and waits until its socket accepts (a
+/// killed daemon leaves its socket file, so the file alone says nothing).
+/// A daemon that exits first fails the test.
+pub fn start_daemon(bin: &Path, dir: &Path, extra: &[&str], stderr_null: bool) -> std::process::Child {
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(bin)
+        .arg("daemon")
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .arg("--socket")
+        .arg(dir.join("k7d.sock"))
+        .args(extra)
+        .env_remove("K7D_SOCKET")
+        .stdout(Stdio::null())
+        .stderr(if stderr_null { Stdio::null() } else { Stdio::piped() })
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).is_err() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "the daemon did not start"
+        );
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("the daemon exited early: {st}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    child
 }

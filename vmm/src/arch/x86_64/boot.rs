@@ -3,7 +3,7 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::OpenOptionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use linux_loader::configurator::linux::LinuxBootConfigurator;
 use linux_loader::configurator::{BootConfigurator, BootParams};
@@ -84,11 +84,23 @@ fn bad_kernel(path: &Path, reason: impl Into<String>) -> BootError {
     }
 }
 
+/// The error for a file a VM process was not handed (it opens nothing).
+fn not_handed(path: &Path, what: &'static str) -> BootError {
+    BootError::Unreadable {
+        what,
+        path: path.to_path_buf(),
+        reason: "it was not handed to this VM process".into(),
+    }
+}
+
 fn mib(b: u64) -> u64 {
     b.div_ceil(1 << 20)
 }
 
-fn open(path: &Path, what: &'static str) -> Result<(File, u64), BootError> {
+/// Opens `path` (`what`: "kernel" or "initrd"), or takes a duplicate of
+/// the file `handed` over for it (a VM process opens nothing by path), and
+/// refuses anything but a regular file.
+fn open(path: &Path, what: &'static str, handed: Option<&File>) -> Result<(File, u64), BootError> {
     let unreadable = |e: std::io::Error| BootError::Unreadable {
         what,
         path: path.to_path_buf(),
@@ -97,11 +109,14 @@ fn open(path: &Path, what: &'static str) -> Result<(File, u64), BootError> {
     // O_NONBLOCK: opening a FIFO (put in the file's place after the config
     // was validated) must not wait for a writer; it is refused below. On a
     // regular file the flag changes nothing.
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
-        .open(path)
-        .map_err(unreadable)?;
+    let f = match handed {
+        Some(h) => h.try_clone(),
+        None => std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+            .open(path),
+    }
+    .map_err(unreadable)?;
     let meta = f.metadata().map_err(unreadable)?;
     if !meta.is_file() {
         return Err(BootError::Unreadable {
@@ -122,7 +137,13 @@ fn read_at(f: &mut File, off: u64, buf: &mut [u8]) -> std::io::Result<()> {
 /// check a VMM can run before it creates anything. Refuses empty, non-kernel,
 /// truncated, 32-bit-only and too-old kernels with one sentence.
 pub fn probe_kernel(path: &Path) -> Result<KernelInfo, BootError> {
-    let (mut f, len) = open(path, "kernel")?;
+    let (mut f, len) = open(path, "kernel", None)?;
+    probe_open_kernel(path, &mut f, len)
+}
+
+/// [`probe_kernel`] of the kernel `path` open as `f` (handed over).
+pub fn probe_kernel_file(path: &Path, f: &File) -> Result<KernelInfo, BootError> {
+    let (mut f, len) = open(path, "kernel", Some(f))?;
     probe_open_kernel(path, &mut f, len)
 }
 
@@ -307,16 +328,37 @@ pub fn load_kernel(
     path: &Path,
     low_end: u64,
     kernel_cache: Option<&Path>,
+    handed: Option<&super::BootFiles>,
 ) -> Result<LoadedKernel, BootError> {
-    let (mut f, len) = open(path, "kernel")?;
+    let (mut f, len) = match handed {
+        Some(h) => open(
+            path,
+            "kernel",
+            Some(h.kernel.as_ref().ok_or_else(|| not_handed(path, "kernel"))?),
+        )?,
+        None => open(path, "kernel", None)?,
+    };
     let info = probe_open_kernel(path, &mut f, len)?;
     let user_path = path;
     let elf_path;
     // A bzImage is unpacked (or found unpacked) from the descriptor just
     // probed, so the ELF is that file's. It boots if the loader takes it;
-    // else the bzImage boots as it is (one warning says why).
-    let unpacked = match kernel_cache {
-        Some(cache) if info.kind == KernelKind::BzImage => match super::unpack::unpacked(path, &mut f, cache) {
+    // else the bzImage boots as it is (one warning says why). Handed files
+    // come with the unpacked ELF when the daemon had it.
+    let unpacked = match (handed, kernel_cache) {
+        (Some(h), _) if info.kind == KernelKind::BzImage => match &h.unpacked_kernel {
+            Some(u) => Some(super::unpack::Unpacked {
+                path: PathBuf::from(format!("{} (unpacked, handed over)", path.display())),
+                file: u.try_clone().map_err(|e| BootError::Unreadable {
+                    what: "kernel",
+                    path: path.to_path_buf(),
+                    reason: format!("its unpacked ELF: {e}"),
+                })?,
+            }),
+            None => None,
+        },
+        (Some(_), _) => None,
+        (None, Some(cache)) if info.kind == KernelKind::BzImage => match super::unpack::unpacked(path, &mut f, cache) {
             Ok(u) => u,
             Err(e) => {
                 tracing::warn!("{e}; the kernel boots through its own decompressor");
@@ -404,8 +446,21 @@ pub fn load_kernel(
 /// Loads the initrd at `path` at the top of RAM below `max_end` (exclusive,
 /// already limited by the kernel's `initrd_addr_max`), page aligned, and
 /// not below `min_start` (what the kernel needs). Returns `(address, size)`.
-pub fn load_initrd(mem: &GuestMemoryMmap, path: &Path, min_start: u64, max_end: u64) -> Result<(u64, u64), BootError> {
-    let (mut f, size) = open(path, "initrd")?;
+pub fn load_initrd(
+    mem: &GuestMemoryMmap,
+    path: &Path,
+    min_start: u64,
+    max_end: u64,
+    handed: Option<&super::BootFiles>,
+) -> Result<(u64, u64), BootError> {
+    let (mut f, size) = match handed {
+        Some(h) => open(
+            path,
+            "initrd",
+            Some(h.initrd.as_ref().ok_or_else(|| not_handed(path, "initrd"))?),
+        )?,
+        None => open(path, "initrd", None)?,
+    };
     let refuse = |reason: String| BootError::Initrd {
         path: path.to_path_buf(),
         reason,

@@ -34,7 +34,7 @@ use std::path::{Path, PathBuf};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 pub use acpi::{AcpiConfig, PciConfig};
-pub use boot::{KernelInfo, KernelKind, probe_kernel};
+pub use boot::{KernelInfo, KernelKind, probe_kernel, probe_kernel_file};
 pub use cpuid::linux_cpuid;
 pub use pm::AcpiPmDevice;
 pub use regs::{set_linux_cpuid, setup_ap_vcpu, setup_boot_vcpu, setup_linux_vcpu};
@@ -99,6 +99,22 @@ pub struct LinuxBootConfig<'a> {
     /// bzImage boots from its unpacked ELF (unpacked now if not there yet);
     /// `None`: every bzImage boots through its own decompressor.
     pub kernel_cache: Option<&'a Path>,
+    /// The kernel, its unpacked ELF and the initrd opened elsewhere (a VM
+    /// process, which opens nothing by path, is handed them); `None`: they
+    /// are opened here by path.
+    pub files: Option<&'a BootFiles>,
+}
+
+/// A Linux boot's files opened elsewhere and handed over
+/// ([`LinuxBootConfig::files`]).
+#[derive(Debug, Default)]
+pub struct BootFiles {
+    /// The kernel as configured.
+    pub kernel: Option<std::fs::File>,
+    /// The ELF its LZ4 payload unpacks to, from the daemon's cache.
+    pub unpacked_kernel: Option<std::fs::File>,
+    /// The initrd.
+    pub initrd: Option<std::fs::File>,
 }
 
 /// Where and how the boot vCPU starts; returned by [`configure_linux`].
@@ -232,7 +248,7 @@ pub fn configure_linux(mem: &GuestMemoryMmap, cfg: &LinuxBootConfig) -> Result<B
         )));
     }
 
-    let kernel = boot::load_kernel(mem, cfg.kernel, low_end, cfg.kernel_cache)?;
+    let kernel = boot::load_kernel(mem, cfg.kernel, low_end, cfg.kernel_cache, cfg.files)?;
     let header = kernel.info.header;
     let initrd = match cfg.initrd {
         Some(path) => {
@@ -243,7 +259,7 @@ pub fn configure_linux(mem: &GuestMemoryMmap, cfg: &LinuxBootConfig) -> Result<B
                 low_end.min(max_addr + 1)
             };
             let min_start = kernel.end.max(kernel.info.needs_ram_to);
-            Some(boot::load_initrd(mem, path, min_start, max_end)?)
+            Some(boot::load_initrd(mem, path, min_start, max_end, cfg.files)?)
         }
         None => None,
     };

@@ -90,6 +90,7 @@ fn cfg<'a>(kernel: &'a Path, initrd: Option<&'a Path>, cmdline: &'a str, vcpus: 
         irq0_override: false,
         vmgenid: true,
         kernel_cache: None,
+        files: None,
     }
 }
 

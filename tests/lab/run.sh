@@ -34,7 +34,7 @@ while [[ $# -gt 0 ]]; do
     --timeout) TIMEOUT=$2; shift 2 ;;
     --list)
       for f in "$LAB"/scenarios/*.sh; do
-        [[ $f == *.guest.sh || $f == *.prepare.sh ]] && continue
+        [[ $f == *.guest.sh || $f == *.prepare.sh || $f == *.l1.sh ]] && continue
         printf '%-16s default=%-3s %s\n' "$(basename "$f" .sh)" "$(header "$f" default no)" "$(header "$f" description)"
       done
       exit 0 ;;
@@ -42,7 +42,7 @@ while [[ $# -gt 0 ]]; do
       rc=0
       for f in "$LAB"/scenarios/*.sh "$LAB"/lib/*.sh; do
         if head -n3 "$f" | grep -q bash; then bash -n "$f"; else sh -n "$f"; fi || { echo "syntax error: $f"; rc=1; }
-        [[ $f == */scenarios/*.sh && $f != *.guest.sh && $f != *.prepare.sh ]] || continue
+        [[ $f == */scenarios/*.sh && $f != *.guest.sh && $f != *.prepare.sh && $f != *.l1.sh ]] || continue
         [[ -n $(header "$f" description) && $(header "$f" default) =~ ^(yes|no)$ ]] ||
           { echo "$f: needs '# lab: description=' and '# lab: default=yes|no'"; rc=1; }
         # Nothing silent: a scenario runs in CI through its test in
@@ -73,7 +73,7 @@ while [[ $# -gt 0 ]]; do
       exit $rc ;;
     --by-hand)  # the scenarios no test runs, each with why
       for f in "$LAB"/scenarios/*.sh; do
-        [[ $f == *.guest.sh || $f == *.prepare.sh ]] && continue
+        [[ $f == *.guest.sh || $f == *.prepare.sh || $f == *.l1.sh ]] && continue
         why=$(header "$f" by-hand)
         [[ -z $why ]] || printf '%-14s %s\n' "$(basename "$f" .sh)" "$why"
       done

@@ -458,6 +458,7 @@ const TYPICAL_L1_S: &[(&str, u32)] = &[
     ("k7d-fork", 95),
     ("k7d-fork-vhost", 75),
     ("k7d-blk", 70),
+    ("k7d-blk-jail", 70),
     ("k7d-net-vhost", 60),
     ("k7d-direct", 60),
     ("k7d-net", 60),
@@ -852,6 +853,29 @@ fn lab_k7d_blk_ext4_and_erofs() {
     let notes = r["notes"].to_string();
     assert!(notes.contains("L1 loop-mount reads the same sha256"), "{notes}");
     assert!(notes.contains("files match ro.manifest"), "{notes}");
+}
+
+/// Issue 36: k7d-blk's VM built by `k7d daemon --jail on` in a jailed VM
+/// process, its kernel, initrd, both images and serial log handed over as
+/// descriptors: the same guest checks, and the VM process (asserted in the
+/// scenario) ran as a non-root uid with no_new_privs, no capabilities, a
+/// seccomp filter, an empty root and its own mount namespace, holding both
+/// images and its own log as standard error.
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_blk_in_a_jailed_vm_process() {
+    if pending("k7d-blk-jail") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("k7d-blk-jail", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("L1 loop-mount reads the same sha256"), "{notes}");
+    assert!(notes.contains("files match ro.manifest"), "{notes}");
+    assert!(
+        notes.contains("holding its images and serial log as handed descriptors"),
+        "{notes}"
+    );
 }
 
 /// k7d's userspace virtio-net over a multi-queue tap, 2 vCPUs: the guest sees

@@ -127,7 +127,12 @@ fn confine(cfg: &JailConfig) -> Result<(), JailError> {
     keep.extend(&cfg.keep_fds);
     sys::close_fds_except(&keep).map_err(step("close the descriptors it was not given"))?;
     sys::make_mounts_private().map_err(step("make every mount private"))?;
-    sys::pivot_into(root).map_err(step("make the empty root the process's /"))?;
+    if sys::pivot_into(root).map_err(step("make the empty root the process's /"))? == sys::RootChange::MovedAndChrooted
+    {
+        tracing::warn!(
+            "the host's root is an initramfs, which pivot_root cannot leave: the jail's root was moved over / and chrooted into (docs/security.md)"
+        );
+    }
     sys::set_hostname("k7d-vm").map_err(step("set the uts namespace's hostname"))?;
     sys::drop_bounding_set().map_err(step("drop the capability bounding set"))?;
     sys::set_ids(uid, gid).map_err(step("switch to the jail's uid and gid"))?;

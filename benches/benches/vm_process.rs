@@ -99,6 +99,7 @@ fn vm_process(i: usize, k7d: &std::path::Path, dir: &std::path::Path, pss: &mut 
             config: Box::new(config()),
             files: Vec::new(),
             serial_log: None,
+            node: Default::default(),
         },
     )?;
     ok(&mut p, Request::Start)?;

@@ -683,3 +683,71 @@ fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
         assert!(left.is_empty(), "left behind in {sub}: {left:?}");
     }
 }
+
+/// Bad input to a VM process's build (issue 36): a "kernel" that is not
+/// one, handed over by the daemon, is refused by the VM process with one
+/// sentence naming the file, and nothing is left (no process, no record,
+/// no file, the id free again); a device the VM process does not serve
+/// yet (vsock) is refused before anything starts.
+#[test]
+fn a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing() {
+    if !root_or_skip("a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing") {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc-bad");
+    let dir = scratch.0.as_path();
+    let _guard = Cleanup {
+        dir,
+        daemon: Some(start_daemon(dir)),
+        pids: Vec::new(),
+    };
+    let kernel = dir.join("not-a-kernel");
+    std::fs::write(&kernel, b"this is not a kernel image").unwrap();
+    let disk = dir.join("disk.img");
+    std::fs::write(&disk, vec![0u8; 1 << 20]).unwrap();
+    let k = kernel.to_str().unwrap();
+    let o = cli(
+        dir,
+        &["create", "--id", "bad", "--kernel", k, "--disk", disk.to_str().unwrap()],
+    );
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = text(&o).1;
+    assert!(err.contains("vm bad: ") && err.contains(k), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    let o = cli(
+        dir,
+        &[
+            "create",
+            "--id",
+            "bad",
+            "--kernel",
+            k,
+            "--vsock",
+            "cid=3,uds=/tmp/k7d-bad.vsock",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    assert!(
+        text(&o).1.contains("a VM process runs no vsock device"),
+        "{:?}",
+        text(&o)
+    );
+    // Nothing left: no VM, no record or runtime file, no VM process.
+    assert!(text(&cli(dir, &["list"])).0.lines().all(|l| !l.starts_with("bad")));
+    let left: Vec<_> = std::fs::read_dir(dir.join("state/vms"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    let dir_s = dir.to_string_lossy().into_owned();
+    let spares = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read(e.path().join("cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&format!("{dir_s}/state/vms")))
+        })
+        .count();
+    assert_eq!(spares, 0, "a VM process of the refused VM is still running");
+}

@@ -42,6 +42,7 @@ fn memwriter(id: String) -> Request {
         }),
         files: Vec::new(),
         serial_log: None,
+        node: Default::default(),
     }
 }
 

@@ -183,6 +183,28 @@ lab_daemon_stop() {
 }
 
 # lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.
+# lab_jail_check FILE...: what the VM process of k7d-jail.l1.sh was while its
+# guest ran (it recorded /proc in /tmp/k7d-jail): a non-root uid,
+# no_new_privs, no capabilities, a seccomp filter, an empty root, a mount
+# namespace not L1's, its serial log and each FILE among its descriptors
+# (handed over by the daemon: it has no filesystem), its stderr its own log.
+lab_jail_check() {
+  _j=/tmp/k7d-jail _v=/tmp/k7d-jail/state/vms/vm
+  [ -s $_j/status ] || lab_fail "k7d-jail: no record of the VM process"
+  _uid=$(awk '/^Uid:/ {print $2}' $_j/status)
+  [ -n "$_uid" ] && [ "$_uid" != 0 ] || lab_fail "k7d-jail: the VM process ran as uid '$_uid'"
+  grep -q "^NoNewPrivs:.1" $_j/status || lab_fail "k7d-jail: the VM process lacks no_new_privs: $(cat $_j/status)"
+  grep -q "^CapEff:.0000000000000000" $_j/status || lab_fail "k7d-jail: the VM process has capabilities: $(cat $_j/status)"
+  grep -q "^Seccomp:.2" $_j/status || lab_fail "k7d-jail: the VM process has no seccomp filter"
+  [ ! -s $_j/root ] || lab_fail "k7d-jail: the VM process's root is not empty: $(cat $_j/root)"
+  [ "$(cat $_j/mnt-ns)" != "$(readlink /proc/self/ns/mnt)" ] || lab_fail "k7d-jail: the VM process shares L1's mount namespace"
+  for _f in "$_v/serial.log" "$@"; do
+    grep -q " -> $_f\$" $_j/fds || lab_fail "k7d-jail: the VM process does not hold $_f: $(tr '\n' ' ' <$_j/fds)"
+  done
+  grep -q " 2 -> $_v/vm-process.log\$" $_j/fds || lab_fail "k7d-jail: the VM process's stderr is not its own log"
+  lab_note "k7d-jail: the VM ran in VM process uid $_uid (no_new_privs, no capabilities, seccomp, empty root, own mount namespace), holding its files and serial log as handed descriptors"
+}
+
 lab_guest() { sed -n "s/.*LAB-GUEST $1=\([^[:space:]]*\).*/\1/p" "/tmp/l2-$2.log" | tr -d '\r' | head -n1; }
 lab_guest_init_uptime() { sed -n 's/.*LAB-GUEST init uptime=\([0-9.]*\).*/\1/p' "/tmp/l2-$1.log" | head -n1; }
 

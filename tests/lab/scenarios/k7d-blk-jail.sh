@@ -7,7 +7,7 @@
 # lab: l1-modules=loop crc32c_generic ext4
 # lab: l2-bins=mkfs.ext4
 # lab: prepare=k7d-blk
-# lab: files=tests/lab/scenarios/k7d-blk.sh tests/lab/scenarios/k7d-blk-jail.l1.sh
+# lab: files=tests/lab/scenarios/k7d-blk.sh tests/lab/scenarios/k7d-jail.l1.sh
 #
 # Issue 36: a Linux guest with disks in a VM process. The VM process has an
 # empty root and no filesystem, so every file the VM needs arrives open from

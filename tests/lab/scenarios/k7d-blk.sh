@@ -41,9 +41,9 @@ case $VMM in
     # The same VM built by `k7d daemon --jail on` in a jailed VM process of
     # its own: the daemon opens the kernel, initrd, both images and the
     # serial log and hands them over as descriptors (the process has no
-    # filesystem); k7d-blk-jail.l1.sh follows the serial log as the console.
+    # filesystem); k7d-jail.l1.sh follows the serial log as the console.
     [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
-    lab_run_l2 blk "${LAB_L2_TIMEOUT:-300}" sh /lab/files/k7d-blk-jail.l1.sh "$LAB_BIN" --kernel "$LAB_KERNEL" \
+    lab_run_l2 blk "${LAB_L2_TIMEOUT:-300}" sh /lab/files/k7d-jail.l1.sh "$LAB_BIN" --kernel "$LAB_KERNEL" \
       --initrd "$LAB_INITRD" --cmdline "$LAB_CMDLINE lab.mib=$MIB" --vcpus 2 --memory 512 --disk "$IMG" --disk "$RO,ro" ;;
   qemu)
     lab_note "$(qemu-system-x86_64 --version | head -n1)"
@@ -62,24 +62,7 @@ err=$(sed -n 's/.*LAB-GUEST error //p' "$LOG" | head -n1)
 grep -q "LAB-GUEST blk-done=yes" "$LOG" || lab_fail "the guest script did not finish"
 grep -q "LAB-GUEST end rc=0" "$LOG" || lab_fail "the guest script did not end with rc=0"
 [ "$VMM" = qemu ] || grep -q "stopped (guest poweroff)" "$LOG" || lab_fail "k7d did not report the guest poweroff"
-if [ "$VMM" = k7d-jail ]; then
-  # What the VM process was while the guest ran (k7d-blk-jail.l1.sh looked
-  # at /proc): jailed, and holding the images it was handed.
-  J=/tmp/k7d-jail
-  [ -s $J/status ] || lab_fail "k7d-jail: no record of the VM process (see $LOG)"
-  uid=$(awk '/^Uid:/ {print $2}' $J/status)
-  [ -n "$uid" ] && [ "$uid" != 0 ] || lab_fail "k7d-jail: the VM process ran as uid '$uid'"
-  grep -q "^NoNewPrivs:.1" $J/status || lab_fail "k7d-jail: the VM process lacks no_new_privs: $(cat $J/status)"
-  grep -q "^CapEff:.0000000000000000" $J/status || lab_fail "k7d-jail: the VM process has capabilities: $(cat $J/status)"
-  grep -q "^Seccomp:.2" $J/status || lab_fail "k7d-jail: the VM process has no seccomp filter"
-  [ ! -s $J/root ] || lab_fail "k7d-jail: the VM process's root is not empty: $(cat $J/root)"
-  [ "$(cat $J/mnt-ns)" != "$(readlink /proc/self/ns/mnt)" ] || lab_fail "k7d-jail: the VM process shares L1's mount namespace"
-  for f in "$IMG" "$RO" "/tmp/k7d-jail/state/vms/blk/serial.log"; do
-    grep -q " -> $f\$" $J/fds || lab_fail "k7d-jail: the VM process does not hold $f: $(tr '\n' ' ' <$J/fds)"
-  done
-  grep -q " 2 -> /tmp/k7d-jail/state/vms/blk/vm-process.log\$" $J/fds || lab_fail "k7d-jail: the VM process's stderr is not its own log"
-  lab_note "k7d-jail: the VM ran in VM process uid $uid (no_new_privs, no capabilities, seccomp, empty root, own mount namespace), holding its images and serial log as handed descriptors"
-fi
+[ "$VMM" != k7d-jail ] || lab_jail_check "$IMG" "$RO"
 
 # What the guest saw of the two devices.
 [ "$(lab_guest vda-sectors blk)" = 524288 ] || lab_fail "guest /dev/vda has $(lab_guest vda-sectors blk) sectors, expected 524288 (256 MiB)"

@@ -79,6 +79,12 @@ case $VMM in
     [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
     lab_run_l2 net "${LAB_L2_TIMEOUT:-780}" "$LAB_BIN" run --kernel "$LAB_KERNEL" --initrd "$LAB_INITRD" \
       --cmdline "$LAB_CMDLINE lab.mib=$MIB" --vcpus 2 --memory 512 --nic "$nic" ;;
+  k7d-jail)
+    # The same VM built by `k7d daemon --jail on` in a jailed VM process:
+    # the daemon makes the tap and hands its queues over (k7d-net-jail).
+    [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
+    lab_run_l2 net "${LAB_L2_TIMEOUT:-780}" sh /lab/files/k7d-jail.l1.sh "$LAB_BIN" --kernel "$LAB_KERNEL" \
+      --initrd "$LAB_INITRD" --cmdline "$LAB_CMDLINE lab.mib=$MIB" --vcpus 2 --memory 512 --nic "$nic" ;;
   qemu)
     lab_note "$(qemu-system-x86_64 --version | head -n1)"
     lab_run_l2 net "${LAB_L2_TIMEOUT:-780}" qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 512 \
@@ -114,6 +120,17 @@ elif [ "$VMM" = k7d ]; then
   line="k7d: nic 0: tap $TAP, vhost: $VHOST, queues: 2"
   grep -qF "$line" "$LOG" || lab_fail "k7d did not print '$line' (it printed: $(grep 'k7d: nic' "$LOG" | head -n2 | tr '\n' ' '))"
   lab_note "$line"
+elif [ "$VMM" = k7d-jail ]; then
+  line=$(grep "k7d-jail: create: device virtio-net" "$LOG" | head -n1)
+  case $line in
+    *"(tap $TAP, vhost: $VHOST, queues: 2,"*) lab_note "$line" ;;
+    *) lab_fail "the daemon did not report 'tap $TAP, vhost: $VHOST, queues: 2' (it printed: $line)" ;;
+  esac
+  grep -q "stopped (guest poweroff)" "$LOG" || lab_fail "k7d did not report the guest poweroff"
+  # Its tap's two queues among its descriptors.
+  [ "$(grep -c ' -> /dev/net/tun$' /tmp/k7d-jail/fds)" = 2 ] ||
+    lab_fail "the VM process does not hold the tap's 2 queues: $(tr '\n' ' ' </tmp/k7d-jail/fds)"
+  lab_jail_check
 fi
 [ -n "$DIRECT" ] || ! ip link show "$TAP" >/dev/null 2>&1 || lab_fail "the tap $TAP is still there after $VMM exited"
 

@@ -7,10 +7,12 @@
 //! why it ended when nobody asked it to (`kill -9`, a crash).
 //!
 //! What runs in a VM process so far: built-in guests, raw images and Linux
-//! guests with disks and virtio-rng, every host file opened here and handed
-//! over (`host_files`); start, pause, resume, stop, delete, info, list,
-//! peek and fork (of VMs without devices). NICs and vsock, and a request
-//! the VM process does not serve yet, are refused with a sentence.
+//! guests with disks, virtio-rng and NICs (userspace, on taps made here),
+//! every host file and tap queue opened here and handed over
+//! (`host_files`); start, pause, resume, stop, delete, info, list, peek,
+//! fork (of VMs without devices) and clusters. vsock and datapath NICs, and
+//! a request the VM process does not serve yet, are refused with a
+//! sentence.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -225,15 +227,49 @@ pub(super) fn keep_spares(procs: &Arc<VmProcesses>) {
 
 /// Refuses a config a VM process cannot run yet.
 pub(super) fn check_config(id: &str, config: &VmConfig) -> Result<(), ApiError> {
-    if !config.devices.nics.is_empty() || config.devices.vsock.is_some() {
+    if config.devices.vsock.is_some() || config.devices.nics.iter().any(|n| n.datapath.is_some()) {
         return Err(ApiError::new(
             ErrorCode::InvalidArgument,
             format!(
-                "vm {id}: a VM process runs no NIC or vsock device yet; this daemon runs every VM in one (--jail on)"
+                "vm {id}: a VM process runs no vsock device or datapath NIC yet; this daemon runs every VM in one (--jail on)"
             ),
         ));
     }
     Ok(())
+}
+
+/// The taps of `config`'s NICs, made here (the VM process may not), each
+/// queue as a file: planned as the VM process plans them (the same node
+/// settings, no vhost), so both settle on the same queue count. A tap goes
+/// when the last of its queues closes: with the VM process, or here when
+/// the build fails.
+fn taps(
+    id: &str,
+    config: &VmConfig,
+    node: &crate::config::NodeConfig,
+) -> Result<(Vec<FileRole>, Vec<std::fs::File>), ApiError> {
+    let (mut roles, mut files) = (Vec::new(), Vec::new());
+    if config.devices.nics.is_empty() {
+        return Ok((roles, files));
+    }
+    let bad = |m: String| ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {m}"));
+    let net = node.net().map_err(|e| bad(e.to_string()))?;
+    let mut nl = k7d_net::netlink::Netlink::open().map_err(|e| internal(&format!("vm {id}: netlink"), e))?;
+    for (i, n) in config.devices.nics.iter().enumerate() {
+        let nic = u16::try_from(i).map_err(|_| bad("too many NICs".into()))?;
+        let avail =
+            k7d_net::policy::VhostAvailability::Unavailable(crate::vstate::handed::NO_VHOST_IN_A_VM_PROCESS.into());
+        let plan = crate::vstate::nic_plan(&net, n, config.vcpus, avail).map_err(|e| bad(format!("nic {i}: {e}")))?;
+        let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(id, nic).tap);
+        let tap = k7d_net::create_tap(&mut nl, &name, plan.queue_pairs.into(), true)
+            .map_err(|e| internal(&format!("vm {id}: nic {i}: tap {name}"), e))?;
+        for (q, fd) in tap.queues.into_iter().enumerate() {
+            let queue = u16::try_from(q).map_err(|_| bad("too many queues".into()))?;
+            roles.push(FileRole::TapQueue { nic, queue });
+            files.push(std::fs::File::from(fd));
+        }
+    }
+    Ok((roles, files))
 }
 
 /// The name of a VM process's own log in its runtime directory.
@@ -278,6 +314,7 @@ pub(super) fn host_files(
     config: &VmConfig,
     dir: &Path,
     kernel_cache: Option<&Path>,
+    node: &crate::config::NodeConfig,
     fork_child: bool,
 ) -> Result<(Vec<FileRole>, Vec<std::fs::File>), ApiError> {
     let mut roles = vec![FileRole::ProcessLog, FileRole::SerialLog];
@@ -336,6 +373,9 @@ pub(super) fn host_files(
         roles.push(role);
         files.push(f);
     }
+    let (nic_roles, nic_files) = taps(id, config, node)?;
+    roles.extend(nic_roles);
+    files.extend(nic_files);
     if config.devices.rng {
         roles.push(FileRole::Entropy);
         files.push(opened(
@@ -383,15 +423,17 @@ impl Remote {
         config: &VmConfig,
         runtime_dir: &Path,
         kernel_cache: Option<&Path>,
+        node: &crate::config::NodeConfig,
     ) -> Result<Self, ApiError> {
         use std::os::fd::AsRawFd;
         check_config(id, config)?;
-        let (roles, files) = host_files(id, config, runtime_dir, kernel_cache, false)?;
+        let (roles, files) = host_files(id, config, runtime_dir, kernel_cache, node, false)?;
         let build = Request::Build {
             id: id.to_string(),
             config: Box::new(config.clone()),
             files: roles,
             serial_log: Some(runtime_dir.join("serial.log")),
+            node: node.clone(),
         };
         // Its listening socket goes with them.
         if files.len() >= crate::vmproc::wire::MAX_FDS {
@@ -967,7 +1009,7 @@ impl super::Daemon {
         let mut c = cap.config.clone();
         c.id = Some(cid.to_string());
         c.fork.shells = None;
-        let (roles, files) = host_files(cid, &c, &dir, None, true)?;
+        let (roles, files) = host_files(cid, &c, &dir, None, &self.node, true)?;
         let build = Request::BuildFork {
             id: cid.to_string(),
             config: Box::new(c.clone()),
@@ -1017,7 +1059,15 @@ impl super::Daemon {
             .map_err(|e| internal(&format!("vm {id}: its runtime directory"), e))?;
         let mut config = config;
         config.id = Some(id.clone());
-        let mut remote = Remote::spawn(&procs, &self.store, &id, &config, &dir, self.kernel_cache.as_deref())?;
+        let mut remote = Remote::spawn(
+            &procs,
+            &self.store,
+            &id,
+            &config,
+            &dir,
+            self.kernel_cache.as_deref(),
+            &self.node,
+        )?;
         let rec = record_of(&id, config.clone(), &dir, &remote, None);
         let started = self
             .store

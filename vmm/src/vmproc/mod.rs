@@ -6,13 +6,13 @@
 //!
 //! What exists: a VM process is handed `/dev/kvm`, its channel and
 //! optionally a listening socket as descriptors at spawn, and its VM's host
-//! files (kernel, initrd, raw image, disks, serial log, its own log) with
-//! the build request (`vstate::handed`): it opens nothing by path. Start,
+//! files (kernel, initrd, raw image, disks, tap queues, serial log, its own
+//! log) with the build request (`vstate::handed`): it opens nothing by path. Start,
 //! pause, resume, peek, status, stop, capture and fork-child builds; it
 //! outlives its caller when it has the socket, and the next caller
 //! re-attaches there (the daemon does, from its records:
-//! `daemon/processes.rs`). Not yet: NICs and vsock (taps, vhost and the
-//! vsock listener as descriptors), snapshots, forks of VMs with devices.
+//! `daemon/processes.rs`). Not yet: vhost-net, datapath NICs and vsock,
+//! snapshots, forks of VMs with devices.
 
 /// The exit status of a VM process that panicked (its panic hook ends it:
 /// nothing carries on with what the panic left half-changed).

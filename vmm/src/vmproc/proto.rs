@@ -39,6 +39,10 @@ pub enum Request {
         /// is handed over).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         serial_log: Option<PathBuf>,
+        /// The daemon's node settings (a NIC's queues are planned from
+        /// them, by the daemon that made its tap and by the VM process).
+        #[serde(default)]
+        node: crate::config::NodeConfig,
     },
     /// Build the VM (once) as a fork child of the fork instant another VM
     /// process exported ([`Reply::Captured`]): its base and diverged-pages

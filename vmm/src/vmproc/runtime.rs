@@ -169,8 +169,8 @@ fn take_listener(listener: &mut Option<UnixListener>, fd: Option<OwnedFd>) -> Re
 
 /// The sentence for a config a VM process cannot build yet.
 fn check_kind(config: &crate::config::VmConfig) -> Result<(), String> {
-    if !config.devices.nics.is_empty() || config.devices.vsock.is_some() {
-        return Err("a VM process runs no NIC or vsock device yet".into());
+    if config.devices.vsock.is_some() || config.devices.nics.iter().any(|n| n.datapath.is_some()) {
+        return Err("a VM process runs no vsock device or datapath NIC yet".into());
     }
     config.validate_handed().map_err(|e| e.to_string())
 }
@@ -223,13 +223,15 @@ fn handle(
             config,
             files,
             serial_log,
+            node,
         } => {
             if vm.is_some() {
                 return Err("this VM process already holds its VM".into());
             }
             check_kind(&config)?;
             let (opened, listen) = split_files(&files, fds, "the build")?;
-            let opts = handed_options(&files, opened, serial_log)?;
+            let mut opts = handed_options(&files, opened, serial_log)?;
+            opts.node = node;
             let built = Vm::new(&id, &config, &opts).map_err(|e| e.to_string())?;
             take_listener(listener, listen)?;
             *vm = Some(built);

@@ -169,10 +169,14 @@ pub(super) fn add_linux_platform(
     }
     if !config.devices.nics.is_empty() {
         let node = opts.node.net().map_err(|e| dev_err("virtio-net")(&e))?;
-        let mut nl = k7d_net::netlink::Netlink::open().map_err(|e| dev_err("virtio-net")(&e))?;
+        // A VM process is handed its taps: it makes none (and may not).
+        let mut nl = match opts.files.handed() {
+            true => None,
+            false => Some(k7d_net::netlink::Netlink::open().map_err(|e| dev_err("virtio-net")(&e))?),
+        };
         let datapath = opts.node.datapath();
         for (i, n) in config.devices.nics.iter().enumerate() {
-            net_cleanups.extend(pci.add_nic(&node, &datapath, &mut nl, i, n, config.vcpus)?);
+            net_cleanups.extend(pci.add_nic(&node, &datapath, nl.as_mut(), i, n, config.vcpus)?);
         }
     }
     if let Some(v) = &config.devices.vsock {
@@ -250,7 +254,7 @@ const DATAPATH_NO_VHOST: &str = "NICs attached through the datapath use the user
 /// the datapath is settled as if vhost were unavailable (the datapath owns
 /// its tap; vhost there is not wired yet): an explicit request fails with
 /// that reason. Errors are the sentence the policy gives.
-pub(super) fn nic_plan(
+pub fn nic_plan(
     node: &k7d_net::policy::NodeNetConfig,
     nic: &crate::config::NicConfig,
     vcpus: u8,
@@ -486,7 +490,7 @@ impl PciCtx<'_> {
         &mut self,
         node: &k7d_net::policy::NodeNetConfig,
         datapath: &k7d_net::DatapathConfig,
-        nl: &mut k7d_net::netlink::Netlink,
+        mut nl: Option<&mut k7d_net::netlink::Netlink>,
         i: usize,
         n: &crate::config::NicConfig,
         vcpus: u8,
@@ -499,7 +503,10 @@ impl PciCtx<'_> {
             msg: format!("nic {i}: {e}"),
         };
         let would_vhost = n.vhost.unwrap_or(node.vhost_default());
-        let avail = if would_vhost && n.datapath.is_none() {
+        let handed = self.files.handed();
+        let avail = if handed {
+            VhostAvailability::Unavailable(super::handed::NO_VHOST_IN_A_VM_PROCESS.into())
+        } else if would_vhost && n.datapath.is_none() {
             VhostAvailability::probe(Path::new(VHOST_NET_PATH))
         } else {
             VhostAvailability::Unavailable("not probed".into())
@@ -510,12 +517,48 @@ impl PciCtx<'_> {
         }
         let mut path_note = String::new();
         let mut cleanup = None;
+        let no_netlink = || VmError::Device {
+            what: "virtio-net",
+            msg: format!("nic {i}: no netlink socket to make its tap with"),
+        };
         let (tap_name, tap) = match &n.datapath {
+            None if handed => {
+                // The daemon made the tap; its queues were handed over.
+                let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(&id, idx).tap);
+                let queues = (0..plane.queue_pairs)
+                    .map(|queue| {
+                        let role = FileRole::TapQueue { nic: idx, queue };
+                        match self.files.take(role) {
+                            Ok(Some(f)) => Ok(std::os::fd::OwnedFd::from(f)),
+                            Ok(None) => Err(format!("{role} was not handed to this VM process")),
+                            Err(e) => Err(e),
+                        }
+                    })
+                    .collect::<Result<Vec<_>, String>>()
+                    .map_err(|msg| VmError::Device {
+                        what: "virtio-net",
+                        msg,
+                    })?;
+                let tap = k7d_net::Tap {
+                    name: name.clone(),
+                    ifindex: 0,
+                    queues,
+                    vnet_hdr: true,
+                };
+                (name, tap)
+            }
             None => {
                 let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(&id, idx).tap);
+                let nl = nl.as_deref_mut().ok_or_else(no_netlink)?;
                 let tap = k7d_net::create_tap(nl, &name, plane.queue_pairs.into(), true)
                     .map_err(|e| dev_err("virtio-net")(&e))?;
                 (name, tap)
+            }
+            Some(_) if handed => {
+                return Err(VmError::Device {
+                    what: "virtio-net",
+                    msg: format!("nic {i}: a VM process takes no datapath NIC yet"),
+                });
             }
             Some(d) => {
                 let dp = k7d_net::Datapath::new(datapath.clone()).map_err(|e| dev_err("datapath")(&e))?;
@@ -558,6 +601,7 @@ impl PciCtx<'_> {
                     if let Some(w) = &plane.warning {
                         tracing::warn!(vm = %id, nic = i, "{w}");
                     }
+                    let nl = nl.ok_or_else(no_netlink)?;
                     let tap = k7d_net::create_tap(nl, &tap_name, plane.queue_pairs.into(), true)
                         .map_err(|e| dev_err("virtio-net")(&e))?;
                     k7d_devices::virtio::net::Net::new(tap, cfg(plane.queue_pairs))

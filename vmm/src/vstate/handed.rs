@@ -35,6 +35,13 @@ pub enum FileRole {
     SerialLog,
     /// virtio-rng's entropy source.
     Entropy,
+    /// Queue `queue` of NIC `nic`'s tap (made by the daemon, which may).
+    TapQueue {
+        /// Its place in the config's NICs.
+        nic: u16,
+        /// The queue (pair) index.
+        queue: u16,
+    },
     /// The VM process's own log: it becomes its standard error.
     ProcessLog,
 }
@@ -49,6 +56,7 @@ impl std::fmt::Display for FileRole {
             Self::Disk { index } => write!(f, "disk {index}'s image"),
             Self::SerialLog => f.write_str("the serial log"),
             Self::Entropy => f.write_str("the entropy source"),
+            Self::TapQueue { nic, queue } => write!(f, "queue {queue} of nic {nic}'s tap"),
             Self::ProcessLog => f.write_str("the VM process's log"),
         }
     }
@@ -114,6 +122,12 @@ impl HostFiles {
         matches!(self, Self::Handed(_))
     }
 }
+
+/// Why a NIC in a VM process has no kernel vhost-net data plane: the same
+/// sentence where the daemon plans the NIC and where the VM process builds
+/// it, so both settle on the same queues.
+pub const NO_VHOST_IN_A_VM_PROCESS: &str =
+    "a VM process is not handed /dev/vhost-net yet (issue 36): the NIC runs in userspace";
 
 /// Opens a guest input file (kernel, initrd, raw image) read-only as the
 /// VM would: `O_NONBLOCK` so that a FIFO put in its place does not wait

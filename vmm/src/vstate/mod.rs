@@ -17,3 +17,5 @@ pub mod snapshot;
 mod standby;
 pub mod vcpu;
 pub mod vm;
+
+pub use device_manager::nic_plan;

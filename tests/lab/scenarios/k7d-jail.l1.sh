@@ -1,7 +1,9 @@
-# The VMM command of k7d-blk-jail: `sh k7d-blk-jail.l1.sh K7D CREATE-ARGS...`
-# runs one VM (id blk) under `k7d daemon --jail on` and prints its serial log
-# as a console would, until the VM stops; then the daemon's last word on it
-# ("k7d: vm blk: stopped (guest poweroff)") and exit 0 when the guest powered
+# The VMM command of the scenarios that run their VM in a VM process
+# (k7d-blk-jail, k7d-net-jail): `sh k7d-jail.l1.sh K7D CREATE-ARGS...` runs
+# one VM (id vm) under `k7d daemon --jail on`, prints what `create` said
+# ("k7d-jail: create: ..." lines: its devices), then its serial log as a
+# console would, until the VM stops; then the daemon's last word on it
+# ("k7d: vm vm: stopped (guest poweroff)") and exit 0 when the guest powered
 # off. While the guest runs it records what the VM process is, for the
 # scenario's checks: /tmp/k7d-jail/{status,root,mnt-ns,fds}.
 set -u
@@ -15,7 +17,7 @@ D=$!
 tail_pid=
 stop() {
   [ -z "$tail_pid" ] || kill "$tail_pid" 2>/dev/null
-  "$K" --socket "$J/k7d.sock" delete blk >/dev/null 2>&1
+  "$K" --socket "$J/k7d.sock" delete vm >/dev/null 2>&1
   kill "$D" 2>/dev/null
   wait "$D" 2>/dev/null
 }
@@ -27,18 +29,19 @@ until k list >/dev/null 2>&1; do
   [ $i -lt 600 ] || { echo "k7d-jail: the daemon did not start: $(tail -n3 "$J/daemon.log")"; exit 90; }
   sleep 0.1
 done
-k create --id blk "$@" --start >"$J/create.out" 2>&1 || { echo "k7d-jail: create failed: $(cat "$J/create.out")"; exit 91; }
-tail -n +1 -f "$J/state/vms/blk/serial.log" &
+k create --id vm "$@" --start >"$J/create.out" 2>&1 || { echo "k7d-jail: create failed: $(cat "$J/create.out")"; exit 91; }
+sed 's/^ */k7d-jail: create: /' "$J/create.out"
+tail -n +1 -f "$J/state/vms/vm/serial.log" &
 tail_pid=$!
-pid=$(k --json info blk | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
-[ -n "$pid" ] || { echo "k7d-jail: vm blk has no VM process: $(k info blk)"; exit 92; }
+pid=$(k --json info vm | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
+[ -n "$pid" ] || { echo "k7d-jail: vm vm has no VM process: $(k info vm)"; exit 92; }
 grep -E '^(Uid|NoNewPrivs|CapEff|Seccomp):' "/proc/$pid/status" >"$J/status"
 ls -A "/proc/$pid/root" >"$J/root" 2>&1
 readlink "/proc/$pid/ns/mnt" >"$J/mnt-ns"
 ls -l "/proc/$pid/fd" | sed 's/^.* \([0-9]* -> \)/\1/' >"$J/fds.tmp"
 sed 's/^/ /' "$J/fds.tmp" >"$J/fds"
 while :; do
-  st=$(k info blk 2>&1 | head -n1)
+  st=$(k info vm 2>&1 | head -n1)
   case $st in *stopped*) break ;; esac
   sleep 0.5
 done

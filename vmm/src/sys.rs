@@ -570,12 +570,13 @@ pub fn make_mounts_private() -> io::Result<()> {
 pub enum RootChange {
     /// `pivot_root`, the old root detached.
     Pivoted,
-    /// The host's root is an initramfs (rootfs), which `pivot_root` cannot
-    /// leave: the new root moved over `/` and `chroot` into it, as `runc
-    /// --no-pivot` does. The old root stays under it in the process's own
-    /// mount namespace, out of its reach: leaving a chroot takes
-    /// `CAP_SYS_CHROOT` and a descriptor outside, and the jail leaves it
-    /// neither.
+    /// `pivot_root` failed with `EINVAL`, as it does when the host's root
+    /// is an initramfs (rootfs): the new root moved over `/` and `chroot`
+    /// into it, as `runc --no-pivot` does. The old root (and the host's
+    /// other mounts) stay hidden under it in the process's own mount
+    /// namespace: mounted over, and no descriptor of the process refers to
+    /// them. Weaker than a pivot: what a user namespace made inside could
+    /// see of them is not ruled out (`docs/security.md`).
     MovedAndChrooted,
 }
 

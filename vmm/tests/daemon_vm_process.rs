@@ -469,6 +469,23 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
         assert_eq!(info(dir, c)["parent"], "src");
         assert!(grows(|| counter(dir, c)), "{c} does not run");
         assert!(counter(dir, c) > count_at_fork, "{c} did not continue from the source");
+        // It holds its source's base read-only: it cannot write the
+        // memory its source and siblings still share.
+        let base_fd = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+            .find(|e| {
+                std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with("/memfd:k7d-ram-src "))
+            })
+            .unwrap_or_else(|| panic!("{c} holds no descriptor of its source's base"));
+        let fdinfo =
+            std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", base_fd.file_name().to_string_lossy())).unwrap();
+        let flags = fdinfo
+            .lines()
+            .find_map(|l| l.strip_prefix("flags:"))
+            .and_then(|f| u32::from_str_radix(f.trim(), 8).ok())
+            .unwrap();
+        assert_eq!(flags & 3, 0, "{c} holds its source's base writable (flags {flags:o})");
         // Its RAM is the source's base (the memfd named after the source)
         // mapped copy-on-write, with the pages diverged since copied in.
         assert!(
@@ -654,6 +671,16 @@ fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
         assert_eq!(info(dir, c)["status"], "running");
         assert!(grows(|| counter(dir, c)), "{c} stopped across the daemon's restart");
     }
+    // A daemon that exits as asked (SIGTERM) keeps them too.
+    let mut d = guard.daemon.take().unwrap();
+    // SAFETY: kill takes integers; the daemon is this test's child.
+    assert_eq!(unsafe { libc::kill(d.id() as i32, libc::SIGTERM) }, 0);
+    assert!(d.wait().unwrap().success());
+    guard.daemon = Some(start_daemon(dir));
+    assert_eq!(
+        cluster_members(dir, "cl-f2"),
+        vec![("m1-f2".to_string(), "running".to_string())]
+    );
     // A re-attached cluster forks again.
     for m in members {
         assert!(cli(dir, &["resume", m]).status.success());

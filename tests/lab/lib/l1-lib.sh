@@ -182,7 +182,6 @@ lab_daemon_stop() {
   ! grep -q 'ERROR' "$1" || fail "the daemon logged an error: $(grep -m1 'ERROR' "$1")"
 }
 
-# lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.
 # lab_jail_check FILE...: what the VM process of k7d-jail.l1.sh was while its
 # guest ran (it recorded /proc in /tmp/k7d-jail): a non-root uid,
 # no_new_privs, no capabilities, a seccomp filter, an empty root, a mount
@@ -205,6 +204,7 @@ lab_jail_check() {
   lab_note "k7d-jail: the VM ran in VM process uid $_uid (no_new_privs, no capabilities, seccomp, empty root, own mount namespace), holding its files and serial log as handed descriptors"
 }
 
+# lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.
 lab_guest() { sed -n "s/.*LAB-GUEST $1=\([^[:space:]]*\).*/\1/p" "/tmp/l2-$2.log" | tr -d '\r' | head -n1; }
 lab_guest_init_uptime() { sed -n 's/.*LAB-GUEST init uptime=\([0-9.]*\).*/\1/p' "/tmp/l2-$1.log" | head -n1; }
 

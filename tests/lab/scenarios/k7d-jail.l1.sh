@@ -14,9 +14,7 @@ rm -rf "$J"
 mkdir -p "$J"
 "$K" daemon --jail on --state-dir "$J/state" --socket "$J/k7d.sock" >"$J/daemon.log" 2>&1 &
 D=$!
-tail_pid=
 stop() {
-  [ -z "$tail_pid" ] || kill "$tail_pid" 2>/dev/null
   "$K" --socket "$J/k7d.sock" delete vm >/dev/null 2>&1
   kill "$D" 2>/dev/null
   wait "$D" 2>/dev/null
@@ -31,8 +29,18 @@ until k list >/dev/null 2>&1; do
 done
 k create --id vm "$@" --start >"$J/create.out" 2>&1 || { echo "k7d-jail: create failed: $(cat "$J/create.out")"; exit 91; }
 sed 's/^ */k7d-jail: create: /' "$J/create.out"
-tail -n +1 -f "$J/state/vms/vm/serial.log" &
-tail_pid=$!
+LOG=$J/state/vms/vm/serial.log
+# What the guest printed since the last call: bytes from offset $off on.
+# (Not `tail -f`: killed when the VM stops, it could leave the log's last
+# lines unprinted; the guest's final verdict is in them.)
+off=0
+flush() {
+  size=$(wc -c <"$LOG")
+  if [ "$size" -gt "$off" ]; then
+    tail -c +$((off + 1)) "$LOG" | head -c $((size - off))
+    off=$size
+  fi
+}
 pid=$(k --json info vm | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
 [ -n "$pid" ] || { echo "k7d-jail: vm vm has no VM process: $(k info vm)"; exit 92; }
 grep -E '^(Uid|NoNewPrivs|CapEff|Seccomp):' "/proc/$pid/status" >"$J/status"
@@ -41,10 +49,12 @@ readlink "/proc/$pid/ns/mnt" >"$J/mnt-ns"
 ls -l "/proc/$pid/fd" | sed 's/^.* \([0-9]* -> \)/\1/' >"$J/fds.tmp"
 sed 's/^/ /' "$J/fds.tmp" >"$J/fds"
 while :; do
+  flush
   st=$(k info vm 2>&1 | head -n1)
   case $st in *stopped*) break ;; esac
   sleep 0.5
 done
-sleep 0.3
+# The VM is stopped: its serial log is complete.
+flush
 echo "k7d: $st"
 case $st in *"stopped (guest poweroff)"*) exit 0 ;; *) exit 1 ;; esac

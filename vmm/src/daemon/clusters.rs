@@ -96,14 +96,16 @@ pub(super) struct Clusters {
 impl Clusters {
     /// Opens `<state_dir>/clusters`. A record of members that outlived the
     /// daemon that wrote it (re-attached in their VM processes: `live`) is
-    /// kept with those members (VM processes have no NICs, so such a
-    /// cluster has no bridge); any other was left by a gone daemon whose
+    /// kept with those members (their NICs are never on a cluster's bridge,
+    /// so such a cluster has none); any other was left by a gone daemon whose
     /// members went with it and is removed. Returns the ids removed.
     pub(super) fn open(state_dir: &Path, live: &dyn Fn(&str) -> bool) -> Result<(Self, Vec<String>), std::io::Error> {
         let dir = state_dir.join("clusters");
         fs::create_dir_all(&dir)?;
         let mut removed = Vec::new();
         let mut kept = BTreeMap::new();
+        let mut members_kept = std::collections::HashSet::new();
+        let mut changed = Vec::new();
         for e in fs::read_dir(&dir)? {
             let e = e?;
             let name = e.file_name().to_string_lossy().into_owned();
@@ -122,12 +124,20 @@ impl Clusters {
                 })
                 .map(|mut r| {
                     // A member whose process is gone is out, as a deleted
-                    // member is.
-                    r.members.retain(|m| live(&m.id));
+                    // member is; so is one named twice or held by a cluster
+                    // kept already (a VM belongs to one cluster at most).
+                    let before = r.members.len();
+                    let mut own = std::collections::HashSet::new();
+                    r.members
+                        .retain(|m| live(&m.id) && !members_kept.contains(&m.id) && own.insert(m.id.clone()));
+                    if r.members.len() != before {
+                        changed.push(r.id.clone());
+                    }
                     r
                 })
                 .filter(|r| !r.members.is_empty());
             if let Some(r) = rec {
+                members_kept.extend(r.members.iter().map(|m| m.id.clone()));
                 tracing::info!(cluster = %r.id, "kept: its members were re-attached in their VM processes");
                 kept.insert(
                     r.id.clone(),
@@ -145,14 +155,19 @@ impl Clusters {
             }
         }
         removed.sort();
-        Ok((
-            Self {
-                dir,
-                map: Mutex::new(kept),
-                seq: AtomicU64::new(0),
-            },
-            removed,
-        ))
+        let clusters = Self {
+            dir,
+            map: Mutex::new(kept),
+            seq: AtomicU64::new(0),
+        };
+        // A kept record that lost members says so on disk too: a new VM
+        // that takes a lost member's id must not join it at the next start.
+        for id in changed {
+            if let Some(c) = clusters.get(&id) {
+                clusters.save(&id, &c).map_err(std::io::Error::other)?;
+            }
+        }
+        Ok((clusters, removed))
     }
 
     fn map(&self) -> MutexGuard<'_, BTreeMap<String, ClusterSlot>> {
@@ -191,10 +206,20 @@ impl Clusters {
     }
 
     /// Forgets every cluster and removes its record and bridge (the daemon
-    /// exits, and the members with it).
+    /// exits, and the members inside it with it), but a cluster whose
+    /// members run on in VM processes.
     pub(super) fn remove_all(&self) {
         let all = std::mem::take(&mut *self.map());
         for (id, slot) in all {
+            // Members left at exit run in VM processes, which outlive the
+            // daemon: their cluster does too, for the next daemon.
+            if let ClusterSlot::Ready(c) = &slot
+                && c.bridge.is_none()
+                && !c.members.is_empty()
+            {
+                tracing::info!(cluster = %id, "kept: its members run on in their VM processes");
+                continue;
+            }
             if let ClusterSlot::Ready(Cluster { bridge: Some(b), .. }) = slot {
                 remove_bridge(&b);
             }
@@ -328,8 +353,47 @@ fn conflict(msg: String) -> ApiError {
 }
 
 impl Daemon {
+    /// Refuses members that a cluster cannot hold together: VMs in VM
+    /// processes next to VMs inside the daemon (one pause cannot take
+    /// both), and a VM process's NIC that would go on the cluster's bridge
+    /// (not served yet). `have`: the cluster's members so far.
+    fn check_member_kinds(&self, members: &[String], have: &[String]) -> Result<(), ApiError> {
+        let mut kinds = std::collections::BTreeSet::new();
+        for m in members.iter().chain(have) {
+            match self.process(m) {
+                Some(r) => {
+                    kinds.insert("in VM processes");
+                    let bridged = {
+                        let g = r.lock().unwrap_or_else(|p| p.into_inner());
+                        g.config()
+                            .devices
+                            .nics
+                            .iter()
+                            .any(|n| n.tap.is_none() && n.datapath.is_none())
+                    };
+                    if bridged && members.contains(m) {
+                        return Err(conflict(format!(
+                            "vm {m} runs in a VM process: its NICs cannot go on a cluster's bridge yet (name their taps to keep them outside)"
+                        )));
+                    }
+                }
+                None => {
+                    kinds.insert("inside the daemon");
+                }
+            }
+        }
+        if kinds.len() > 1 {
+            return Err(conflict(
+                "a cluster's members must all run in VM processes or all inside the daemon: one pause cannot take both"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// `cluster_create`.
     pub(super) fn cluster_create(&self, id: &str, members: &[String]) -> Result<ClusterInfo, ApiError> {
+        self.check_member_kinds(members, &[])?;
         let new = self.members_of(members);
         {
             // The VM map first, then the cluster map: the order every
@@ -384,6 +448,8 @@ impl Daemon {
 
     /// `cluster_add`.
     pub(super) fn cluster_add(&self, id: &str, members: &[String]) -> Result<ClusterInfo, ApiError> {
+        let have = self.clusters.get(id).map(|c| c.ids()).unwrap_or_default();
+        self.check_member_kinds(members, &have)?;
         let new = self.members_of(members);
         {
             let vms = self.vms();
@@ -712,6 +778,10 @@ impl Daemon {
         use crate::vstate::vm::VmState;
         let ids_of: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
         let procs = self.forking_processes(id)?;
+        for r in remotes {
+            let g = r.lock().unwrap_or_else(|p| p.into_inner());
+            super::processes::refuse_devices(g.id(), g.config())?;
+        }
         let mut child_clusters = self.reserve_child_clusters(id, count)?;
         let held: Vec<Reservation<'_>> = ids_of
             .iter()

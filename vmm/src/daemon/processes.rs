@@ -348,8 +348,10 @@ pub(super) fn host_files(
             if let Some(cache) = kernel_cache {
                 match crate::arch::x86_64::unpack::unpacked(kernel, &mut k, cache) {
                     Ok(Some(u)) => {
+                        // Read-only: the cache entry is shared by every VM.
+                        let f = opened(id, FileRole::UnpackedKernel, &u.path, crate::vstate::handed::open_input)?;
                         roles.push(FileRole::UnpackedKernel);
-                        files.push(u.file);
+                        files.push(f);
                     }
                     Ok(None) => {}
                     Err(e) => tracing::warn!(vm = %id, "{e}; the kernel boots through its own decompressor"),
@@ -575,16 +577,20 @@ impl Remote {
         // The pidfd before the hello: the process checked above is the one
         // it names unless it ended in between, which the hello then finds.
         let pidfd = crate::sys::pidfd_open(p.pid).map_err(|e| format!("its VM process {} is gone: {e}", p.pid))?;
-        let (proc, hello) = VmProcess::attach(&p.socket, p.pid, VERSION)?;
-        match hello {
-            Reply::Hello { vm: Some(vm), .. } if vm == rec.id => {}
-            Reply::Hello { vm, .. } => {
-                return Err(format!("VM process {} holds {vm:?}, not this VM", p.pid));
+        let refused = match VmProcess::attach(&p.socket, p.pid, VERSION) {
+            Ok((proc, Reply::Hello { vm: Some(vm), .. })) if vm == rec.id => {
+                return Ok(Self::watched(&rec.id, rec.config.clone(), proc, p, pidfd, store));
             }
-            Reply::Error { message } => return Err(message),
-            other => return Err(format!("VM process {} answered hello with {other:?}", p.pid)),
-        }
-        Ok(Self::watched(&rec.id, rec.config.clone(), proc, p, pidfd, store))
+            Ok((_, Reply::Hello { vm, .. })) => format!("VM process {} holds {vm:?}, not this VM", p.pid),
+            Ok((_, Reply::Error { message })) => message,
+            Ok((_, other)) => format!("VM process {} answered hello with {other:?}", p.pid),
+            Err(e) => e,
+        };
+        // Still the recorded process, but not one this daemon can serve (a
+        // channel version it does not speak, a wrong answer): it would run
+        // on unaccounted for, its uid free for the next VM. It is ended.
+        let _ = crate::sys::pidfd_kill(&pidfd);
+        Err(format!("{refused}; VM process {} was killed", p.pid))
     }
 
     fn watched(
@@ -690,6 +696,13 @@ impl Remote {
                 format!("{} descriptors instead of the base and the diverged pages", fds.len()),
             ));
         }
+        // The base goes to the children read-only (they map it privately):
+        // a child may not write its source's and siblings' memory. Its
+        // source sent it: it must be that VM's guest RAM memfd.
+        let mut fds = fds;
+        let base =
+            read_only_memfd(&fds[0], "/memfd:k7d-ram-").map_err(|e| internal(&format!("vm {id}: capture"), e))?;
+        fds[0] = base;
         Ok(Capture {
             config: self.config.clone(),
             state,
@@ -761,6 +774,32 @@ impl Remote {
         }
         let _ = w.join();
     }
+}
+
+/// Refuses, before anything is paused, a fork of `id` across processes
+/// that its devices rule out.
+pub(super) fn refuse_devices(id: &str, config: &VmConfig) -> Result<(), ApiError> {
+    if config.devices.any() {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("vm {id} has devices: its children cannot be built in VM processes yet"),
+        ));
+    }
+    Ok(())
+}
+
+/// A read-only open of the memfd `fd` (through `/proc/self/fd`), which
+/// must be named `prefix…`: a base a child can map but not write.
+fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
+    use std::os::fd::AsRawFd;
+    let link = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    let target = std::fs::read_link(&link).map_err(|e| format!("the base memfd cannot be read: {e}"))?;
+    if !target.to_string_lossy().starts_with(prefix) {
+        return Err(format!("the base is {}, not guest RAM", target.display()));
+    }
+    std::fs::File::open(&link)
+        .map(OwnedFd::from)
+        .map_err(|e| format!("the base memfd cannot be reopened read-only: {e}"))
 }
 
 /// A VM process's exported fork instant: what its children are built from.
@@ -937,6 +976,7 @@ impl super::Daemon {
             ));
         }
         let procs = self.forking_processes(id)?;
+        refuse_devices(id, lock(source).config())?;
         let held = self.reserve_children(id, args.count, args.name.as_deref())?;
         let t = Instant::now();
         let (cap, pause_ms, warnings) = {

@@ -130,7 +130,7 @@ fn confine(cfg: &JailConfig) -> Result<(), JailError> {
     if sys::pivot_into(root).map_err(step("make the empty root the process's /"))? == sys::RootChange::MovedAndChrooted
     {
         tracing::warn!(
-            "the host's root is an initramfs, which pivot_root cannot leave: the jail's root was moved over / and chrooted into (docs/security.md)"
+            "pivot_root refused (EINVAL: the host's root is likely an initramfs): the jail's root was moved over / and chrooted into, which hides the host's mounts less well (docs/security.md)"
         );
     }
     sys::set_hostname("k7d-vm").map_err(step("set the uts namespace's hostname"))?;

@@ -444,13 +444,17 @@ impl PciCtx<'_> {
                     msg: format!("disk {i} has no copy-on-write view from the fork source"),
                 })?,
             None => {
-                let handed = self
-                    .files
-                    .take(FileRole::Disk { index: i as u16 })
-                    .map_err(|msg| VmError::Device {
-                        what: "virtio-blk",
-                        msg,
-                    })?;
+                // An empty drive has no file to hand over.
+                let handed = match &d.path {
+                    Some(_) => self
+                        .files
+                        .take(FileRole::Disk { index: i as u16 })
+                        .map_err(|msg| VmError::Device {
+                            what: "virtio-blk",
+                            msg,
+                        })?,
+                    None => None,
+                };
                 match (handed, &d.path) {
                     (Some(f), Some(p)) => {
                         k7d_devices::virtio::block::DiskImage::from_file(f, d.read_only, p.display().to_string())

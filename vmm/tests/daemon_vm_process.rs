@@ -350,6 +350,36 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
+/// Where `create_page_writer`'s guest writes, and how many pages.
+const AREA: u64 = 0x20_0000;
+const PAGES: u64 = 64;
+
+/// Creates and starts `id`: a 16 MiB memwriter whose rounds each write its
+/// counter into one of [`PAGES`] pages at [`AREA`] (ARG2 = 1).
+fn create_page_writer(dir: &Path, id: &str) {
+    let (area, pages) = (AREA.to_string(), PAGES.to_string());
+    let o = cli(
+        dir,
+        &[
+            "create",
+            "--id",
+            id,
+            "--builtin",
+            "memwriter",
+            "--memory",
+            "16",
+            "--arg",
+            &pages,
+            "--arg",
+            &area,
+            "--arg",
+            "1",
+            "--start",
+        ],
+    );
+    assert!(o.status.success(), "create {id}: {:?}", text(&o));
+}
+
 /// Reads `pages` pages of VM `vm`'s guest RAM from `gpa` in process `pid`.
 fn read_pages(pid: u32, vm: &str, gpa: u64, pages: u64) -> Vec<u32> {
     common::read_guest(pid, vm, gpa, (pages * 4096) as usize)
@@ -370,8 +400,6 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     if !root_or_skip("forks_of_a_vm_process_are_vm_processes_equal_to_their_source") {
         return;
     }
-    const AREA: u64 = 0x20_0000;
-    const PAGES: u64 = 64;
     let scratch = Scratch::new("daemon-vmproc-fork");
     let dir = scratch.0.as_path();
     let mut guard = Cleanup {
@@ -380,26 +408,7 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
         pids: Vec::new(),
     };
     // memwriter with ARG2 = 1: each round writes its counter into a page.
-    let o = cli(
-        dir,
-        &[
-            "create",
-            "--id",
-            "src",
-            "--builtin",
-            "memwriter",
-            "--memory",
-            "16",
-            "--arg",
-            "64",
-            "--arg",
-            "2097152",
-            "--arg",
-            "1",
-            "--start",
-        ],
-    );
-    assert!(o.status.success(), "{:?}", text(&o));
+    create_page_writer(dir, "src");
     let src = pid_of(dir, "src");
     guard.pids.push(src);
     assert!(grows(|| counter(dir, "src")));
@@ -551,8 +560,6 @@ fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
     if !root_or_skip("clusters_of_vm_processes_fork_together_and_outlive_the_daemon") {
         return;
     }
-    const AREA: u64 = 0x20_0000;
-    const PAGES: u64 = 64;
     let scratch = Scratch::new("daemon-vmproc-cluster");
     let dir = scratch.0.as_path();
     let mut guard = Cleanup {
@@ -562,26 +569,7 @@ fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
     };
     let members = ["m1", "m2"];
     for m in members {
-        let o = cli(
-            dir,
-            &[
-                "create",
-                "--id",
-                m,
-                "--builtin",
-                "memwriter",
-                "--memory",
-                "16",
-                "--arg",
-                "64",
-                "--arg",
-                "2097152",
-                "--arg",
-                "1",
-                "--start",
-            ],
-        );
-        assert!(o.status.success(), "create {m}: {:?}", text(&o));
+        create_page_writer(dir, m);
         guard.pids.push(pid_of(dir, m));
         assert!(grows(|| counter(dir, m)), "{m} does not run");
     }

@@ -254,6 +254,20 @@ struct ClusterReservation<'a> {
     bridges: Vec<String>,
 }
 
+impl ClusterReservation<'_> {
+    /// Puts the made child clusters `made` in the map under the reserved
+    /// ids (their records written already), which are then no longer the
+    /// reservation's to remove; returns the ids.
+    fn publish(&mut self, made: Vec<Cluster>) -> Vec<String> {
+        let names = std::mem::take(&mut self.ids);
+        let mut map = self.clusters.map();
+        for (cid, c) in names.iter().zip(made) {
+            map.insert(cid.clone(), ClusterSlot::Ready(c));
+        }
+        names
+    }
+}
+
 impl Drop for ClusterReservation<'_> {
     fn drop(&mut self) {
         for b in &self.bridges {
@@ -740,14 +754,8 @@ impl Daemon {
         }
         // The child clusters first, then the children: a child deleted as
         // soon as it is reachable is taken out of its cluster.
-        let names = std::mem::take(&mut child_clusters.ids);
         child_clusters.bridges.clear();
-        {
-            let mut map = self.clusters.map();
-            for (cid, c) in names.iter().zip(made) {
-                map.insert(cid.clone(), ClusterSlot::Ready(c));
-            }
-        }
+        let names = child_clusters.publish(made);
         for (r, vms) in held.into_iter().zip(per_member) {
             r.fill(vms);
         }
@@ -892,13 +900,7 @@ impl Daemon {
         for (k, r) in built.into_iter().enumerate() {
             per_member[k % members.len()].push(r);
         }
-        let names = std::mem::take(&mut child_clusters.ids);
-        {
-            let mut map = self.clusters.map();
-            for (cid, c) in names.iter().zip(made) {
-                map.insert(cid.clone(), ClusterSlot::Ready(c));
-            }
-        }
+        let names = child_clusters.publish(made);
         for (r, remotes) in held.into_iter().zip(per_member) {
             r.fill_processes(remotes);
         }

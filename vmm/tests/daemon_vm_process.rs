@@ -380,6 +380,22 @@ fn create_page_writer(dir: &Path, id: &str) {
     assert!(o.status.success(), "create {id}: {:?}", text(&o));
 }
 
+/// Makes memwriter VM `vm` (process `pid`) only count from here: clears
+/// ARG2, then waits until a round has begun since, so no round that read
+/// ARG2 before the write can still write a page after a pause (the
+/// pause could land between a round's check and its store, and the
+/// children would finish that store).
+fn stop_writing(pid: u32, vm: &str) {
+    let arg2 = k7d_guest::PARAMS_ADDR + k7d_guest::param::ARG2;
+    common::write_guest_u32(pid, vm, arg2, 0);
+    let after = common::read_guest_u32(pid, vm, COUNTER);
+    let t = Instant::now();
+    while common::read_guest_u32(pid, vm, COUNTER) == after {
+        assert!(t.elapsed() < Duration::from_secs(5), "{vm} stopped counting");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Reads `pages` pages of VM `vm`'s guest RAM from `gpa` in process `pid`.
 fn read_pages(pid: u32, vm: &str, gpa: u64, pages: u64) -> Vec<u32> {
     common::read_guest(pid, vm, gpa, (pages * 4096) as usize)
@@ -431,8 +447,7 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     std::thread::sleep(Duration::from_millis(100));
     // From here the source (and so its children) only counts: its pages
     // stay as the rounds since the freeze left them.
-    let arg2 = k7d_guest::PARAMS_ADDR + k7d_guest::param::ARG2;
-    common::write_guest_u32(src, "src", arg2, 0);
+    stop_writing(src, "src");
     assert!(cli(dir, &["pause", "src"]).status.success());
     let at_fork = read_pages(src, "src", AREA, PAGES);
     let count_at_fork = counter(dir, "src");
@@ -577,10 +592,9 @@ fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
     assert!(o.status.success(), "{:?}", text(&o));
     // From here the members (and so their children) only count, and
     // paused they keep their pages still: what each child must hold.
-    let arg2 = k7d_guest::PARAMS_ADDR + k7d_guest::param::ARG2;
     let mut at_fork = std::collections::HashMap::new();
     for (i, m) in members.iter().enumerate() {
-        common::write_guest_u32(guard.pids[i], m, arg2, 0);
+        stop_writing(guard.pids[i], m);
         assert!(cli(dir, &["pause", m]).status.success());
         at_fork.insert(*m, read_pages(guard.pids[i], m, AREA, PAGES));
     }

@@ -523,6 +523,10 @@ struct DaemonJail {
     /// child or a VM to build (their start is off the request's path).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(0..=256))]
     jail_spares: u32,
+    /// Seconds a VM process has for a whole reply; one that stalls or
+    /// breaks its channel is killed, its VM recorded stopped with why.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    vm_process_timeout: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -1362,6 +1366,7 @@ fn print_vm(vm: &VmInfo) {
 fn vm_processes(jail: &DaemonJail) -> Result<k7d_vmm::daemon::VmProcesses> {
     let k7d = std::env::current_exe().context("cannot find this binary to run VM processes with")?;
     k7d_vmm::sys::become_subreaper().context("cannot become a child subreaper")?;
+    k7d_vmm::vmproc::handle::set_call_timeout(std::time::Duration::from_secs(jail.vm_process_timeout));
     let spawner = k7d_vmm::vmproc::spawner::Spawner::start(&k7d).map_err(|e| anyhow::anyhow!(e))?;
     let ids = k7d_vmm::daemon::IdRange {
         base: jail.jail_id_base,

@@ -780,3 +780,110 @@ fn a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing() {
         .count();
     assert_eq!(spares, 0, "a VM process of the refused VM is still running");
 }
+
+/// A VM process is untrusted (issue 36): one that stops answering (here
+/// SIGSTOP, as a hijacked process that stalls would) holds its caller no
+/// longer than `--vm-process-timeout` for the whole reply, is killed, and
+/// its VM recorded stopped with why. A cluster fork through it fails
+/// without a child left, the other member resumed and running.
+#[test]
+fn a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork() {
+    let name = "a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork";
+    if !root_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc-stall");
+    let dir = scratch.0.as_path();
+    let daemon = common::start_daemon(
+        Path::new(K7D),
+        dir,
+        &[
+            "--jail",
+            "on",
+            "--jail-id-base",
+            "2000000300",
+            "--vm-process-timeout",
+            "2",
+        ],
+        false,
+    );
+    let mut guard = Cleanup {
+        dir,
+        daemon: Some(daemon),
+        pids: Vec::new(),
+    };
+    for m in ["m1", "m2"] {
+        create_page_writer(dir, m);
+        guard.pids.push(pid_of(dir, m));
+    }
+    let o = cli(dir, &["cluster", "create", "cl", "m1", "m2"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let (p1, p2) = (guard.pids[0], guard.pids[1]);
+    // SAFETY: kill takes integers; p2 is this test's VM process.
+    assert_eq!(unsafe { libc::kill(p2 as i32, libc::SIGSTOP) }, 0);
+    let t = Instant::now();
+    let o = cli(dir, &["fork", "cl"]);
+    let took = t.elapsed();
+    assert!(!o.status.success(), "a fork through a stalled member succeeded");
+    let err = text(&o).1;
+    assert!(
+        err.contains("vm m2") && err.contains("did not answer within 2.0 s"),
+        "{err}"
+    );
+    // Bounded by the timeout (2 s), far from the 30 s default.
+    assert!(took < Duration::from_secs(20), "the fork took {took:?}");
+    let t = Instant::now();
+    while alive(p2) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "m2's stalled process {p2} was not killed"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = info(dir, "m2")["status"].as_str().unwrap_or_default().to_string();
+    assert!(
+        status.starts_with("stopped") && status.contains("was killed") && status.contains("did not answer"),
+        "{status}"
+    );
+    // Nothing more waits on it: a later request is refused at once.
+    let t = Instant::now();
+    let o = cli(dir, &["pause", "m2"]);
+    assert!(
+        !o.status.success() && t.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        text(&o)
+    );
+    // m1 was resumed and runs; no child, child cluster or child files.
+    assert_eq!(info(dir, "m1")["status"], "running");
+    assert!(
+        grows(|| common::read_guest_u32(p1, "m1", COUNTER)),
+        "m1 was left paused"
+    );
+    let o = cli(dir, &["--json", "list"]);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let mut ids: Vec<String> = v["vms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["m1", "m2"]);
+    let mut dirs: Vec<String> = std::fs::read_dir(dir.join("state/vms"))
+        .unwrap()
+        .map(|e| e.unwrap())
+        .filter(|e| e.path().is_dir())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    dirs.sort();
+    assert_eq!(dirs, ["m1", "m2"]);
+    assert_eq!(
+        cluster_members(dir, "cl"),
+        vec![
+            ("m1".to_string(), "running".to_string()),
+            ("m2".to_string(), status.clone())
+        ]
+    );
+    let o = cli(dir, &["cluster", "info", "cl-f1"]);
+    assert!(!o.status.success(), "a child cluster was left: {:?}", text(&o));
+}

@@ -405,6 +405,9 @@ pub(super) struct Remote {
     /// Whether a fork warned already that its children share its RNG
     /// state (once per source, as inside the daemon).
     rng_warned: bool,
+    /// Its record's store (a VM process killed for breaking its channel
+    /// is recorded stopped, with why).
+    store: Arc<RecordStore>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -618,6 +621,7 @@ impl Remote {
             pidfd,
             watcher,
             rng_warned: false,
+            store: store.clone(),
         }
     }
 
@@ -662,7 +666,34 @@ impl Remote {
         match proc.call_with_fds(req, fds) {
             Ok((Reply::Error { message }, _)) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {id}: {message}"))),
             Ok(r) => Ok(r),
+            Err(e) if proc.is_broken() => {
+                let e = format!("vm {id}: {e}");
+                self.kill_broken(&e);
+                Err(ApiError::new(ErrorCode::Internal, e))
+            }
             Err(e) => Err(ApiError::new(ErrorCode::Internal, format!("vm {id}: {e}"))),
+        }
+    }
+
+    /// Ends a VM process whose channel broke (a reply late, too long or
+    /// unreadable: its caller can no longer tell which request a reply
+    /// answers, and a process that stalls its caller is not waited on
+    /// again), recording `why` as the VM's stop.
+    fn kill_broken(&mut self, why: &str) {
+        let reason = StopReason::ProcessEnded {
+            message: format!("{why}; its VM process {} was killed", self.rec.pid),
+        };
+        {
+            let mut e = lock(&self.ended);
+            if e.is_none() {
+                *e = Some(reason.clone());
+            }
+        }
+        tracing::warn!(vm = %self.id, pid = self.rec.pid, "{reason}");
+        self.proc = None;
+        let _ = crate::sys::pidfd_kill(&self.pidfd);
+        if let Err(err) = self.store.update(&self.id, |r| r.state = VmState::Stopped { reason }) {
+            tracing::debug!(vm = %self.id, error = %err, "cannot record the VM process's end");
         }
     }
 

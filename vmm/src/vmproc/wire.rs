@@ -14,6 +14,9 @@ use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 pub const MAX_FDS: usize = 32;
 /// Longest line (a fork instant's machine state is the largest message).
 pub const MAX_LINE: usize = 64 << 20;
+/// Longest reply to anything but a capture (status, peek, hello): a VM
+/// process is untrusted, and its caller holds no more of it than this.
+pub const MAX_SMALL_LINE: usize = 1 << 20;
 
 /// One end of a channel.
 pub struct Channel {
@@ -62,10 +65,28 @@ impl Channel {
     }
 
     /// The next line and the descriptors that came with it; `None` once
-    /// the other end closed.
+    /// the other end closed. Waits as long as the socket's read timeout
+    /// allows each read; a line may be [`MAX_LINE`] long.
     pub fn recv(&mut self) -> io::Result<Option<(String, Vec<OwnedFd>)>> {
+        self.recv_within(None, MAX_LINE)
+    }
+
+    /// [`Channel::recv`] that ends by `deadline` with `TimedOut` however
+    /// the other end trickles its bytes, and refuses a line longer than
+    /// `max` (`InvalidData`).
+    pub fn recv_within(
+        &mut self,
+        deadline: Option<std::time::Instant>,
+        max: usize,
+    ) -> io::Result<Option<(String, Vec<OwnedFd>)>> {
         loop {
             if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                if i > max {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("a message is longer than {max} bytes"),
+                    ));
+                }
                 let rest = self.buf.split_off(i + 1);
                 let mut line = std::mem::replace(&mut self.buf, rest);
                 line.pop();
@@ -73,8 +94,18 @@ impl Channel {
                     .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "a message is not UTF-8"))?;
                 return Ok(Some((line, std::mem::take(&mut self.fds))));
             }
-            if self.buf.len() > MAX_LINE {
-                return Err(io::Error::new(io::ErrorKind::InvalidData, "a message is too long"));
+            if self.buf.len() > max {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("a message is longer than {max} bytes"),
+                ));
+            }
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                self.sock.set_read_timeout(Some(left))?;
             }
             let mut fds: [RawFd; MAX_FDS] = [-1; MAX_FDS];
             let mut iov = [libc::iovec {
@@ -95,5 +126,60 @@ impl Channel {
             }
             self.buf.extend_from_slice(&self.chunk[..n]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_trickled_reply_ends_at_the_deadline_not_at_each_read() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        // One byte every 20 ms, never a newline: each read alone would
+        // succeed long before a per-read timeout.
+        let writer = std::thread::spawn(move || {
+            for _ in 0..100 {
+                if theirs.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let mut chan = Channel::new(ours);
+        let t = Instant::now();
+        let e = chan
+            .recv_within(Some(Instant::now() + Duration::from_millis(200)), MAX_SMALL_LINE)
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        drop(chan);
+        writer.join().unwrap();
+    }
+
+    #[test]
+    fn a_reply_longer_than_its_bound_is_refused_with_or_without_its_newline() {
+        for newline in [false, true] {
+            let (ours, mut theirs) = UnixStream::pair().unwrap();
+            let writer = std::thread::spawn(move || {
+                let mut line = vec![b'a'; 5000];
+                if newline {
+                    line.push(b'\n');
+                }
+                let _ = theirs.write_all(&line);
+            });
+            let mut chan = Channel::new(ours);
+            let e = chan.recv_within(None, 4096).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+            assert!(e.to_string().contains("longer than 4096 bytes"), "{e}");
+            writer.join().unwrap();
+        }
+        // Within the bound, the same line is read whole.
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        theirs.write_all(b"{\"reply\":\"ok\"}\n").unwrap();
+        let (line, fds) = Channel::new(ours).recv_within(None, 4096).unwrap().unwrap();
+        assert_eq!((line.as_str(), fds.len()), ("{\"reply\":\"ok\"}", 0));
     }
 }

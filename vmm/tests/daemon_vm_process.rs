@@ -785,7 +785,8 @@ fn a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing() {
 /// SIGSTOP, as a hijacked process that stalls would) holds its caller no
 /// longer than `--vm-process-timeout` for the whole reply, is killed, and
 /// its VM recorded stopped with why. A cluster fork through it fails
-/// without a child left, the other member resumed and running.
+/// without a child left, the other member resumed and running, and
+/// without using up the other member's RNG warning.
 #[test]
 fn a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork() {
     let name = "a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork";
@@ -886,4 +887,16 @@ fn a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork() {
     );
     let o = cli(dir, &["cluster", "info", "cl-f1"]);
     assert!(!o.status.success(), "a child cluster was left: {:?}", text(&o));
+    // The failed fork did not use up m1's warning that its children share
+    // its RNG state: the first fork that succeeds gives it.
+    let o = cli(dir, &["--json", "fork", "m1"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    guard.pids.push(pid_of(dir, "m1-f1"));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        v["warnings"][0]
+            .as_str()
+            .is_some_and(|w| w.contains("vm m1's fork children share its kernel RNG state")),
+        "{v}"
+    );
 }

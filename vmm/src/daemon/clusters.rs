@@ -803,9 +803,11 @@ impl Daemon {
         for &i in &order {
             guards[i] = Some(remotes[i].lock().unwrap_or_else(|p| p.into_inner()));
         }
-        let warnings: Vec<String> = guards
+        // Given by every fork until one succeeds (`Remote::rng_warned`).
+        let warned: Vec<(usize, String)> = guards
             .iter_mut()
-            .filter_map(|g| g.as_mut().expect("locked above").rng_warning())
+            .enumerate()
+            .filter_map(|(i, g)| g.as_mut().expect("locked above").rng_warning().map(|w| (i, w)))
             .collect();
         let t = std::time::Instant::now();
         let mut paused = Vec::new();
@@ -904,6 +906,9 @@ impl Daemon {
         for (r, remotes) in held.into_iter().zip(per_member) {
             r.fill_processes(remotes);
         }
+        for (i, w) in &warned {
+            remotes[*i].lock().unwrap_or_else(|p| p.into_inner()).rng_warned(w);
+        }
         Ok(Forked {
             id: id.to_string(),
             children: out,
@@ -911,7 +916,7 @@ impl Daemon {
             source_paused_ms,
             clusters: names,
             rebased: Vec::new(),
-            warnings,
+            warnings: warned.into_iter().map(|(_, w)| w).collect(),
         })
     }
 

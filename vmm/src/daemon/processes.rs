@@ -445,7 +445,7 @@ impl Remote {
             return Err(ApiError::new(
                 ErrorCode::InvalidArgument,
                 format!(
-                    "vm {id} needs {} host files, more than a VM process takes ({}): use fewer disks",
+                    "vm {id} needs {} host files, more than a VM process takes ({}): use fewer disks or NIC queues",
                     files.len(),
                     crate::vmproc::wire::MAX_FDS - 1
                 ),
@@ -697,21 +697,29 @@ impl Remote {
         }
     }
 
-    /// The warning a fork of it gives, the first time, when its children
-    /// share its kernel RNG state (`Vm::first_unreseeded_fork`).
+    /// The warning a fork of it gives, until one that gave it succeeded
+    /// ([`Remote::rng_warned`]), when its children share its kernel RNG
+    /// state (`Vm::first_unreseeded_fork`).
     pub(super) fn rng_warning(&mut self) -> Option<String> {
         let reseed = self.status().rng_reseed?;
         if reseed == crate::RngReseed::Vmgenid || self.rng_warned {
             return None;
         }
-        self.rng_warned = true;
-        let w = format!(
+        Some(format!(
             "vm {}'s fork children share its kernel RNG state: {}",
             self.id,
             reseed.describe()
-        );
-        tracing::warn!(vm = %self.id, "{w}");
-        Some(w)
+        ))
+    }
+
+    /// A fork that carried `warning` ([`Remote::rng_warning`]) made its
+    /// children: logged, and not given again (a fork that failed gives it
+    /// again next time).
+    pub(super) fn rng_warned(&mut self, warning: &str) {
+        if !self.rng_warned {
+            self.rng_warned = true;
+            tracing::warn!(vm = %self.id, "{warning}");
+        }
     }
 
     /// Exports its fork instant (the caller paused it).
@@ -1036,6 +1044,9 @@ impl super::Daemon {
             return Err(e);
         }
         held.fill_processes(built);
+        if let Some(w) = warnings.first() {
+            lock(source).rng_warned(w);
+        }
         Ok(super::api::Forked {
             id: id.to_string(),
             children,

@@ -854,11 +854,17 @@ pub(super) struct Capture {
 }
 
 /// Stops VM processes built for a request that failed (every child or
-/// none); the reservation removes their files and frees their ids.
+/// none), frees their ids and removes the directories of those that were
+/// spares; the reservation removes their VMs' files.
 pub(super) fn stop_all(procs: &VmProcesses, built: Vec<Remote>) {
     for mut r in built {
         r.stop();
         procs.release(r.record().uid);
+        if let Some(d) = &r.record().spare_dir
+            && let Err(e) = std::fs::remove_dir_all(d)
+        {
+            tracing::warn!(vm = %r.id, dir = %d.display(), error = %e, "cannot remove a spare's directory");
+        }
     }
 }
 

@@ -67,20 +67,22 @@ fn pattern(len: usize) -> Vec<u8> {
     (0..len).map(|i| (i * 7 + i / 512) as u8).collect()
 }
 
+/// Fields drop in order: the device (and its worker) before the memory
+/// view before the guest memory, whose mapping the view borrows.
 struct Rig {
-    vmm_mem: Arc<GuestMemoryTracked>,
+    dev: Block,
     dev_mem: DeviceMemory,
     msix: Arc<MsixVectors>,
     notify: EventFd,
-    dev: Block,
+    vmm_mem: Arc<GuestMemoryTracked>,
     image: TempImage,
 }
 
 impl Rig {
     fn new(image: &[u8], read_only: bool) -> Self {
         let vmm_mem = memfd_memory();
-        // SAFETY: `vmm_mem` (held by this Rig, dropped after `dev`) keeps the
-        // mapping alive for as long as the view exists.
+        // SAFETY: `vmm_mem` is held by this Rig and dropped after `dev_mem`
+        // and `dev` (field order), so the mapping outlives the view.
         let dev_mem = unsafe { DeviceMemory::new(&vmm_mem).unwrap() };
         let image = TempImage::new(image);
         let dev = Block::new(DiskImage::open(&image.0, read_only).unwrap(), "k7d-serial-0001").unwrap();

@@ -396,6 +396,16 @@ fn stop_writing(pid: u32, vm: &str) {
     }
 }
 
+/// Forks `vm` once and checks the fork warns that its children share its
+/// kernel RNG state (a built-in guest has no VM Generation ID).
+fn fork_with_rng_warning(dir: &Path, vm: &str) {
+    let o = cli(dir, &["--json", "fork", vm]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let want = format!("vm {vm}'s fork children share its kernel RNG state");
+    assert!(v["warnings"][0].as_str().is_some_and(|w| w.contains(&want)), "{v}");
+}
+
 /// Reads `pages` pages of VM `vm`'s guest RAM from `gpa` in process `pid`.
 fn read_pages(pid: u32, vm: &str, gpa: u64, pages: u64) -> Vec<u32> {
     common::read_guest(pid, vm, gpa, (pages * 4096) as usize)
@@ -433,15 +443,7 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     // built-in guest has no VM Generation ID), as a fork inside the
     // daemon does.
     assert_eq!(info(dir, "src")["rng_reseed"], "off");
-    let o = cli(dir, &["--json", "fork", "src"]);
-    assert!(o.status.success(), "{:?}", text(&o));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(
-        v["warnings"][0]
-            .as_str()
-            .is_some_and(|w| w.contains("share its kernel RNG state")),
-        "{v}"
-    );
+    fork_with_rng_warning(dir, "src");
     guard.pids.push(pid_of(dir, "src-f1"));
     assert!(cli(dir, &["delete", "src-f1"]).status.success());
     std::thread::sleep(Duration::from_millis(100));
@@ -889,14 +891,6 @@ fn a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork() {
     assert!(!o.status.success(), "a child cluster was left: {:?}", text(&o));
     // The failed fork did not use up m1's warning that its children share
     // its RNG state: the first fork that succeeds gives it.
-    let o = cli(dir, &["--json", "fork", "m1"]);
-    assert!(o.status.success(), "{:?}", text(&o));
+    fork_with_rng_warning(dir, "m1");
     guard.pids.push(pid_of(dir, "m1-f1"));
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    assert!(
-        v["warnings"][0]
-            .as_str()
-            .is_some_and(|w| w.contains("vm m1's fork children share its kernel RNG state")),
-        "{v}"
-    );
 }

@@ -121,6 +121,15 @@ impl Channel {
                 crate::sys::set_cloexec(owned.as_raw_fd())?;
                 self.fds.push(owned);
             }
+            // One message carries at most MAX_FDS, however many reads it
+            // spans: a peer cannot fill this process's descriptor table.
+            if self.fds.len() > MAX_FDS {
+                self.fds.clear();
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!("a message carries more than {MAX_FDS} descriptors"),
+                ));
+            }
             if n == 0 && nfds == 0 {
                 return Ok(None);
             }
@@ -176,6 +185,18 @@ mod tests {
             assert!(e.to_string().contains("longer than 4096 bytes"), "{e}");
             writer.join().unwrap();
         }
+        // Descriptors past MAX_FDS, sent a few per read, are refused (and
+        // closed) before the line ends.
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let null = std::fs::File::open("/dev/null").unwrap();
+        let fds = [null.as_raw_fd(); 8];
+        for _ in 0..(MAX_FDS / 8 + 1) {
+            theirs.send_with_fds(&[&b"x"[..]], &fds).unwrap();
+        }
+        drop(theirs);
+        let e = Channel::new(ours).recv_within(None, 4096).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        assert!(e.to_string().contains("more than 32 descriptors"), "{e}");
         // Within the bound, the same line is read whole.
         let (ours, mut theirs) = UnixStream::pair().unwrap();
         theirs.write_all(b"{\"reply\":\"ok\"}\n").unwrap();

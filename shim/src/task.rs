@@ -416,16 +416,29 @@ impl Inner {
         }
     }
 
-    /// Whether the pod VM still runs (or is paused), as far as the daemon says.
+    /// Whether the pod VM still runs (or is paused), as far as the daemon
+    /// says; with no daemon, whether its VM process outlived it.
     fn vm_alive(&self) -> bool {
         let vm_id = match self.lock().pod.as_ref() {
             Some(p) if !p.dead => p.names.vm_id.clone(),
             _ => return false,
         };
-        !matches!(
-            self.daemon.life(&vm_id),
-            Ok(VmLife::Stopped(_) | VmLife::Gone | VmLife::DaemonGone)
-        )
+        match self.daemon.life(&vm_id) {
+            Ok(VmLife::Stopped(_) | VmLife::Gone) => false,
+            Ok(VmLife::DaemonGone) => self.vsock_served(),
+            _ => true,
+        }
+    }
+
+    /// Whether the pod VM's vsock socket is served: a VM in a process of
+    /// its own (`k7d daemon --jail on`) serves it while no daemon exists,
+    /// and the next daemon re-attaches to it; a VM that lived inside the
+    /// daemon went with it (its socket refuses connections).
+    fn vsock_served(&self) -> bool {
+        let Some(path) = self.lock().pod.as_ref().map(|p| p.names.vsock.clone()) else {
+            return false;
+        };
+        std::os::unix::net::UnixStream::connect(path).is_ok()
     }
 
     fn spawn_watcher(self: Arc<Self>, id: &str, exec_id: &str) -> TtrpcResult<()> {
@@ -438,8 +451,10 @@ impl Inner {
     }
 
     /// Reports every process exited (137) once the pod VM is gone, and
-    /// removes the VM from the daemon.
+    /// removes the VM from the daemon. A daemon gone while the VM's
+    /// process serves its vsock socket is waited for.
     fn monitor(self: Arc<Self>, vm_id: String) {
+        let mut waiting_for_daemon = false;
         loop {
             std::thread::sleep(MONITOR_PERIOD);
             if self.lock().pod.as_ref().is_none_or(|p| p.names.vm_id != vm_id) {
@@ -449,10 +464,25 @@ impl Inner {
                 return;
             }
             let why = match self.daemon.life(&vm_id) {
-                Ok(VmLife::Running | VmLife::Paused) => continue,
+                Ok(VmLife::Running | VmLife::Paused) => {
+                    if std::mem::take(&mut waiting_for_daemon) {
+                        tracing::info!("a daemon serves the pod VM {vm_id} again");
+                    }
+                    continue;
+                }
                 Ok(VmLife::Stopped(r)) => format!("the pod VM stopped ({r})"),
                 Ok(VmLife::Gone) => "the daemon no longer has the pod VM".to_string(),
-                Ok(VmLife::DaemonGone) => "the daemon is gone (its socket refuses connections)".to_string(),
+                Ok(VmLife::DaemonGone) if self.vsock_served() => {
+                    if !std::mem::replace(&mut waiting_for_daemon, true) {
+                        tracing::warn!(
+                            "the daemon is gone, but the pod VM {vm_id} runs on in its own process: waiting for the next daemon"
+                        );
+                    }
+                    continue;
+                }
+                Ok(VmLife::DaemonGone) => {
+                    "the daemon is gone (its socket refuses connections), and so is the pod VM's".to_string()
+                }
                 // A slow or busy daemon (a snapshot holds the VM) is not a dead VM.
                 Err(e) => {
                     tracing::debug!("cannot ask the daemon about {vm_id}: {e:#}");
@@ -1845,6 +1875,34 @@ mod tests {
         assert_eq!(shim.published.topics().len(), 2, "{:?}", shim.published.topics());
         drop(answer);
         assert!(start.join().unwrap().is_err());
+    }
+
+    /// With no daemon (its socket refuses connections), a pod VM whose
+    /// own process still serves its vsock socket (`k7d daemon --jail on`)
+    /// lives on: no exit, no delete, until the socket goes too; then every
+    /// process exits with 137 at once.
+    #[test]
+    fn with_no_daemon_a_pod_vm_lives_while_its_vsock_socket_is_served() {
+        let (shim, _asked, _answer) = shim("nodaemon");
+        let vsock = shim.svc.inner.lock().pod.as_ref().unwrap().names.vsock.clone();
+        // The VM process's socket (the test agent's is unreachable now).
+        std::fs::remove_file(&vsock).unwrap();
+        let served = UnixListener::bind(&vsock).unwrap();
+        shim.daemon
+            .lives
+            .lock()
+            .unwrap()
+            .insert(shim.vm_id.clone(), VmLife::DaemonGone);
+        let (inner, vm_id) = (shim.svc.inner.clone(), shim.vm_id.clone());
+        let monitor = std::thread::spawn(move || inner.monitor(vm_id));
+        std::thread::sleep(MONITOR_PERIOD * 5);
+        assert!(shim.published.topics().is_empty(), "{:?}", shim.published.topics());
+        assert!(shim.daemon.deleted.lock().unwrap().is_empty());
+        assert!(!monitor.is_finished(), "the monitor gave up on a VM that lives");
+        // The VM process is gone too: its socket refuses connections.
+        drop(served);
+        assert_eq!(shim.published.exits(2), both_killed());
+        monitor.join().unwrap();
     }
 
     /// A Start whose agent answers after its process's exit was published

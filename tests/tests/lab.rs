@@ -1078,7 +1078,8 @@ fn lab_k7d_fork_stall_is_seen() {
 /// `guest/agent/mkinitramfs.sh`): output, the L2 kernel's `uname -r`, the
 /// image's files, a writable layer per container, `/dev`, exit code 3,
 /// stdin and its end; afterwards no task, container, shim or VM is left (all
-/// asserted in the scenario).
+/// asserted in the scenario). Then `k7d daemon --jail on`: a task stays
+/// RUNNING and takes execs across the daemon's `kill -9` and restart.
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_k7d_shim_containerd() {
@@ -1095,6 +1096,13 @@ fn lab_k7d_shim_containerd() {
     }
     let notes = r["notes"].to_string();
     assert!(notes.contains("k7d: nothing left"), "{notes}");
+    // Issue 36: under `--jail on` a pod outlives its daemon's kill.
+    assert!(
+        notes.contains("k7d --jail on: the daemon killed -9 under a running task: the task stayed RUNNING"),
+        "{notes}"
+    );
+    let pss = metric(&r, "k7d.pod_vm_process_pss_mib");
+    assert!(pss > 0.0, "k7d.pod_vm_process_pss_mib = {pss}");
 }
 
 /// containerd 1.6 in L1 with its CRI plugin and CNI (Debian's bridge and

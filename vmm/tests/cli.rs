@@ -7,7 +7,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{K7D, Scratch, text};
+use common::{K7D, Scratch, cached_cloud_kernel, text};
 
 fn k7d(args: &[&str]) -> Output {
     Command::new(K7D)
@@ -776,25 +776,6 @@ fn a_reader_that_goes_away_ends_the_cli_quietly() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!err.contains("panicked"), "{err}");
     assert!(o.status.success(), "{:?}: {err}", o.status);
-}
-
-/// The Debian cloud kernel the lab fetched (`tests/lab/run.sh --fetch`).
-fn cached_cloud_kernel() -> Option<std::path::PathBuf> {
-    let cache = std::env::var_os("K7D_LAB_CACHE").map_or_else(
-        || std::path::PathBuf::from("/var/cache/k7d-lab"),
-        std::path::PathBuf::from,
-    );
-    std::fs::read_dir(cache.join("pkgs"))
-        .ok()?
-        .flatten()
-        .filter(|p| p.file_name().to_string_lossy().starts_with("linux-image-"))
-        .filter_map(|p| std::fs::read_dir(p.path().join("boot")).ok())
-        .flat_map(|d| d.flatten())
-        .map(|f| f.path())
-        .find(|f| {
-            let n = f.file_name().unwrap_or_default().to_string_lossy();
-            n.starts_with("vmlinuz-") && n.ends_with("-cloud-amd64")
-        })
 }
 
 /// `k7d run` (confined by its seccomp filter) unpacks Debian's LZ4 bzImage

@@ -719,7 +719,7 @@ fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
 /// one, handed over by the daemon, is refused by the VM process with one
 /// sentence naming the file, and nothing is left (no process, no record,
 /// no file, the id free again); a device the VM process does not serve
-/// yet (vsock) is refused before anything starts.
+/// yet (a datapath NIC) is refused before anything starts.
 #[test]
 fn a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing() {
     if !root_or_skip("a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing") {
@@ -753,13 +753,13 @@ fn a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing() {
             "bad",
             "--kernel",
             k,
-            "--vsock",
-            "cid=3,uds=/tmp/k7d-bad.vsock",
+            "--nic",
+            "datapath=direct,netns=/run/netns/k7d-bad,pod-if=eth0",
         ],
     );
     assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
     assert!(
-        text(&o).1.contains("a VM process runs no vsock device"),
+        text(&o).1.contains("a VM process runs no datapath NIC"),
         "{:?}",
         text(&o)
     );
@@ -893,4 +893,149 @@ fn a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork() {
     // its RNG state: the first fork that succeeds gives it.
     fork_with_rng_warning(dir, "m1");
     guard.pids.push(pid_of(dir, "m1-f1"));
+}
+
+/// The inode of the unix socket listening at `path` (`/proc/net/unix` of
+/// this network namespace, where the daemon bound it; the connections
+/// waiting in its backlog carry its path too, but not `__SO_ACCEPTCON`).
+fn unix_socket_inode(path: &Path) -> Option<String> {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap();
+    table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.len() >= 8 && f[3] == "00010000" && Path::new(f[7]) == path).then(|| f[6].to_string())
+    })
+}
+
+/// Whether process `pid` holds the socket with inode `inode`.
+fn holds_socket(pid: u32, inode: &str) -> bool {
+    let want = std::path::PathBuf::from(format!("socket:[{inode}]"));
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == want))
+}
+
+/// vsock in a VM process (issue 36): the daemon binds the VM's host socket
+/// at its configured path and hands it over bound, so the VM process (no
+/// filesystem) serves it and the daemon keeps no copy. Another VM naming
+/// the same path is refused with a sentence and takes nothing of the
+/// first's (its socket is still there and served). The socket is served
+/// while no daemon exists (a pod's agent is reached through it), and a
+/// delete by the next daemon removes it. A medium change goes to the VM
+/// process with its file opened by the daemon; bad ones (no such disk, no
+/// such file, a VM not running) are one sentence each. (virtio needs a Linux guest: it
+/// is created, not started, as it could not run on a PVM host; the lab's
+/// `k7d-shim` reaches a running guest's agent this way.)
+#[test]
+fn a_vm_process_serves_vsock_on_the_socket_its_daemon_bound_even_with_no_daemon() {
+    let name = "a_vm_process_serves_vsock_on_the_socket_its_daemon_bound_even_with_no_daemon";
+    if !root_or_skip(name) {
+        return;
+    }
+    let Some(kernel) = common::cached_cloud_kernel() else {
+        k7d_test_skip::skip(
+            name,
+            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
+        );
+        return;
+    };
+    let scratch = Scratch::new("daemon-vmproc-vsock");
+    let dir = scratch.0.as_path();
+    let mut guard = Cleanup {
+        dir,
+        daemon: Some(start_daemon(dir)),
+        pids: Vec::new(),
+    };
+    let daemon_pid = guard.daemon.as_ref().unwrap().id();
+    let uds = dir.join("v.sock");
+    let vsock = format!("cid=3,uds={}", uds.display());
+    let image = dir.join("image.img");
+    std::fs::write(&image, vec![0u8; 1 << 20]).unwrap();
+    let disk = format!("{},ro", image.display());
+    let create = |id: &str| {
+        cli(
+            dir,
+            &[
+                "create",
+                "--id",
+                id,
+                "--kernel",
+                kernel.to_str().unwrap(),
+                "--memory",
+                "128",
+                "--vsock",
+                &vsock,
+                "--disk",
+                &disk,
+            ],
+        )
+    };
+    let o = create("v");
+    assert!(o.status.success(), "create v: {:?}", text(&o));
+    let pid = pid_of(dir, "v");
+    guard.pids.push(pid);
+    let devices = info(dir, "v")["devices"].to_string();
+    assert!(
+        devices.contains("virtio-vsock") && devices.contains(&format!("hybrid host socket {}", uds.display())),
+        "{devices}"
+    );
+    let inode = unix_socket_inode(&uds).expect("the vsock socket is bound");
+    assert!(
+        holds_socket(pid, &inode),
+        "the VM process does not hold its vsock socket"
+    );
+    assert!(
+        !holds_socket(daemon_pid, &inode),
+        "the daemon kept a copy of the vsock socket"
+    );
+    std::os::unix::net::UnixStream::connect(&uds).expect("the vsock socket is served");
+    // A medium change reaches the VM process with its file opened here;
+    // bad ones are one sentence each and change nothing.
+    let medium = |args: &[&str]| {
+        let mut a = vec!["medium", "v"];
+        a.extend(args);
+        let o = cli(dir, &a);
+        assert_eq!(o.status.code(), Some(1), "medium {args:?}: {:?}", text(&o));
+        let err = text(&o).1;
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        err
+    };
+    let other = dir.join("other.img");
+    std::fs::write(&other, vec![0u8; 1 << 20]).unwrap();
+    let err = medium(&["3", other.to_str().unwrap()]);
+    assert!(err.contains("vm v has 1 disks, so it has no disk 3"), "{err}");
+    let missing = dir.join("missing.img");
+    let err = medium(&["0", missing.to_str().unwrap()]);
+    assert!(
+        err.contains("vm v: disk 0's new medium") && err.contains("missing.img"),
+        "{err}"
+    );
+    // The VM process's own answer: a created VM takes no medium yet.
+    let err = medium(&["0", other.to_str().unwrap()]);
+    assert!(err.contains("vm v: ") && err.contains("change a medium"), "{err}");
+    let disks = info(dir, "v")["config"]["devices"]["disks"].to_string();
+    assert!(disks.contains("image.img") && !disks.contains("other.img"), "{disks}");
+    // The same path for another VM: refused, and the first keeps its socket.
+    let o = create("w");
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = text(&o).1;
+    assert!(err.contains("vm w: cannot bind vsock's host socket"), "{err}");
+    assert_eq!(
+        unix_socket_inode(&uds).as_deref(),
+        Some(inode.as_str()),
+        "the first VM's socket was touched"
+    );
+    assert!(!dir.join("state/vms/w").exists(), "the refused VM left its files");
+    // No daemon: the socket is still served by the VM process.
+    kill9(daemon_pid);
+    let _ = guard.daemon.take().unwrap().wait();
+    std::os::unix::net::UnixStream::connect(&uds).expect("the vsock socket is served with no daemon");
+    assert!(alive(pid));
+    guard.daemon = Some(start_daemon(dir));
+    assert_eq!(pid_of(dir, "v"), pid, "the next daemon re-attached to another process");
+    std::os::unix::net::UnixStream::connect(&uds).expect("the vsock socket is served after the restart");
+    let o = cli(dir, &["delete", "v"]);
+    assert!(o.status.success(), "delete v: {:?}", text(&o));
+    assert!(!alive(pid), "VM process {pid} outlived its delete");
+    assert!(!uds.exists(), "the vsock socket outlived its VM");
 }

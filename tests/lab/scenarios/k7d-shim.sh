@@ -24,7 +24,10 @@
 # Metrics: the time from ctr run to the container's first output line.
 # k7d only: its pod VM's agent left the initramfs (runc pivots); a guest
 # crash and a killed daemon stop tasks with 137 (the crash within 2 s of
-# the VM's stop); concurrent creates; an idle pod's PSS.
+# the VM's stop); concurrent creates; an idle pod's PSS. Then the daemon
+# with --jail on (each VM in a jailed process of its own): killed under a
+# running task, the task stays RUNNING and takes execs, with no daemon and
+# after the next daemon re-attached.
 # Afterwards: no task, no container, no shim process, no k7d VM.
 # By hand: tests/lab/run.sh --bin target/release/k7d --agent target/release/k7d-agent k7d-shim
 . /lab/lib.sh
@@ -546,5 +549,64 @@ kill -0 "$dpid" 2>/dev/null || fail "the k7d daemon died"
 left=$(find /run/k7d/shim -mindepth 1 2>/dev/null; find "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
 [ -z "$left" ] || fail "k7d: left behind: $(printf '%s' "$left" | tr '\n' ' ')"
 lab_note "k7d: nothing left: no task, container, shim process, VM, pod socket dir, vsock socket or mount"
+
+# --- k7d with every VM in a jailed VM process of its own (issue 36) ----------------
+# `k7d daemon --jail on`: the pod VM's process outlives the daemon. Killed
+# with SIGKILL under a running task, the daemon takes nothing with it: the
+# task stays RUNNING, `ctr task exec` works with no daemon at all (the shim
+# reaches the agent through the vsock socket the VM process serves), and the
+# next daemon re-attaches to the same VM process and serves it again.
+kill "$dpid" 2>/dev/null
+wait "$dpid" 2>/dev/null
+k() { "$LAB_BIN" --socket "$SOCK" "$@"; }
+jail_daemon() {
+  "$LAB_BIN" daemon --jail on --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
+  dpid=$!
+  _i=0
+  until k list >/dev/null 2>&1; do
+    kill -0 "$dpid" 2>/dev/null || fail "k7d --jail on: the daemon exited at start"
+    _i=$((_i + 1)); [ "$_i" -lt 60 ] || fail "k7d --jail on: the daemon did not answer within 30 s"
+    sleep 0.5
+  done
+}
+jail_daemon
+detached survivor --runtime io.containerd.k7d.v2 -- sleep 1000
+jvm=$(k list | awk 'NR > 1 {print $1}')
+[ "$(printf '%s\n' "$jvm" | grep -c .)" = 1 ] || fail "k7d --jail on: expected one VM, the daemon lists: $(k list | tr '\n' '|')"
+vpid=$(k --json info "$jvm" | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
+[ -n "$vpid" ] || fail "k7d --jail on: the pod VM $jvm runs in no VM process: $(k info "$jvm" | tr '\n' '|')"
+[ "$(awk '/^Uid:/ {print $2}' "/proc/$vpid/status")" != 0 ] || fail "k7d --jail on: the pod VM's process $vpid runs as root"
+lab_metric k7d.pod_vm_process_pss_mib "$(awk -v k="$(pss "$vpid")" 'BEGIN {printf "%.1f", k / 1024}')" MiB
+kill -9 "$dpid"
+wait "$dpid" 2>/dev/null
+sleep 3  # the shim asks about its VM every 200 ms: it has noticed the daemon is gone
+ctr tasks ls | grep -Eq "^survivor +[0-9]+ +RUNNING" || fail "k7d --jail on: the task is not RUNNING after the daemon's kill: $(ctr tasks ls | tr '\n' '|')"
+kill -0 "$vpid" 2>/dev/null || fail "k7d --jail on: the pod VM's process $vpid died with the daemon"
+out=$(timeout -s KILL 60 /usr/bin/ctr task exec --exec-id nodaemon survivor sh -c 'echo no-daemon-ok' </dev/null 2>&1) ||
+  fail "k7d --jail on: ctr task exec with no daemon failed: $(printf '%s' "$out" | tr '\n' ' ')"
+[ "$out" = no-daemon-ok ] || fail "k7d --jail on: ctr task exec with no daemon printed '$out'"
+jail_daemon
+st=$(k info "$jvm" 2>&1 | head -n1)
+case $st in *running*) ;; *) fail "k7d --jail on: the next daemon reports $jvm as '$st'" ;; esac
+vpid2=$(k --json info "$jvm" | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
+[ "$vpid2" = "$vpid" ] || fail "k7d --jail on: the next daemon serves $jvm in process '$vpid2', not $vpid"
+out=$(timeout -s KILL 60 /usr/bin/ctr task exec --exec-id again survivor sh -c 'echo again-ok' </dev/null 2>&1) ||
+  fail "k7d --jail on: ctr task exec after the restart failed: $(printf '%s' "$out" | tr '\n' ' ')"
+[ "$out" = again-ok ] || fail "k7d --jail on: ctr task exec after the restart printed '$out'"
+ctr tasks ls | grep -Eq "^survivor +[0-9]+ +RUNNING" || fail "k7d --jail on: the task is not RUNNING after the restart: $(ctr tasks ls | tr '\n' '|')"
+timeout -s KILL 30 /usr/bin/ctr task kill -s KILL survivor >/dev/null 2>&1 || fail "k7d --jail on: ctr task kill survivor failed"
+stopped_within survivor 10
+deleted_with survivor 137
+timeout -s KILL 30 /usr/bin/ctr containers rm survivor >/dev/null || fail "k7d: ctr containers rm survivor failed"
+nothing_left "k7d --jail on" containerd-shim-k7d-v2
+vms=$(k list 2>&1) || fail "k7d list failed: $vms"
+[ -z "$(printf '%s\n' "$vms" | tail -n +2)" ] || fail "k7d --jail on: VMs left after the container was removed: $(printf '%s' "$vms" | tr '\n' '|')"
+# The daemon's spares (VM processes made ahead, waiting for a build) end with it.
+kill "$dpid" 2>/dev/null
+wait "$dpid" 2>/dev/null
+nothing_left "k7d --jail on" vm-process
+left=$(find /run/k7d/shim -mindepth 1 2>/dev/null; find "$STATE" -name '*.sock' 2>/dev/null; grep -E ' /run/k7d| /var/lib/k7d' /proc/mounts)
+[ -z "$left" ] || fail "k7d --jail on: left behind: $(printf '%s' "$left" | tr '\n' ' ')"
+lab_note "k7d --jail on: the daemon killed -9 under a running task: the task stayed RUNNING, ctr task exec worked with no daemon and after the next one re-attached to VM process $vpid; then killed with 137, nothing left"
 lab_note "timings of an emulated machine (L1 is QEMU TCG): compare runc and k7d within one run only"
 lab_pass "containerd: runc and containerd-shim-k7d-v2 ran the same containers (pod VMs on kernel $LAB_L2_KERNEL_RELEASE), nothing left"

@@ -9,10 +9,11 @@
 //! What runs in a VM process so far: built-in guests, raw images and Linux
 //! guests with disks, virtio-rng and NICs (userspace, on taps made here),
 //! every host file and tap queue opened here and handed over
-//! (`host_files`); start, pause, resume, stop, delete, info, list, peek,
-//! fork (of VMs without devices) and clusters. vsock and datapath NICs, and
-//! a request the VM process does not serve yet, are refused with a
-//! sentence.
+//! (`host_files`), vsock with its host socket bound here (its guest's own
+//! connections to the host are refused: the VM process has no path to
+//! reach); start, pause, resume, stop, delete, info, list, peek, fork (of
+//! VMs without devices) and clusters. Datapath NICs, and a request the VM
+//! process does not serve yet, are refused with a sentence.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -227,12 +228,10 @@ pub(super) fn keep_spares(procs: &Arc<VmProcesses>) {
 
 /// Refuses a config a VM process cannot run yet.
 pub(super) fn check_config(id: &str, config: &VmConfig) -> Result<(), ApiError> {
-    if config.devices.vsock.is_some() || config.devices.nics.iter().any(|n| n.datapath.is_some()) {
+    if config.devices.nics.iter().any(|n| n.datapath.is_some()) {
         return Err(ApiError::new(
             ErrorCode::InvalidArgument,
-            format!(
-                "vm {id}: a VM process runs no vsock device or datapath NIC yet; this daemon runs every VM in one (--jail on)"
-            ),
+            format!("vm {id}: a VM process runs no datapath NIC yet; this daemon runs every VM in one (--jail on)"),
         ));
     }
     Ok(())
@@ -305,10 +304,68 @@ fn input(id: &str, what: FileRole, path: &Path) -> Result<std::fs::File, ApiErro
     })
 }
 
+/// A vsock host socket bound here for a VM process, removed when this is
+/// dropped unless [`BoundSocket::keep`] handed it to the VM for good (its
+/// delete removes it then).
+pub(super) struct BoundSocket(Option<std::path::PathBuf>);
+
+impl BoundSocket {
+    /// The VM was built: the socket is its own from now on.
+    pub(super) fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for BoundSocket {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            remove_vsock_socket(&p);
+        }
+    }
+}
+
+/// Removes a VM's vsock host socket (bound by this daemon or one before it).
+fn remove_vsock_socket(path: &Path) {
+    if let Err(e) = std::fs::remove_file(path)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(path = %path.display(), error = %e, "cannot remove a vsock host socket");
+    }
+}
+
+/// Binds `config`'s vsock host socket at its path for a VM process (which
+/// may open no path: its guest's connections to the host are refused
+/// there). An existing file at the path is an error, as for a VM built
+/// here: it may be another VM's socket.
+fn vsock_listener(id: &str, config: &VmConfig) -> Result<Option<(BoundSocket, std::fs::File)>, ApiError> {
+    let Some(v) = &config.devices.vsock else {
+        return Ok(None);
+    };
+    let l = std::os::unix::net::UnixListener::bind(&v.uds).map_err(|e| {
+        ApiError::new(
+            ErrorCode::InvalidArgument,
+            format!("vm {id}: cannot bind vsock's host socket {}: {e}", v.uds.display()),
+        )
+    })?;
+    let bound = BoundSocket(Some(v.uds.clone()));
+    Ok(Some((bound, std::fs::File::from(OwnedFd::from(l)))))
+}
+
+/// What a VM process is handed for its build.
+pub(super) struct Handover {
+    /// What each file is.
+    pub(super) roles: Vec<FileRole>,
+    /// The files, in that order.
+    pub(super) files: Vec<std::fs::File>,
+    /// Its vsock socket, bound here: removed unless the build succeeds.
+    pub(super) vsock: Option<BoundSocket>,
+}
+
 /// The host files a VM process needs for `config` (its files under
 /// `dir`), opened here with the flags the VM would have used, each named:
 /// the VM process opens nothing itself. A fork child (`fork_child`) needs
-/// only its logs: its RAM holds its guest.
+/// only its logs: its RAM holds its guest. A vsock socket bound for it
+/// comes back too: removed if the VM is not built.
 pub(super) fn host_files(
     id: &str,
     config: &VmConfig,
@@ -316,7 +373,7 @@ pub(super) fn host_files(
     kernel_cache: Option<&Path>,
     node: &crate::config::NodeConfig,
     fork_child: bool,
-) -> Result<(Vec<FileRole>, Vec<std::fs::File>), ApiError> {
+) -> Result<Handover, ApiError> {
     let mut roles = vec![FileRole::ProcessLog, FileRole::SerialLog];
     let mut files = vec![
         opened(
@@ -333,7 +390,11 @@ pub(super) fn host_files(
         )?,
     ];
     if fork_child {
-        return Ok((roles, files));
+        return Ok(Handover {
+            roles,
+            files,
+            vsock: None,
+        });
     }
     match &config.guest {
         GuestSpec::Builtin { .. } => {}
@@ -387,7 +448,16 @@ pub(super) fn host_files(
             |p| std::fs::File::open(p),
         )?);
     }
-    Ok((roles, files))
+    // Last: nothing after it can fail and leave it bound.
+    let vsock = match vsock_listener(id, config)? {
+        Some((bound, f)) => {
+            roles.push(FileRole::VsockListener);
+            files.push(f);
+            Some(bound)
+        }
+        None => None,
+    };
+    Ok(Handover { roles, files, vsock })
 }
 
 /// A VM in a VM process, from the daemon's side.
@@ -432,7 +502,11 @@ impl Remote {
     ) -> Result<Self, ApiError> {
         use std::os::fd::AsRawFd;
         check_config(id, config)?;
-        let (roles, files) = host_files(id, config, runtime_dir, kernel_cache, node, false)?;
+        let Handover {
+            roles,
+            files,
+            vsock: bound,
+        } = host_files(id, config, runtime_dir, kernel_cache, node, false)?;
         let build = Request::Build {
             id: id.to_string(),
             config: Box::new(config.clone()),
@@ -452,7 +526,11 @@ impl Remote {
             ));
         }
         let fds: Vec<_> = files.iter().map(|f| f.as_raw_fd()).collect();
-        Self::spawn_with(procs, store, id, config, runtime_dir, &build, &fds)
+        let built = Self::spawn_with(procs, store, id, config, runtime_dir, &build, &fds)?;
+        if let Some(b) = bound {
+            b.keep();
+        }
+        Ok(built)
     }
 
     /// [`Remote::spawn`] with the build request `build` (a plain build, or
@@ -635,6 +713,42 @@ impl Remote {
 
     pub(super) fn record(&self) -> &ProcessRecord {
         &self.rec
+    }
+
+    /// Puts the file at `path` (opened read-only here: the VM process may
+    /// open nothing) in its read-only disk `disk` as the new medium, or
+    /// empties the drive.
+    pub(super) fn medium(&mut self, disk: u32, path: Option<&Path>) -> Result<(), ApiError> {
+        use std::os::fd::AsRawFd;
+        let id = self.id.clone();
+        let count = self.config.devices.disks.len();
+        let index = usize::try_from(disk).ok().filter(|&i| i < count).ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::Conflict,
+                format!("vm {id} has {count} disks, so it has no disk {disk}"),
+            )
+        })?;
+        let file = match path {
+            Some(p) => {
+                let bad = |e: &dyn std::fmt::Display| {
+                    ApiError::new(
+                        ErrorCode::InvalidArgument,
+                        format!("vm {id}: disk {disk}'s new medium: {e}"),
+                    )
+                };
+                crate::config::check_disk_path(p).map_err(|e| bad(&e))?;
+                Some(k7d_devices::virtio::block::DiskImage::open_file(p, true).map_err(|e| bad(&e))?)
+            }
+            None => None,
+        };
+        let fds: Vec<_> = file.iter().map(|f| f.as_raw_fd()).collect();
+        let req = Request::Medium {
+            disk,
+            path: path.map(Path::to_path_buf),
+        };
+        self.call_fds(&req, &fds)?;
+        self.config.devices.disks[index].path = path.map(Path::to_path_buf);
+        Ok(())
     }
 
     fn ended(&self) -> Option<StopReason> {
@@ -954,6 +1068,7 @@ impl super::Daemon {
         let id = match req {
             Api::Start(id) | Api::Pause(id) | Api::Resume(id) | Api::Stop(id) | Api::Info(id) => id,
             Api::Peek(a) => &a.id,
+            Api::Medium(a) => &a.id,
             _ => return None,
         };
         let r = self.process(id)?;
@@ -971,6 +1086,15 @@ impl super::Daemon {
                     Ok(())
                 }
             },
+            // The record keeps the medium (what `info` and a re-attach
+            // read back).
+            Api::Medium(a) => g.medium(a.disk, a.path.as_deref()).and_then(|()| {
+                let config = g.config().clone();
+                self.store
+                    .update(id, |r| r.config = config)
+                    .map(drop)
+                    .map_err(|e| internal(&format!("vm {id}: cannot record its medium"), e))
+            }),
             Api::Peek(a) => {
                 return Some(
                     match g.call(&Request::Peek {
@@ -1097,7 +1221,7 @@ impl super::Daemon {
         let mut c = cap.config.clone();
         c.id = Some(cid.to_string());
         c.fork.shells = None;
-        let (roles, files) = host_files(cid, &c, &dir, None, &self.node, true)?;
+        let Handover { roles, files, .. } = host_files(cid, &c, &dir, None, &self.node, true)?;
         let build = Request::BuildFork {
             id: cid.to_string(),
             config: Box::new(c.clone()),
@@ -1186,13 +1310,18 @@ impl super::Daemon {
     /// `delete` of a VM in a VM process: stopped, its process gone, its
     /// files and id freed.
     pub(super) fn delete_process(&self, id: &str, r: &Arc<Mutex<Remote>>) -> Result<super::api::Deleted, ApiError> {
-        let (uid, spare_dir) = {
+        let (uid, spare_dir, vsock) = {
             let mut g = lock(r);
             g.stop();
-            (g.record().uid, g.record().spare_dir.clone())
+            let vsock = g.config().devices.vsock.as_ref().map(|v| v.uds.clone());
+            (g.record().uid, g.record().spare_dir.clone(), vsock)
         };
         if let Some(d) = spare_dir {
             let _ = std::fs::remove_dir_all(d);
+        }
+        // Its vsock socket was bound here, not by the VM process.
+        if let Some(p) = vsock {
+            remove_vsock_socket(&p);
         }
         {
             let mut vms = self.vms();

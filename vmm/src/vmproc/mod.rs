@@ -11,8 +11,9 @@
 //! pause, resume, peek, status, stop, capture and fork-child builds; it
 //! outlives its caller when it has the socket, and the next caller
 //! re-attaches there (the daemon does, from its records:
-//! `daemon/processes.rs`). Not yet: vhost-net, datapath NICs and vsock,
-//! snapshots, forks of VMs with devices.
+//! `daemon/processes.rs`). vsock's host socket arrives bound; the guest's
+//! own connections to the host (by path) are refused. Not yet: vhost-net,
+//! datapath NICs, medium changes, snapshots, forks of VMs with devices.
 
 /// The exit status of a VM process that panicked (its panic hook ends it:
 /// nothing carries on with what the panic left half-changed).

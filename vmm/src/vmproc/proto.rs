@@ -2,6 +2,8 @@
 //! line each way, a request answered by exactly one reply. The first
 //! exchange is [`Request::Hello`] / [`Reply::Hello`] with [`VERSION`]; a
 //! caller of another version is refused with a sentence, never guessed at.
+//! A request added later is no new version: a VM process that does not
+//! know it answers it with an error (`runtime.rs`), and keeps serving.
 
 use serde::{Deserialize, Serialize};
 
@@ -30,7 +32,7 @@ pub enum Request {
     Build {
         /// Its id.
         id: String,
-        /// Its config (no NICs or vsock, for now).
+        /// Its config (no datapath NICs, for now).
         config: Box<VmConfig>,
         /// What each descriptor is.
         #[serde(default)]
@@ -79,6 +81,15 @@ pub enum Request {
         addr: u64,
         /// Words.
         count: u32,
+    },
+    /// Put another medium in read-only disk `disk` (none: empty it). The
+    /// file, opened read-only by the caller, comes with the request.
+    Medium {
+        /// The disk's place in the config's disks.
+        disk: u32,
+        /// The new medium's path (what `info` shows), or none.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        path: Option<PathBuf>,
     },
     /// The VM's state.
     Status,

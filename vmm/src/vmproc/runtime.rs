@@ -169,8 +169,8 @@ fn take_listener(listener: &mut Option<UnixListener>, fd: Option<OwnedFd>) -> Re
 
 /// The sentence for a config a VM process cannot build yet.
 fn check_kind(config: &crate::config::VmConfig) -> Result<(), String> {
-    if config.devices.vsock.is_some() || config.devices.nics.iter().any(|n| n.datapath.is_some()) {
-        return Err("a VM process runs no vsock device or datapath NIC yet".into());
+    if config.devices.nics.iter().any(|n| n.datapath.is_some()) {
+        return Err("a VM process runs no datapath NIC yet".into());
     }
     config.validate_handed().map_err(|e| e.to_string())
 }
@@ -292,6 +292,23 @@ fn handle(
             *vm = Some(child);
             Ok((Reply::Ok, Vec::new()))
         }
+        Request::Medium { disk, path } => {
+            let opened = match (fds.len(), &path) {
+                (0, None) => None,
+                (1, Some(_)) => fds.pop().map(std::fs::File::from),
+                (n, _) => {
+                    return Err(format!(
+                        "a medium change takes its file with its path, one each, not {n} descriptors for {}",
+                        if path.is_some() { "a path" } else { "no path" }
+                    ));
+                }
+            };
+            let index = usize::try_from(disk).unwrap_or(usize::MAX);
+            built(vm)?
+                .change_medium_to(index, path.as_deref(), opened)
+                .map_err(|e| e.to_string())?;
+            Ok((Reply::Ok, Vec::new()))
+        }
         other => handle_plain(vm, other).map(|r| (r, Vec::new())),
     }
 }
@@ -299,7 +316,9 @@ fn handle(
 fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
     match req {
         Request::Hello { .. } => Err("hello was already said".into()),
-        Request::Capture | Request::BuildFork { .. } | Request::Build { .. } => Err("handled above".into()),
+        Request::Capture | Request::BuildFork { .. } | Request::Build { .. } | Request::Medium { .. } => {
+            Err("handled above".into())
+        }
         Request::Start => built(vm)?.start().map(|()| Reply::Ok).map_err(|e| e.to_string()),
         Request::Pause => built(vm)?
             .pause(Duration::from_secs(2))

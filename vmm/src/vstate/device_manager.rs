@@ -629,9 +629,24 @@ impl PciCtx<'_> {
     }
 
     /// virtio-vsock with its hybrid host socket (never in a fork child: the
-    /// source refuses the fork).
+    /// source refuses the fork): bound here, or in a VM process handed over
+    /// bound (the daemon's to remove).
     fn add_vsock(&mut self, v: &crate::config::VsockConfig) -> Result<(), VmError> {
-        let dev = k7d_devices::virtio::vsock::Vsock::new(v.cid, &v.uds).map_err(|e| dev_err("virtio-vsock")(&e))?;
+        use k7d_devices::virtio::vsock::Vsock;
+        let dev = match self.files.take(FileRole::VsockListener) {
+            Ok(Some(f)) => {
+                let listener = std::os::unix::net::UnixListener::from(std::os::fd::OwnedFd::from(f));
+                Vsock::with_listener(v.cid, &v.uds, listener)
+            }
+            Ok(None) => Vsock::new(v.cid, &v.uds),
+            Err(msg) => {
+                return Err(VmError::Device {
+                    what: "virtio-vsock",
+                    msg,
+                });
+            }
+        }
+        .map_err(|e| dev_err("virtio-vsock")(&e))?;
         let detail = format!("cid {}, hybrid host socket {}", v.cid, v.uds.display());
         self.source_backend("virtio-vsock")?;
         let mem = self.mem.clone();

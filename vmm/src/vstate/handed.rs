@@ -44,6 +44,9 @@ pub enum FileRole {
     },
     /// The VM process's own log: it becomes its standard error.
     ProcessLog,
+    /// vsock's host socket, bound and listening (the daemon binds it at
+    /// the configured path, and removes it).
+    VsockListener,
 }
 
 impl std::fmt::Display for FileRole {
@@ -58,6 +61,7 @@ impl std::fmt::Display for FileRole {
             Self::Entropy => f.write_str("the entropy source"),
             Self::TapQueue { nic, queue } => write!(f, "queue {queue} of nic {nic}'s tap"),
             Self::ProcessLog => f.write_str("the VM process's log"),
+            Self::VsockListener => f.write_str("vsock's host socket"),
         }
     }
 }

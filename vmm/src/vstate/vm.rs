@@ -532,6 +532,18 @@ impl Vm {
     /// child shares it. A refusal leaves the drive as it was; a worker that
     /// cannot restart after the swap is an error with the change recorded.
     pub fn change_medium(&mut self, index: usize, path: Option<&std::path::Path>) -> Result<(), VmError> {
+        self.change_medium_to(index, path, None)
+    }
+
+    /// [`Vm::change_medium`] with `path` opened (read-only) by the caller
+    /// and handed over as `opened` (a VM process's daemon opens it: the
+    /// process may open nothing).
+    pub fn change_medium_to(
+        &mut self,
+        index: usize,
+        path: Option<&std::path::Path>,
+        opened: Option<std::fs::File>,
+    ) -> Result<(), VmError> {
         let id = self.id.clone();
         let Some(disk) = self.config.devices.disks.get(index) else {
             return Err(VmError::Refused(format!(
@@ -552,7 +564,16 @@ impl Vm {
         if let Some(p) = path {
             crate::config::check_disk_path(p).map_err(|e| VmError::Refused(e.to_string()))?;
         }
-        let medium = Arc::new(super::device_manager::open_medium(path, true)?);
+        let medium = Arc::new(match (opened, path) {
+            (Some(f), Some(p)) => k7d_devices::virtio::block::DiskImage::from_file(f, true, p.display().to_string())
+                .map_err(|e| VmError::Refused(format!("disk {index} of vm {id}: {e}")))?,
+            (Some(_), None) => {
+                return Err(VmError::Refused(format!(
+                    "disk {index} of vm {id}: a file came with no path for it"
+                )));
+            }
+            (None, _) => super::device_manager::open_medium(path, true)?,
+        });
         let Some(handle) = self
             .virtio
             .iter()

@@ -248,3 +248,22 @@ pub fn start_daemon(bin: &Path, dir: &Path, extra: &[&str], stderr_null: bool) -
     }
     child
 }
+
+/// The Debian cloud kernel the lab fetched (`tests/lab/run.sh --fetch`).
+pub fn cached_cloud_kernel() -> Option<std::path::PathBuf> {
+    let cache = std::env::var_os("K7D_LAB_CACHE").map_or_else(
+        || std::path::PathBuf::from("/var/cache/k7d-lab"),
+        std::path::PathBuf::from,
+    );
+    std::fs::read_dir(cache.join("pkgs"))
+        .ok()?
+        .flatten()
+        .filter(|p| p.file_name().to_string_lossy().starts_with("linux-image-"))
+        .filter_map(|p| std::fs::read_dir(p.path().join("boot")).ok())
+        .flat_map(|d| d.flatten())
+        .map(|f| f.path())
+        .find(|f| {
+            let n = f.file_name().unwrap_or_default().to_string_lossy();
+            n.starts_with("vmlinuz-") && n.ends_with("-cloud-amd64")
+        })
+}

@@ -18,11 +18,15 @@ use crate::virtio::{ActivateContext, VIRTIO_F_VERSION_1, VirtioDevice, VirtioErr
 ///
 /// The socket at `uds_path` is bound by [`Vsock::new`] (so host processes can
 /// connect before the guest driver is up; they wait in the backlog) and
-/// removed when the device is dropped.
+/// removed when the device is dropped. [`Vsock::with_listener`] takes a
+/// socket somebody else bound (a VM process's, bound by its daemon), whose
+/// path stays theirs to remove.
 pub struct Vsock {
     cid: u64,
     uds_path: PathBuf,
     listener: UnixListener,
+    /// Whether this device bound `uds_path` (and so removes it).
+    owns_path: bool,
     queue_sizes: [u16; NUM_QUEUES],
     worker: WorkerThread<VsockWorker>,
     /// Restored from a snapshot or a fork: the guest's sockets still think
@@ -50,6 +54,14 @@ fn restored_first_port() -> u32 {
     LOCAL_PORT_BASE + (1 << 29) + mixed % (1 << 29)
 }
 
+/// Refuses the reserved CIDs (0-2) and those past 32 bits.
+fn check_cid(cid: u64) -> Result<(), VsockError> {
+    if !(3..u64::from(u32::MAX)).contains(&cid) {
+        return Err(VsockError::BadCid(cid));
+    }
+    Ok(())
+}
+
 impl std::fmt::Debug for Vsock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Vsock")
@@ -65,9 +77,7 @@ impl Vsock {
     /// if the CID is reserved or the path cannot be bound (an existing file
     /// there is an error: it may be another VM's socket).
     pub fn new(cid: u64, uds_path: impl Into<PathBuf>) -> Result<Self, VsockError> {
-        if !(3..u64::from(u32::MAX)).contains(&cid) {
-            return Err(VsockError::BadCid(cid));
-        }
+        check_cid(cid)?;
         let uds_path = uds_path.into();
         let bind_err = |source| VsockError::Bind {
             path: uds_path.clone(),
@@ -79,15 +89,34 @@ impl Vsock {
             return Err(bind_err(e));
         }
         info!(cid, path = %uds_path.display(), "vsock unix socket bound");
-        Ok(Self {
+        Ok(Self::built(cid, uds_path, listener, true))
+    }
+
+    /// A device for guest `cid` whose host side is `listener`, a listening
+    /// unix socket bound at `uds_path` by the caller, who removes the path.
+    /// The guest's own connections to the host (`<uds_path>_<port>`) are
+    /// made by path as ever: a process with no filesystem refuses them.
+    pub fn with_listener(cid: u64, uds_path: impl Into<PathBuf>, listener: UnixListener) -> Result<Self, VsockError> {
+        check_cid(cid)?;
+        let uds_path = uds_path.into();
+        listener.set_nonblocking(true).map_err(|source| VsockError::Bind {
+            path: uds_path.clone(),
+            source,
+        })?;
+        Ok(Self::built(cid, uds_path, listener, false))
+    }
+
+    fn built(cid: u64, uds_path: PathBuf, listener: UnixListener, owns_path: bool) -> Self {
+        Self {
             cid,
             uds_path,
             listener,
+            owns_path,
             queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
             worker: WorkerThread::new("k7d-vsock"),
             reset_guest: false,
             first_local_port: LOCAL_PORT_BASE,
-        })
+        }
     }
 
     /// The guest CID.
@@ -241,6 +270,9 @@ impl VirtioDevice for Vsock {
 impl Drop for Vsock {
     fn drop(&mut self) {
         self.stop_worker();
+        if !self.owns_path {
+            return;
+        }
         if let Err(e) = std::fs::remove_file(&self.uds_path)
             && e.kind() != std::io::ErrorKind::NotFound
         {
@@ -310,6 +342,24 @@ mod tests {
             let e = Vsock::new(cid, tmp_path("cid")).unwrap_err();
             assert!(matches!(e, VsockError::BadCid(c) if c == cid));
         }
+    }
+
+    #[test]
+    fn a_handed_listener_is_served_and_its_path_left_to_whoever_bound_it() {
+        let p = tmp_path("handed");
+        let _ = std::fs::remove_file(&p);
+        let l = UnixListener::bind(&p).unwrap();
+        let e = Vsock::with_listener(2, &p, l.try_clone().unwrap()).unwrap_err();
+        assert!(matches!(e, VsockError::BadCid(2)), "{e}");
+        let v = Vsock::with_listener(7, &p, l).unwrap();
+        assert_eq!(v.cid(), 7);
+        assert_eq!(v.uds_path(), p.as_path());
+        // A host process connects to the handed socket (it waits in the
+        // backlog until the guest driver is up).
+        std::os::unix::net::UnixStream::connect(&p).unwrap();
+        drop(v);
+        assert!(p.exists(), "the path is its binder's to remove");
+        std::fs::remove_file(&p).unwrap();
     }
 
     #[test]

@@ -461,6 +461,7 @@ const TYPICAL_L1_S: &[(&str, u32)] = &[
     ("k7d-blk-jail", 70),
     ("k7d-net-vhost", 60),
     ("k7d-direct", 60),
+    ("k7d-direct-jail", 60),
     ("k7d-net", 60),
     ("k7d-net-jail", 60),
     ("lab-l1-freeze", 50),
@@ -930,6 +931,30 @@ fn lab_k7d_direct_datapath_real_guest() {
     assert!(metric(&r, "net.l1_to_guest_s") > 0.0);
     let notes = r["notes"].to_string();
     assert!(notes.contains("datapath: direct"), "{notes}");
+}
+
+/// Issue 36: the same pod NIC for a VM in a jailed VM process (`k7d
+/// daemon --jail on`): the daemon makes the tap in the pod netns with the
+/// direct datapath around it and hands its queues over; the same guest
+/// checks, the daemon reports "datapath: direct", the VM process was
+/// jailed holding the tap's queues, and nothing is left after the delete
+/// (all asserted in the scenario).
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_direct_datapath_for_a_jailed_vm_process() {
+    if pending("k7d-direct-jail") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario("k7d-direct-jail", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(metric(&r, "net.guest_to_l1_s") > 0.0);
+    assert!(metric(&r, "net.l1_to_guest_s") > 0.0);
+    let notes = r["notes"].to_string();
+    assert!(notes.contains("datapath: direct"), "{notes}");
+    assert!(
+        notes.contains("holding its files and serial log as handed descriptors"),
+        "{notes}"
+    );
 }
 
 /// The same over L1's kernel vhost-net (`vhost=on`): "vhost: on, queues: 2".

@@ -13,8 +13,10 @@
 # pings and move LAB_NET_MIB (default 16) MiB each way over TCP (busybox nc) with the same sha256 at
 # both ends. k7d must print "k7d: nic 0: tap k7dlab0, vhost: off, queues: 2" and
 # remove the tap when it exits.
-# Variants source this file: k7d-net-vhost (NET_VHOST=on: --nic ...,vhost=on)
-# and qemu-net (NET_VMM=qemu: the reference, with QEMU's own tap backend).
+# Variants source this file: k7d-net-vhost (NET_VHOST=on: --nic ...,vhost=on),
+# qemu-net (NET_VMM=qemu: the reference, with QEMU's own tap backend),
+# k7d-direct (NET_DATAPATH=direct), and k7d-net-jail and k7d-direct-jail
+# (NET_VMM=k7d-jail: the VM in a VM process of `k7d daemon --jail on`).
 # By hand: tests/lab/run.sh --bin target/release/k7d k7d-net
 . /lab/lib.sh
 
@@ -106,7 +108,16 @@ err=$(sed -n 's/.*LAB-GUEST error //p' "$LOG" | head -n1)
 grep -q "LAB-GUEST net-done=yes" "$LOG" || lab_fail "the guest script did not finish"
 grep -q "LAB-GUEST end rc=0" "$LOG" || lab_fail "the guest script did not end with rc=0"
 if [ -n "$DIRECT" ]; then
-  line=$(grep "k7d: nic 0: tap k7dt" "$LOG" | head -n1)
+  if [ "$VMM" = k7d-jail ]; then
+    # The daemon's create said it; the VM process held the tap's queues.
+    line=$(grep "k7d-jail: create: device virtio-net" "$LOG" | head -n1)
+    [ "$(grep -c ' -> /dev/net/tun$' /tmp/k7d-jail/fds)" = 2 ] ||
+      lab_fail "the VM process does not hold the tap's 2 queues: $(tr '\n' ' ' </tmp/k7d-jail/fds)"
+    grep -q "stopped (guest poweroff)" "$LOG" || lab_fail "k7d did not report the guest poweroff"
+    lab_jail_check
+  else
+    line=$(grep "k7d: nic 0: tap k7dt" "$LOG" | head -n1)
+  fi
   case $line in
     *"vhost: off, queues: 2,"*"datapath: $DIRECT"*) lab_note "$line" ;;
     *) lab_fail "k7d did not report 'vhost: off, queues: 2 ... datapath: $DIRECT' (it printed: $line)" ;;

@@ -595,7 +595,10 @@ impl Daemon {
                 let disk = usize::try_from(a.disk).unwrap_or(usize::MAX);
                 vm.change_medium(disk, a.path.as_deref())
             })?)),
-            Request::NicAttach(a) => Reply::Vm(Box::new(self.attach_nic(&a)?)),
+            Request::NicAttach(a) => match self.process(&a.id) {
+                Some(r) => Reply::Vm(Box::new(self.attach_process_nic(&a, &r)?)),
+                None => Reply::Vm(Box::new(self.attach_nic(&a)?)),
+            },
             Request::List => Reply::List(self.list()),
             Request::Version => Reply::Version(VersionInfo {
                 api_version: api::API_VERSION,

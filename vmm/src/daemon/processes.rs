@@ -11,9 +11,11 @@
 //! every host file and tap queue opened here and handed over
 //! (`host_files`), vsock with its host socket bound here (its guest's own
 //! connections to the host are refused: the VM process has no path to
-//! reach); start, pause, resume, stop, delete, info, list, peek, fork (of
-//! VMs without devices) and clusters. Datapath NICs, and a request the VM
-//! process does not serve yet, are refused with a sentence.
+//! reach), NICs in pod networks attached here (at the build, or a bare
+//! one later: `nic_attach`) and detached at delete; start, pause, resume,
+//! stop, delete, info, list, peek, medium, fork (of VMs without devices)
+//! and clusters. A request the VM process does not serve yet is refused
+//! with a sentence.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -226,49 +228,60 @@ pub(super) fn keep_spares(procs: &Arc<VmProcesses>) {
     }
 }
 
-/// Refuses a config a VM process cannot run yet.
-pub(super) fn check_config(id: &str, config: &VmConfig) -> Result<(), ApiError> {
-    if config.devices.nics.iter().any(|n| n.datapath.is_some()) {
-        return Err(ApiError::new(
-            ErrorCode::InvalidArgument,
-            format!("vm {id}: a VM process runs no datapath NIC yet; this daemon runs every VM in one (--jail on)"),
-        ));
-    }
-    Ok(())
-}
-
 /// The taps of `config`'s NICs, made here (the VM process may not), each
 /// queue as a file: planned as the VM process plans them (the same node
 /// settings, no vhost), so both settle on the same queue count. A tap goes
 /// when the last of its queues closes: with the VM process, or here when
-/// the build fails.
-fn taps(
-    id: &str,
-    config: &VmConfig,
-    node: &crate::config::NodeConfig,
-) -> Result<(Vec<FileRole>, Vec<std::fs::File>), ApiError> {
-    let (mut roles, mut files) = (Vec::new(), Vec::new());
+/// the build fails. A NIC in a pod network gets its tap in the pod netns
+/// with the datapath around it (`attach_to_pod`, as a VM built here
+/// does); its attachment comes back, detached if the build fails.
+fn taps(id: &str, config: &VmConfig, node: &crate::config::NodeConfig, out: &mut Handover) -> Result<(), ApiError> {
     if config.devices.nics.is_empty() {
-        return Ok((roles, files));
+        return Ok(());
     }
     let bad = |m: String| ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {m}"));
     let net = node.net().map_err(|e| bad(e.to_string()))?;
-    let mut nl = k7d_net::netlink::Netlink::open().map_err(|e| internal(&format!("vm {id}: netlink"), e))?;
+    let mut nl = None;
     for (i, n) in config.devices.nics.iter().enumerate() {
         let nic = u16::try_from(i).map_err(|_| bad("too many NICs".into()))?;
         let avail =
             k7d_net::policy::VhostAvailability::Unavailable(crate::vstate::handed::NO_VHOST_IN_A_VM_PROCESS.into());
         let plan = crate::vstate::nic_plan(&net, n, config.vcpus, avail).map_err(|e| bad(format!("nic {i}: {e}")))?;
-        let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(id, nic).tap);
-        let tap = k7d_net::create_tap(&mut nl, &name, plan.queue_pairs.into(), true)
-            .map_err(|e| internal(&format!("vm {id}: nic {i}: tap {name}"), e))?;
+        let tap = match &n.datapath {
+            None => {
+                let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(id, nic).tap);
+                let nl = match &mut nl {
+                    Some(nl) => nl,
+                    None => nl.insert(
+                        k7d_net::netlink::Netlink::open().map_err(|e| internal(&format!("vm {id}: netlink"), e))?,
+                    ),
+                };
+                k7d_net::create_tap(nl, &name, plan.queue_pairs.into(), true)
+                    .map_err(|e| internal(&format!("vm {id}: nic {i}: tap {name}"), e))?
+            }
+            Some(d) => {
+                let dp = k7d_net::Datapath::new(node.datapath())
+                    .map_err(|e| internal(&format!("vm {id}: nic {i}: the datapath"), e))?;
+                let (att, note) = crate::vstate::attach_to_pod(&dp, id, nic, d, plan.queue_pairs.into(), false)
+                    .map_err(|e| ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {e}")))?;
+                out.nets.push(crate::vstate::NetCleanup::new(
+                    dp,
+                    id.to_string(),
+                    nic,
+                    d.netns.clone(),
+                    d.pod_if.clone(),
+                ));
+                out.notes.push((nic, note));
+                att.tap
+            }
+        };
         for (q, fd) in tap.queues.into_iter().enumerate() {
             let queue = u16::try_from(q).map_err(|_| bad("too many queues".into()))?;
-            roles.push(FileRole::TapQueue { nic, queue });
-            files.push(std::fs::File::from(fd));
+            out.roles.push(FileRole::TapQueue { nic, queue });
+            out.files.push(std::fs::File::from(fd));
         }
     }
-    Ok((roles, files))
+    Ok(())
 }
 
 /// The name of a VM process's own log in its runtime directory.
@@ -352,6 +365,7 @@ fn vsock_listener(id: &str, config: &VmConfig) -> Result<Option<(BoundSocket, st
 }
 
 /// What a VM process is handed for its build.
+#[derive(Default)]
 pub(super) struct Handover {
     /// What each file is.
     pub(super) roles: Vec<FileRole>,
@@ -359,6 +373,24 @@ pub(super) struct Handover {
     pub(super) files: Vec<std::fs::File>,
     /// Its vsock socket, bound here: removed unless the build succeeds.
     pub(super) vsock: Option<BoundSocket>,
+    /// Its NICs attached to pod networks here: detached unless the build
+    /// succeeds.
+    pub(super) nets: Vec<crate::vstate::NetCleanup>,
+    /// What each of those NICs' `info` line adds (", datapath: MODE").
+    pub(super) notes: Vec<(u16, String)>,
+}
+
+impl Handover {
+    /// The VM was built: what was made here for it is its own now (its
+    /// delete undoes it, from its record).
+    fn keep(self) {
+        if let Some(b) = self.vsock {
+            b.keep();
+        }
+        for n in self.nets {
+            n.keep();
+        }
+    }
 }
 
 /// The host files a VM process needs for `config` (its files under
@@ -374,33 +406,32 @@ pub(super) fn host_files(
     node: &crate::config::NodeConfig,
     fork_child: bool,
 ) -> Result<Handover, ApiError> {
-    let mut roles = vec![FileRole::ProcessLog, FileRole::SerialLog];
-    let mut files = vec![
-        opened(
-            id,
-            FileRole::ProcessLog,
-            &dir.join(PROCESS_LOG),
-            crate::vstate::handed::open_log,
-        )?,
-        opened(
-            id,
-            FileRole::SerialLog,
-            &dir.join("serial.log"),
-            crate::vstate::handed::open_log,
-        )?,
-    ];
+    let mut out = Handover {
+        roles: vec![FileRole::ProcessLog, FileRole::SerialLog],
+        files: vec![
+            opened(
+                id,
+                FileRole::ProcessLog,
+                &dir.join(PROCESS_LOG),
+                crate::vstate::handed::open_log,
+            )?,
+            opened(
+                id,
+                FileRole::SerialLog,
+                &dir.join("serial.log"),
+                crate::vstate::handed::open_log,
+            )?,
+        ],
+        ..Handover::default()
+    };
     if fork_child {
-        return Ok(Handover {
-            roles,
-            files,
-            vsock: None,
-        });
+        return Ok(out);
     }
     match &config.guest {
         GuestSpec::Builtin { .. } => {}
         GuestSpec::Raw { path, .. } => {
-            roles.push(FileRole::RawImage);
-            files.push(input(id, FileRole::RawImage, path)?);
+            out.roles.push(FileRole::RawImage);
+            out.files.push(input(id, FileRole::RawImage, path)?);
         }
         GuestSpec::Linux { kernel, initrd, .. } => {
             let mut k = input(id, FileRole::Kernel, kernel)?;
@@ -411,18 +442,18 @@ pub(super) fn host_files(
                     Ok(Some(u)) => {
                         // Read-only: the cache entry is shared by every VM.
                         let f = opened(id, FileRole::UnpackedKernel, &u.path, crate::vstate::handed::open_input)?;
-                        roles.push(FileRole::UnpackedKernel);
-                        files.push(f);
+                        out.roles.push(FileRole::UnpackedKernel);
+                        out.files.push(f);
                     }
                     Ok(None) => {}
                     Err(e) => tracing::warn!(vm = %id, "{e}; the kernel boots through its own decompressor"),
                 }
             }
-            roles.push(FileRole::Kernel);
-            files.push(k);
+            out.roles.push(FileRole::Kernel);
+            out.files.push(k);
             if let Some(i) = initrd {
-                roles.push(FileRole::Initrd);
-                files.push(input(id, FileRole::Initrd, i)?);
+                out.roles.push(FileRole::Initrd);
+                out.files.push(input(id, FileRole::Initrd, i)?);
             }
         }
     }
@@ -433,15 +464,16 @@ pub(super) fn host_files(
         let role = FileRole::Disk { index };
         let f = k7d_devices::virtio::block::DiskImage::open_file(path, d.read_only)
             .map_err(|e| ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: {role}: {e}")))?;
-        roles.push(role);
-        files.push(f);
+        out.roles.push(role);
+        out.files.push(f);
     }
-    let (nic_roles, nic_files) = taps(id, config, node)?;
-    roles.extend(nic_roles);
-    files.extend(nic_files);
+    // Rng and vsock after the NICs: nothing after a NIC's attach can fail
+    // but the entropy source's open and vsock's bind, and either failure
+    // drops (so detaches) what was attached.
+    taps(id, config, node, &mut out)?;
     if config.devices.rng {
-        roles.push(FileRole::Entropy);
-        files.push(opened(
+        out.roles.push(FileRole::Entropy);
+        out.files.push(opened(
             id,
             FileRole::Entropy,
             Path::new(k7d_devices::virtio::rng::ENTROPY_SOURCE),
@@ -449,15 +481,12 @@ pub(super) fn host_files(
         )?);
     }
     // Last: nothing after it can fail and leave it bound.
-    let vsock = match vsock_listener(id, config)? {
-        Some((bound, f)) => {
-            roles.push(FileRole::VsockListener);
-            files.push(f);
-            Some(bound)
-        }
-        None => None,
-    };
-    Ok(Handover { roles, files, vsock })
+    if let Some((bound, f)) = vsock_listener(id, config)? {
+        out.roles.push(FileRole::VsockListener);
+        out.files.push(f);
+        out.vsock = Some(bound);
+    }
+    Ok(out)
 }
 
 /// A VM in a VM process, from the daemon's side.
@@ -501,16 +530,12 @@ impl Remote {
         node: &crate::config::NodeConfig,
     ) -> Result<Self, ApiError> {
         use std::os::fd::AsRawFd;
-        check_config(id, config)?;
-        let Handover {
-            roles,
-            files,
-            vsock: bound,
-        } = host_files(id, config, runtime_dir, kernel_cache, node, false)?;
+        let mut handed = host_files(id, config, runtime_dir, kernel_cache, node, false)?;
+        let files = std::mem::take(&mut handed.files);
         let build = Request::Build {
             id: id.to_string(),
             config: Box::new(config.clone()),
-            files: roles,
+            files: std::mem::take(&mut handed.roles),
             serial_log: Some(runtime_dir.join("serial.log")),
             node: node.clone(),
         };
@@ -526,10 +551,9 @@ impl Remote {
             ));
         }
         let fds: Vec<_> = files.iter().map(|f| f.as_raw_fd()).collect();
-        let built = Self::spawn_with(procs, store, id, config, runtime_dir, &build, &fds)?;
-        if let Some(b) = bound {
-            b.keep();
-        }
+        let mut built = Self::spawn_with(procs, store, id, config, runtime_dir, &build, &fds)?;
+        built.rec.nic_notes = std::mem::take(&mut handed.notes);
+        handed.keep();
         Ok(built)
     }
 
@@ -545,7 +569,6 @@ impl Remote {
         fds: &[std::os::fd::RawFd],
     ) -> Result<Self, ApiError> {
         use std::os::fd::AsRawFd;
-        check_config(id, config)?;
         let socket = runtime_dir.join("vm.sock");
         if socket.as_os_str().len() > MAX_SOCKET_PATH {
             return Err(ApiError::new(
@@ -603,6 +626,7 @@ impl Remote {
             gid: uid,
             socket,
             spare_dir,
+            nic_notes: Vec::new(),
         };
         Ok(Self::watched(id, config.clone(), proc, rec, pidfd, store))
     }
@@ -1260,7 +1284,6 @@ impl super::Daemon {
         config
             .validate()
             .map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e.to_string()))?;
-        check_config(config.id.as_deref().unwrap_or("(new)"), &config)?;
         let Some(procs) = self.processes.clone() else {
             return Err(internal("create", "this daemon runs no VM processes"));
         };
@@ -1310,19 +1333,20 @@ impl super::Daemon {
     /// `delete` of a VM in a VM process: stopped, its process gone, its
     /// files and id freed.
     pub(super) fn delete_process(&self, id: &str, r: &Arc<Mutex<Remote>>) -> Result<super::api::Deleted, ApiError> {
-        let (uid, spare_dir, vsock) = {
+        let (uid, spare_dir, config) = {
             let mut g = lock(r);
             g.stop();
-            let vsock = g.config().devices.vsock.as_ref().map(|v| v.uds.clone());
-            (g.record().uid, g.record().spare_dir.clone(), vsock)
+            (g.record().uid, g.record().spare_dir.clone(), g.config().clone())
         };
         if let Some(d) = spare_dir {
             let _ = std::fs::remove_dir_all(d);
         }
-        // Its vsock socket was bound here, not by the VM process.
-        if let Some(p) = vsock {
-            remove_vsock_socket(&p);
+        // Its vsock socket and pod networks were made here, not by the VM
+        // process: undone here, as the VM's drop does inside a daemon.
+        if let Some(v) = &config.devices.vsock {
+            remove_vsock_socket(&v.uds);
         }
+        self.detach_nics(id, &config);
         {
             let mut vms = self.vms();
             vms.insert(id.to_string(), super::Slot::Deleting);
@@ -1367,6 +1391,98 @@ impl super::Daemon {
         }
     }
 
+    /// Detaches the datapath of `config`'s NICs in pod networks (a VM
+    /// process's, attached by this daemon or one before it); one that
+    /// cannot be detached is logged and left, as at a reconcile.
+    fn detach_nics(&self, id: &str, config: &VmConfig) {
+        let nics = super::reconcile::datapath_nics(&config.devices.nics);
+        if nics.is_empty() {
+            return;
+        }
+        let dp = match k7d_net::Datapath::new(self.node.datapath()) {
+            Ok(dp) => dp,
+            Err(e) => {
+                tracing::error!(vm = %id, error = %e, "cannot open the datapath to detach the VM's NICs");
+                return;
+            }
+        };
+        for (idx, d) in nics {
+            if let Err(e) = dp.detach(id, idx, Some(&d.netns), &d.pod_if) {
+                tracing::error!(vm = %id, nic = idx, error = %e, "datapath detach failed");
+            }
+        }
+    }
+
+    /// `nic_attach` of a VM in a VM process (a warm pool member claimed by
+    /// a pod): its bare tap, made here at its build, moves into the pod
+    /// netns with the datapath around it; the VM process keeps its queues
+    /// and notices nothing. The same refusals as inside the daemon
+    /// (`Vm::attach_nic`); the record keeps the attachment.
+    pub(super) fn attach_process_nic(
+        &self,
+        a: &super::api::NicAttachArgs,
+        r: &Arc<Mutex<Remote>>,
+    ) -> Result<super::api::VmInfo, ApiError> {
+        let mut g = lock(r);
+        let id = g.id().to_string();
+        let refuse = |why: String| {
+            ApiError::new(
+                ErrorCode::Conflict,
+                format!("nic {} of vm {id} cannot be attached: {why}", a.nic),
+            )
+        };
+        let count = g.config().devices.nics.len();
+        let Some((index, n)) = usize::try_from(a.nic)
+            .ok()
+            .and_then(|i| Some((i, g.config().devices.nics.get(i)?.clone())))
+        else {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("vm {id} has {count} NIC(s), so it has no nic {}", a.nic),
+            ));
+        };
+        if n.datapath.is_some() {
+            return Err(refuse("it is already attached to a pod's network".into()));
+        }
+        if n.vhost != Some(false) {
+            return Err(refuse(
+                "it may be served by vhost-net; only a NIC made with vhost = false is attached later".into(),
+            ));
+        }
+        if n.tap.is_some() {
+            return Err(refuse("its tap was named by the config, not by k7d".into()));
+        }
+        a.datapath.check().map_err(refuse)?;
+        if let s @ VmState::Stopped { .. } = g.status().state {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!("vm {id} is {s}: cannot attach a NIC"),
+            ));
+        }
+        let idx = u16::try_from(index).map_err(|_| refuse("its index is out of range".into()))?;
+        let dp = k7d_net::Datapath::new(self.node.datapath()).map_err(|e| refuse(e.to_string()))?;
+        let (_, note) =
+            crate::vstate::attach_to_pod(&dp, &id, idx, &a.datapath, 1, true).map_err(|e| refuse(e.to_string()))?;
+        let cleanup =
+            crate::vstate::NetCleanup::new(dp, id.clone(), idx, a.datapath.netns.clone(), a.datapath.pod_if.clone());
+        g.config.devices.nics[index].datapath = Some(a.datapath.clone());
+        g.rec.nic_notes.push((idx, note.clone()));
+        let (config, rec) = (g.config.clone(), g.rec.clone());
+        // Recorded, or undone: a daemon that re-attaches reads it back.
+        if let Err(e) = self.store.update(&id, |r| {
+            r.config = config;
+            r.vm_process = Some(rec);
+        }) {
+            g.config.devices.nics[index].datapath = None;
+            g.rec.nic_notes.pop();
+            drop(cleanup);
+            return Err(internal(&format!("vm {id}: cannot record its NIC's attachment"), e));
+        }
+        cleanup.keep();
+        tracing::info!(vm = %id, nic = index, netns = %a.datapath.netns.display(), "bare NIC attached to a pod network{note}");
+        Ok(self.process_info(&mut g))
+    }
+
     /// `info` of a VM in a VM process.
     pub(super) fn process_info(&self, g: &mut Remote) -> super::api::VmInfo {
         let rec = self.store.load(g.id()).ok().flatten();
@@ -1379,7 +1495,21 @@ impl super::Daemon {
             rng_reseed,
             vmgenid,
         } = g.status();
+        let mut devices = devices;
         let p = g.record();
+        // Its NICs in pod networks say so where a NIC attached inside a
+        // daemon does: after its backend, before the transport's "; MSI-X".
+        for (nic, note) in &p.nic_notes {
+            if let Some(info) = devices
+                .iter_mut()
+                .filter(|i| i.kind == "virtio-net")
+                .nth(usize::from(*nic))
+                .filter(|i| !i.detail.contains(note.as_str()))
+            {
+                let at = info.detail.find("; MSI-X").unwrap_or(info.detail.len());
+                info.detail.insert_str(at, note);
+            }
+        }
         // Its own statement: the guard must be gone before `children_of`
         // takes the lock again.
         let parent = self.parents().get(g.id()).map(|p| {

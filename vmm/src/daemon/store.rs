@@ -68,6 +68,11 @@ pub struct ProcessRecord {
     /// (`<state>/spares/<uid>`), removed with the VM.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spare_dir: Option<PathBuf>,
+    /// What the `info` line of each of its NICs attached to a pod network
+    /// adds (", datapath: MODE"): the datapath is the daemon's, so the VM
+    /// process cannot say it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nic_notes: Vec<(u16, String)>,
 }
 
 /// Errors from the record store.

@@ -11,9 +11,11 @@
 //! pause, resume, peek, status, stop, capture and fork-child builds; it
 //! outlives its caller when it has the socket, and the next caller
 //! re-attaches there (the daemon does, from its records:
-//! `daemon/processes.rs`). vsock's host socket arrives bound; the guest's
-//! own connections to the host (by path) are refused. Not yet: vhost-net,
-//! datapath NICs, medium changes, snapshots, forks of VMs with devices.
+//! `daemon/processes.rs`). vsock's host socket arrives bound (the guest's
+//! own connections to the host, by path, are refused), a NIC's tap queues
+//! arrive open (in a pod's netns with the datapath around them, for a
+//! datapath NIC: the daemon's to detach), a new medium arrives open. Not
+//! yet: vhost-net, snapshots, forks of VMs with devices.
 
 /// The exit status of a VM process that panicked (its panic hook ends it:
 /// nothing carries on with what the panic left half-changed).

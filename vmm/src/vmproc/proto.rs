@@ -32,7 +32,7 @@ pub enum Request {
     Build {
         /// Its id.
         id: String,
-        /// Its config (no datapath NICs, for now).
+        /// Its config.
         config: Box<VmConfig>,
         /// What each descriptor is.
         #[serde(default)]

@@ -321,7 +321,7 @@ pub(super) type VirtioHandle = Arc<Mutex<k7d_devices::virtio::transport::VirtioP
 /// tap made in the pod netns with `queues` queues, or with `adopt` the
 /// VM's own bare tap moved in (`vstate/attach.rs`). Returns the attachment
 /// and what the NIC's `info` line adds (", datapath: MODE[ (why)]").
-pub(super) fn attach_to_pod(
+pub(crate) fn attach_to_pod(
     dp: &k7d_net::Datapath,
     id: &str,
     idx: u16,
@@ -356,30 +356,43 @@ pub(super) fn attach_to_pod(
 }
 
 /// A NIC attached through the datapath, detached when the VM is dropped.
-pub(super) struct NetCleanup {
+pub(crate) struct NetCleanup {
     dp: k7d_net::Datapath,
     vm_id: String,
     idx: u16,
     netns: PathBuf,
     pod_if: String,
+    /// Left attached when dropped ([`NetCleanup::keep`]).
+    kept: bool,
 }
 
 impl NetCleanup {
     /// Detaches NIC `idx` of `vm_id` from the pod network `netns`/`pod_if`
     /// when dropped.
-    pub(super) fn new(dp: k7d_net::Datapath, vm_id: String, idx: u16, netns: PathBuf, pod_if: String) -> Self {
+    pub(crate) fn new(dp: k7d_net::Datapath, vm_id: String, idx: u16, netns: PathBuf, pod_if: String) -> Self {
         Self {
             dp,
             vm_id,
             idx,
             netns,
             pod_if,
+            kept: false,
         }
+    }
+
+    /// Leaves the NIC attached: a VM process's, whose attachment outlives
+    /// this daemon and is detached by the delete of whichever daemon
+    /// serves it then (from its record).
+    pub(crate) fn keep(mut self) {
+        self.kept = true;
     }
 }
 
 impl Drop for NetCleanup {
     fn drop(&mut self) {
+        if self.kept {
+            return;
+        }
         if let Err(e) = self.dp.detach(&self.vm_id, self.idx, Some(&self.netns), &self.pod_if) {
             tracing::error!(vm = %self.vm_id, nic = self.idx, error = %e, "datapath detach failed");
         }
@@ -526,9 +539,14 @@ impl PciCtx<'_> {
             msg: format!("nic {i}: no netlink socket to make its tap with"),
         };
         let (tap_name, tap) = match &n.datapath {
-            None if handed => {
-                // The daemon made the tap; its queues were handed over.
-                let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(&id, idx).tap);
+            _ if handed => {
+                // The daemon made the tap (in the pod netns, with the
+                // datapath around it, for a datapath NIC); its queues were
+                // handed over, and the datapath is the daemon's to detach.
+                let name = match &n.datapath {
+                    None => n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(&id, idx).tap),
+                    Some(_) => k7d_net::nic_names(&id, idx).tap,
+                };
                 let queues = (0..plane.queue_pairs)
                     .map(|queue| {
                         let role = FileRole::TapQueue { nic: idx, queue };
@@ -558,24 +576,12 @@ impl PciCtx<'_> {
                     .map_err(|e| dev_err("virtio-net")(&e))?;
                 (name, tap)
             }
-            Some(_) if handed => {
-                return Err(VmError::Device {
-                    what: "virtio-net",
-                    msg: format!("nic {i}: a VM process takes no datapath NIC yet"),
-                });
-            }
             Some(d) => {
                 let dp = k7d_net::Datapath::new(datapath.clone()).map_err(|e| dev_err("datapath")(&e))?;
                 let (att, note) = attach_to_pod(&dp, &id, idx, d, plane.queue_pairs.into(), false)?;
                 path_note = note;
                 // Detached (filters, pins, bridge) when the VM goes away.
-                cleanup = Some(NetCleanup {
-                    dp,
-                    vm_id: id.clone(),
-                    idx,
-                    netns: d.netns.clone(),
-                    pod_if: d.pod_if.clone(),
-                });
+                cleanup = Some(NetCleanup::new(dp, id.clone(), idx, d.netns.clone(), d.pod_if.clone()));
                 (att.tap.name.clone(), att.tap)
             }
         };

@@ -19,3 +19,4 @@ pub mod vcpu;
 pub mod vm;
 
 pub use device_manager::nic_plan;
+pub(crate) use device_manager::{NetCleanup, attach_to_pod};

@@ -40,7 +40,18 @@ impl Daemon {
     fn start(k7d: &Path, dir: &Path, jail: &str) -> Result<Self> {
         let sock = dir.join(format!("{jail}.sock"));
         let child = Command::new(k7d)
-            .args(["daemon", "--jail", jail, "--jail-id-base", "2000000600", "--state-dir"])
+            // No cgroup: this host may have none with the memory and cpu
+            // controllers, and limits are not what is measured.
+            .args([
+                "daemon",
+                "--jail",
+                jail,
+                "--jail-cgroup",
+                "off",
+                "--jail-id-base",
+                "2000000600",
+                "--state-dir",
+            ])
             .arg(dir.join(format!("state-{jail}")))
             .arg("--socket")
             .arg(&sock)

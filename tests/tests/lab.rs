@@ -878,6 +878,7 @@ fn lab_k7d_blk_in_a_jailed_vm_process() {
         notes.contains("holding its files and serial log as handed descriptors"),
         "{notes}"
     );
+    assert!(notes.contains("k7d-jail: its cgroup /sys/fs/cgroup/k7d/vm-"), "{notes}");
 }
 
 /// k7d's userspace virtio-net over a multi-queue tap, 2 vCPUs: the guest sees
@@ -917,6 +918,7 @@ fn lab_k7d_net_in_a_jailed_vm_process() {
         notes.contains("holding its files and serial log as handed descriptors"),
         "{notes}"
     );
+    assert!(notes.contains("k7d-jail: its cgroup /sys/fs/cgroup/k7d/vm-"), "{notes}");
 }
 
 /// Issue 6: a real Linux guest reaches a peer netns through the tc-eBPF
@@ -955,6 +957,7 @@ fn lab_k7d_direct_datapath_for_a_jailed_vm_process() {
         notes.contains("holding its files and serial log as handed descriptors"),
         "{notes}"
     );
+    assert!(notes.contains("k7d-jail: its cgroup /sys/fs/cgroup/k7d/vm-"), "{notes}");
 }
 
 /// The same over L1's kernel vhost-net (`vhost=on`): "vhost: on, queues: 2".

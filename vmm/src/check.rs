@@ -278,7 +278,9 @@ pub fn cgroup_item(mountinfo: &str, read_controllers: impl Fn(&Path) -> Option<S
         item(
             "cgroup-v2",
             Level::Ok,
-            format!("cgroup v2 at {mount} offers memory and cpu: a VM process can get its limits"),
+            format!(
+                "cgroup v2 at {mount} offers memory and cpu: a VM process can get its limits (`k7d daemon --jail on --jail-cgroup`)"
+            ),
         )
     } else {
         item(
@@ -301,12 +303,14 @@ pub fn jail_item(k7d: &Path) -> Item {
         Ok(()) => item(
             "jail",
             Level::Ok,
-            "a process can be jailed: own mount, pid, net, ipc and uts namespaces, an empty root, its own uid, no capabilities, no_new_privs (not yet used: VMs still run in the daemon)",
+            "a process can be jailed: own mount, pid, net, ipc and uts namespaces, an empty root, its own uid, no capabilities, no_new_privs (what `k7d daemon --jail on` gives each VM process)",
         ),
         Err(why) => item(
             "jail",
             Level::Warn,
-            format!("a process cannot be jailed here: {why} (VMs still run in the daemon, unjailed)"),
+            format!(
+                "a process cannot be jailed here: {why} (`k7d daemon --jail on` cannot run; with --jail off VMs run in the daemon, unjailed)"
+            ),
         ),
     }
 }

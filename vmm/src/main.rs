@@ -509,8 +509,8 @@ enum Cmd {
 #[derive(Args, Clone)]
 struct DaemonJail {
     /// `on`: every VM the daemon creates runs in a jailed VM process of its
-    /// own, which outlives the daemon (no VM with vsock or a datapath NIC
-    /// so far); `off`: inside the daemon.
+    /// own, which outlives the daemon (no fork of a VM with devices so
+    /// far); `off`: inside the daemon.
     #[arg(long, value_enum, default_value_t = JailMode::Off)]
     jail: JailMode,
     /// The first uid (and gid) of the range VM processes take, one each.
@@ -527,6 +527,13 @@ struct DaemonJail {
     /// breaks its channel is killed, its VM recorded stopped with why.
     #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
     vm_process_timeout: u64,
+    /// The cgroup v2 directory under which each VM process gets a leaf
+    /// with its VM's memory and CPU limits (made if missing; its parent
+    /// must have the memory and cpu controllers, or the daemon refuses to
+    /// start), or `off`: VM processes without limits (each VM's `info`
+    /// says so).
+    #[arg(long, default_value = "/sys/fs/cgroup/k7d")]
+    jail_cgroup: String,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -1356,7 +1363,16 @@ fn print_vm(vm: &VmInfo) {
         out!("  vm generation id: {g}");
     }
     match &vm.vm_process {
-        Some(p) => out!("  vm process: pid {}, uid {}, gid {} (jailed)", p.pid, p.uid, p.gid),
+        Some(p) => out!(
+            "  vm process: pid {}, uid {}, gid {} (jailed), {}",
+            p.pid,
+            p.uid,
+            p.gid,
+            p.cgroup.as_ref().map_or_else(
+                || "no cgroup (--jail-cgroup off: no memory or CPU limit)".to_string(),
+                |c| format!("cgroup {}", c.display())
+            )
+        ),
         None => out!("  vm process: none (runs inside the daemon: --jail off)"),
     }
 }
@@ -1364,6 +1380,21 @@ fn print_vm(vm: &VmInfo) {
 /// The daemon's VM processes (`--jail on`): the spawner started and this
 /// process a child subreaper.
 fn vm_processes(jail: &DaemonJail) -> Result<k7d_vmm::daemon::VmProcesses> {
+    // The cgroup first: a daemon that cannot have it starts nothing.
+    let cgroup = match jail.jail_cgroup.as_str() {
+        "off" => {
+            tracing::warn!(
+                "--jail-cgroup off: VM processes run without a cgroup of their own (no memory or CPU limit)"
+            );
+            None
+        }
+        dir if !std::path::Path::new(dir).is_absolute() => {
+            anyhow::bail!("--jail-cgroup {dir}: give an absolute cgroup v2 directory, or off")
+        }
+        dir => Some(
+            k7d_vmm::jail::cgroup::CgroupRoot::prepare(std::path::Path::new(dir)).map_err(|e| anyhow::anyhow!(e))?,
+        ),
+    };
     let k7d = std::env::current_exe().context("cannot find this binary to run VM processes with")?;
     k7d_vmm::sys::become_subreaper().context("cannot become a child subreaper")?;
     k7d_vmm::vmproc::handle::set_call_timeout(std::time::Duration::from_secs(jail.vm_process_timeout));
@@ -1372,7 +1403,7 @@ fn vm_processes(jail: &DaemonJail) -> Result<k7d_vmm::daemon::VmProcesses> {
         base: jail.jail_id_base,
         count: jail.jail_id_count,
     };
-    k7d_vmm::daemon::VmProcesses::new(spawner, ids, jail.jail_spares as usize).map_err(|e| anyhow::anyhow!(e))
+    k7d_vmm::daemon::VmProcesses::new(spawner, ids, jail.jail_spares as usize, cgroup).map_err(|e| anyhow::anyhow!(e))
 }
 
 /// `k7d vm-spawner`: serves its daemon (`k7d_vmm::vmproc::spawner`).

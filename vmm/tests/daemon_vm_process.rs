@@ -21,7 +21,7 @@ fn start_daemon(dir: &Path) -> Child {
     common::start_daemon(
         Path::new(K7D),
         dir,
-        &["--jail", "on", "--jail-id-base", "2000000200"],
+        &["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", "2000000200"],
         false,
     )
 }
@@ -802,6 +802,8 @@ fn a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork() {
         &[
             "--jail",
             "on",
+            "--jail-cgroup",
+            "off",
             "--jail-id-base",
             "2000000300",
             "--vm-process-timeout",
@@ -1175,4 +1177,54 @@ fn nics_of_vm_processes_join_pod_networks_and_outlive_the_daemon() {
     for &pid in &guard.pids {
         assert!(!alive(pid), "VM process {pid} outlived its delete");
     }
+}
+
+/// The cgroup leaf (issue 36): a daemon with VM processes refuses to start
+/// where it cannot give each its own cgroup v2 leaf with the memory and
+/// cpu controllers (here a plain directory, and a relative path), in one
+/// sentence that names `--jail-cgroup off`; it starts nothing (no API
+/// socket) and makes nothing. (This host's cgroups are v1: the limits
+/// themselves are proven in the lab's L1, `k7d-jail.l1.sh`.)
+#[test]
+fn a_daemon_that_cannot_give_vm_processes_a_cgroup_refuses_to_start() {
+    let name = "a_daemon_that_cannot_give_vm_processes_a_cgroup_refuses_to_start";
+    if !root_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc-cgroup");
+    let dir = scratch.0.as_path();
+    std::fs::create_dir_all(dir.join("plain")).unwrap();
+    let not_cgroup = dir.join("plain/k7d");
+    for (cg, says) in [
+        (
+            not_cgroup.to_str().unwrap(),
+            "is not a cgroup v2 directory (no cgroup.controllers: No such file or directory (os error 2)) (--jail-cgroup off runs VM processes without memory or CPU limits)",
+        ),
+        ("k7d", "give an absolute cgroup v2 directory, or off"),
+    ] {
+        let mut child = Command::new(K7D)
+            .args(["daemon", "--jail", "on", "--jail-cgroup", cg, "--state-dir"])
+            .arg(dir.join("state"))
+            .arg("--socket")
+            .arg(dir.join("k7d.sock"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if t.elapsed() > Duration::from_secs(10) {
+                let _ = child.kill();
+                panic!("the daemon started with --jail-cgroup {cg}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+        let err = text(&o).1;
+        let last = err.trim().lines().last().unwrap_or_default().to_string();
+        assert!(last.contains(says), "{err}");
+        assert!(!dir.join("k7d.sock").exists(), "a refused daemon made its socket");
+    }
+    assert!(!not_cgroup.exists(), "a refused daemon made its cgroup");
 }

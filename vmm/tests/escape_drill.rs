@@ -49,7 +49,12 @@ struct Daemon {
 impl Daemon {
     fn start(bin: &Path, dir: &Path, jail: bool) -> Self {
         let jail = if jail { "on" } else { "off" };
-        let child = common::start_daemon(bin, dir, &["--jail", jail, "--jail-id-base", "2000000300"], true);
+        let child = common::start_daemon(
+            bin,
+            dir,
+            &["--jail", jail, "--jail-cgroup", "off", "--jail-id-base", "2000000300"],
+            true,
+        );
         Self {
             child,
             bin: bin.to_path_buf(),

@@ -202,6 +202,16 @@ lab_jail_check() {
   done
   grep -q " 2 -> $_v/vm-process.log\$" $_j/fds || lab_fail "k7d-jail: the VM process's stderr is not its own log"
   lab_note "k7d-jail: the VM ran in VM process uid $_uid (no_new_privs, no capabilities, seccomp, empty root, own mount namespace), holding its files and serial log as handed descriptors"
+  # Its cgroup v2 leaf: the VM's RAM plus the VMM allowance (128 MiB), a
+  # CPU per vCPU plus one; removed with the VM.
+  _cg=$(cat $_j/cgroup-dir)
+  [ -n "$_cg" ] || lab_fail "k7d-jail: the VM process has no cgroup"
+  grep -qx "0::${_cg#/sys/fs/cgroup}" $_j/cgroup || lab_fail "k7d-jail: the VM process was in cgroup '$(cat $_j/cgroup)', not $_cg"
+  _mem=$((($(cat $_j/memory_mib) + 128) * 1048576)) _cpu=$((($(cat $_j/vcpus) + 1) * 100000))
+  [ "$(cat $_j/memory.max)" = "$_mem" ] || lab_fail "k7d-jail: its cgroup's memory.max is '$(cat $_j/memory.max)', not $_mem"
+  [ "$(cat $_j/cpu.max)" = "$_cpu 100000" ] || lab_fail "k7d-jail: its cgroup's cpu.max is '$(cat $_j/cpu.max)', not '$_cpu 100000'"
+  [ ! -e "$_cg" ] || lab_fail "k7d-jail: its cgroup $_cg outlived the VM"
+  lab_note "k7d-jail: its cgroup $_cg held it to memory.max $_mem, cpu.max $_cpu 100000, and went with the VM"
 }
 
 # lab_guest KEY LABEL: the value the guest printed as "LAB-GUEST KEY=value" in run LABEL.

@@ -5,13 +5,17 @@
 # console would, until the VM stops; then the daemon's last word on it
 # ("k7d: vm vm: stopped (guest poweroff)") and exit 0 when the guest powered
 # off. While the guest runs it records what the VM process is, for the
-# scenario's checks: /tmp/k7d-jail/{status,root,mnt-ns,fds}.
+# scenario's checks: /tmp/k7d-jail/{status,root,mnt-ns,fds}, and its cgroup
+# leaf (the daemon's default, under /sys/fs/cgroup/k7d on cgroup v2):
+# /tmp/k7d-jail/{cgroup,cgroup-dir,memory.max,cpu.max,memory_mib,vcpus}.
 set -u
 K=$1
 shift
 J=/tmp/k7d-jail
 rm -rf "$J"
 mkdir -p "$J"
+grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
+  { echo "k7d-jail: cannot mount cgroup2 at /sys/fs/cgroup"; exit 93; }
 "$K" daemon --jail on --state-dir "$J/state" --socket "$J/k7d.sock" >"$J/daemon.log" 2>&1 &
 D=$!
 stop() {
@@ -41,8 +45,15 @@ flush() {
     off=$size
   fi
 }
-pid=$(k --json info vm | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
+info=$(k --json info vm | tr -d ' \n')
+pid=$(printf '%s' "$info" | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
 [ -n "$pid" ] || { echo "k7d-jail: vm vm has no VM process: $(k info vm)"; exit 92; }
+cg=$(printf '%s' "$info" | sed -n 's/.*"vm_process":{[^}]*"cgroup":"\([^"]*\)".*/\1/p')
+printf '%s\n' "$cg" >"$J/cgroup-dir"
+cat "/proc/$pid/cgroup" >"$J/cgroup"
+[ -z "$cg" ] || { cat "$cg/memory.max" >"$J/memory.max"; cat "$cg/cpu.max" >"$J/cpu.max"; }
+printf '%s' "$info" | sed -n 's/.*"memory_mib":\([0-9]*\).*/\1/p' >"$J/memory_mib"
+printf '%s' "$info" | sed -n 's/.*"vcpus":\([0-9]*\).*/\1/p' >"$J/vcpus"
 grep -E '^(Uid|NoNewPrivs|CapEff|Seccomp):' "/proc/$pid/status" >"$J/status"
 ls -A "/proc/$pid/root" >"$J/root" 2>&1
 readlink "/proc/$pid/ns/mnt" >"$J/mnt-ns"

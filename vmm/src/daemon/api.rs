@@ -519,6 +519,10 @@ pub struct VmProcessInfo {
     pub uid: u32,
     /// Its gid.
     pub gid: u32,
+    /// Its cgroup leaf (its memory and CPU limits); none with
+    /// `k7d daemon --jail-cgroup off`.
+    #[serde(default)]
+    pub cgroup: Option<PathBuf>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -1284,6 +1288,7 @@ mod tests {
                 pid: 4242,
                 uid: 2_000_000_000,
                 gid: 2_000_000_000,
+                cgroup: Some("/sys/fs/cgroup/k7d/vm-2000000000".into()),
             }),
         }
     }

@@ -27,6 +27,7 @@ use super::api::{ApiError, ErrorCode};
 use super::store::{ProcessRecord, RecordStore, VmRecord};
 use crate::config::{GuestSpec, VmConfig};
 use crate::jail::JailConfig;
+use crate::jail::cgroup::{self, CgroupRoot};
 use crate::vmproc::handle::VmProcess;
 use crate::vmproc::proto::{Reply, Request, VERSION};
 use crate::vmproc::spawner::Spawner;
@@ -70,6 +71,8 @@ pub(super) struct Spare {
     uid: u32,
     /// `<state>/spares/<uid>`, its jail root's parent.
     dir: std::path::PathBuf,
+    /// Its cgroup leaf (limits set when it takes a VM).
+    cgroup: Option<std::path::PathBuf>,
 }
 
 /// What a daemon with VM processes has: the spawner, the id range and the
@@ -84,13 +87,22 @@ pub struct VmProcesses {
     spare_target: usize,
     /// Where spares' jail roots go (`<state>/spares`), set by the daemon.
     spare_dir: std::sync::OnceLock<std::path::PathBuf>,
+    /// Where each VM process's cgroup leaf goes (none: `--jail-cgroup off`).
+    cgroup: Option<CgroupRoot>,
 }
 
 impl VmProcesses {
     /// VM processes started by `spawner`, with ids from `ids`, keeping
-    /// `spares` made ahead.
-    pub fn new(spawner: Spawner, ids: IdRange, spares: usize) -> Result<Self, String> {
+    /// `spares` made ahead, each in a cgroup leaf under `cgroup` (the
+    /// leaves of VM processes gone with an earlier daemon are removed).
+    pub fn new(spawner: Spawner, ids: IdRange, spares: usize, cgroup: Option<CgroupRoot>) -> Result<Self, String> {
         ids.check()?;
+        if let Some(c) = &cgroup {
+            let swept = c.sweep();
+            if swept > 0 {
+                tracing::info!(swept, cgroup = %c.dir().display(), "removed the empty cgroups of VM processes gone");
+            }
+        }
         Ok(Self {
             spawner,
             ids,
@@ -98,6 +110,21 @@ impl VmProcesses {
             spares: Mutex::new(Vec::new()),
             spare_target: spares,
             spare_dir: std::sync::OnceLock::new(),
+            cgroup,
+        })
+    }
+
+    /// Moves the new VM process `proc` (id `uid`) into its cgroup leaf,
+    /// before it is handed anything of its VM; on failure it is stopped.
+    fn enter_cgroup(&self, proc: &mut VmProcess, uid: u32) -> Result<Option<std::path::PathBuf>, String> {
+        let Some(c) = &self.cgroup else {
+            return Ok(None);
+        };
+        c.enter(uid, proc.pid).map(Some).inspect_err(|_| {
+            let _ = proc.call(&Request::Stop);
+            if let Ok(fd) = crate::sys::pidfd_open(proc.pid) {
+                end_and_reap(&fd, proc.pid);
+            }
         })
     }
 
@@ -161,10 +188,12 @@ impl VmProcesses {
             // Its own log until its VM's replaces it.
             let log = crate::vstate::handed::open_log(&dir.join(PROCESS_LOG))
                 .map_err(|e| format!("cannot open a spare's log in {}: {e}", dir.display()))?;
-            self.spawner.spawn(&jail, &log, None)
+            let mut proc = self.spawner.spawn(&jail, &log, None)?;
+            let cgroup = self.enter_cgroup(&mut proc, uid)?;
+            Ok((proc, cgroup))
         })();
         match made {
-            Ok(proc) => Ok(Spare { proc, uid, dir }),
+            Ok((proc, cgroup)) => Ok(Spare { proc, uid, dir, cgroup }),
             Err(e) => {
                 self.release(uid);
                 let _ = std::fs::remove_dir_all(&dir);
@@ -583,8 +612,8 @@ impl Remote {
             .map_err(|e| internal(&format!("cannot listen at {}", socket.display()), e))?;
         // A spare made ahead when there is one (its listening socket goes
         // with the build request), else a VM process started now.
-        let (proc, uid, spare_dir, with_listener) = match procs.take_spare() {
-            Some(spare) => (spare.proc, spare.uid, Some(spare.dir), true),
+        let (mut proc, uid, spare_dir, with_listener, leaf) = match procs.take_spare() {
+            Some(spare) => (spare.proc, spare.uid, Some(spare.dir), true, Ok(spare.cgroup)),
             None => {
                 let root = runtime_dir.join("root");
                 std::fs::create_dir(&root).map_err(|e| internal(&format!("cannot make {}", root.display()), e))?;
@@ -603,20 +632,42 @@ impl Remote {
                     .spawn(&jail, &log, Some(&listener))
                     .map_err(|e| internal(&format!("vm {id}: the VM process did not start"), e))
                     .inspect_err(|_| procs.release(uid))?;
-                (proc, uid, None, false)
+                (proc, uid, None, false, Err(()))
             }
         };
+        // Its cgroup leaf (a spare is in its own already), with the VM's
+        // limits, before it is handed anything of the VM.
+        let leaf = match leaf {
+            Ok(l) => Ok(l),
+            Err(()) => procs.enter_cgroup(&mut proc, uid),
+        };
+        let leaf = match leaf {
+            Ok(l) => l,
+            Err(e) => {
+                procs.release(uid);
+                if let Some(d) = &spare_dir {
+                    let _ = std::fs::remove_dir_all(d);
+                }
+                return Err(internal(&format!("vm {id}"), e));
+            }
+        };
+        let limited = leaf
+            .as_deref()
+            .map_or(Ok(()), |l| cgroup::limit(l, config.memory_mib, config.vcpus));
         let mut fds = fds.to_vec();
         if with_listener {
             fds.push(listener.as_raw_fd());
         }
-        let built = Self::build_in(proc, id, build, &fds);
+        let built = Self::build_in(proc, id, build, &fds, limited);
         // Ours is a copy: the VM process listens on its own.
         drop(listener);
         let (proc, pidfd, start_ticks) = built.inspect_err(|_| {
             procs.release(uid);
             if let Some(d) = &spare_dir {
                 let _ = std::fs::remove_dir_all(d);
+            }
+            if let Some(l) = &leaf {
+                cgroup::remove(l);
             }
         })?;
         let rec = ProcessRecord {
@@ -627,6 +678,7 @@ impl Remote {
             socket,
             spare_dir,
             nic_notes: Vec::new(),
+            cgroup: leaf,
         };
         Ok(Self::watched(id, config.clone(), proc, rec, pidfd, store))
     }
@@ -638,12 +690,17 @@ impl Remote {
         id: &str,
         build: &Request,
         fds: &[std::os::fd::RawFd],
+        limited: Result<(), String>,
     ) -> Result<(VmProcess, OwnedFd, u64), ApiError> {
         let pid = proc.pid;
         let pidfd = crate::sys::pidfd_open(pid).map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
         let start_ticks = crate::sys::process_start_ticks(pid)
             .map_err(|e| internal(&format!("vm {id}: VM process {pid} is gone"), e));
         let built = match (pidfd, start_ticks) {
+            (Ok(fd), Ok(_)) if limited.is_err() => Err((
+                Some(fd),
+                internal(&format!("vm {id}"), limited.err().unwrap_or_default()),
+            )),
             (Ok(fd), Ok(t)) => match proc.call_with_fds(build, fds).map(|(r, _)| r) {
                 Ok(Reply::Ok) => Ok((fd, t)),
                 Ok(Reply::Error { message }) => Err((
@@ -997,6 +1054,9 @@ pub(super) struct Capture {
 pub(super) fn stop_all(procs: &VmProcesses, built: Vec<Remote>) {
     for mut r in built {
         r.stop();
+        if let Some(l) = &r.record().cgroup {
+            cgroup::remove(l);
+        }
         procs.release(r.record().uid);
         if let Some(d) = &r.record().spare_dir
             && let Err(e) = std::fs::remove_dir_all(d)
@@ -1333,13 +1393,17 @@ impl super::Daemon {
     /// `delete` of a VM in a VM process: stopped, its process gone, its
     /// files and id freed.
     pub(super) fn delete_process(&self, id: &str, r: &Arc<Mutex<Remote>>) -> Result<super::api::Deleted, ApiError> {
-        let (uid, spare_dir, config) = {
+        let (uid, spare_dir, config, leaf) = {
             let mut g = lock(r);
             g.stop();
-            (g.record().uid, g.record().spare_dir.clone(), g.config().clone())
+            let p = g.record();
+            (p.uid, p.spare_dir.clone(), g.config().clone(), p.cgroup.clone())
         };
         if let Some(d) = spare_dir {
             let _ = std::fs::remove_dir_all(d);
+        }
+        if let Some(l) = leaf {
+            cgroup::remove(&l);
         }
         // Its vsock socket and pod networks were made here, not by the VM
         // process: undone here, as the VM's drop does inside a daemon.
@@ -1541,6 +1605,7 @@ impl super::Daemon {
                 pid: p.pid,
                 uid: p.uid,
                 gid: p.gid,
+                cgroup: p.cgroup.clone(),
             }),
         }
     }

@@ -73,6 +73,10 @@ pub struct ProcessRecord {
     /// process cannot say it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nic_notes: Vec<(u16, String)>,
+    /// Its cgroup leaf (`jail/cgroup.rs`), removed with it; none with
+    /// `--jail-cgroup off`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<PathBuf>,
 }
 
 /// Errors from the record store.

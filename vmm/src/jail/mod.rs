@@ -3,7 +3,7 @@
 //! namespaces, an empty root, a uid and gid of its own, no capabilities
 //! (bounding set included) and `no_new_privs`. The VM process's per-thread
 //! seccomp filters come after (`seccomp/`); the cgroup leaf is the
-//! daemon's to make, from outside.
+//! daemon's to make, from outside (`cgroup.rs`).
 //!
 //! [`enter`] runs in a fresh, single-threaded process (the namespaces and
 //! the root are per thread until then): it unshares the namespaces, forks
@@ -15,6 +15,7 @@
 //! `k7d jail-selftest` (hidden) enters the jail and reports what it can
 //! reach from inside; `vmm/tests/jail.rs` drives it.
 
+pub mod cgroup;
 pub mod probe;
 
 use std::io;

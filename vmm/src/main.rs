@@ -509,8 +509,8 @@ enum Cmd {
 #[derive(Args, Clone)]
 struct DaemonJail {
     /// `on`: every VM the daemon creates runs in a jailed VM process of its
-    /// own, which outlives the daemon (no fork of a VM with devices so
-    /// far); `off`: inside the daemon.
+    /// own, which outlives the daemon (no fork of a VM with a read-write
+    /// disk so far); `off`: inside the daemon.
     #[arg(long, value_enum, default_value_t = JailMode::Off)]
     jail: JailMode,
     /// The first uid (and gid) of the range VM processes take, one each.

@@ -788,7 +788,7 @@ impl Daemon {
         let procs = self.forking_processes(id)?;
         for r in remotes {
             let g = r.lock().unwrap_or_else(|p| p.into_inner());
-            super::processes::refuse_devices(g.id(), g.config())?;
+            super::processes::refuse_cluster_devices(g.id(), g.config())?;
         }
         let mut child_clusters = self.reserve_child_clusters(id, count)?;
         let held: Vec<Reservation<'_>> = ids_of
@@ -874,7 +874,8 @@ impl Daemon {
             let mut kids = Vec::with_capacity(members.len());
             for (m, cap) in captured.iter().enumerate() {
                 let cid = held[m].ids()[f].clone();
-                let child = self.build_child(&procs, &ids_of[m], &cid, cap, &mut built)?;
+                let child =
+                    self.build_child(&procs, &ids_of[m], &cid, cap, &crate::ChildSpec::default(), &mut built)?;
                 out.push(child);
                 kids.push(Member {
                     id: cid,

@@ -13,8 +13,9 @@
 //! connections to the host are refused: the VM process has no path to
 //! reach), NICs in pod networks attached here (at the build, or a bare
 //! one later: `nic_attach`) and detached at delete; start, pause, resume,
-//! stop, delete, info, list, peek, medium, fork (of VMs without devices)
-//! and clusters. A request the VM process does not serve yet is refused
+//! stop, delete, info, list, peek, medium, fork (of VMs without
+//! read-write disks: each child's devices made here as for a build) and
+//! clusters (of members without devices). A request the VM process does not serve yet is refused
 //! with a sentence.
 
 use std::os::fd::OwnedFd;
@@ -425,8 +426,9 @@ impl Handover {
 /// The host files a VM process needs for `config` (its files under
 /// `dir`), opened here with the flags the VM would have used, each named:
 /// the VM process opens nothing itself. A fork child (`fork_child`) needs
-/// only its logs: its RAM holds its guest. A vsock socket bound for it
-/// comes back too: removed if the VM is not built.
+/// no guest files: its RAM holds its guest. What was made here for it (a
+/// vsock socket bound, NICs attached to pod networks) comes back too:
+/// undone if the VM is not built.
 pub(super) fn host_files(
     id: &str,
     config: &VmConfig,
@@ -453,10 +455,11 @@ pub(super) fn host_files(
         ],
         ..Handover::default()
     };
-    if fork_child {
-        return Ok(out);
-    }
+    // A fork child's RAM holds its guest: it needs no guest files, only
+    // its devices' (the source's read-only images, its own taps, socket
+    // and entropy source).
     match &config.guest {
+        _ if fork_child => {}
         GuestSpec::Builtin { .. } => {}
         GuestSpec::Raw { path, .. } => {
             out.roles.push(FileRole::RawImage);
@@ -1011,12 +1014,26 @@ impl Remote {
 }
 
 /// Refuses, before anything is paused, a fork of `id` across processes
-/// that its devices rule out.
+/// that its devices rule out: a read-write disk (its copy-on-write
+/// overlays live in its process).
 pub(super) fn refuse_devices(id: &str, config: &VmConfig) -> Result<(), ApiError> {
+    if let Some(i) = config.devices.disks.iter().position(|d| !d.read_only) {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!("vm {id}'s disk {i} is read-write: its children cannot be built in VM processes yet"),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses, before anything is paused, a cluster fork across processes of
+/// a member with devices (its children's NICs would need the cluster's
+/// private bridges, which VM processes do not get yet).
+pub(super) fn refuse_cluster_devices(id: &str, config: &VmConfig) -> Result<(), ApiError> {
     if config.devices.any() {
         return Err(ApiError::new(
             ErrorCode::Conflict,
-            format!("vm {id} has devices: its children cannot be built in VM processes yet"),
+            format!("vm {id} has devices: its cluster's children cannot be built in VM processes yet"),
         ));
     }
     Ok(())
@@ -1222,14 +1239,9 @@ impl super::Daemon {
         source: &Arc<Mutex<Remote>>,
     ) -> Result<super::api::Forked, ApiError> {
         let id = args.id.as_str();
-        if !args.nics.is_empty() || args.vsock_uds.is_some() {
-            return Err(ApiError::new(
-                ErrorCode::InvalidArgument,
-                format!("vm {id} runs in a VM process: its children take no NICs or vsock sockets of their own yet"),
-            ));
-        }
         let procs = self.forking_processes(id)?;
         refuse_devices(id, lock(source).config())?;
+        let spec = super::child_spec(args);
         let held = self.reserve_children(id, args.count, args.name.as_deref())?;
         let t = Instant::now();
         let (cap, pause_ms, warnings) = {
@@ -1250,7 +1262,7 @@ impl super::Daemon {
         let mut built: Vec<Remote> = Vec::with_capacity(held.ids().len());
         let mut children = Vec::with_capacity(held.ids().len());
         let made = held.ids().iter().try_for_each(|cid| {
-            self.build_child(&procs, id, cid, &cap, &mut built)
+            self.build_child(&procs, id, cid, &cap, &spec, &mut built)
                 .map(|c| children.push(c))
         });
         if let Err(e) = made {
@@ -1294,6 +1306,7 @@ impl super::Daemon {
         parent: &str,
         cid: &str,
         cap: &Capture,
+        spec: &crate::ChildSpec,
         built: &mut Vec<Remote>,
     ) -> Result<super::api::ForkedChild, ApiError> {
         use std::os::fd::AsRawFd;
@@ -1302,21 +1315,38 @@ impl super::Daemon {
             .store
             .runtime_dir(cid)
             .map_err(|e| internal(&format!("vm {cid}: its runtime directory"), e))?;
-        let mut c = cap.config.clone();
-        c.id = Some(cid.to_string());
-        c.fork.shells = None;
-        let Handover { roles, files, .. } = host_files(cid, &c, &dir, None, &self.node, true)?;
+        let c = spec.child_config(&cap.config, parent, cid).map_err(|e| {
+            ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!("vm {parent} cannot be forked into {cid}: {e}"),
+            )
+        })?;
+        let mut handed = host_files(cid, &c, &dir, None, &self.node, true)?;
+        let files = std::mem::take(&mut handed.files);
         let build = Request::BuildFork {
             id: cid.to_string(),
             config: Box::new(c.clone()),
             state: cap.state.clone(),
             diverged: cap.diverged.clone(),
-            files: roles,
+            files: std::mem::take(&mut handed.roles),
             serial_log: Some(dir.join("serial.log")),
         };
         let mut fds: Vec<_> = cap.fds.iter().map(|f| f.as_raw_fd()).collect();
         fds.extend(files.iter().map(|f| f.as_raw_fd()));
+        if fds.len() >= crate::vmproc::wire::MAX_FDS {
+            return Err(ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "vm {cid} needs {} descriptors, more than a VM process takes ({}): fork a VM with fewer disks or NIC queues",
+                    fds.len(),
+                    crate::vmproc::wire::MAX_FDS - 1
+                ),
+            ));
+        }
         let mut remote = Remote::spawn_with(procs, &self.store, cid, &c, &dir, &build, &fds)?;
+        drop(files);
+        remote.rec.nic_notes = std::mem::take(&mut handed.notes);
+        handed.keep();
         let rec = record_of(cid, c, &dir, &remote, Some(parent));
         let started = self
             .store

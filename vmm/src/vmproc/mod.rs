@@ -14,8 +14,9 @@
 //! `daemon/processes.rs`). vsock's host socket arrives bound (the guest's
 //! own connections to the host, by path, are refused), a NIC's tap queues
 //! arrive open (in a pod's netns with the datapath around them, for a
-//! datapath NIC: the daemon's to detach), a new medium arrives open. Not
-//! yet: vhost-net, snapshots, forks of VMs with devices.
+//! datapath NIC: the daemon's to detach), a new medium arrives open; a
+//! fork child's devices are built from files handed over the same way.
+//! Not yet: vhost-net, snapshots, forks of VMs with read-write disks.
 
 /// The exit status of a VM process that panicked (its panic hook ends it:
 /// nothing carries on with what the panic left half-changed).

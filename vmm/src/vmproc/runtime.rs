@@ -267,9 +267,6 @@ fn handle(
                 (Some(d), Some(b)) => (d, b),
                 _ => return Err("a fork child takes its base and diverged pages".into()),
             };
-            if config.devices.any() {
-                return Err("a VM process forks only VMs without devices so far".into());
-            }
             check_kind(&config)?;
             let (opened, listen) = split_files(&files, rest, "the fork child")?;
             let opts = handed_options(&files, opened, serial_log)?;

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use k7d_devices::virtio::{RamWriteLog, VirtioError};
+use k7d_devices::virtio::{ForkBackend, RamWriteLog, VirtioError};
 
 use super::builder::BuildPlan;
 use super::device_manager::{VirtioHandle, pin_macs};
@@ -128,21 +128,11 @@ impl Vm {
                 self.id
             )));
         }
-        let mut config = self.config.clone();
-        config.id = Some(child_id.to_string());
-        // Shells are kept for the VMs that ask, not for every child of
-        // theirs (a batch of 50 would ask for 50 times as many).
-        config.fork.shells = None;
-        // Own taps (named after the child), same MACs: the guest's driver
-        // already holds the MAC.
-        pin_macs(&mut config, &self.id);
-        for n in &mut config.devices.nics {
-            n.tap = None;
-        }
         // What the child gets instead, checked before any device hands
         // over a backend (blk's is a copy-on-write view, charged to the
         // source's budget).
-        spec.apply(&mut config, child_id)
+        let config = spec
+            .child_config(&self.config, &self.id, child_id)
             .map_err(|e| VmError::Refused(format!("vm {} cannot be forked into {child_id}: {e}", self.id)))?;
         let state = &capture.state;
         // Each device hands over what its twin in the child takes (blk: a
@@ -192,9 +182,9 @@ impl Vm {
     /// Only VMs without devices so far: a device's twin would need its
     /// backend handed over too.
     pub fn export_capture(&self) -> Result<Exported, VmError> {
-        if !self.virtio.is_empty() {
+        if let Some(i) = self.config.devices.disks.iter().position(|d| !d.read_only) {
             return Err(VmError::Refused(format!(
-                "vm {} has devices: its children cannot be built in another process yet",
+                "vm {}'s disk {i} is read-write: its children cannot be built in another process yet",
                 self.id
             )));
         }
@@ -215,7 +205,12 @@ impl Vm {
     }
 
     /// A fork child built from an [`Exported`] fork instant (its parts as
-    /// received): `config` is the child's (its id set), without devices.
+    /// received): `config` is the child's ([`ChildSpec::child_config`]).
+    /// Its devices are built from its config and the files handed over
+    /// with it (its own taps, vsock socket and entropy source), its
+    /// read-only disks from the same images as the source's (handed open:
+    /// what a read-only disk's copy-on-write view is); a read-write disk is
+    /// refused.
     pub fn from_export(
         id: &str,
         config: &crate::config::VmConfig,
@@ -225,12 +220,45 @@ impl Vm {
         delta: std::fs::File,
         words: &[u64],
     ) -> Result<Self, VmError> {
-        if config.devices.any() {
-            return Err(VmError::Refused(format!(
-                "vm {id}: a child built from a fork instant handed over has no devices yet"
-            )));
-        }
         let parent = GuestRam::from_capture(base, delta, words, config.memory_mib << 20)?;
+        // The devices' backends in bus order (rng, disks, NICs, vsock).
+        let mut backends = VecDeque::new();
+        if config.devices.rng {
+            backends.push_back(ForkBackend::from_config());
+        }
+        for (i, d) in config.devices.disks.iter().enumerate() {
+            if !d.read_only {
+                return Err(VmError::Refused(format!(
+                    "vm {id}: disk {i} is read-write: a child built from a fork instant handed over takes read-only disks only"
+                )));
+            }
+            let index = u16::try_from(i).map_err(|_| VmError::Refused(format!("vm {id}: too many disks")))?;
+            let disk = match &d.path {
+                Some(p) => {
+                    let f = opts
+                        .files
+                        .take(super::handed::FileRole::Disk { index })
+                        .and_then(|f| f.ok_or_else(|| format!("disk {i}'s image was not handed over")))
+                        .map_err(|msg| VmError::Device {
+                            what: "virtio-blk",
+                            msg,
+                        })?;
+                    k7d_devices::virtio::block::DiskImage::from_file(f, true, p.display().to_string())
+                }
+                None => k7d_devices::virtio::block::DiskImage::empty(),
+            }
+            .map_err(|e| VmError::Device {
+                what: "virtio-blk",
+                msg: format!("disk {i}: {e}"),
+            })?;
+            backends.push_back(ForkBackend::new(disk));
+        }
+        for _ in &config.devices.nics {
+            backends.push_back(ForkBackend::from_config());
+        }
+        if config.devices.vsock.is_some() {
+            backends.push_back(ForkBackend::from_config());
+        }
         Self::build(
             id,
             config,
@@ -238,7 +266,7 @@ impl Vm {
             BuildPlan::Fork {
                 state,
                 parent: &parent,
-                backends: VecDeque::new(),
+                backends,
                 shell: None,
             },
         )
@@ -268,6 +296,28 @@ pub struct ChildSpec {
 }
 
 impl ChildSpec {
+    /// The config of fork child `child_id` of the VM `source_id` whose
+    /// config is `source`: no shells of its own (they are kept for the VMs
+    /// that ask, not for every child: a batch of 50 would ask for 50 times
+    /// as many), its own taps (named after it) with the source's MACs (the
+    /// guest's driver holds them), and this spec's NICs and vsock socket.
+    pub fn child_config(
+        &self,
+        source: &crate::config::VmConfig,
+        source_id: &str,
+        child_id: &str,
+    ) -> Result<crate::config::VmConfig, String> {
+        let mut config = source.clone();
+        config.id = Some(child_id.to_string());
+        config.fork.shells = None;
+        pin_macs(&mut config, source_id);
+        for n in &mut config.devices.nics {
+            n.tap = None;
+        }
+        self.apply(&mut config, child_id)?;
+        Ok(config)
+    }
+
     /// Puts this into the child's `config` (the source's, copied), each
     /// NIC attachment checked as a create's is.
     fn apply(&self, config: &mut crate::config::VmConfig, child_id: &str) -> Result<(), String> {

@@ -110,9 +110,9 @@ fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(counter(&mut procs[0]), c, "a paused VM ran");
     match procs[0].call(&Request::Status).unwrap() {
-        Reply::Status { state, exits, .. } => {
-            assert_eq!(state, k7d_vmm::vstate::vm::VmState::Paused);
-            assert!(exits > 0, "a guest that ran made no exits");
+        Reply::Status(s) => {
+            assert_eq!(s.state, k7d_vmm::vstate::vm::VmState::Paused);
+            assert!(s.exits > 0, "a guest that ran made no exits");
         }
         other => panic!("status: {other:?}"),
     }

@@ -30,7 +30,7 @@ use crate::config::{GuestSpec, VmConfig};
 use crate::jail::JailConfig;
 use crate::jail::cgroup::{self, CgroupRoot};
 use crate::vmproc::handle::VmProcess;
-use crate::vmproc::proto::{Reply, Request, VERSION};
+use crate::vmproc::proto::{Reply, Request, VERSION, VmStatus};
 use crate::vmproc::spawner::Spawner;
 use crate::vstate::control::StopReason;
 use crate::vstate::handed::FileRole;
@@ -949,34 +949,18 @@ impl Remote {
     }
 
     /// Its state and the figures `info` shows.
-    pub(super) fn status(&mut self) -> RemoteStatus {
+    pub(super) fn status(&mut self) -> VmStatus {
         if let Some(reason) = self.ended() {
-            return RemoteStatus::stopped(reason);
+            return VmStatus::stopped(reason);
         }
         match self.call(&Request::Status) {
-            Ok(Reply::Status {
-                state,
-                exits,
-                ms_since_start,
-                first_exit_us_after_start,
-                devices,
-                rng_reseed,
-                vmgenid,
-            }) => RemoteStatus {
-                state,
-                exits,
-                ms_since_start,
-                first_exit_us_after_start,
-                devices,
-                rng_reseed,
-                vmgenid,
-            },
+            Ok(Reply::Status(status)) => status,
             // The process died under the call: the watcher is recording why.
             _ => {
                 let reason = self.ended().unwrap_or_else(|| StopReason::ProcessEnded {
                     message: format!("vm {}: VM process {} does not answer", self.id, self.rec.pid),
                 });
-                RemoteStatus::stopped(reason)
+                VmStatus::stopped(reason)
             }
         }
     }
@@ -1079,31 +1063,6 @@ pub(super) fn stop_all(procs: &VmProcesses, built: Vec<Remote>) {
             && let Err(e) = std::fs::remove_dir_all(d)
         {
             tracing::warn!(vm = %r.id, dir = %d.display(), error = %e, "cannot remove a spare's directory");
-        }
-    }
-}
-
-/// What a VM process says of its VM (`info`).
-pub(super) struct RemoteStatus {
-    pub(super) state: VmState,
-    exits: u32,
-    ms_since_start: Option<u64>,
-    first_exit_us_after_start: Option<u64>,
-    devices: Vec<crate::vstate::vm::DeviceInfo>,
-    rng_reseed: Option<crate::RngReseed>,
-    vmgenid: Option<String>,
-}
-
-impl RemoteStatus {
-    fn stopped(reason: StopReason) -> Self {
-        Self {
-            state: VmState::Stopped { reason },
-            exits: 0,
-            ms_since_start: None,
-            first_exit_us_after_start: None,
-            devices: Vec::new(),
-            rng_reseed: None,
-            vmgenid: None,
         }
     }
 }
@@ -1580,7 +1539,7 @@ impl super::Daemon {
     /// `info` of a VM in a VM process.
     pub(super) fn process_info(&self, g: &mut Remote) -> super::api::VmInfo {
         let rec = self.store.load(g.id()).ok().flatten();
-        let RemoteStatus {
+        let VmStatus {
             state,
             exits,
             ms_since_start,

@@ -127,31 +127,75 @@ pub enum Reply {
         /// The words.
         words: Vec<u32>,
     },
-    /// The VM's state and the figures `k7d info` shows.
-    Status {
-        /// The state.
-        state: VmState,
-        /// vCPU exits so far.
-        exits: u32,
-        /// Milliseconds since its vCPUs started.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        ms_since_start: Option<u64>,
-        /// Microseconds from the start to the first vCPU exit.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        first_exit_us_after_start: Option<u64>,
-        /// Its devices, as `info` lists them.
-        #[serde(default)]
-        devices: Vec<DeviceInfo>,
-        /// Whether its fork children reseed their RNGs.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        rng_reseed: Option<crate::RngReseed>,
-        /// Its VM Generation ID (hex), when it has the device.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        vmgenid: Option<String>,
-    },
+    /// The VM's state and the figures `k7d info` shows (the fields of
+    /// [`VmStatus`] beside the tag, as a struct variant's would be).
+    Status(VmStatus),
     /// Refused or failed: one sentence.
     Error {
         /// The sentence.
         message: String,
     },
+}
+
+/// A VM's state and the figures `k7d info` shows, as its VM process
+/// reports them ([`Reply::Status`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmStatus {
+    /// The state.
+    pub state: VmState,
+    /// vCPU exits so far.
+    pub exits: u32,
+    /// Milliseconds since its vCPUs started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ms_since_start: Option<u64>,
+    /// Microseconds from the start to the first vCPU exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_exit_us_after_start: Option<u64>,
+    /// Its devices, as `info` lists them.
+    #[serde(default)]
+    pub devices: Vec<DeviceInfo>,
+    /// Whether its fork children reseed their RNGs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rng_reseed: Option<crate::RngReseed>,
+    /// Its VM Generation ID (hex), when it has the device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmgenid: Option<String>,
+}
+
+impl VmStatus {
+    /// A VM that stopped for `reason`, with nothing more to say.
+    pub fn stopped(reason: crate::vstate::control::StopReason) -> Self {
+        Self {
+            state: VmState::Stopped { reason },
+            exits: 0,
+            ms_since_start: None,
+            first_exit_us_after_start: None,
+            devices: Vec::new(),
+            rng_reseed: None,
+            vmgenid: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_reply_is_one_object_with_its_fields_beside_the_tag() {
+        let r = Reply::Status(VmStatus {
+            exits: 7,
+            ..VmStatus::stopped(crate::vstate::control::StopReason::Requested)
+        });
+        let line = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            line,
+            r#"{"reply":"status","state":{"state":"stopped","reason":{"kind":"requested"}},"exits":7,"devices":[]}"#
+        );
+        assert_eq!(serde_json::from_str::<Reply>(&line).unwrap(), r);
+        // A field this side does not know is refused, not dropped.
+        let extra = line.replace(r#""exits":7"#, r#""exits":7,"cpu":1"#);
+        assert!(serde_json::from_str::<Reply>(&extra).is_err());
+    }
 }

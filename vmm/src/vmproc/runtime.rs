@@ -337,7 +337,7 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
         Request::Status => {
             let v = built(vm)?;
             let started = v.started_at();
-            Ok(Reply::Status {
+            Ok(Reply::Status(crate::vmproc::proto::VmStatus {
                 state: v.state(),
                 exits: v.control().exit_count(),
                 ms_since_start: started.map(|s| s.elapsed().as_millis() as u64),
@@ -348,7 +348,7 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
                 devices: v.devices().to_vec(),
                 rng_reseed: Some(v.rng_reseed()),
                 vmgenid: v.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
-            })
+            }))
         }
         Request::Stop => {
             if let Some(mut v) = vm.take() {

@@ -62,6 +62,10 @@ SOCK=/run/k7d/k7d.sock STATE=/run/k7d/state
 CLOG=/tmp/containerd.log DLOG=/tmp/k7d-daemon.log
 STEP_LIMIT=${LAB_CRI_STEP_TIMEOUT:-120}  # per CRI step, seconds
 HANDLERS=${LAB_CRI_HANDLERS:-runc k7d}
+# LAB_CRI_JAIL=on runs the k7d daemon with --jail on: every pod VM (cold,
+# pool, fork-started) and the template in a jailed VM process of its own
+# (issue 36; passed by hand, not in CI: CI runs the default, --jail off).
+JAIL=${LAB_CRI_JAIL:-off}
 CRI=$LAB_CRI_BIN
 
 # fail REASON: what containerd, CRI and the daemon say, the tails of their
@@ -368,7 +372,7 @@ EOF
 { cat /etc/k7d/shim.toml; echo 'pod_start = "fork"'; } >/etc/k7d/fork.toml
 : >"$DLOG"
 # Appending (O_APPEND): the CLI calls below append their logs to it too.
-"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
+"$LAB_BIN" daemon --jail "$JAIL" --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
 dpid=$!
 i=0
 until [ -S "$SOCK" ]; do
@@ -673,7 +677,7 @@ fi
 # daemon says why, and the pods still talk.
 kill "$dpid"; wait "$dpid" 2>/dev/null
 echo '{"tc_object": "/nonexistent/k7d_tc.o"}' >/tmp/node-no-tc.json
-"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" --node-config /tmp/node-no-tc.json >>"$DLOG" 2>&1 &
+"$LAB_BIN" daemon --jail "$JAIL" --state-dir "$STATE" --socket "$SOCK" --node-config /tmp/node-no-tc.json >>"$DLOG" 2>&1 &
 dpid=$!
 i=0
 until "$LAB_BIN" --socket "$SOCK" list >/dev/null 2>&1; do

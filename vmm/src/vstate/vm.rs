@@ -561,7 +561,9 @@ impl Vm {
         if !matches!(self.state(), VmState::Running) {
             return Err(self.state_error("change a medium"));
         }
-        if let Some(p) = path {
+        // A file handed over was checked where it was opened (a VM process
+        // has no path to check it by).
+        if let (Some(p), None) = (path, &opened) {
             crate::config::check_disk_path(p).map_err(|e| VmError::Refused(e.to_string()))?;
         }
         let medium = Arc::new(match (opened, path) {

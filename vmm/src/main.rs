@@ -534,6 +534,12 @@ struct DaemonJail {
     /// says so).
     #[arg(long, default_value = "/sys/fs/cgroup/k7d")]
     jail_cgroup: String,
+    /// Test-only (the escape drill's build): a thread of the daemon panics
+    /// this many milliseconds after the start, as a bug in the daemon
+    /// would (`vmm/tests/escape_drill.rs`).
+    #[cfg(feature = "escape-drill")]
+    #[arg(long, hide = true)]
+    drill_panic_after_ms: Option<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -850,6 +856,19 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 JailMode::On => Some(vm_processes(&jail)?),
                 JailMode::Off => None,
             };
+            if procs.is_some() {
+                abort_on_panic();
+            }
+            #[cfg(feature = "escape-drill")]
+            if let Some(ms) = jail.drill_panic_after_ms {
+                std::thread::Builder::new()
+                    .name("k7d-drill-panic".into())
+                    .spawn(move || {
+                        std::thread::sleep(std::time::Duration::from_millis(ms));
+                        panic!("escape drill: a bug in the daemon");
+                    })
+                    .context("cannot start the drill's panicking thread")?;
+            }
             confine(cli.seccomp)?;
             daemon(&state_dir, &cli.socket, node, &limits, kernels.dir(), procs)
         }
@@ -1404,6 +1423,21 @@ fn vm_processes(jail: &DaemonJail) -> Result<k7d_vmm::daemon::VmProcesses> {
         count: jail.jail_id_count,
     };
     k7d_vmm::daemon::VmProcesses::new(spawner, ids, jail.jail_spares as usize, cgroup).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// A panic anywhere in a daemon whose VMs run in VM processes ends the
+/// daemon (issue 36, "failure stays local"): nothing carries on with the
+/// state a panic left half-changed, its VMs run on in their processes,
+/// and the next daemon (its supervisor restarts it) re-attaches to them.
+/// Inside a daemon with `--jail off` a panic stays in its thread: ending
+/// the daemon would end every VM.
+fn abort_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        tracing::error!("the daemon panicked: it ends now; its VM processes run on for the next daemon");
+        std::process::abort();
+    }));
 }
 
 /// `k7d vm-spawner`: serves its daemon (`k7d_vmm::vmproc::spawner`).

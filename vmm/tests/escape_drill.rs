@@ -258,3 +258,86 @@ fn a_guest_with_arbitrary_reads_of_its_vm_process_reaches_only_its_own_vm() {
     );
     assert!(unjailed.open_stopped_the_vm);
 }
+
+/// Whether VM `id`'s loop counter, read from process `pid`, moves within 5 s.
+fn runs(pid: u32, id: &str) -> bool {
+    let at = k7d_guest::RESULTS_ADDR + result::LOOP_COUNTER;
+    let c = common::read_guest_u32(pid, id, at);
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(5) {
+        if common::read_guest_u32(pid, id, at) != c {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    false
+}
+
+/// Failure stays local (issue 36): a panic in the daemon (the drill build's
+/// `--drill-panic-after-ms`: one of its threads panics, as a bug would)
+/// ends a daemon with `--jail on` at once (SIGABRT: nothing carries on with
+/// what the panic left half-changed), its VM runs on in its VM process,
+/// and the next daemon re-attaches to it. A daemon with `--jail off` holds
+/// its VMs, so there the panic stays in its thread and the daemon serves on.
+#[test]
+fn a_panic_ends_a_daemon_with_vm_processes_and_its_vms_run_on() {
+    let name = "a_panic_ends_a_daemon_with_vm_processes_and_its_vms_run_on";
+    let Some(bin) = drill_bin(name) else {
+        return;
+    };
+    use std::os::unix::process::ExitStatusExt;
+    for jail in [true, false] {
+        let scratch = Scratch::new(if jail { "drill-panic-on" } else { "drill-panic-off" });
+        let dir = scratch.0.as_path();
+        let mode = if jail { "on" } else { "off" };
+        let child = common::start_daemon(
+            &bin,
+            dir,
+            &[
+                "--jail",
+                mode,
+                "--jail-cgroup",
+                "off",
+                "--jail-id-base",
+                "2000000300",
+                "--drill-panic-after-ms",
+                "3000",
+            ],
+            true,
+        );
+        let mut d = Daemon {
+            child,
+            bin: bin.clone(),
+            dir: dir.to_path_buf(),
+        };
+        d.create("victim", "memwriter", &[]);
+        let pid = d.holder("victim");
+        let t = Instant::now();
+        let ended = loop {
+            if let Some(st) = d.child.try_wait().unwrap() {
+                break Some(st);
+            }
+            if t.elapsed() > Duration::from_secs(8) {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if jail {
+            let st = ended.expect("a daemon with VM processes served on after a panic");
+            assert_eq!(st.signal(), Some(libc::SIGABRT), "the daemon ended with {st}");
+            assert!(runs(pid, "victim"), "the VM stopped with its daemon's panic");
+            d.child = common::start_daemon(&bin, dir, &["--jail", "on", "--jail-cgroup", "off"], true);
+            assert_eq!(d.holder("victim"), pid, "the next daemon did not re-attach to the VM");
+            assert_eq!(d.info("victim")["status"].as_str(), Some("running"));
+        } else {
+            assert!(
+                ended.is_none(),
+                "a daemon with its VMs inside ended on a thread's panic: {ended:?}"
+            );
+            assert!(runs(pid, "victim"), "the VM stopped after the daemon's thread panicked");
+            assert_eq!(d.info("victim")["status"].as_str(), Some("running"));
+        }
+        let o = d.cli(&["delete", "victim"]);
+        assert!(o.status.success(), "delete: {:?}", text(&o));
+    }
+}

@@ -158,6 +158,15 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 cargo clippy -p k7d-vmm --lib --release --features escape-drill -- -D warnings
 
 phase "host-level tests (real KVM, release)"
+# The upgrade drill (vmm/tests/daemon_vm_process.rs): a k7d of an earlier
+# commit, the release binary of the last run that passed on this machine
+# (kept at the end of this script), whose daemon's VMs this k7d's daemon
+# takes over. The first run on a machine has none (an expected skip).
+UPGRADE_CACHE=${K7D_UPGRADE_CACHE:-/var/cache/k7d-upgrade}
+if [ -x "$UPGRADE_CACHE/k7d" ] && [ "$(cat "$UPGRADE_CACHE/commit" 2>/dev/null)" != "$(git rev-parse HEAD)" ]; then
+  export K7D_UPGRADE_FROM_BIN=$UPGRADE_CACHE/k7d
+  echo "upgrade drill: from k7d of commit $(cat "$UPGRADE_CACHE/commit") ($("$K7D_UPGRADE_FROM_BIN" --version))"
+fi
 # Each test's wall time (tests/report-time.sh, cargo's runner for this
 # command only) goes to HOST_TIMES; the summary ranks the slowest.
 HOST_TIMES=$(mktemp /tmp/k7d-host-times.XXXXXX)
@@ -193,3 +202,9 @@ if [ -z "${K7D_SKIP_LAB:-}" ]; then
 else
   said_skip "nested lab (K7D_SKIP_LAB is set)"
 fi
+
+# This run passed: its k7d is the next run's k7d of an earlier commit.
+mkdir -p "$UPGRADE_CACHE"
+cp "${CARGO_TARGET_DIR:-target}/release/k7d" "$UPGRADE_CACHE/k7d.new"
+mv "$UPGRADE_CACHE/k7d.new" "$UPGRADE_CACHE/k7d"
+git rev-parse HEAD >"$UPGRADE_CACHE/commit"

@@ -75,6 +75,16 @@ fn grows(mut read: impl FnMut() -> u32) -> bool {
     false
 }
 
+/// Asserts that no VM's record or runtime file is left under `dir`'s state.
+fn assert_no_vm_files(dir: &Path) {
+    let left: Vec<_> = std::fs::read_dir(dir.join("state/vms"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
 /// Whether process `pid` exists and is not a zombie (one an earlier
 /// daemon started is reaped by whoever inherited it).
 fn alive(pid: u32) -> bool {
@@ -342,12 +352,7 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
     for &p in &guard.pids {
         assert!(!alive(p), "VM process {p} outlived its delete");
     }
-    let left: Vec<_> = std::fs::read_dir(dir.join("state/vms"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
-    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_no_vm_files(dir);
 }
 
 /// Where `create_page_writer`'s guest writes, and how many pages.
@@ -764,12 +769,7 @@ fn a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing() {
     }
     // Nothing left: no VM, no record or runtime file, no VM process.
     assert!(text(&cli(dir, &["list"])).0.lines().all(|l| !l.starts_with("bad")));
-    let left: Vec<_> = std::fs::read_dir(dir.join("state/vms"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
-    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_no_vm_files(dir);
     let dir_s = dir.to_string_lossy().into_owned();
     let spares = std::fs::read_dir("/proc")
         .unwrap()
@@ -1391,10 +1391,132 @@ fn forks_of_a_vm_process_with_devices_get_devices_of_their_own() {
         !ns.has(&k7d_net::nic_names("podchild", 0).tap),
         "the pod child's tap is left in the pod netns"
     );
-    let left: Vec<_> = std::fs::read_dir(dir.join("state/vms"))
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name())
-        .collect();
-    assert!(left.is_empty(), "left behind: {left:?}");
+    assert_no_vm_files(dir);
+}
+
+/// The upgrade drill (issue 36): the VMs of a daemon of an earlier k7d (a
+/// binary of an earlier commit, `K7D_UPGRADE_FROM_BIN`: `tests/run-all.sh`
+/// keeps the release binary of each passing run on this machine for the
+/// next) outlive its `kill -9`, and a daemon of this k7d serves them: it
+/// re-attaches to each VM process (the same pid, the guest ran on without
+/// any daemon, its fork child's parent known), or, if the two speak
+/// different channel versions, refuses each with a sentence in its log
+/// and leaves none running (never a guess). Then nothing is left.
+#[test]
+fn a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one() {
+    let name = "a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one";
+    if !root_or_skip(name) {
+        return;
+    }
+    let Some(old) = std::env::var_os("K7D_UPGRADE_FROM_BIN").map(std::path::PathBuf::from) else {
+        k7d_test_skip::skip(
+            name,
+            "K7D_UPGRADE_FROM_BIN is not set: no k7d of an earlier commit (tests/run-all.sh keeps one from the last passing run on this machine)",
+        );
+        return;
+    };
+    let version = |bin: &Path| {
+        text(&Command::new(bin).arg("--version").output().unwrap())
+            .0
+            .trim()
+            .to_string()
+    };
+    let scratch = Scratch::new("daemon-vmproc-upgrade");
+    let dir = scratch.0.as_path();
+    // An earlier k7d may not know --jail-cgroup (and then makes no cgroup).
+    let help = text(&Command::new(&old).args(["daemon", "--help"]).output().unwrap()).0;
+    let mut flags = vec!["--jail", "on", "--jail-id-base", "2000000700"];
+    if help.contains("--jail-cgroup") {
+        flags.extend(["--jail-cgroup", "off"]);
+    }
+    let old_daemon = common::start_daemon(&old, dir, &flags, true);
+    let mut guard = Cleanup {
+        dir,
+        daemon: Some(old_daemon),
+        pids: Vec::new(),
+    };
+    let old_cli = |args: &[&str]| {
+        let o = Command::new(&old)
+            .arg("--socket")
+            .arg(dir.join("k7d.sock"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{} {args:?}: {:?}", old.display(), text(&o));
+    };
+    for id in ["up-a", "up-b"] {
+        old_cli(&[
+            "create",
+            "--id",
+            id,
+            "--builtin",
+            "memwriter",
+            "--memory",
+            "16",
+            "--start",
+        ]);
+    }
+    old_cli(&["fork", "up-a"]);
+    let ids = ["up-a", "up-b", "up-a-f1"];
+    let pids: Vec<u32> = ids.iter().map(|id| pid_of(dir, id)).collect();
+    guard.pids = pids.clone();
+    let old_pid = guard.daemon.as_ref().unwrap().id();
+    kill9(old_pid);
+    let _ = guard.daemon.take().unwrap().wait();
+    for (id, &pid) in ids.iter().zip(&pids) {
+        assert!(
+            grows(|| read_pages(pid, id, COUNTER, 1)[0]),
+            "vm {id} stopped with the earlier daemon"
+        );
+    }
+    // This k7d's daemon, its log kept.
+    let mut new = Command::new(K7D)
+        .args(["daemon", "--state-dir"])
+        .arg(dir.join("state"))
+        .arg("--socket")
+        .arg(dir.join("k7d.sock"))
+        .args(["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", "2000000700"])
+        .env_remove("K7D_SOCKET")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.join("daemon.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::os::unix::net::UnixStream::connect(dir.join("k7d.sock")).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(10), "this k7d's daemon did not start");
+        assert!(new.try_wait().unwrap().is_none(), "this k7d's daemon exited at start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    guard.daemon = Some(new);
+    let log = std::fs::read_to_string(dir.join("daemon.log")).unwrap();
+    let (from, to) = (version(&old), version(Path::new(K7D)));
+    if log.contains("speaks version") {
+        // Channel versions differ: refused, never guessed.
+        for (id, &pid) in ids.iter().zip(&pids) {
+            assert!(
+                !alive(pid),
+                "vm {id}'s process of the earlier k7d ({from}) runs on unserved"
+            );
+            assert!(!text(&cli(dir, &["list"])).0.contains(id), "{id} is listed");
+        }
+    } else {
+        for (id, &pid) in ids.iter().zip(&pids) {
+            assert_eq!(pid_of(dir, id), pid, "vm {id} ({from} -> {to}) was not re-attached");
+            assert_eq!(info(dir, id)["status"].as_str(), Some("running"), "vm {id}");
+            assert!(
+                grows(|| counter(dir, id)),
+                "vm {id} does not run under this k7d's daemon"
+            );
+        }
+        assert_eq!(info(dir, "up-a-f1")["parent"].as_str(), Some("up-a"));
+        let _ = std::io::Write::flush(&mut std::io::stderr());
+        eprintln!("upgrade drill: {from} -> {to}: 3 VM processes re-attached");
+    }
+    for id in ["up-a-f1", "up-a", "up-b"] {
+        let _ = cli(dir, &["delete", id]);
+    }
+    for &pid in &pids {
+        assert!(!alive(pid), "VM process {pid} outlived its delete");
+    }
+    assert_no_vm_files(dir);
 }

@@ -1463,9 +1463,11 @@ fn a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one() {
     let old_pid = guard.daemon.as_ref().unwrap().id();
     kill9(old_pid);
     let _ = guard.daemon.take().unwrap().wait();
+    // (A fork child's RAM is its source's base memfd, named after it.)
     for (id, &pid) in ids.iter().zip(&pids) {
+        let ram = id.trim_end_matches("-f1");
         assert!(
-            grows(|| read_pages(pid, id, COUNTER, 1)[0]),
+            grows(|| read_pages(pid, ram, COUNTER, 1)[0]),
             "vm {id} stopped with the earlier daemon"
         );
     }

@@ -434,11 +434,17 @@ impl Inner {
     /// its own (`k7d daemon --jail on`) serves it while no daemon exists,
     /// and the next daemon re-attaches to it; a VM that lived inside the
     /// daemon went with it (its socket refuses connections).
+    ///
+    /// The probe never blocks: a listener whose backlog is full (a paused
+    /// VM accepts nothing) answers `EAGAIN`, which says it is there.
     fn vsock_served(&self) -> bool {
         let Some(path) = self.lock().pod.as_ref().map(|p| p.names.vsock.clone()) else {
             return false;
         };
-        std::os::unix::net::UnixStream::connect(path).is_ok()
+        match k7d_sys::socket::connect_nonblocking(&path) {
+            Ok(_) => true,
+            Err(e) => e.kind() == std::io::ErrorKind::WouldBlock,
+        }
     }
 
     fn spawn_watcher(self: Arc<Self>, id: &str, exec_id: &str) -> TtrpcResult<()> {

@@ -1309,6 +1309,22 @@ fn forks_of_a_vm_process_with_devices_get_devices_of_their_own() {
     }});
     let v = api(dir, &line.to_string());
     assert_eq!(v["ok"], true, "{v}");
+    // A batch whose second child cannot have its socket (a file is in its
+    // place) fails whole, and the first child leaves nothing: no process,
+    // no socket, no files.
+    let sock_of = |c: &str| std::path::PathBuf::from(format!("{}-{c}", src_sock.display()));
+    let blocker = sock_of(&format!("{src}-f2"));
+    std::fs::write(&blocker, b"not a socket").unwrap();
+    let before: Vec<u32> = guard.pids.clone();
+    let line = serde_json::json!({"v": 1, "op": "fork", "args": {"id": src, "count": 2}});
+    let v = api(dir, &line.to_string());
+    assert_eq!(v["ok"], false, "{v}");
+    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("cannot bind vsock's host socket")), "{v}");
+    assert!(!sock_of(&format!("{src}-f1")).exists(), "the failed batch's first child left its vsock socket");
+    assert!(!dir.join(format!("state/vms/{src}-f1")).exists(), "the failed batch's first child left its files");
+    assert_eq!(std::fs::read(&blocker).unwrap(), b"not a socket", "the file in the way was touched");
+    std::fs::remove_file(&blocker).unwrap();
+    assert_eq!(guard.pids, before);
     // Two plain children.
     let line = serde_json::json!({"v": 1, "op": "fork", "args": {"id": src, "count": 2}});
     let v = api(dir, &line.to_string());

@@ -889,12 +889,12 @@ impl Daemon {
             Ok::<(), ApiError>(())
         });
         if let Err(e) = children {
-            super::processes::stop_all(&procs, built);
+            super::processes::stop_all(&procs, &self.node, built);
             return Err(e);
         }
         for (cid, c) in child_clusters.ids.iter().zip(&made) {
             if let Err(e) = self.clusters.save(cid, c) {
-                super::processes::stop_all(&procs, built);
+                super::processes::stop_all(&procs, &self.node, built);
                 return Err(internal(e));
             }
         }

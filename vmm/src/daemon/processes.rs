@@ -940,6 +940,13 @@ impl Remote {
         let base =
             read_only_memfd(&fds[0], "/memfd:k7d-ram-").map_err(|e| internal(&format!("vm {id}: capture"), e))?;
         fds[0] = base;
+        // A fork source's frozen base stays charged to it, and what it
+        // writes from now on is copied on top: up to twice its RAM.
+        if let Some(l) = &self.rec.cgroup
+            && let Err(e) = cgroup::limit(l, self.config.memory_mib.saturating_mul(2), self.config.vcpus)
+        {
+            tracing::warn!(vm = %id, error = %e, "cannot raise a fork source's memory limit");
+        }
         Ok(Capture {
             config: self.config.clone(),
             state,
@@ -1052,17 +1059,52 @@ pub(super) struct Capture {
 /// Stops VM processes built for a request that failed (every child or
 /// none), frees their ids and removes the directories of those that were
 /// spares; the reservation removes their VMs' files.
-pub(super) fn stop_all(procs: &VmProcesses, built: Vec<Remote>) {
+pub(super) fn stop_all(procs: &VmProcesses, node: &crate::config::NodeConfig, built: Vec<Remote>) {
     for mut r in built {
         r.stop();
-        if let Some(l) = &r.record().cgroup {
-            cgroup::remove(l);
-        }
+        undo_host_side(node, &r);
         procs.release(r.record().uid);
-        if let Some(d) = &r.record().spare_dir
-            && let Err(e) = std::fs::remove_dir_all(d)
-        {
-            tracing::warn!(vm = %r.id, dir = %d.display(), error = %e, "cannot remove a spare's directory");
+    }
+}
+
+/// Undoes what this daemon (or one before it) made on the host for the
+/// stopped VM process `r`: its spare's directory, its cgroup leaf, its
+/// vsock socket, its NICs' pod-network attachments (a VM built inside a
+/// daemon undoes the last two in its drop).
+pub(super) fn undo_host_side(node: &crate::config::NodeConfig, r: &Remote) {
+    let (p, config) = (r.record(), r.config());
+    if let Some(d) = &p.spare_dir
+        && let Err(e) = std::fs::remove_dir_all(d)
+    {
+        tracing::warn!(vm = %r.id, dir = %d.display(), error = %e, "cannot remove a spare's directory");
+    }
+    if let Some(l) = &p.cgroup {
+        cgroup::remove(l);
+    }
+    if let Some(v) = &config.devices.vsock {
+        remove_vsock_socket(&v.uds);
+    }
+    detach_nics(node, &r.id, config);
+}
+
+/// Detaches the datapath of `config`'s NICs in pod networks (a VM
+/// process's, attached by this daemon or one before it); one that cannot
+/// be detached is logged and left, as at a reconcile.
+fn detach_nics(node: &crate::config::NodeConfig, id: &str, config: &VmConfig) {
+    let nics = super::reconcile::datapath_nics(&config.devices.nics);
+    if nics.is_empty() {
+        return;
+    }
+    let dp = match k7d_net::Datapath::new(node.datapath()) {
+        Ok(dp) => dp,
+        Err(e) => {
+            tracing::error!(vm = %id, error = %e, "cannot open the datapath to detach the VM's NICs");
+            return;
+        }
+    };
+    for (idx, d) in nics {
+        if let Err(e) = dp.detach(id, idx, Some(&d.netns), &d.pod_if) {
+            tracing::error!(vm = %id, nic = idx, error = %e, "datapath detach failed");
         }
     }
 }
@@ -1225,7 +1267,7 @@ impl super::Daemon {
                 .map(|c| children.push(c))
         });
         if let Err(e) = made {
-            stop_all(&procs, built);
+            stop_all(&procs, &self.node, built);
             return Err(e);
         }
         held.fill_processes(built);
@@ -1365,8 +1407,10 @@ impl super::Daemon {
                 }
             });
         if let Err(e) = started {
-            // The reservation removes its files; the process goes first.
+            // The reservation removes its files; the process goes first,
+            // then what was made for it here.
             remote.stop();
+            undo_host_side(&self.node, &remote);
             procs.release(remote.record().uid);
             return Err(e);
         }
@@ -1382,24 +1426,14 @@ impl super::Daemon {
     /// `delete` of a VM in a VM process: stopped, its process gone, its
     /// files and id freed.
     pub(super) fn delete_process(&self, id: &str, r: &Arc<Mutex<Remote>>) -> Result<super::api::Deleted, ApiError> {
-        let (uid, spare_dir, config, leaf) = {
+        let uid = {
             let mut g = lock(r);
             g.stop();
-            let p = g.record();
-            (p.uid, p.spare_dir.clone(), g.config().clone(), p.cgroup.clone())
+            // Its vsock socket, pod networks and cgroup were made here,
+            // not by the VM process: undone here.
+            undo_host_side(&self.node, &g);
+            g.record().uid
         };
-        if let Some(d) = spare_dir {
-            let _ = std::fs::remove_dir_all(d);
-        }
-        if let Some(l) = leaf {
-            cgroup::remove(&l);
-        }
-        // Its vsock socket and pod networks were made here, not by the VM
-        // process: undone here, as the VM's drop does inside a daemon.
-        if let Some(v) = &config.devices.vsock {
-            remove_vsock_socket(&v.uds);
-        }
-        self.detach_nics(id, &config);
         {
             let mut vms = self.vms();
             vms.insert(id.to_string(), super::Slot::Deleting);
@@ -1441,28 +1475,6 @@ impl super::Daemon {
             vcpus: c.vcpus,
             memory_mib: c.memory_mib,
             guest: c.guest.describe(),
-        }
-    }
-
-    /// Detaches the datapath of `config`'s NICs in pod networks (a VM
-    /// process's, attached by this daemon or one before it); one that
-    /// cannot be detached is logged and left, as at a reconcile.
-    fn detach_nics(&self, id: &str, config: &VmConfig) {
-        let nics = super::reconcile::datapath_nics(&config.devices.nics);
-        if nics.is_empty() {
-            return;
-        }
-        let dp = match k7d_net::Datapath::new(self.node.datapath()) {
-            Ok(dp) => dp,
-            Err(e) => {
-                tracing::error!(vm = %id, error = %e, "cannot open the datapath to detach the VM's NICs");
-                return;
-            }
-        };
-        for (idx, d) in nics {
-            if let Err(e) = dp.detach(id, idx, Some(&d.netns), &d.pod_if) {
-                tracing::error!(vm = %id, nic = idx, error = %e, "datapath detach failed");
-            }
         }
     }
 
@@ -1522,16 +1534,21 @@ impl super::Daemon {
         g.rec.nic_notes.push((idx, note.clone()));
         let (config, rec) = (g.config.clone(), g.rec.clone());
         // Recorded, or undone: a daemon that re-attaches reads it back.
+        // The attachment stays whatever the record says: undoing it would
+        // delete the tap whose queues the VM process holds. Its delete
+        // detaches it (this daemon knows it); a record not written is said.
+        cleanup.keep();
         if let Err(e) = self.store.update(&id, |r| {
             r.config = config;
             r.vm_process = Some(rec);
         }) {
-            g.config.devices.nics[index].datapath = None;
-            g.rec.nic_notes.pop();
-            drop(cleanup);
-            return Err(internal(&format!("vm {id}: cannot record its NIC's attachment"), e));
+            return Err(internal(
+                &format!(
+                    "vm {id}: nic {index} is attached, but the attachment could not be recorded (a daemon that re-attaches would not detach it)"
+                ),
+                e,
+            ));
         }
-        cleanup.keep();
         tracing::info!(vm = %id, nic = index, netns = %a.datapath.netns.display(), "bare NIC attached to a pod network{note}");
         Ok(self.process_info(&mut g))
     }

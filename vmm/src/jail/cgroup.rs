@@ -2,8 +2,10 @@
 //! the daemon makes `<root>/vm-<uid>` for a VM process, moves the process
 //! into it before the process is handed any guest input, and sets its
 //! limits when it knows the VM: `memory.max` of the guest's RAM plus
-//! [`VMM_ALLOWANCE_MIB`], `cpu.max` of one CPU per vCPU plus one for the
-//! device workers. The root (`k7d daemon --jail-cgroup`, by default
+//! [`VMM_ALLOWANCE_MIB`] (twice the RAM once it is a fork source: its
+//! frozen base stays charged to it, and what it writes after the fork is
+//! copied on top), `cpu.max` of one CPU per vCPU plus one for the device
+//! workers. The root (`k7d daemon --jail-cgroup`, by default
 //! `/sys/fs/cgroup/k7d`) must sit in a cgroup v2 hierarchy whose parent
 //! has the memory and cpu controllers: a daemon that cannot have them
 //! refuses to start (`--jail-cgroup off` runs VM processes without limits,

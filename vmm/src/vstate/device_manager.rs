@@ -634,8 +634,8 @@ impl PciCtx<'_> {
         Ok(cleanup)
     }
 
-    /// virtio-vsock with its hybrid host socket (never in a fork child: the
-    /// source refuses the fork): bound here, or in a VM process handed over
+    /// virtio-vsock with its hybrid host socket (a fork child's its own,
+    /// named by its config): bound here, or in a VM process handed over
     /// bound (the daemon's to remove).
     fn add_vsock(&mut self, v: &crate::config::VsockConfig) -> Result<(), VmError> {
         use k7d_devices::virtio::vsock::Vsock;

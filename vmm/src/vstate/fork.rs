@@ -179,8 +179,9 @@ pub struct Exported {
 impl Vm {
     /// Captures this paused VM's fork instant for a child built in another
     /// process ([`Vm::capture`], then the diverged pages written out).
-    /// Only VMs without devices so far: a device's twin would need its
-    /// backend handed over too.
+    /// The children's devices are made from their own configs and files
+    /// ([`Vm::from_export`]); a read-write disk is refused: its
+    /// copy-on-write overlays live in this process.
     pub fn export_capture(&self) -> Result<Exported, VmError> {
         if let Some(i) = self.config.devices.disks.iter().position(|d| !d.read_only) {
             return Err(VmError::Refused(format!(

@@ -1319,10 +1319,25 @@ fn forks_of_a_vm_process_with_devices_get_devices_of_their_own() {
     let line = serde_json::json!({"v": 1, "op": "fork", "args": {"id": src, "count": 2}});
     let v = api(dir, &line.to_string());
     assert_eq!(v["ok"], false, "{v}");
-    assert!(v["error"]["message"].as_str().is_some_and(|m| m.contains("cannot bind vsock's host socket")), "{v}");
-    assert!(!sock_of(&format!("{src}-f1")).exists(), "the failed batch's first child left its vsock socket");
-    assert!(!dir.join(format!("state/vms/{src}-f1")).exists(), "the failed batch's first child left its files");
-    assert_eq!(std::fs::read(&blocker).unwrap(), b"not a socket", "the file in the way was touched");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("cannot bind vsock's host socket")),
+        "{v}"
+    );
+    assert!(
+        !sock_of(&format!("{src}-f1")).exists(),
+        "the failed batch's first child left its vsock socket"
+    );
+    assert!(
+        !dir.join(format!("state/vms/{src}-f1")).exists(),
+        "the failed batch's first child left its files"
+    );
+    assert_eq!(
+        std::fs::read(&blocker).unwrap(),
+        b"not a socket",
+        "the file in the way was touched"
+    );
     std::fs::remove_file(&blocker).unwrap();
     assert_eq!(guard.pids, before);
     // Two plain children.

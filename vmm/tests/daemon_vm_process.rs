@@ -909,11 +909,20 @@ fn unix_socket_inode(path: &Path) -> Option<String> {
 
 /// Whether process `pid` holds the socket with inode `inode`.
 fn holds_socket(pid: u32, inode: &str) -> bool {
-    let want = std::path::PathBuf::from(format!("socket:[{inode}]"));
-    std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .unwrap()
-        .flatten()
-        .any(|e| std::fs::read_link(e.path()).is_ok_and(|l| l == want))
+    holds_file(pid, Path::new(&format!("socket:[{inode}]")))
+}
+
+/// The cached Debian cloud kernel (virtio devices need a Linux guest), or
+/// the test's skip said.
+fn kernel_or_skip(name: &str) -> Option<std::path::PathBuf> {
+    let k = common::cached_cloud_kernel();
+    if k.is_none() {
+        k7d_test_skip::skip(
+            name,
+            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
+        );
+    }
+    k
 }
 
 /// vsock in a VM process (issue 36): the daemon binds the VM's host socket
@@ -933,11 +942,7 @@ fn a_vm_process_serves_vsock_on_the_socket_its_daemon_bound_even_with_no_daemon(
     if !root_or_skip(name) {
         return;
     }
-    let Some(kernel) = common::cached_cloud_kernel() else {
-        k7d_test_skip::skip(
-            name,
-            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
-        );
+    let Some(kernel) = kernel_or_skip(name) else {
         return;
     };
     let scratch = Scratch::new("daemon-vmproc-vsock");
@@ -1102,11 +1107,7 @@ fn nics_of_vm_processes_join_pod_networks_and_outlive_the_daemon() {
     if !root_or_skip(name) {
         return;
     }
-    let Some(kernel) = common::cached_cloud_kernel() else {
-        k7d_test_skip::skip(
-            name,
-            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
-        );
+    let Some(kernel) = kernel_or_skip(name) else {
         return;
     };
     let scratch = Scratch::new("daemon-vmproc-podnet");
@@ -1246,19 +1247,15 @@ fn holds_file(pid: u32, path: &Path) -> bool {
 /// the fork asks for one (a fork-started pod). A source with a read-write
 /// disk is refused (its overlays live in its process) and nothing is left;
 /// deletes leave nothing either. (Linux guests: the source is created, not
-/// started, as on a PVM host it could not run; the lab's `k7d-shim` forks
-/// a running pod.)
+/// started, as on a PVM host it could not run; the lab's `k7d-cri` with
+/// `LAB_CRI_JAIL=on`, by hand, forks running pods this way.)
 #[test]
 fn forks_of_a_vm_process_with_devices_get_devices_of_their_own() {
     let name = "forks_of_a_vm_process_with_devices_get_devices_of_their_own";
     if !root_or_skip(name) {
         return;
     }
-    let Some(kernel) = common::cached_cloud_kernel() else {
-        k7d_test_skip::skip(
-            name,
-            "no Debian cloud kernel in the lab cache (tests/lab/run.sh --fetch puts it there; .ci/run does)",
-        );
+    let Some(kernel) = kernel_or_skip(name) else {
         return;
     };
     let scratch = Scratch::new("daemon-vmproc-forkdev");

@@ -1496,28 +1496,9 @@ impl super::Daemon {
                 format!("nic {} of vm {id} cannot be attached: {why}", a.nic),
             )
         };
-        let count = g.config().devices.nics.len();
-        let Some((index, n)) = usize::try_from(a.nic)
-            .ok()
-            .and_then(|i| Some((i, g.config().devices.nics.get(i)?.clone())))
-        else {
-            return Err(ApiError::new(
-                ErrorCode::Conflict,
-                format!("vm {id} has {count} NIC(s), so it has no nic {}", a.nic),
-            ));
-        };
-        if n.datapath.is_some() {
-            return Err(refuse("it is already attached to a pod's network".into()));
-        }
-        if n.vhost != Some(false) {
-            return Err(refuse(
-                "it may be served by vhost-net; only a NIC made with vhost = false is attached later".into(),
-            ));
-        }
-        if n.tap.is_some() {
-            return Err(refuse("its tap was named by the config, not by k7d".into()));
-        }
-        a.datapath.check().map_err(refuse)?;
+        let index = usize::try_from(a.nic).unwrap_or(usize::MAX);
+        crate::vstate::check_attachable(&id, g.config(), index, &a.datapath)
+            .map_err(|m| ApiError::new(ErrorCode::Conflict, m))?;
         if let s @ VmState::Stopped { .. } = g.status().state {
             return Err(ApiError::new(
                 ErrorCode::Conflict,

@@ -21,24 +21,7 @@ impl Vm {
     ) -> Result<(), VmError> {
         let id = self.id.clone();
         let refuse = |why: String| VmError::Refused(format!("nic {index} of vm {id} cannot be attached: {why}"));
-        let Some(n) = self.config.devices.nics.get(index) else {
-            return Err(VmError::Refused(format!(
-                "vm {id} has {} NIC(s), so it has no nic {index}",
-                self.config.devices.nics.len()
-            )));
-        };
-        if n.datapath.is_some() {
-            return Err(refuse("it is already attached to a pod's network".into()));
-        }
-        if n.vhost != Some(false) {
-            return Err(refuse(
-                "it may be served by vhost-net; only a NIC made with vhost = false is attached later".into(),
-            ));
-        }
-        if n.tap.is_some() {
-            return Err(refuse("its tap was named by the config, not by k7d".into()));
-        }
-        d.check().map_err(refuse)?;
+        check_attachable(&id, &self.config, index, d).map_err(VmError::Refused)?;
         if matches!(self.state(), VmState::Stopped { .. }) {
             return Err(self.state_error("attach a NIC"));
         }
@@ -60,4 +43,35 @@ impl Vm {
         tracing::info!(vm = %id, nic = index, netns = %d.netns.display(), "bare NIC attached to a pod network{note}");
         Ok(())
     }
+}
+
+/// Refuses, in one sentence, attaching NIC `index` of VM `id` (config
+/// `config`) to the pod network `d` later: only a bare NIC k7d named, made
+/// with `vhost = false`, not attached already (inside a daemon and for a
+/// VM process alike, `daemon/processes.rs`).
+pub(crate) fn check_attachable(
+    id: &str,
+    config: &crate::config::VmConfig,
+    index: usize,
+    d: &DatapathNicConfig,
+) -> Result<(), String> {
+    let refuse = |why: &str| format!("nic {index} of vm {id} cannot be attached: {why}");
+    let Some(n) = config.devices.nics.get(index) else {
+        return Err(format!(
+            "vm {id} has {} NIC(s), so it has no nic {index}",
+            config.devices.nics.len()
+        ));
+    };
+    if n.datapath.is_some() {
+        return Err(refuse("it is already attached to a pod's network"));
+    }
+    if n.vhost != Some(false) {
+        return Err(refuse(
+            "it may be served by vhost-net; only a NIC made with vhost = false is attached later",
+        ));
+    }
+    if n.tap.is_some() {
+        return Err(refuse("its tap was named by the config, not by k7d"));
+    }
+    d.check().map_err(|e| refuse(&e))
 }

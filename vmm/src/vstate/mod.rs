@@ -18,5 +18,6 @@ mod standby;
 pub mod vcpu;
 pub mod vm;
 
+pub(crate) use attach::check_attachable;
 pub use device_manager::nic_plan;
 pub(crate) use device_manager::{NetCleanup, attach_to_pod};

@@ -106,14 +106,18 @@ async fn pod(
     })
     .await?;
     pods.push(id.clone());
-    let ip = client
-        .pod_sandbox_status(PodSandboxStatusRequest {
-            pod_sandbox_id: id.clone(),
-            verbose: false,
-        })
-        .await
-        .map_err(rpc)?
-        .into_inner()
+    let (status, _) = step(&format!("net_status_{role}"), limit, async {
+        Ok(client
+            .pod_sandbox_status(PodSandboxStatusRequest {
+                pod_sandbox_id: id.clone(),
+                verbose: false,
+            })
+            .await
+            .map_err(rpc)?
+            .into_inner())
+    })
+    .await?;
+    let ip = status
         .status
         .and_then(|s| s.network)
         .map(|n| n.ip)
@@ -141,11 +145,17 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
     let (client_ip, client_c) = pod(client, args, "client", CLIENT, pods).await?;
     // Every VM runtime gives each pod a kernel of its own.
     let own_kernels = args.runtime_handler != "runc";
-    identities(
-        client,
-        &[(&server_ip, &server), (&client_ip, &client_c)],
-        own_kernels,
+    // Every call is bounded here too, not only by containerd's ExecSync
+    // timeout: a hang shows as the step that hung.
+    step(
+        "net_identities",
         limit,
+        identities(
+            client,
+            &[(&server_ip, &server), (&client_ip, &client_c)],
+            own_kernels,
+            limit,
+        ),
     )
     .await?;
     let (out, _) = step(
@@ -163,7 +173,12 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
         bail!("ping from the client pod to {server_ip}: {summary}");
     }
     println!("cri: net ping {server_ip}: {summary}");
-    let want = exec(client, &server, &["cat", "/www/sum"], limit).await?;
+    let (want, _) = step(
+        "net_server_sum",
+        limit,
+        exec(client, &server, &["cat", "/www/sum"], limit),
+    )
+    .await?;
     let t = Instant::now();
     let url = format!("http://{server_ip}:8080/data");
     let fetch = format!("wget -q -O - {url} | md5sum | cut -d' ' -f1");

@@ -68,6 +68,19 @@ HANDLERS=${LAB_CRI_HANDLERS:-runc k7d}
 JAIL=${LAB_CRI_JAIL:-off}
 CRI=$LAB_CRI_BIN
 
+# cri_live LABEL OUT CMD...: runs CMD with its output kept in OUT and
+# printed as it comes ("lab: LABEL: ..."), so a step that hangs shows on
+# the console where it hangs (a run that printed nothing for 180 s is
+# stopped by the host's silence watchdog with no trace: CI on d799449);
+# returns CMD's status.
+cri_live() {
+  _ll=$1 _lo=$2
+  shift 2
+  rm -f "$_lo.rc"
+  { "$@" 2>&1; echo $? >"$_lo.rc"; } | tee "$_lo" | while IFS= read -r _line; do echo "lab: $_ll: $_line"; done
+  return "$(cat "$_lo.rc" 2>/dev/null || echo 125)"
+}
+
 # fail REASON: what containerd, CRI and the daemon say, the tails of their
 # logs and of the pod VMs' consoles, then LAB-FAIL.
 fail() {
@@ -219,12 +232,11 @@ cri_pod() {
       done ) &
     _vpoll=$!
   fi
-  timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" pod --runtime-handler "$_h" --image "$IMG" --name "$_l" \
-    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"} >"/tmp/cri-$_l.out" 2>&1
+  cri_live "$_l" "/tmp/cri-$_l.out" timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" pod --runtime-handler "$_h" --image "$IMG" --name "$_l" \
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"}
   _rc=$?
   [ -z "${_vpoll:-}" ] || { kill "$_vpoll"; wait "$_vpoll" 2>/dev/null; _vpoll=; }
   VMS_MAX=$(cat /tmp/vms.max 2>/dev/null || echo 0)
-  sed "s/^/lab: $_l: /" "/tmp/cri-$_l.out"
   [ "$_rc" = 0 ] || fail "$_l: k7d-cri pod (handler $_h) exited $_rc: $(grep -v '^cri: step ' "/tmp/cri-$_l.out" | tail -n 2 | tr '\n' ' ')"
   _got=$(sed -n 's/^cri: exec uname -r: //p' "/tmp/cri-$_l.out")
   [ "$_got" = "$_k" ] || fail "$_l: uname -r in the pod's container is '$_got', expected $_k"
@@ -419,12 +431,11 @@ cri_net() {
       done ) &
     _dpoll=$!
   fi
-  timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" net --runtime-handler "$_h" --image "$IMG" --name "$_l" \
-    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_hook:+--hook "$_hook"} ${_ps:+--pod-start "$_ps"} >"/tmp/cri-$_l.out" 2>&1
+  cri_live "$_l" "/tmp/cri-$_l.out" timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" net --runtime-handler "$_h" --image "$IMG" --name "$_l" \
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_hook:+--hook "$_hook"} ${_ps:+--pod-start "$_ps"}
   _rc=$?
   [ -z "${_dpoll:-}" ] || { kill "$_dpoll"; wait "$_dpoll" 2>/dev/null; _dpoll=; }
   [ ! -e /tmp/ids.seen ] || cp /tmp/ids.seen "/tmp/ids-$_l.seen"
-  sed "s/^/lab: $_l: /" "/tmp/cri-$_l.out"
   [ "$_rc" = 0 ] || fail "$_l: k7d-cri net (handler $_h) exited $_rc: $(grep -v '^cri: step ' "/tmp/cri-$_l.out" | tail -n 2 | tr '\n' ' ')"
   _mibs=$(sed -n 's/^cri: net tcp 4 MiB .*(\([0-9.]*\) MiB\/s)$/\1/p' "/tmp/cri-$_l.out")
   [ -z "$_mibs" ] || lab_metric "$_l.tcp_mib_s" "$_mibs" MiB/s

@@ -101,4 +101,7 @@ pub trait Daemon: Send + Sync {
     /// The daemon's pid (reported to containerd as the task's pid, as Kata
     /// reports its hypervisor's: no container process runs on the host).
     fn pid(&self) -> anyhow::Result<u32>;
+    /// The pid of VM `id`'s own process (`k7d daemon --jail on`), `None`
+    /// when it runs inside the daemon.
+    fn vm_pid(&self, id: &str) -> anyhow::Result<Option<u32>>;
 }

@@ -72,6 +72,9 @@ fn unreachable_daemon() -> Arc<dyn Daemon> {
         fn pid(&self) -> anyhow::Result<u32> {
             anyhow::bail!("this binary was built without a daemon client")
         }
+        fn vm_pid(&self, _id: &str) -> anyhow::Result<Option<u32>> {
+            anyhow::bail!("this binary was built without a daemon client")
+        }
     }
     Arc::new(NoDaemon)
 }

@@ -411,6 +411,9 @@ pub(crate) mod tests {
         fn pid(&self) -> anyhow::Result<u32> {
             Ok(1)
         }
+        fn vm_pid(&self, _id: &str) -> anyhow::Result<Option<u32>> {
+            Ok(None)
+        }
     }
 
     fn cfg(state: &Path) -> ShimConfig {

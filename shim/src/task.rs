@@ -82,7 +82,8 @@ struct Pod {
     /// VM boots with, which app containers take and give back.
     drives: Vec<Option<String>>,
     agent: Agent,
-    /// The task pid containerd sees (the daemon's: no container process runs on the host).
+    /// The task pid containerd sees: the pod VM's process (`--jail on`),
+    /// else the daemon's (no container process runs on the host).
     host_pid: u32,
     paused: bool,
     dead: bool,
@@ -849,6 +850,19 @@ impl Inner {
             return Err(err(Code::UNAVAILABLE, format!("{e:#}")));
         }
         let t_vm = Instant::now();
+        // The task's pid: the pod VM's own process where it has one (as
+        // Kata reports its hypervisor's; it outlives the daemon, so the pid
+        // stays true across a daemon's restart), else the daemon's.
+        let host_pid = match self.daemon.vm_pid(&names.vm_id) {
+            Ok(p) => p.unwrap_or(host_pid),
+            Err(e) => {
+                tracing::warn!(
+                    "{}: its pod VM's process is unknown ({e:#}): the daemon's pid stands for it",
+                    req.id
+                );
+                host_pid
+            }
+        };
         let r = (|| {
             let agent = Agent::new(&names.vsock).with_limits(cfg.agent_limits());
             let vm_id = names.vm_id.clone();

@@ -200,4 +200,14 @@ impl Daemon for ShimDaemon {
             ),
         }
     }
+
+    fn vm_pid(&self, id: &str) -> anyhow::Result<Option<u32>> {
+        match self.request(&Request::Info(id.to_string()), QUICK)? {
+            Reply::Vm(info) => Ok(info.vm_process.map(|p| p.pid)),
+            _ => bail!(
+                "the k7d daemon at {} answered info with another type",
+                self.socket.display()
+            ),
+        }
+    }
 }

@@ -576,6 +576,9 @@ jvm=$(k list | awk 'NR > 1 {print $1}')
 vpid=$(k --json info "$jvm" | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
 [ -n "$vpid" ] || fail "k7d --jail on: the pod VM $jvm runs in no VM process: $(k info "$jvm" | tr '\n' '|')"
 [ "$(awk '/^Uid:/ {print $2}' "/proc/$vpid/status")" != 0 ] || fail "k7d --jail on: the pod VM's process $vpid runs as root"
+# The task's pid is the pod VM's process (as Kata reports its hypervisor's),
+# not the daemon's, which the kill below makes stale.
+ctr tasks ls | grep -Eq "^survivor +$vpid +RUNNING" || fail "k7d --jail on: the task's pid is not its pod VM's process $vpid: $(ctr tasks ls | tr '\n' '|')"
 lab_metric k7d.pod_vm_process_pss_mib "$(awk -v k="$(pss "$vpid")" 'BEGIN {printf "%.1f", k / 1024}')" MiB
 kill -9 "$dpid"
 wait "$dpid" 2>/dev/null
@@ -593,7 +596,7 @@ vpid2=$(k --json info "$jvm" | tr -d ' \n' | sed -n 's/.*"vm_process":{[^}]*"pid
 out=$(timeout -s KILL 60 /usr/bin/ctr task exec --exec-id again survivor sh -c 'echo again-ok' </dev/null 2>&1) ||
   fail "k7d --jail on: ctr task exec after the restart failed: $(printf '%s' "$out" | tr '\n' ' ')"
 [ "$out" = again-ok ] || fail "k7d --jail on: ctr task exec after the restart printed '$out'"
-ctr tasks ls | grep -Eq "^survivor +[0-9]+ +RUNNING" || fail "k7d --jail on: the task is not RUNNING after the restart: $(ctr tasks ls | tr '\n' '|')"
+ctr tasks ls | grep -Eq "^survivor +$vpid +RUNNING" || fail "k7d --jail on: the task is not RUNNING with its pod VM's pid $vpid after the restart: $(ctr tasks ls | tr '\n' '|')"
 timeout -s KILL 30 /usr/bin/ctr task kill -s KILL survivor >/dev/null 2>&1 || fail "k7d --jail on: ctr task kill survivor failed"
 stopped_within survivor 10
 deleted_with survivor 137

@@ -476,6 +476,7 @@ impl Daemon {
                 procs.take(r.lock().unwrap_or_else(|p| p.into_inner()).record().uid);
             }
         }
+        procs.sweep_cgroups();
         let spares = self.store.dir().with_file_name("spares");
         procs.set_spare_dir(spares);
         let procs = Arc::new(procs);

@@ -95,15 +95,10 @@ pub struct VmProcesses {
 impl VmProcesses {
     /// VM processes started by `spawner`, with ids from `ids`, keeping
     /// `spares` made ahead, each in a cgroup leaf under `cgroup` (the
-    /// leaves of VM processes gone with an earlier daemon are removed).
+    /// leaves of VM processes gone with an earlier daemon are removed once
+    /// the daemon holds its state directory: [`VmProcesses::sweep_cgroups`]).
     pub fn new(spawner: Spawner, ids: IdRange, spares: usize, cgroup: Option<CgroupRoot>) -> Result<Self, String> {
         ids.check()?;
-        if let Some(c) = &cgroup {
-            let swept = c.sweep();
-            if swept > 0 {
-                tracing::info!(swept, cgroup = %c.dir().display(), "removed the empty cgroups of VM processes gone");
-            }
-        }
         Ok(Self {
             spawner,
             ids,
@@ -210,6 +205,21 @@ impl VmProcesses {
     /// Marks `uid` taken (a re-attached VM process's).
     pub(super) fn take(&self, uid: u32) {
         self.used().insert(uid);
+    }
+
+    /// Removes the empty cgroup leaves of this range's ids not taken (VM
+    /// processes gone with an earlier daemon); called by a daemon that
+    /// holds its state directory and took its re-attached VMs' ids.
+    pub(super) fn sweep_cgroups(&self) {
+        let Some(c) = &self.cgroup else {
+            return;
+        };
+        let used = self.used().clone();
+        let range = self.ids.base..self.ids.base.saturating_add(self.ids.count);
+        let swept = c.sweep(|u| range.contains(&u) && !used.contains(&u));
+        if swept > 0 {
+            tracing::info!(swept, cgroup = %c.dir().display(), "removed the empty cgroups of VM processes gone");
+        }
     }
 
     /// The lowest free id, taken.

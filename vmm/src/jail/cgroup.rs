@@ -98,14 +98,23 @@ impl CgroupRoot {
         Ok(leaf)
     }
 
-    /// Removes every empty leaf (of VM processes gone with an earlier
-    /// daemon); those still holding a process stay. Returns how many went.
-    pub fn sweep(&self) -> usize {
+    /// Removes the empty leaves `vm-<uid>` whose uid is `mine` (a VM
+    /// process of this daemon's id range gone with an earlier daemon, not
+    /// one it re-attached); a leaf still holding a process stays, and so
+    /// does every leaf of another daemon's range (it may be one made a
+    /// moment before its process enters it). Returns how many went.
+    pub fn sweep(&self, mine: impl Fn(u32) -> bool) -> usize {
         let Ok(rd) = std::fs::read_dir(&self.dir) else {
             return 0;
         };
         rd.flatten()
-            .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with("vm-")))
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_prefix("vm-"))
+                    .and_then(|u| u.parse::<u32>().ok())
+                    .is_some_and(&mine)
+            })
             .filter(|e| std::fs::remove_dir(e.path()).is_ok())
             .count()
     }
@@ -202,6 +211,24 @@ mod tests {
         let mem = std::fs::read_to_string(d.join("memory.max")).unwrap();
         assert_eq!(mem, ((256 + VMM_ALLOWANCE_MIB) << 20).to_string());
         assert_eq!(std::fs::read_to_string(d.join("cpu.max")).unwrap(), "300000 100000");
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_sweep_removes_only_empty_leaves_of_its_own_free_ids() {
+        let d = scratch("sweep");
+        for n in ["vm-5", "vm-6", "vm-7", "vm-100", "vm-x", "other"] {
+            std::fs::create_dir(d.join(n)).unwrap();
+        }
+        // A leaf still holding a process cannot be removed (here: a file).
+        std::fs::write(d.join("vm-6").join("cgroup.procs"), "42\n").unwrap();
+        let root = CgroupRoot { dir: d.clone() };
+        // Ids 5..10 are this daemon's; 7 was re-attached.
+        assert_eq!(root.sweep(|u| (5..10).contains(&u) && u != 7), 1);
+        assert!(!d.join("vm-5").exists());
+        for kept in ["vm-6", "vm-7", "vm-100", "vm-x", "other"] {
+            assert!(d.join(kept).exists(), "{kept} was swept");
+        }
         let _ = std::fs::remove_dir_all(&d);
     }
 

@@ -1550,3 +1550,85 @@ fn a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one() {
     }
     assert_no_vm_files(dir);
 }
+
+/// VM processes (not zombies) whose jail is under `dir`.
+fn vm_processes_under(dir: &Path) -> Vec<u32> {
+    let dir = dir.to_string_lossy().into_owned();
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let cmdline =
+            String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).unwrap_or_default()).into_owned();
+        if cmdline.contains("vm-process") && cmdline.contains(&dir) && alive(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// A fork's children are built several at once (`k7d-fork-build`), and
+/// still every child or none: with ids for two more VM processes, a fork
+/// of three fails with the range's sentence, and no child, process,
+/// record or id is left of it; the next fork of two gets both ids.
+#[test]
+fn a_fork_past_the_id_range_builds_no_child_and_frees_every_id() {
+    if !root_or_skip("a_fork_past_the_id_range_builds_no_child_and_frees_every_id") {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc-fork-ids");
+    let dir = scratch.0.as_path();
+    let daemon = common::start_daemon(
+        Path::new(K7D),
+        dir,
+        &[
+            "--jail",
+            "on",
+            "--jail-cgroup",
+            "off",
+            "--jail-id-base",
+            "2000000400",
+            "--jail-id-count",
+            "3",
+            "--jail-spares",
+            "0",
+        ],
+        false,
+    );
+    let _guard = Cleanup {
+        dir,
+        daemon: Some(daemon),
+        pids: Vec::new(),
+    };
+    create_page_writer(dir, "src");
+    let src = pid_of(dir, "src");
+    assert_eq!(vm_processes_under(dir), vec![src]);
+    let o = cli(dir, &["fork", "src", "--count", "3"]);
+    assert!(!o.status.success(), "a fork of 3 with 2 ids left: {:?}", text(&o));
+    let err = text(&o).1;
+    assert!(err.contains("all 3 ids of the VM processes' range are taken"), "{err}");
+    // Nothing of it: no child listed, recorded or running.
+    let list = text(&cli(dir, &["list"])).0;
+    assert!(!list.contains("src-f"), "{list}");
+    let t = Instant::now();
+    while vm_processes_under(dir) != vec![src] && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(vm_processes_under(dir), vec![src], "a child's VM process was left");
+    let left: Vec<_> = std::fs::read_dir(dir.join("state/vms"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("src-f"))
+        .collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
+    // Every id came back: two children fit.
+    let o = cli(dir, &["fork", "src", "--count", "2"]);
+    assert!(o.status.success(), "a fork of 2 with 2 ids left: {:?}", text(&o));
+    for c in ["src-f1", "src-f2"] {
+        assert_eq!(info(dir, c)["state"]["state"], "running", "{c}");
+        assert!(grows(|| counter(dir, c)), "{c} does not run");
+    }
+    assert_eq!(vm_processes_under(dir).len(), 3);
+}

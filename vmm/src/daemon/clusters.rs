@@ -866,19 +866,23 @@ impl Daemon {
             return Err(ApiError::new(ErrorCode::Internal, format!("cluster {id}: {r}")));
         }
 
-        let mut built = Vec::new();
         let mut per_member: Vec<Vec<super::processes::Remote>> = (0..members.len()).map(|_| Vec::new()).collect();
-        let mut out = Vec::new();
         let mut made = Vec::with_capacity(count as usize);
-        let children = (0..count as usize).try_for_each(|f| {
+        let spec = crate::ChildSpec::default();
+        // Children in fork order, member within fork.
+        let mut jobs = Vec::with_capacity(count as usize * members.len());
+        for f in 0..count as usize {
             let mut kids = Vec::with_capacity(members.len());
             for (m, cap) in captured.iter().enumerate() {
-                let cid = held[m].ids()[f].clone();
-                let child =
-                    self.build_child(&procs, &ids_of[m], &cid, cap, &crate::ChildSpec::default(), &mut built)?;
-                out.push(child);
-                kids.push(Member {
+                let cid = &held[m].ids()[f];
+                jobs.push(super::processes::ChildJob {
+                    parent: &ids_of[m],
                     id: cid,
+                    capture: cap,
+                    spec: &spec,
+                });
+                kids.push(Member {
+                    id: cid.clone(),
                     bridged: Vec::new(),
                 });
             }
@@ -886,12 +890,9 @@ impl Daemon {
                 members: kids,
                 bridge: None,
             });
-            Ok::<(), ApiError>(())
-        });
-        if let Err(e) = children {
-            super::processes::stop_all(&procs, &self.node, built);
-            return Err(e);
         }
+        let (out, built) = self.build_process_children(&procs, &jobs)?;
+        drop(jobs);
         for (cid, c) in child_clusters.ids.iter().zip(&made) {
             if let Err(e) = self.clusters.save(cid, c) {
                 super::processes::stop_all(&procs, &self.node, built);

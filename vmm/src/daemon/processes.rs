@@ -38,6 +38,9 @@ use crate::vstate::vm::VmState;
 
 /// How long a stopped VM process may take to exit before it is killed.
 const EXIT_WAIT: Duration = Duration::from_secs(5);
+/// How many fork children are built at once, at most (bounded by the
+/// host's CPUs too): each build waits mostly on its VM process.
+const MAX_PARALLEL_BUILDS: usize = 8;
 /// The longest unix socket path (`sun_path` less its NUL).
 const MAX_SOCKET_PATH: usize = 107;
 
@@ -1055,6 +1058,18 @@ fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
 }
 
 /// A VM process's exported fork instant: what its children are built from.
+/// One fork child to build ([`Daemon::build_process_children`]).
+pub(super) struct ChildJob<'a> {
+    /// Its source's id.
+    pub parent: &'a str,
+    /// Its own id.
+    pub id: &'a str,
+    /// Its source's exported fork instant.
+    pub capture: &'a Capture,
+    /// What it gets instead of its source's.
+    pub spec: &'a crate::ChildSpec,
+}
+
 pub(super) struct Capture {
     /// The source's config.
     config: VmConfig,
@@ -1270,16 +1285,17 @@ impl super::Daemon {
             (got?, pause_ms, warnings)
         };
         let source_paused_ms = super::ms(t.elapsed());
-        let mut built: Vec<Remote> = Vec::with_capacity(held.ids().len());
-        let mut children = Vec::with_capacity(held.ids().len());
-        let made = held.ids().iter().try_for_each(|cid| {
-            self.build_child(&procs, id, cid, &cap, &spec, &mut built)
-                .map(|c| children.push(c))
-        });
-        if let Err(e) = made {
-            stop_all(&procs, &self.node, built);
-            return Err(e);
-        }
+        let jobs: Vec<ChildJob<'_>> = held
+            .ids()
+            .iter()
+            .map(|cid| ChildJob {
+                parent: id,
+                id: cid,
+                capture: &cap,
+                spec: &spec,
+            })
+            .collect();
+        let (children, built) = self.build_process_children(&procs, &jobs)?;
         held.fill_processes(built);
         if let Some(w) = warnings.first() {
             lock(source).rng_warned(w);
@@ -1305,6 +1321,78 @@ impl super::Daemon {
                 ),
             )
         })
+    }
+
+    /// Builds every child of `jobs` ([`Daemon::build_child`]), several at
+    /// once (each in a VM process of its own: a batch that outruns the
+    /// spares waits for one process start at a time, not for all of them
+    /// in turn), and returns them in job order. Every child or none: when
+    /// one fails, those built are stopped and the first failure in job
+    /// order is returned.
+    pub(super) fn build_process_children(
+        &self,
+        procs: &VmProcesses,
+        jobs: &[ChildJob<'_>],
+    ) -> Result<(Vec<super::api::ForkedChild>, Vec<Remote>), ApiError> {
+        type Built = (Result<super::api::ForkedChild, ApiError>, Vec<Remote>);
+        let workers = std::thread::available_parallelism()
+            .map_or(1, usize::from)
+            .clamp(1, MAX_PARALLEL_BUILDS)
+            .min(jobs.len());
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let slots: Vec<Mutex<Option<Built>>> = jobs.iter().map(|_| Mutex::new(None)).collect();
+        let work = || {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(j) = jobs.get(i) else {
+                    break;
+                };
+                let mut built = Vec::with_capacity(1);
+                let r = self.build_child(procs, j.parent, j.id, j.capture, j.spec, &mut built);
+                if r.is_err() {
+                    // The rest would be stopped anyway: none is started.
+                    next.store(jobs.len(), std::sync::atomic::Ordering::Relaxed);
+                }
+                *lock(&slots[i]) = Some((r, built));
+            }
+        };
+        std::thread::scope(|s| {
+            for _ in 1..workers {
+                // A helper that cannot start leaves its share to the others.
+                if let Err(e) = std::thread::Builder::new()
+                    .name("k7d-fork-build".into())
+                    .spawn_scoped(s, work)
+                {
+                    tracing::debug!(error = %e, "a fork child is built by fewer threads");
+                }
+            }
+            work();
+        });
+        let mut children = Vec::with_capacity(jobs.len());
+        let mut remotes = Vec::with_capacity(jobs.len());
+        let mut failed = None;
+        for slot in slots {
+            match slot.into_inner().unwrap_or_else(|p| p.into_inner()) {
+                Some((r, built)) => {
+                    remotes.extend(built);
+                    match r {
+                        Ok(c) => children.push(c),
+                        Err(e) => {
+                            failed.get_or_insert(e);
+                        }
+                    }
+                }
+                // Never started: an earlier one failed.
+                None => {
+                    failed.get_or_insert_with(|| internal("fork", "a child was not built after another failed"));
+                }
+            }
+        }
+        if let Some(e) = failed {
+            stop_all(procs, &self.node, remotes);
+            return Err(e);
+        }
+        Ok((children, remotes))
     }
 
     /// Builds fork child `cid` of `parent` from its exported fork instant

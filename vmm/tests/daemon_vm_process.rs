@@ -250,10 +250,13 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
         let have = status.lines().find_map(|l| l.strip_prefix(set)).unwrap().trim();
         assert_eq!(have, want, "the spawner's {set}");
     }
-    // What a VM process does not serve yet is refused with a sentence.
+    // A snapshot of a VM process: written by the daemon from what the
+    // process hands over (restores_by_a_jailed_daemon_... restores them).
     let o = cli(dir, &["snapshot", "a", &dir.join("snap").to_string_lossy()]);
-    assert_eq!(o.status.code(), Some(1));
-    assert!(text(&o).1.contains("runs in a VM process of its own"), "{:?}", text(&o));
+    assert!(o.status.success(), "{:?}", text(&o));
+    for f in ["manifest.json", "state.json", "memory"] {
+        assert!(dir.join("snap").join(f).is_file(), "the snapshot has no {f}");
+    }
 
     // kill -9 of one VM process stops only that VM, and says why.
     kill9(guard.pids[1]);
@@ -1551,7 +1554,8 @@ fn a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one() {
     assert_no_vm_files(dir);
 }
 
-/// VM processes (not zombies) whose jail is under `dir`.
+/// VM processes (not zombies) whose jail is under `dir` and that hold a
+/// VM's guest RAM (spares made ahead, waiting for a build, hold none).
 fn vm_processes_under(dir: &Path) -> Vec<u32> {
     let dir = dir.to_string_lossy().into_owned();
     let mut pids = Vec::new();
@@ -1561,7 +1565,8 @@ fn vm_processes_under(dir: &Path) -> Vec<u32> {
         };
         let cmdline =
             String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).unwrap_or_default()).into_owned();
-        if cmdline.contains("vm-process") && cmdline.contains(&dir) && alive(pid) {
+        let maps = std::fs::read_to_string(e.path().join("maps")).unwrap_or_default();
+        if cmdline.contains("vm-process") && cmdline.contains(&dir) && maps.contains("memfd:k7d-ram-") && alive(pid) {
             pids.push(pid);
         }
     }
@@ -1631,4 +1636,104 @@ fn a_fork_past_the_id_range_builds_no_child_and_frees_every_id() {
         assert!(grows(|| counter(dir, c)), "{c} does not run");
     }
     assert_eq!(vm_processes_under(dir).len(), 3);
+}
+
+/// Snapshots and restores with `--jail on` (issue 36). A snapshot of a VM
+/// process is written by the daemon from the machine state and guest RAM
+/// the process hands over (the memfd; after a fork the frozen base and the
+/// diverged pages). A restore is verified and copied into a memfd by the
+/// daemon, and runs in a jailed VM process of its own over that memfd,
+/// holding no file of the snapshot. Each restore resumes with the pages
+/// and counter its snapshot had; a snapshot with a flipped bit is refused
+/// in one sentence and leaves no process, record or id behind.
+#[test]
+fn restores_by_a_jailed_daemon_run_in_vm_processes_of_their_own() {
+    use std::os::unix::fs::FileExt;
+    if !root_or_skip("restores_by_a_jailed_daemon_run_in_vm_processes_of_their_own") {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc-restore");
+    let dir = scratch.0.as_path();
+    let mut guard = Cleanup {
+        dir,
+        daemon: Some(start_daemon(dir)),
+        pids: Vec::new(),
+    };
+    let daemon_pid = guard.daemon.as_ref().unwrap().id();
+    create_page_writer(dir, "src");
+    let src = pid_of(dir, "src");
+    guard.pids.push(src);
+    assert!(grows(|| counter(dir, "src")));
+    // Its pages stay as they are from here; it only counts.
+    stop_writing(src, "src");
+    let at = |snap: &str| -> (Vec<u32>, u32) {
+        assert!(cli(dir, &["pause", "src"]).status.success());
+        let seen = (read_pages(src, "src", AREA, PAGES), counter(dir, "src"));
+        let o = cli(dir, &["snapshot", "src", &dir.join(snap).to_string_lossy()]);
+        assert!(o.status.success(), "snapshot {snap}: {:?}", text(&o));
+        assert_eq!(info(dir, "src")["state"]["state"], "paused", "a paused VM stays paused");
+        assert!(cli(dir, &["resume", "src"]).status.success());
+        seen
+    };
+    // One of its RAM as it is, one after a fork froze it (the counter's
+    // page then diverges from the base).
+    let (pages, whole_at) = at("whole");
+    let o = cli(dir, &["fork", "src"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    assert!(cli(dir, &["delete", "src-f1"]).status.success());
+    assert!(grows(|| counter(dir, "src")));
+    let (pages_forked, forked_at) = at("forked");
+    assert_eq!(pages, pages_forked, "the written pages changed");
+    assert!(forked_at > whole_at);
+    for (id, snap, count) in [("r1", "whole", whole_at), ("r2", "forked", forked_at)] {
+        let snap = dir.join(snap);
+        let o = cli(dir, &["restore", &snap.to_string_lossy(), "--id", id]);
+        assert!(o.status.success(), "restore {id}: {:?}", text(&o));
+        let pid = pid_of(dir, id);
+        assert!(pid != daemon_pid && !guard.pids.contains(&pid));
+        guard.pids.push(pid);
+        common::assert_jailed_vm_process_with(pid, id, Some(&dir.join("state/vms").join(id)));
+        assert!(common::holds_ram_of(pid, id), "{id}'s process holds no RAM of its own");
+        assert!(
+            !holds_file(pid, &snap.join("memory")),
+            "{id}'s process holds the snapshot's memory file"
+        );
+        // What the snapshot had: the pages, and the counter it resumes from.
+        assert_eq!(read_pages(pid, id, AREA, PAGES), pages, "{id}'s pages");
+        let c = counter(dir, id);
+        assert!(c >= count, "{id} counts from {c}, its snapshot was at {count}");
+        assert!(grows(|| counter(dir, id)), "{id} does not run");
+    }
+    // The daemon kept no view of a restored VM's RAM.
+    assert!(!common::holds_ram_of(daemon_pid, "r1"), "the daemon kept r1's RAM");
+    // A flipped bit in a memory file: one sentence, nothing left.
+    let memory = dir.join("whole/memory");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&memory)
+        .unwrap();
+    let mut b = [0u8];
+    f.read_exact_at(&mut b, AREA + 0x123).unwrap();
+    f.write_all_at(&[b[0] ^ 0x10], AREA + 0x123).unwrap();
+    let whole = dir.join("whole").to_string_lossy().into_owned();
+    let o = cli(dir, &["restore", &whole, "--id", "r3"]);
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = text(&o).1;
+    assert!(err.contains("do not match the manifest's checksum"), "{err}");
+    assert!(!cli(dir, &["info", "r3"]).status.success(), "r3 exists");
+    assert!(!dir.join("state/vms/r3").exists() && !dir.join("state/vms/r3.json").exists());
+    let mut running = vm_processes_under(dir);
+    running.sort();
+    let mut want = guard.pids.clone();
+    want.sort();
+    assert_eq!(running, want, "a VM process was left by the refused restore");
+    f.write_all_at(&b, AREA + 0x123).unwrap();
+    let o = cli(dir, &["restore", &whole, "--id", "r3"]);
+    assert!(o.status.success(), "restore r3 once mended: {:?}", text(&o));
+    for id in ["r1", "r2", "r3", "src"] {
+        assert!(cli(dir, &["delete", id]).status.success());
+    }
+    assert!(vm_processes_under(dir).is_empty());
+    assert_no_vm_files(dir);
 }

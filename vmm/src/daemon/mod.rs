@@ -104,7 +104,7 @@ enum Slot {
 /// The sentence for a request a VM process does not serve yet.
 fn not_served_in_a_process(id: &str) -> String {
     format!(
-        "vm {id} runs in a VM process of its own, which serves start, pause, resume, stop, delete, info, peek, fork and clusters so far"
+        "vm {id} runs in a VM process of its own, which serves start, pause, resume, stop, delete, info, peek, snapshot, fork and clusters so far"
     )
 }
 
@@ -575,7 +575,21 @@ impl Daemon {
                 let g = lock_vm(&vm);
                 Reply::Vm(Box::new(self.info_of(&g)))
             }
-            Request::Snapshot(a) => Reply::Snapshot(self.snapshot(&a.id, &a.dir, a.replace)?),
+            Request::Snapshot(a) => match self.process(&a.id) {
+                Some(r) => {
+                    let t = Instant::now();
+                    r.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .snapshot(&a.dir, a.replace)?;
+                    Reply::Snapshot(SnapshotWritten {
+                        id: a.id.clone(),
+                        dir: a.dir.clone(),
+                        snapshot_ms: ms(t.elapsed()),
+                    })
+                }
+                None => Reply::Snapshot(self.snapshot(&a.id, &a.dir, a.replace)?),
+            },
+            Request::Restore(a) if self.processes.is_some() => Reply::Vm(Box::new(self.restore_process(&a.dir, a.id)?)),
             Request::Restore(a) => Reply::Vm(Box::new(self.restore(&a.dir, a.id)?)),
             Request::Fork(a) if self.is_cluster(&a.id) && a.shapes_the_child() => {
                 return Err(ApiError::new(

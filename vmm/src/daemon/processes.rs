@@ -571,31 +571,50 @@ impl Remote {
         id: &str,
         config: &VmConfig,
         runtime_dir: &Path,
-        kernel_cache: Option<&Path>,
         node: &crate::config::NodeConfig,
+        from: BuiltFrom<'_>,
     ) -> Result<Self, ApiError> {
         use std::os::fd::AsRawFd;
-        let mut handed = host_files(id, config, runtime_dir, kernel_cache, node, false)?;
-        let files = std::mem::take(&mut handed.files);
-        let build = Request::Build {
-            id: id.to_string(),
-            config: Box::new(config.clone()),
-            files: std::mem::take(&mut handed.roles),
-            serial_log: Some(runtime_dir.join("serial.log")),
-            node: node.clone(),
+        // A restored VM's RAM holds its guest: no guest files, as for a
+        // fork child.
+        let (kernel_cache, restored) = match from {
+            BuiltFrom::Boot { kernel_cache } => (kernel_cache, None),
+            BuiltFrom::Snapshot(r) => (None, Some(r)),
         };
-        // Its listening socket goes with them.
-        if files.len() >= crate::vmproc::wire::MAX_FDS {
+        let mut handed = host_files(id, config, runtime_dir, kernel_cache, node, restored.is_some())?;
+        let files = std::mem::take(&mut handed.files);
+        let roles = std::mem::take(&mut handed.roles);
+        let serial_log = Some(runtime_dir.join("serial.log"));
+        let build = match restored {
+            None => Request::Build {
+                id: id.to_string(),
+                config: Box::new(config.clone()),
+                files: roles,
+                serial_log,
+                node: node.clone(),
+            },
+            Some(r) => Request::BuildRestored {
+                id: id.to_string(),
+                config: Box::new(config.clone()),
+                state: r.state.clone(),
+                files: roles,
+                serial_log,
+                node: node.clone(),
+            },
+        };
+        // The restored RAM first, its files, then its listening socket.
+        let mut fds: Vec<_> = restored.map(|r| r.ram.as_raw_fd()).into_iter().collect();
+        fds.extend(files.iter().map(|f| f.as_raw_fd()));
+        if fds.len() >= crate::vmproc::wire::MAX_FDS {
             return Err(ApiError::new(
                 ErrorCode::InvalidArgument,
                 format!(
                     "vm {id} needs {} host files, more than a VM process takes ({}): use fewer disks or NIC queues",
-                    files.len(),
+                    fds.len(),
                     crate::vmproc::wire::MAX_FDS - 1
                 ),
             ));
         }
-        let fds: Vec<_> = files.iter().map(|f| f.as_raw_fd()).collect();
         let mut built = Self::spawn_with(procs, store, id, config, runtime_dir, &build, &fds)?;
         built.rec.nic_notes = std::mem::take(&mut handed.notes);
         handed.keep();
@@ -968,6 +987,74 @@ impl Remote {
         })
     }
 
+    /// Writes a snapshot of it into `dir` (as [`crate::Vm::snapshot`]):
+    /// paused (if it runs) for the write, its machine state and guest RAM
+    /// fetched from its process ([`Request::SnapshotParts`]) and written
+    /// here, under the config this daemon holds (never one from the VM
+    /// process: a snapshot's config names the files a restore opens).
+    pub(super) fn snapshot(&mut self, dir: &Path, replace: bool) -> Result<(), ApiError> {
+        let was_running = matches!(self.status().state, VmState::Running);
+        if was_running {
+            self.call(&Request::Pause)?;
+        }
+        let written = self.write_snapshot(dir, replace);
+        if !was_running {
+            return written;
+        }
+        match (written, self.call(&Request::Resume)) {
+            (w, Ok(_)) => w,
+            (Ok(()), Err(r)) => Err(r),
+            (Err(e), Err(r)) => Err(ApiError::new(
+                e.code,
+                format!("{e}; resuming vm {} afterwards failed too: {r}", self.id),
+            )),
+        }
+    }
+
+    fn write_snapshot(&mut self, dir: &Path, replace: bool) -> Result<(), ApiError> {
+        let id = self.id.clone();
+        let what = format!("vm {id}: snapshot");
+        let (reply, fds) = self.call_fds(&Request::SnapshotParts, &[])?;
+        let Reply::SnapshotParts { state, diverged } = reply else {
+            return Err(internal(&what, format!("{reply:?}")));
+        };
+        let state: crate::vstate::persist::MachineState = serde_json::from_str(&state)
+            .map_err(|e| internal(&what, format!("its machine state is unreadable: {e}")))?;
+        let size = self.config.memory_bytes();
+        let mut fds = fds;
+        let ram = match (diverged, fds.len()) {
+            (None, 1) => {
+                let ram = read_only_memfd(&fds[0], "/memfd:k7d-ram-").map_err(|e| internal(&what, e))?;
+                crate::vstate::memory::GuestRam::view_of(std::fs::File::from(ram), size)
+            }
+            (Some(words), 2) => {
+                let delta = fds.pop().map(std::fs::File::from);
+                let base = read_only_memfd(&fds[0], "/memfd:k7d-ram-").map_err(|e| internal(&what, e))?;
+                let Some(delta) = delta else {
+                    return Err(internal(&what, "no diverged pages"));
+                };
+                crate::vstate::memory::GuestRam::from_capture(std::fs::File::from(base), delta, &words, size)
+            }
+            (_, n) => {
+                return Err(internal(&what, format!("{n} descriptors for its guest RAM")));
+            }
+        }
+        .map_err(|e| internal(&what, e))?;
+        let mut config = self.config.clone();
+        crate::vstate::pin_macs(&mut config, &id);
+        // What a restore checks first, checked before anything is written.
+        crate::vstate::persist::check_fits(&config, &state).map_err(|e| internal(&what, e))?;
+        crate::vstate::snapshot::write(dir, replace, &config, &state, &ram).map_err(|e| match e {
+            crate::vstate::snapshot::SnapshotError::Refused(m) => ApiError::new(ErrorCode::Conflict, m),
+            io => {
+                let cause = std::error::Error::source(&io)
+                    .map(|c| format!(": {c}"))
+                    .unwrap_or_default();
+                internal(&what, format!("{io}{cause}"))
+            }
+        })
+    }
+
     /// Its state and the figures `info` shows.
     pub(super) fn status(&mut self) -> VmStatus {
         if let Some(reason) = self.ended() {
@@ -1057,7 +1144,28 @@ fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
         .map_err(|e| format!("the base memfd cannot be reopened read-only: {e}"))
 }
 
-/// A VM process's exported fork instant: what its children are built from.
+/// What a VM in a VM process is built from ([`Remote::spawn`]).
+pub(super) enum BuiltFrom<'a> {
+    /// Its config's guest, booted (a kernel unpacked in the daemon's cache
+    /// where it has one).
+    Boot {
+        /// The daemon's cache of unpacked kernels.
+        kernel_cache: Option<&'a Path>,
+    },
+    /// A snapshot the daemon verified and copied.
+    Snapshot(&'a Restored),
+}
+
+/// What a VM restored in a VM process is built from: the snapshot's
+/// machine state (JSON) and its guest RAM, a memfd the daemon filled from
+/// the snapshot's memory file.
+pub(super) struct Restored {
+    /// The machine state.
+    pub state: String,
+    /// The guest RAM.
+    pub ram: Arc<std::fs::File>,
+}
+
 /// One fork child to build ([`Daemon::build_process_children`]).
 pub(super) struct ChildJob<'a> {
     /// Its source's id.
@@ -1070,6 +1178,7 @@ pub(super) struct ChildJob<'a> {
     pub spec: &'a crate::ChildSpec,
 }
 
+/// A VM process's exported fork instant: what its children are built from.
 pub(super) struct Capture {
     /// The source's config.
     config: VmConfig,
@@ -1477,21 +1586,64 @@ impl super::Daemon {
             return Err(internal("create", "this daemon runs no VM processes"));
         };
         let (held, id) = self.reserve(config.id.clone())?;
+        let mut config = config;
+        config.id = Some(id.clone());
+        self.install_process(&procs, held, &id, config, start, None)
+    }
+
+    /// `restore` with `--jail on`: the snapshot opened and verified here,
+    /// as a restore inside the daemon verifies it before any KVM object
+    /// exists (format, manifest, config, sizes, and every chunk's checksum
+    /// as its memory is copied into a new memfd), then the VM built over
+    /// that memfd in a VM process of its own (which opens no file: the
+    /// snapshot's, like every other, stays the daemon's) and started.
+    pub(super) fn restore_process(&self, dir: &Path, id: Option<String>) -> Result<super::api::VmInfo, ApiError> {
+        let Some(procs) = self.processes.clone() else {
+            return Err(internal("restore", "this daemon runs no VM processes"));
+        };
+        let (held, id) = self.reserve(id)?;
+        let bad = |e: &dyn std::fmt::Display| ApiError::new(ErrorCode::InvalidArgument, e.to_string());
+        let snap = crate::vstate::snapshot::open(dir, &id).map_err(|e| bad(&e))?;
+        crate::vstate::persist::check_fits(&snap.config, &snap.state).map_err(|e| bad(&e))?;
+        let ram = crate::vstate::memory::GuestRam::new(&id, snap.config.memory_bytes())
+            .map_err(|e| internal(&format!("vm {id}: its guest RAM"), e))?;
+        snap.copy_memory_into(&ram).map_err(|e| bad(&e))?;
+        let restored = Restored {
+            state: serde_json::to_string(&snap.state)
+                .map_err(|e| internal(&format!("vm {id}: its machine state"), e))?,
+            ram: ram.memfd(),
+        };
+        // The VM process maps the memfd; this process keeps no view of it.
+        drop(ram);
+        let mut config = snap.config.clone();
+        config.id = Some(id.clone());
+        self.install_process(&procs, held, &id, config, true, Some(&restored))
+    }
+
+    /// Builds VM `id` (reserved by `held`) in a VM process of its own from
+    /// `config` (or, `restored`, from a snapshot), records it and starts it
+    /// if asked; on failure, whatever was made for it is undone.
+    fn install_process(
+        &self,
+        procs: &Arc<VmProcesses>,
+        held: super::Reservation<'_>,
+        id: &str,
+        config: VmConfig,
+        start: bool,
+        restored: Option<&Restored>,
+    ) -> Result<super::api::VmInfo, ApiError> {
+        let id = id.to_string();
         let dir = self
             .store
             .runtime_dir(&id)
             .map_err(|e| internal(&format!("vm {id}: its runtime directory"), e))?;
-        let mut config = config;
-        config.id = Some(id.clone());
-        let mut remote = Remote::spawn(
-            &procs,
-            &self.store,
-            &id,
-            &config,
-            &dir,
-            self.kernel_cache.as_deref(),
-            &self.node,
-        )?;
+        let from = match restored {
+            Some(r) => BuiltFrom::Snapshot(r),
+            None => BuiltFrom::Boot {
+                kernel_cache: self.kernel_cache.as_deref(),
+            },
+        };
+        let mut remote = Remote::spawn(procs, &self.store, &id, &config, &dir, &self.node, from)?;
         let rec = record_of(&id, config.clone(), &dir, &remote, None);
         let started = self
             .store

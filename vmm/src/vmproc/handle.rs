@@ -232,7 +232,7 @@ impl VmProcess {
             .send(&line, fds)
             .map_err(|e| (format!("VM process {} is gone: {e}", self.pid), false))?;
         let max = match req {
-            Request::Capture => MAX_LINE,
+            Request::Capture | Request::SnapshotParts => MAX_LINE,
             _ => MAX_SMALL_LINE,
         };
         let timeout = call_timeout();

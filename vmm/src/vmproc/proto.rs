@@ -67,8 +67,33 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         serial_log: Option<PathBuf>,
     },
+    /// Build the VM (once) from a snapshot the caller opened and verified:
+    /// its guest RAM, a memfd the caller filled from the snapshot's memory
+    /// file, comes with the request first, then its files as for
+    /// [`Request::Build`] (no guest files: its RAM holds its guest), then
+    /// (a spare's) its listening socket.
+    BuildRestored {
+        /// Its id.
+        id: String,
+        /// The snapshot's config, with this id.
+        config: Box<VmConfig>,
+        /// The snapshot's machine state (JSON).
+        state: String,
+        /// What each file descriptor after the RAM memfd is.
+        #[serde(default)]
+        files: Vec<FileRole>,
+        /// The serial log's path (as for [`Request::Build`]).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        serial_log: Option<PathBuf>,
+        /// The daemon's node settings (as for [`Request::Build`]).
+        #[serde(default)]
+        node: crate::config::NodeConfig,
+    },
     /// Export this paused VM's fork instant: [`Reply::Captured`].
     Capture,
+    /// What a snapshot of this paused VM is written from, by the caller
+    /// (a VM process reaches no directory): [`Reply::SnapshotParts`].
+    SnapshotParts,
     /// Start its vCPUs.
     Start,
     /// Pause every vCPU and device.
@@ -121,6 +146,17 @@ pub enum Reply {
         state: String,
         /// The pages in the diverged-pages memfd.
         diverged: Vec<u64>,
+    },
+    /// To [`Request::SnapshotParts`]: the machine state, and the guest
+    /// RAM as descriptors: its memfd alone, or (`diverged` given: a fork
+    /// source's RAM) the frozen base and the diverged-pages memfd, in that
+    /// order, as for [`Reply::Captured`].
+    SnapshotParts {
+        /// The machine state (JSON).
+        state: String,
+        /// The pages in the diverged-pages memfd, for a fork source.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        diverged: Option<Vec<u64>>,
     },
     /// Words read.
     Peeked {

@@ -245,6 +245,17 @@ fn handle(
                 vec![e.base, std::sync::Arc::new(e.delta)],
             ))
         }
+        Request::SnapshotParts => {
+            let p = built(vm)?.snapshot_parts().map_err(|e| e.to_string())?;
+            let state = serde_json::to_string(&p.state).map_err(|e| e.to_string())?;
+            let (diverged, fds) = match p.ram {
+                crate::vstate::snapshot::SnapshotRam::Whole(ram) => (None, vec![ram]),
+                crate::vstate::snapshot::SnapshotRam::Forked { base, delta, words } => {
+                    (Some(words), vec![base, std::sync::Arc::new(delta)])
+                }
+            };
+            Ok((Reply::SnapshotParts { state, diverged }, fds))
+        }
         Request::BuildFork {
             id,
             config,
@@ -286,6 +297,34 @@ fn handle(
             *vm = Some(child);
             Ok((Reply::Ok, Vec::new()))
         }
+        Request::BuildRestored {
+            id,
+            config,
+            state,
+            files,
+            serial_log,
+            node,
+        } => {
+            if vm.is_some() {
+                return Err("this VM process already holds its VM".into());
+            }
+            if fds.is_empty() {
+                return Err("a restored VM takes its guest RAM's memfd first".into());
+            }
+            let rest = fds.split_off(1);
+            let ram = fds.pop().ok_or("a restored VM takes its guest RAM's memfd first")?;
+            check_kind(&config)?;
+            let (opened, listen) = split_files(&files, rest, "the restored VM")?;
+            let mut opts = handed_options(&files, opened, serial_log)?;
+            opts.node = node;
+            let state: crate::vstate::persist::MachineState =
+                serde_json::from_str(&state).map_err(|e| format!("the snapshot's state is unreadable: {e}"))?;
+            let restored =
+                Vm::restore_handed(&id, &config, &opts, &state, std::fs::File::from(ram)).map_err(|e| e.to_string())?;
+            take_listener(listener, listen)?;
+            *vm = Some(restored);
+            Ok((Reply::Ok, Vec::new()))
+        }
         Request::Medium { disk, path } => {
             let opened = match (fds.len(), &path) {
                 (0, None) => None,
@@ -310,9 +349,12 @@ fn handle(
 fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
     match req {
         Request::Hello { .. } => Err("hello was already said".into()),
-        Request::Capture | Request::BuildFork { .. } | Request::Build { .. } | Request::Medium { .. } => {
-            Err("handled above".into())
-        }
+        Request::Capture
+        | Request::SnapshotParts
+        | Request::BuildFork { .. }
+        | Request::Build { .. }
+        | Request::BuildRestored { .. }
+        | Request::Medium { .. } => Err("handled above".into()),
         Request::Start => built(vm)?.start().map(|()| Reply::Ok).map_err(|e| e.to_string()),
         Request::Pause => built(vm)?
             .pause(Duration::from_secs(2))

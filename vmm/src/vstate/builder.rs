@@ -118,6 +118,22 @@ impl Vm {
         Self::build(id, config, opts, BuildPlan::Restore { state, ram })
     }
 
+    /// Builds a VM that resumes `state` over `ram`, a memfd another process
+    /// filled with the guest RAM (a restore in a VM process: the daemon
+    /// verified the snapshot and copied its memory), mapped shared as a
+    /// VM's own RAM.
+    pub fn restore_handed(
+        id: &str,
+        config: &VmConfig,
+        opts: &VmOptions,
+        state: &MachineState,
+        ram: File,
+    ) -> Result<Self, VmError> {
+        persist::check_fits(config, state)?;
+        let ram = GuestRam::from_memfd(ram, config.memory_bytes())?;
+        Self::build(id, config, opts, BuildPlan::Restore { state, ram })
+    }
+
     /// Builds the VM `plan` describes under `id` (the config already
     /// validated). A fork child's devices take the source devices' backends
     /// in bus order (a disk's copy-on-write view instead of opening the

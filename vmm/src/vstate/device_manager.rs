@@ -723,7 +723,7 @@ impl PciCtx<'_> {
 /// Writes every NIC's effective MAC into `config` (a VM restored or forked
 /// under another id must keep the MAC its guest's driver holds, not derive a
 /// new one from the new id).
-pub(super) fn pin_macs(config: &mut VmConfig, vm_id: &str) {
+pub(crate) fn pin_macs(config: &mut VmConfig, vm_id: &str) {
     for (i, n) in config.devices.nics.iter_mut().enumerate() {
         let mac = n
             .mac

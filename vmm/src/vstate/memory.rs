@@ -103,6 +103,44 @@ impl GuestRam {
         Self::map(Arc::new(memfd), size, libc::MAP_SHARED, false)
     }
 
+    /// RAM over `memfd`, a memfd of exactly `size` bytes that another
+    /// process made and filled (a restore's, handed to a VM process),
+    /// mapped shared as [`GuestRam::new`]'s own; one of another size is
+    /// refused (a shorter one would fault the VMM at its end).
+    pub fn from_memfd(memfd: File, size: u64) -> Result<Self, MemoryError> {
+        let size_mib = size >> 20;
+        let len = memfd
+            .metadata()
+            .map_err(|source| MemoryError::Memfd { size_mib, source })?
+            .len();
+        if len != size {
+            return Err(MemoryError::Memfd {
+                size_mib,
+                source: std::io::Error::other(format!("the guest RAM memfd handed over holds {len} bytes, not {size}")),
+            });
+        }
+        Self::map(Arc::new(memfd), size, libc::MAP_SHARED, false)
+    }
+
+    /// A snapshot writer's view of guest RAM another process holds
+    /// ([`crate::vstate::snapshot::write`] reads only through the memfd of
+    /// a RAM that is not frozen): `memfd`, of exactly `size` bytes and
+    /// possibly opened read-only, mapped privately and never touched.
+    pub fn view_of(memfd: File, size: u64) -> Result<Self, MemoryError> {
+        let size_mib = size >> 20;
+        let len = memfd
+            .metadata()
+            .map_err(|source| MemoryError::Memfd { size_mib, source })?
+            .len();
+        if len != size {
+            return Err(MemoryError::Memfd {
+                size_mib,
+                source: std::io::Error::other(format!("the guest RAM memfd holds {len} bytes, not {size}")),
+            });
+        }
+        Self::map(Arc::new(memfd), size, libc::MAP_PRIVATE, false)
+    }
+
     /// RAM for a fork child: the frozen base of `parent` mapped privately
     /// (nothing is copied here; see [`GuestRam::copy_diverged_from`]).
     pub fn new_child(parent: &GuestRam) -> Result<Self, MemoryError> {

@@ -20,4 +20,4 @@ pub mod vm;
 
 pub(crate) use attach::check_attachable;
 pub use device_manager::nic_plan;
-pub(crate) use device_manager::{NetCleanup, attach_to_pod};
+pub(crate) use device_manager::{NetCleanup, attach_to_pod, pin_macs};

@@ -1190,6 +1190,31 @@ impl Dir {
     }
 }
 
+/// What a snapshot of a VM is written from in another process
+/// ([`Vm::snapshot_parts`]).
+pub struct SnapshotParts {
+    /// The machine state.
+    pub state: MachineState,
+    /// The guest RAM.
+    pub ram: SnapshotRam,
+}
+
+/// A VM's guest RAM as files ([`SnapshotParts`]).
+pub enum SnapshotRam {
+    /// Its memfd: all of it.
+    Whole(std::sync::Arc<File>),
+    /// A fork source's: the frozen base and the pages that differ from it
+    /// (bitmap words over the whole RAM) at their offsets in `delta`.
+    Forked {
+        /// The frozen base.
+        base: std::sync::Arc<File>,
+        /// The diverged pages.
+        delta: File,
+        /// Which pages `delta` holds.
+        words: Vec<u64>,
+    },
+}
+
 /// Snapshots of a whole VM: the glue between [`Vm`] and the file format
 /// above.
 mod vm_glue {
@@ -1239,6 +1264,36 @@ mod vm_glue {
             super::write(dir, replace, &config, &state, &self.ram).map_err(|e| match e {
                 super::SnapshotError::Refused(msg) => VmError::Refused(msg),
                 io => snapshot_io(io),
+            })
+        }
+
+        /// What a snapshot of this paused VM is written from by another
+        /// process (the daemon, for a VM in a VM process, which reaches no
+        /// directory; the daemon writes the config it holds, not one from
+        /// here): the machine state and the guest RAM as files, its memfd,
+        /// or after a fork the frozen base and the pages diverged from it
+        /// ([`Vm::export_capture`]). Refused as [`Vm::snapshot`] refuses.
+        pub fn snapshot_parts(&self) -> Result<SnapshotParts, VmError> {
+            if let Some(i) = self.disks.iter().position(|d| d.is_frozen()) {
+                return Err(VmError::Refused(format!(
+                    "vm {} cannot be snapshotted: its disk {i} is a copy-on-write view since a fork, and a snapshot would not carry what it wrote",
+                    self.id
+                )));
+            }
+            if self.ram.is_frozen() {
+                let e = self.export_capture()?;
+                return Ok(SnapshotParts {
+                    state: e.state,
+                    ram: SnapshotRam::Forked {
+                        base: e.base,
+                        delta: e.delta,
+                        words: e.words,
+                    },
+                });
+            }
+            Ok(SnapshotParts {
+                state: self.save_state()?,
+                ram: SnapshotRam::Whole(self.ram.memfd()),
             })
         }
 

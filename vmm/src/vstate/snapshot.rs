@@ -1272,7 +1272,8 @@ mod vm_glue {
         /// directory; the daemon writes the config it holds, not one from
         /// here): the machine state and the guest RAM as files, its memfd,
         /// or after a fork the frozen base and the pages diverged from it
-        /// ([`Vm::export_capture`]). Refused as [`Vm::snapshot`] refuses.
+        /// (as [`Vm::export_capture`] hands them to a fork's children).
+        /// Refused as [`Vm::snapshot`] refuses.
         pub fn snapshot_parts(&self) -> Result<SnapshotParts, VmError> {
             if let Some(i) = self.disks.iter().position(|d| d.is_frozen()) {
                 return Err(VmError::Refused(format!(
@@ -1280,20 +1281,35 @@ mod vm_glue {
                     self.id
                 )));
             }
-            if self.ram.is_frozen() {
-                let e = self.export_capture()?;
+            let state = self.save_state()?;
+            if !self.ram.is_frozen() {
                 return Ok(SnapshotParts {
-                    state: e.state,
-                    ram: SnapshotRam::Forked {
-                        base: e.base,
-                        delta: e.delta,
-                        words: e.words,
-                    },
+                    state,
+                    ram: SnapshotRam::Whole(self.ram.memfd()),
                 });
             }
+            // As [`Vm::snapshot`] brings the diverged set up to date, then
+            // the diverged pages into a memfd of their own, as a fork's
+            // export writes them (but nothing of a fork: no check of what
+            // a child would need, no mark that this VM forked).
+            self.ram_writers.start(&self.id, &self.virtio, "snapshotted")?;
+            self.ram_writers.harvest_into(&self.ram);
+            self.ram.harvest(&self.vm_fd)?;
+            let words = self.ram.diverged_words();
+            let delta = crate::sys::memfd(&format!("k7d-delta-{}", self.id), self.ram.size()).map_err(|source| {
+                VmError::Io {
+                    what: "cannot make the memfd of a snapshot's diverged pages".into(),
+                    source,
+                }
+            })?;
+            self.ram.write_pages_to(&delta, &words)?;
             Ok(SnapshotParts {
-                state: self.save_state()?,
-                ram: SnapshotRam::Whole(self.ram.memfd()),
+                state,
+                ram: SnapshotRam::Forked {
+                    base: self.ram.memfd(),
+                    delta,
+                    words,
+                },
             })
         }
 

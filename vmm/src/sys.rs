@@ -689,19 +689,25 @@ pub fn become_subreaper() -> io::Result<()> {
     check_rc(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) })
 }
 
-/// How child `pid` ended, if it has (`waitpid` with `WNOHANG`, reaping
-/// it): `Some(Ok(code))` on an exit, `Some(Err(signal))` when a signal
-/// killed it, `None` while it runs.
+/// How child `pid` ended, if it has (`waitid(P_PID)` with `WNOHANG`,
+/// reaping it; not `waitpid`, whose `wait4` the control threads' seccomp
+/// filter denies): `Some(Ok(code))` on an exit, `Some(Err(signal))` when
+/// a signal killed it, `None` while it runs.
 pub fn try_reap(pid: u32) -> io::Result<Option<Result<i32, i32>>> {
-    let mut status = 0;
-    // SAFETY: waitpid writes the status into our local.
-    let rc = unsafe { libc::waitpid(pid as libc::pid_t, &mut status, libc::WNOHANG) };
-    match rc {
-        -1 => Err(io::Error::last_os_error()),
-        0 => Ok(None),
-        _ if libc::WIFSIGNALED(status) => Ok(Some(Err(libc::WTERMSIG(status)))),
-        _ => Ok(Some(Ok(libc::WEXITSTATUS(status)))),
+    // SAFETY: siginfo_t is plain data; zeroed is a valid value.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    // SAFETY: waitid writes into our local siginfo_t; P_PID takes a pid.
+    let rc = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG) };
+    if rc == -1 {
+        return Err(io::Error::last_os_error());
     }
+    // SAFETY: waitid filled `info` (all zero, pid 0, while the child runs).
+    let (child, code, status) = unsafe { (info.si_pid(), info.si_code, info.si_status()) };
+    Ok(match (child, code) {
+        (0, _) => None,
+        (_, libc::CLD_EXITED) => Some(Ok(status)),
+        _ => Some(Err(status)),
+    })
 }
 
 /// Whether `fd` is an open descriptor of this process.
@@ -857,6 +863,25 @@ pub fn pidfd_wait(pidfd: &std::os::fd::OwnedFd) -> io::Result<Option<Result<i32,
     }))
 }
 
+/// Waits for this process's child `pid` to exit and reaps it, through
+/// `waitid(P_PID)`: the one wait call the control threads' seccomp filter
+/// allows (`std::process::Child::wait` makes `wait4`, which it does not).
+pub fn reap_child(pid: u32) -> io::Result<()> {
+    // SAFETY: siginfo_t is plain data; zeroed is a valid value.
+    let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+    loop {
+        // SAFETY: waitid writes into our local siginfo_t; P_PID takes a pid.
+        let rc = unsafe { libc::waitid(libc::P_PID, pid as libc::id_t, &mut info, libc::WEXITED) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// When process `pid` started, in clock ticks after boot (`/proc/<pid>/stat`
 /// field 22): with the pid, what names one process across pid reuse.
 pub fn process_start_ticks(pid: u32) -> io::Result<u64> {
@@ -916,6 +941,39 @@ pub fn exit_now(code: i32) -> ! {
 #[cfg(test)]
 mod tests {
     use super::parse_kernel_release;
+
+    /// What a child's end reads as, through `waitid` (the one wait call
+    /// the daemon's control threads may make): running, an exit code, a
+    /// signal; `reap_child` waits for and reaps one.
+    #[test]
+    // Every child is reaped, by the calls under test, which clippy cannot see.
+    #[allow(clippy::zombie_processes)]
+    fn a_childs_end_reads_as_its_exit_code_or_signal() {
+        use std::process::Command;
+        let until = |pid: u32| {
+            let t = std::time::Instant::now();
+            loop {
+                if let Some(end) = super::try_reap(pid).unwrap() {
+                    return end;
+                }
+                assert!(
+                    t.elapsed() < std::time::Duration::from_secs(10),
+                    "child {pid} never ended"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        };
+        let c = Command::new("sh").args(["-c", "exit 3"]).spawn().unwrap();
+        assert_eq!(until(c.id()), Ok(3));
+        let c = Command::new("sleep").arg("10").spawn().unwrap();
+        assert_eq!(super::try_reap(c.id()).unwrap(), None);
+        // SAFETY: kill takes integers; the child is this test's.
+        assert_eq!(unsafe { libc::kill(c.id() as i32, libc::SIGKILL) }, 0);
+        assert_eq!(until(c.id()), Err(libc::SIGKILL));
+        let c = Command::new("sh").args(["-c", "exit 0"]).spawn().unwrap();
+        super::reap_child(c.id()).unwrap();
+        assert!(super::try_reap(c.id()).is_err(), "reaped twice");
+    }
 
     #[test]
     fn kernel_release_parses() {

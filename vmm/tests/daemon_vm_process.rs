@@ -312,6 +312,11 @@ fn vms_run_in_jailed_processes_that_outlive_the_daemon() {
     // SAFETY: kill takes integers; the daemon is this test's child.
     assert_eq!(unsafe { libc::kill(d.id() as i32, libc::SIGTERM) }, 0);
     assert!(d.wait().unwrap().success());
+    // And cleanly: no thread of its shutdown ran into its seccomp filter
+    // (the spawner's reaping once made `wait4`, which it denies).
+    let mut log = String::new();
+    std::io::Read::read_to_string(&mut d.stderr.take().unwrap(), &mut log).unwrap();
+    assert!(!log.contains("ERROR"), "the daemon's shutdown logged an error: {log}");
     for (i, id) in [(0, "a"), (2, "c")] {
         let pid = guard.pids[i];
         assert!(

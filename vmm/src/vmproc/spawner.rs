@@ -159,9 +159,14 @@ impl Spawner {
 
 impl Drop for Spawner {
     fn drop(&mut self) {
-        // Closing our end ends it; reap it.
+        // Closing our end ends it; reap it (not with `Child::wait`: the
+        // daemon's shutdown thread may not make `wait4`).
         let _ = self.sock.get_mut().map(|s| s.shutdown(std::net::Shutdown::Both));
-        let _ = self.child.get_mut().map(|c| c.wait());
+        if let Ok(c) = self.child.get_mut()
+            && let Err(e) = crate::sys::reap_child(c.id())
+        {
+            tracing::debug!(error = %e, "the VM process spawner was not reaped");
+        }
     }
 }
 

@@ -18,12 +18,14 @@ use common::{K7D, Scratch, root_or_skip, text};
 const COUNTER: u64 = k7d_guest::RESULTS_ADDR + k7d_guest::result::LOOP_COUNTER;
 
 fn start_daemon(dir: &Path) -> Child {
-    common::start_daemon(
-        Path::new(K7D),
-        dir,
-        &["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", "2000000200"],
-        false,
-    )
+    start_jailed_daemon(dir, "2000000200", &[])
+}
+
+/// A daemon with `--jail on`, no cgroup, ids from `id_base`, and `extra`.
+fn start_jailed_daemon(dir: &Path, id_base: &str, extra: &[&str]) -> Child {
+    let mut args = vec!["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", id_base];
+    args.extend_from_slice(extra);
+    common::start_daemon(Path::new(K7D), dir, &args, false)
 }
 
 fn cli(dir: &Path, args: &[&str]) -> Output {
@@ -804,21 +806,7 @@ fn a_vm_process_that_stalls_its_channel_is_killed_and_stalls_no_cluster_fork() {
     }
     let scratch = Scratch::new("daemon-vmproc-stall");
     let dir = scratch.0.as_path();
-    let daemon = common::start_daemon(
-        Path::new(K7D),
-        dir,
-        &[
-            "--jail",
-            "on",
-            "--jail-cgroup",
-            "off",
-            "--jail-id-base",
-            "2000000300",
-            "--vm-process-timeout",
-            "2",
-        ],
-        false,
-    );
+    let daemon = start_jailed_daemon(dir, "2000000300", &["--vm-process-timeout", "2"]);
     let mut guard = Cleanup {
         dir,
         daemon: Some(daemon),
@@ -1562,20 +1550,13 @@ fn a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one() {
 /// VM processes (not zombies) whose jail is under `dir` and that hold a
 /// VM's guest RAM (spares made ahead, waiting for a build, hold none).
 fn vm_processes_under(dir: &Path) -> Vec<u32> {
-    let dir = dir.to_string_lossy().into_owned();
-    let mut pids = Vec::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
-            continue;
-        };
-        let cmdline =
-            String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).unwrap_or_default()).into_owned();
-        let maps = std::fs::read_to_string(e.path().join("maps")).unwrap_or_default();
-        if cmdline.contains("vm-process") && cmdline.contains(&dir) && maps.contains("memfd:k7d-ram-") && alive(pid) {
-            pids.push(pid);
-        }
-    }
-    pids
+    common::vm_process_pids_under(dir)
+        .into_iter()
+        .filter(|pid| {
+            let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+            maps.contains("memfd:k7d-ram-") && alive(*pid)
+        })
+        .collect()
 }
 
 /// A fork's children are built several at once (`k7d-fork-build`), and
@@ -1589,23 +1570,7 @@ fn a_fork_past_the_id_range_builds_no_child_and_frees_every_id() {
     }
     let scratch = Scratch::new("daemon-vmproc-fork-ids");
     let dir = scratch.0.as_path();
-    let daemon = common::start_daemon(
-        Path::new(K7D),
-        dir,
-        &[
-            "--jail",
-            "on",
-            "--jail-cgroup",
-            "off",
-            "--jail-id-base",
-            "2000000400",
-            "--jail-id-count",
-            "3",
-            "--jail-spares",
-            "0",
-        ],
-        false,
-    );
+    let daemon = start_jailed_daemon(dir, "2000000400", &["--jail-id-count", "3", "--jail-spares", "0"]);
     let _guard = Cleanup {
         dir,
         daemon: Some(daemon),

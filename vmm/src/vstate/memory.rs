@@ -108,6 +108,21 @@ impl GuestRam {
     /// mapped shared as [`GuestRam::new`]'s own; one of another size is
     /// refused (a shorter one would fault the VMM at its end).
     pub fn from_memfd(memfd: File, size: u64) -> Result<Self, MemoryError> {
+        Self::map_handed(memfd, size, libc::MAP_SHARED)
+    }
+
+    /// A snapshot writer's view of guest RAM another process holds
+    /// ([`crate::vstate::snapshot::write`] reads only through the memfd of
+    /// a RAM that is not frozen): `memfd`, of exactly `size` bytes and
+    /// possibly opened read-only, mapped privately and never touched.
+    pub fn view_of(memfd: File, size: u64) -> Result<Self, MemoryError> {
+        Self::map_handed(memfd, size, libc::MAP_PRIVATE)
+    }
+
+    /// Maps `memfd`, made by another process, as RAM of `size` bytes
+    /// (`share`: `MAP_SHARED` or `MAP_PRIVATE`), once it holds exactly
+    /// that: a shorter one would fault its reader at its end.
+    fn map_handed(memfd: File, size: u64, share: i32) -> Result<Self, MemoryError> {
         let size_mib = size >> 20;
         let len = memfd
             .metadata()
@@ -119,26 +134,7 @@ impl GuestRam {
                 source: std::io::Error::other(format!("the guest RAM memfd handed over holds {len} bytes, not {size}")),
             });
         }
-        Self::map(Arc::new(memfd), size, libc::MAP_SHARED, false)
-    }
-
-    /// A snapshot writer's view of guest RAM another process holds
-    /// ([`crate::vstate::snapshot::write`] reads only through the memfd of
-    /// a RAM that is not frozen): `memfd`, of exactly `size` bytes and
-    /// possibly opened read-only, mapped privately and never touched.
-    pub fn view_of(memfd: File, size: u64) -> Result<Self, MemoryError> {
-        let size_mib = size >> 20;
-        let len = memfd
-            .metadata()
-            .map_err(|source| MemoryError::Memfd { size_mib, source })?
-            .len();
-        if len != size {
-            return Err(MemoryError::Memfd {
-                size_mib,
-                source: std::io::Error::other(format!("the guest RAM memfd holds {len} bytes, not {size}")),
-            });
-        }
-        Self::map(Arc::new(memfd), size, libc::MAP_PRIVATE, false)
+        Self::map(Arc::new(memfd), size, share, false)
     }
 
     /// RAM for a fork child: the frozen base of `parent` mapped privately

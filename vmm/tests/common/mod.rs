@@ -198,22 +198,29 @@ pub fn write_guest_u32(pid: u32, vm: &str, gpa: u64, v: u32) {
 /// a test that fails half-way must not leave them running (and spinning)
 /// after it. Returns how many it killed.
 pub fn kill_vm_processes_under(dir: &std::path::Path) -> usize {
-    let dir = dir.to_string_lossy().into_owned();
-    let mut killed = 0;
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
-        };
-        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline);
-        if cmdline.contains("vm-process") && cmdline.contains(&dir) {
-            // SAFETY: kill takes integers; the process is a VM process this
-            // test's daemon started (its jail root is under the test's dir).
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-            killed += 1;
-        }
+    let pids = vm_process_pids_under(dir);
+    for &pid in &pids {
+        // SAFETY: kill takes integers; the process is a VM process this
+        // test's daemon started (its jail root is under the test's dir).
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
     }
-    killed
+    pids.len()
+}
+
+/// The VM processes (any state) whose jail root is under `dir`.
+pub fn vm_process_pids_under(dir: &std::path::Path) -> Vec<u32> {
+    let dir = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            (cmdline.contains("vm-process") && cmdline.contains(&dir)).then_some(pid)
+        })
+        .collect()
 }
 
 /// Starts `bin daemon` with its state directory and socket under `dir`

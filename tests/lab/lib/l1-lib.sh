@@ -173,6 +173,27 @@ lab_daemon_start() {
   done
 }
 
+# lab_where SOCKET VM...: sets `where` to where the VMs run: with
+# LAB_JAIL=on each VM's VM process pid ("in VM processes: vm=pid ..."),
+# failing (the scenario's fail) for a VM that runs inside the daemon; with
+# the jail off, "in the daemon". What a scenario notes so that its result
+# says where its VMs ran (call it outside $(...): fail must end the script).
+lab_where() {
+  local sock=$1 v pid
+  shift
+  if [ "${LAB_JAIL:-off}" != on ]; then
+    where="in the daemon"
+    return
+  fi
+  where="in VM processes:"
+  for v in "$@"; do
+    pid=$(timeout -s KILL 10 "$LAB_BIN" --socket "$sock" --json info "$v" | tr -d ' \n' |
+      sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
+    [ -n "$pid" ] || fail "LAB_JAIL=on, but vm $v runs in no VM process"
+    where="$where $v=$pid"
+  done
+}
+
 # lab_daemon_stop LOG: SIGTERM to $dpid; it must exit 0 within 30 s and
 # leave no ERROR in LOG (else the scenario's fail).
 lab_daemon_stop() {

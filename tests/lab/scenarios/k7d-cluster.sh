@@ -198,6 +198,8 @@ for c in cl-f1 cl-f2; do
   done
   lab_note "2. fork $c: members $(members "$c" | tr '\n' ' ')on bridge $b, ports $want"
 done
+lab_where "$sock" a b c $(members cl-f1) $(members cl-f2)
+lab_note "2. where: $where"
 
 # --- 3. every domain flows on, from the source's state ------------------------------
 set -- $F1; f1a=$1 f1b=$2 f1c=$3

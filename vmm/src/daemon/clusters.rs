@@ -96,9 +96,10 @@ pub(super) struct Clusters {
 impl Clusters {
     /// Opens `<state_dir>/clusters`. A record of members that outlived the
     /// daemon that wrote it (re-attached in their VM processes: `live`) is
-    /// kept with those members (their NICs are never on a cluster's bridge,
-    /// so such a cluster has none); any other was left by a gone daemon whose
-    /// members went with it and is removed. Returns the ids removed.
+    /// kept with those members and its bridge (which the kernel kept with
+    /// their taps on it; put back if somebody took it away: [`rewire`]);
+    /// any other was left by a gone daemon whose members went with it and
+    /// is removed, with its bridge. Returns the ids removed.
     pub(super) fn open(state_dir: &Path, live: &dyn Fn(&str) -> bool) -> Result<(Self, Vec<String>), std::io::Error> {
         let dir = state_dir.join("clusters");
         fs::create_dir_all(&dir)?;
@@ -116,12 +117,7 @@ impl Clusters {
             let rec = fs::read(e.path())
                 .ok()
                 .and_then(|b| serde_json::from_slice::<ClusterRecord>(&b).ok())
-                .filter(|r| {
-                    r.version == CLUSTER_RECORD_VERSION
-                        && name == format!("{}.json", r.id)
-                        && r.bridge.is_none()
-                        && r.members.iter().all(|m| m.bridged.is_empty())
-                })
+                .filter(|r| r.version == CLUSTER_RECORD_VERSION && name == format!("{}.json", r.id))
                 .map(|mut r| {
                     // A member whose process is gone is out, as a deleted
                     // member is; so is one named twice or held by a cluster
@@ -139,11 +135,14 @@ impl Clusters {
             if let Some(r) = rec {
                 members_kept.extend(r.members.iter().map(|m| m.id.clone()));
                 tracing::info!(cluster = %r.id, "kept: its members were re-attached in their VM processes");
+                if let Some(b) = &r.bridge {
+                    rewire(&r.id, b, &r.members);
+                }
                 kept.insert(
                     r.id.clone(),
                     ClusterSlot::Ready(Cluster {
                         members: r.members,
-                        bridge: None,
+                        bridge: r.bridge,
                     }),
                 );
                 continue;
@@ -212,9 +211,9 @@ impl Clusters {
         let all = std::mem::take(&mut *self.map());
         for (id, slot) in all {
             // Members left at exit run in VM processes, which outlive the
-            // daemon: their cluster does too, for the next daemon.
+            // daemon: their cluster does too (with its bridge, which holds
+            // their taps), for the next daemon.
             if let ClusterSlot::Ready(c) = &slot
-                && c.bridge.is_none()
                 && !c.members.is_empty()
             {
                 tracing::info!(cluster = %id, "kept: its members run on in their VM processes");
@@ -289,6 +288,49 @@ fn remove_bridge(name: &str) {
         Ok(true) => tracing::info!(bridge = name, "cluster bridge removed"),
         Ok(false) => {}
         Err(e) => tracing::error!(bridge = name, error = %e, "cannot remove a cluster bridge"),
+    }
+}
+
+/// Puts a kept cluster's bridge back as its record says (a daemon found
+/// it at its start): the bridge made again if it is gone, and each live
+/// member's bridged tap that is on no bridge put on it. A tap on another
+/// bridge is somebody's and stays; what cannot be done is logged (the
+/// cluster is kept: its members run, and its delete removes what there is).
+fn rewire(cluster: &str, bridge: &str, members: &[Member]) {
+    let exists = k7d_net::netlink::Netlink::open().and_then(|mut nl| nl.link(bridge).map(|l| l.is_some()));
+    match exists {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(cluster, bridge, "the cluster's bridge is gone; making it again");
+            if let Err(e) = k7d_net::create_private_bridge(bridge) {
+                tracing::error!(cluster, bridge, error = %e, "cannot make the cluster's bridge again");
+                return;
+            }
+        }
+        Err(e) => {
+            tracing::error!(cluster, bridge, error = %e, "cannot look for the cluster's bridge");
+            return;
+        }
+    }
+    for m in members {
+        for (nic, tap) in m.ports() {
+            match k7d_net::master_of(&tap) {
+                Ok(Some(b)) if b == bridge => {}
+                Ok(Some(other)) => {
+                    tracing::warn!(cluster, vm = %m.id, nic, tap = %tap, bridge = %other, "the member's tap is on another bridge; left there");
+                }
+                Ok(None) => {
+                    if let Err(e) = k7d_net::attach_port(bridge, &tap) {
+                        tracing::error!(cluster, vm = %m.id, nic, tap = %tap, error = %e, "cannot put the member's tap back on the cluster's bridge");
+                    } else {
+                        tracing::warn!(cluster, vm = %m.id, nic, tap = %tap, "the member's tap was put back on the cluster's bridge");
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(cluster, vm = %m.id, nic, tap = %tap, error = %e, "cannot look at the member's tap");
+                }
+            }
+        }
     }
 }
 
@@ -369,33 +411,10 @@ fn conflict(msg: String) -> ApiError {
 impl Daemon {
     /// Refuses members that a cluster cannot hold together: VMs in VM
     /// processes next to VMs inside the daemon (one pause cannot take
-    /// both), and a VM process's NIC that would go on the cluster's bridge
-    /// (not served yet). `have`: the cluster's members so far.
+    /// both). `have`: the cluster's members so far.
     fn check_member_kinds(&self, members: &[String], have: &[String]) -> Result<(), ApiError> {
-        let mut kinds = std::collections::BTreeSet::new();
-        for m in members.iter().chain(have) {
-            match self.process(m) {
-                Some(r) => {
-                    kinds.insert("in VM processes");
-                    let bridged = {
-                        let g = r.lock().unwrap_or_else(|p| p.into_inner());
-                        g.config()
-                            .devices
-                            .nics
-                            .iter()
-                            .any(|n| n.tap.is_none() && n.datapath.is_none())
-                    };
-                    if bridged && members.contains(m) {
-                        return Err(conflict(format!(
-                            "vm {m} runs in a VM process: its NICs cannot go on a cluster's bridge yet (name their taps to keep them outside)"
-                        )));
-                    }
-                }
-                None => {
-                    kinds.insert("inside the daemon");
-                }
-            }
-        }
+        let kinds: std::collections::BTreeSet<bool> =
+            members.iter().chain(have).map(|m| self.process(m).is_some()).collect();
         if kinds.len() > 1 {
             return Err(conflict(
                 "a cluster's members must all run in VM processes or all inside the daemon: one pause cannot take both"
@@ -438,24 +457,29 @@ impl Daemon {
     }
 
     /// `members` as cluster members: each with its NICs that go on the
-    /// cluster's bridge (neither a tap the user named nor a datapath NIC).
-    /// A VM that is not there gets none (the checks refuse it).
+    /// cluster's bridge (neither a tap the user named nor a datapath NIC),
+    /// whether it runs here or in a VM process (whose taps are made here,
+    /// named after it, and handed over: the bridge is the daemon's either
+    /// way). A VM that is not there gets none (the checks refuse it).
     fn members_of(&self, members: &[String]) -> Vec<Member> {
+        let bridged = |nics: &[crate::config::NicConfig]| -> Vec<u16> {
+            (0u16..)
+                .zip(nics)
+                .filter(|(_, n)| n.tap.is_none() && n.datapath.is_none())
+                .map(|(i, _)| i)
+                .collect()
+        };
         members
             .iter()
             .map(|m| Member {
                 id: m.clone(),
-                bridged: self
-                    .get(m)
-                    .map(|vm| {
-                        let vm = lock_vm(&vm);
-                        (0u16..)
-                            .zip(&vm.config().devices.nics)
-                            .filter(|(_, n)| n.tap.is_none() && n.datapath.is_none())
-                            .map(|(i, _)| i)
-                            .collect()
-                    })
-                    .unwrap_or_default(),
+                bridged: match self.process(m) {
+                    Some(r) => bridged(&r.lock().unwrap_or_else(|p| p.into_inner()).config().devices.nics),
+                    None => self
+                        .get(m)
+                        .map(|vm| bridged(&lock_vm(&vm).config().devices.nics))
+                        .unwrap_or_default(),
+                },
             })
             .collect()
     }
@@ -788,7 +812,7 @@ impl Daemon {
         let procs = self.forking_processes(id)?;
         for r in remotes {
             let g = r.lock().unwrap_or_else(|p| p.into_inner());
-            super::processes::refuse_cluster_devices(g.id(), g.config())?;
+            super::processes::refuse_devices(g.id(), g.config())?;
         }
         let mut child_clusters = self.reserve_child_clusters(id, count)?;
         let held: Vec<Reservation<'_>> = ids_of
@@ -867,29 +891,51 @@ impl Daemon {
         }
 
         let mut per_member: Vec<Vec<super::processes::Remote>> = (0..members.len()).map(|_| Vec::new()).collect();
-        let mut made = Vec::with_capacity(count as usize);
         let spec = crate::ChildSpec::default();
-        // Children in fork order, member within fork.
-        let mut jobs = Vec::with_capacity(count as usize * members.len());
-        for f in 0..count as usize {
-            let mut kids = Vec::with_capacity(members.len());
-            for (m, cap) in captured.iter().enumerate() {
-                let cid = &held[m].ids()[f];
-                jobs.push(super::processes::ChildJob {
-                    parent: &ids_of[m],
-                    id: cid,
-                    capture: cap,
-                    spec: &spec,
-                });
-                kids.push(Member {
-                    id: cid.clone(),
-                    bridged: Vec::new(),
-                });
+        // Each fork is a cluster of the children, each with its member's
+        // bridged NICs on a bridge of the fork's own, made now; each
+        // child's taps go on it before the child runs (the reservation
+        // deletes the bridges if the fork fails).
+        let mut made = Vec::with_capacity(count as usize);
+        for cid in child_clusters.ids.clone() {
+            let bridge = members
+                .iter()
+                .any(|m| !m.bridged.is_empty())
+                .then(|| k7d_net::cluster_bridge_name(&cid));
+            if let Some(b) = &bridge {
+                k7d_net::create_private_bridge(b).map_err(|e| {
+                    ApiError::new(
+                        ErrorCode::Internal,
+                        format!("cluster {cid}: cannot create its bridge {b}: {e}"),
+                    )
+                })?;
+                child_clusters.bridges.push(b.clone());
             }
             made.push(Cluster {
-                members: kids,
-                bridge: None,
+                members: Vec::with_capacity(members.len()),
+                bridge,
             });
+        }
+        // Children in fork order, member within fork.
+        let mut jobs = Vec::with_capacity(count as usize * members.len());
+        for (f, c) in made.iter_mut().enumerate() {
+            for (m, r) in held.iter().enumerate() {
+                c.members.push(Member {
+                    id: r.ids()[f].clone(),
+                    bridged: members[m].bridged.clone(),
+                });
+            }
+        }
+        for (f, c) in made.iter().enumerate() {
+            for (m, cap) in captured.iter().enumerate() {
+                jobs.push(super::processes::ChildJob {
+                    parent: &ids_of[m],
+                    id: &held[m].ids()[f],
+                    capture: cap,
+                    spec: &spec,
+                    bridge: c.bridge.as_deref().map(|b| (b, members[m].bridged.as_slice())),
+                });
+            }
         }
         let (out, built) = self.build_process_children(&procs, &jobs)?;
         drop(jobs);
@@ -904,6 +950,8 @@ impl Daemon {
         for (k, r) in built.into_iter().enumerate() {
             per_member[k % members.len()].push(r);
         }
+        // The bridges are the published clusters' now.
+        child_clusters.bridges.clear();
         let names = child_clusters.publish(made);
         for (r, remotes) in held.into_iter().zip(per_member) {
             r.fill_processes(remotes);

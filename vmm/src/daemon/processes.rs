@@ -15,8 +15,10 @@
 //! one later: `nic_attach`) and detached at delete; start, pause, resume,
 //! stop, delete, info, list, peek, medium, fork (of VMs without
 //! read-write disks: each child's devices made here as for a build) and
-//! clusters (of members without devices). A request the VM process does not serve yet is refused
-//! with a sentence.
+//! clusters (their members' NICs on the cluster's private bridge, each
+//! fork's children's taps on a bridge of that fork's own before they run;
+//! members without read-write disks). A request the VM process does not
+//! serve yet is refused with a sentence.
 
 use std::os::fd::OwnedFd;
 use std::path::Path;
@@ -1117,19 +1119,6 @@ pub(super) fn refuse_devices(id: &str, config: &VmConfig) -> Result<(), ApiError
     Ok(())
 }
 
-/// Refuses, before anything is paused, a cluster fork across processes of
-/// a member with devices (its children's NICs would need the cluster's
-/// private bridges, which VM processes do not get yet).
-pub(super) fn refuse_cluster_devices(id: &str, config: &VmConfig) -> Result<(), ApiError> {
-    if config.devices.any() {
-        return Err(ApiError::new(
-            ErrorCode::Conflict,
-            format!("vm {id} has devices: its cluster's children cannot be built in VM processes yet"),
-        ));
-    }
-    Ok(())
-}
-
 /// A read-only open of the memfd `fd` (through `/proc/self/fd`), which
 /// must be named `prefix…`: a base a child can map but not write.
 fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
@@ -1176,6 +1165,9 @@ pub(super) struct ChildJob<'a> {
     pub capture: &'a Capture,
     /// What it gets instead of its source's.
     pub spec: &'a crate::ChildSpec,
+    /// The bridge its NICs of these indexes go on (a cluster fork's own),
+    /// before it runs.
+    pub bridge: Option<(&'a str, &'a [u16])>,
 }
 
 /// A VM process's exported fork instant: what its children are built from.
@@ -1402,6 +1394,7 @@ impl super::Daemon {
                 id: cid,
                 capture: &cap,
                 spec: &spec,
+                bridge: None,
             })
             .collect();
         let (children, built) = self.build_process_children(&procs, &jobs)?;
@@ -1457,7 +1450,7 @@ impl super::Daemon {
                     break;
                 };
                 let mut built = Vec::with_capacity(1);
-                let r = self.build_child(procs, j.parent, j.id, j.capture, j.spec, &mut built);
+                let r = self.build_child(procs, j, &mut built);
                 if r.is_err() {
                     // The rest would be stopped anyway: none is started.
                     next.store(jobs.len(), std::sync::atomic::Ordering::Relaxed);
@@ -1504,20 +1497,19 @@ impl super::Daemon {
         Ok((children, remotes))
     }
 
-    /// Builds fork child `cid` of `parent` from its exported fork instant
-    /// `cap` in a VM process of its own (a spare when one is ready), records
-    /// and starts it; it goes into `built` as soon as it exists, so that a
-    /// caller that fails later stops it.
+    /// Builds the fork child of `job` from its source's exported fork
+    /// instant in a VM process of its own (a spare when one is ready), its
+    /// taps on the job's bridge first when it names one, records and starts
+    /// it; it goes into `built` as soon as it exists, so that a caller that
+    /// fails later stops it.
     pub(super) fn build_child(
         &self,
         procs: &VmProcesses,
-        parent: &str,
-        cid: &str,
-        cap: &Capture,
-        spec: &crate::ChildSpec,
+        job: &ChildJob<'_>,
         built: &mut Vec<Remote>,
     ) -> Result<super::api::ForkedChild, ApiError> {
         use std::os::fd::AsRawFd;
+        let (parent, cid, cap, spec) = (job.parent, job.id, job.capture, job.spec);
         let t = Instant::now();
         let dir = self
             .store
@@ -1530,6 +1522,19 @@ impl super::Daemon {
             )
         })?;
         let mut handed = host_files(cid, &c, &dir, None, &self.node, true)?;
+        // Its taps exist now (they go with their last queue, so a failure
+        // from here takes them off the bridge too).
+        if let Some((bridge, nics)) = job.bridge {
+            for &i in nics {
+                let tap = k7d_net::nic_names(cid, i).tap;
+                k7d_net::attach_port(bridge, &tap).map_err(|e| {
+                    internal(
+                        &format!("vm {cid}: cannot put nic {i}'s tap {tap} on bridge {bridge}"),
+                        e,
+                    )
+                })?;
+            }
+        }
         let files = std::mem::take(&mut handed.files);
         let build = Request::BuildFork {
             id: cid.to_string(),

@@ -284,6 +284,106 @@ fn discard_and_write_zeroes_after_fork_read_zero_and_leave_base_alone() {
     assert!(src.discard(31 * CS, 2 * CS).is_err());
 }
 
+/// A fork whose child lives in another process (a VM process of its own,
+/// issue 36): the overlay files come from the caller (`fork_into`), and the
+/// child is rebuilt from parts (`from_parts`: the frozen base opened again
+/// read-only, its overlay, the present clusters). The first fork freezes
+/// the base with the given file; each child sees the source as of the fork
+/// and nothing after; a second child's overlay is a copy made by the
+/// caller (`copy_overlay`); a later fork of the frozen source needs no
+/// file of its own; a grandchild of a rebuilt child is exact; bad runs and
+/// an overlay of another length are refused; the base is never written.
+#[test]
+fn a_fork_handed_to_another_process_is_the_source_at_its_fork_instant() {
+    use k7d_devices::virtio::block::{copy_overlay, overlay_file};
+    let dir = TestDir::new("handed");
+    let orig = pattern(16 * CS as usize, 9);
+    let path = dir.image("disk.img", &orig);
+    let src = DiskImage::open(&path, false).unwrap();
+    let mem = plain_memory();
+    let label = path.display().to_string();
+    let base = || DiskImage::open_file(&path, true).unwrap();
+    // Before any fork writes go to the image file.
+    dwrite(&src, &mem, 0, &[1; 512]);
+    let mut want = orig.clone();
+    want[..512].fill(1);
+    let orig = want.clone();
+
+    // The first fork needs the source's own overlay file.
+    let template = overlay_file(Some(dir.0.as_path())).unwrap();
+    let refused = src.fork_into(None, &template).unwrap_err();
+    assert!(
+        std::error::Error::source(&refused).is_some_and(|c| c.to_string().contains("no file was given")),
+        "{refused}"
+    );
+    assert!(!src.is_frozen(), "a refused first fork leaves the image as it was");
+    let runs = src
+        .fork_into(Some(overlay_file(Some(dir.0.as_path())).unwrap()), &template)
+        .unwrap();
+    assert!(src.is_frozen());
+    assert!(runs.is_empty(), "nothing diverged since the base froze: {runs:?}");
+    // The source moves on after the fork: partial and whole clusters.
+    dwrite(&src, &mem, CS + 512, &[2; 1024]);
+    dwrite(&src, &mem, 5 * CS, &[3; 2 * CS as usize]);
+    let mut want_src = orig.clone();
+    want_src[CS as usize + 512..CS as usize + 1536].fill(2);
+    want_src[5 * CS as usize..7 * CS as usize].fill(3);
+    let child = DiskImage::from_parts(base(), template, &runs, label.clone()).unwrap();
+    assert_eq!(read_all(&child, &mem), orig, "the child: the source at the fork");
+    assert_eq!(read_all(&src, &mem), want_src);
+
+    // A second fork of the frozen source: no own file needed; its present
+    // clusters go to the child, and a third child gets the caller's copy.
+    let t2 = overlay_file(Some(dir.0.as_path())).unwrap();
+    let runs2 = src.fork_into(None, &t2).unwrap();
+    assert_eq!(runs2, vec![(1, 2), (5, 7)]);
+    let t3 = overlay_file(None).unwrap();
+    copy_overlay(&t2, &t3, 16 * CS, &runs2).unwrap();
+    let second = DiskImage::from_parts(base(), t2, &runs2, label.clone()).unwrap();
+    let third = DiskImage::from_parts(base(), t3, &runs2, label.clone()).unwrap();
+    assert_eq!(second.overlay_bytes(), 3 * CS);
+    dwrite(&second, &mem, 9 * CS, &[4; 512]);
+    dwrite(&src, &mem, 9 * CS, &[5; 512]);
+    let mut want_second = want_src.clone();
+    want_second[9 * CS as usize..9 * CS as usize + 512].fill(4);
+    assert_eq!(read_all(&second, &mem), want_second);
+    assert_eq!(
+        read_all(&third, &mem),
+        want_src,
+        "the copy: the source at the second fork"
+    );
+    want_src[9 * CS as usize..9 * CS as usize + 512].fill(5);
+    assert_eq!(read_all(&src, &mem), want_src);
+
+    // A grandchild of a rebuilt child (its base read-only: never written).
+    let t4 = overlay_file(None).unwrap();
+    let runs4 = second.fork_into(Some(overlay_file(None).unwrap()), &t4).unwrap();
+    dwrite(&second, &mem, 0, &[6; 512]);
+    let grand = DiskImage::from_parts(base(), t4, &runs4, label.clone()).unwrap();
+    assert_eq!(read_all(&grand, &mem), want_second);
+
+    // Bad parts are refused with a sentence.
+    let bad = |runs: &[(u64, u64)], len: u64| {
+        let f = overlay_file(None).unwrap();
+        f.set_len(len).unwrap();
+        DiskImage::from_parts(base(), f, runs, label.clone()).unwrap_err()
+    };
+    for (runs, why) in [
+        (vec![(3, 3)], "out of order"),
+        (vec![(4, 6), (2, 3)], "out of order"),
+        (vec![(15, 17)], "past the image"),
+        (vec![(u64::MAX - 1, u64::MAX)], "past the image"),
+    ] {
+        let e = bad(&runs, 16 * CS);
+        let cause = std::error::Error::source(&e).map(|c| c.to_string()).unwrap_or_default();
+        assert!(cause.contains(why), "{runs:?}: {e}: {cause}");
+    }
+    let e = bad(&[], 15 * CS);
+    let cause = std::error::Error::source(&e).map(|c| c.to_string()).unwrap_or_default();
+    assert!(cause.contains("the overlay is"), "{e}: {cause}");
+    assert_eq!(std::fs::read(&path).unwrap(), orig, "the frozen base is never written");
+}
+
 #[test]
 fn grandchild_sees_its_parent_at_its_fork_instant() {
     let dir = TestDir::new("grand");

@@ -316,34 +316,7 @@ impl DiskImage {
         let overlay = if self.read_only {
             OnceLock::new()
         } else {
-            let parent = match self.overlay.get() {
-                Some(o) => o,
-                None => {
-                    let own = Overlay::create(self.overlay_dir.as_deref(), self.len_bytes()).map_err(|source| {
-                        DiskError::Overlay {
-                            path: self.path.clone(),
-                            source,
-                        }
-                    })?;
-                    // Under the caller's guarantee nobody else installs one;
-                    // if somebody did, theirs wins and `own` is dropped.
-                    let installed = self.overlay.get_or_init(|| own);
-                    // Frozen: a shared lock (held by this open file, which
-                    // every child's descriptor shares) makes a read-write
-                    // `open` of the base fail until the last VM is gone.
-                    if flock(&self.file, Lock::Shared, false).is_err() {
-                        warn!(
-                            path = self.path,
-                            "could not lock the frozen base image; a read-write open elsewhere is not refused"
-                        );
-                    }
-                    info!(
-                        path = self.path,
-                        "virtio-blk base image frozen; writes go to an overlay"
-                    );
-                    installed
-                }
-            };
+            let parent = self.own_overlay(|| tmpfile(self.overlay_dir.as_deref(), self.len_bytes()))?;
             OnceLock::from(parent.duplicate(
                 self.overlay_dir.as_deref(),
                 &self.path,
@@ -366,6 +339,111 @@ impl DiskImage {
             "virtio-blk disk forked"
         );
         Ok(child)
+    }
+
+    /// This writable image's overlay, installed from `make` if it has none
+    /// yet: the first fork freezes the base.
+    fn own_overlay(&self, make: impl FnOnce() -> std::io::Result<File>) -> Result<&Overlay, DiskError> {
+        if let Some(o) = self.overlay.get() {
+            return Ok(o);
+        }
+        let own = make()
+            .map(|file| Overlay::over(file, self.len_bytes()))
+            .map_err(|source| DiskError::Overlay {
+                path: self.path.clone(),
+                source,
+            })?;
+        // Under the caller's guarantee nobody else installs one; if
+        // somebody did, theirs wins and `own` is dropped.
+        let installed = self.overlay.get_or_init(|| own);
+        // Frozen: a shared lock (held by this open file, which every
+        // child's descriptor shares) makes a read-write `open` of the base
+        // fail until the last VM is gone.
+        if flock(&self.file, Lock::Shared, false).is_err() {
+            warn!(
+                path = self.path,
+                "could not lock the frozen base image; a read-write open elsewhere is not refused"
+            );
+        }
+        info!(
+            path = self.path,
+            "virtio-blk base image frozen; writes go to an overlay"
+        );
+        Ok(installed)
+    }
+
+    /// [`DiskImage::fork`] for a child built in another process (a VM
+    /// process of its own), with the overlay files made by the caller (a
+    /// VM process creates no file): `own` becomes this image's overlay if it
+    /// has none yet (the first fork freezes the base; `None` then refuses),
+    /// and `child`, emptied to the image's length, gets a copy of this
+    /// image's present clusters. Returns them as `[first, end)` runs of
+    /// [`CLUSTER_SIZE`] clusters: what [`DiskImage::from_parts`] takes with
+    /// `child`. Not charged to a children's budget (the child's overlay is
+    /// another process's). Same guarantee as [`DiskImage::fork`]: no I/O on
+    /// `self` meanwhile.
+    pub fn fork_into(&self, own: Option<File>, child: &File) -> Result<Vec<(u64, u64)>, DiskError> {
+        let fail = |source| DiskError::Overlay {
+            path: self.path.clone(),
+            source,
+        };
+        if self.read_only {
+            return Err(fail(std::io::Error::new(
+                ErrorKind::InvalidInput,
+                "a read-only image is shared, not given an overlay",
+            )));
+        }
+        let len = self.len_bytes();
+        let parent = self.own_overlay(|| {
+            let f =
+                own.ok_or_else(|| std::io::Error::new(ErrorKind::InvalidInput, "no file was given for its overlay"))?;
+            f.set_len(len)?;
+            Ok(f)
+        })?;
+        let runs = parent.map().runs();
+        copy_overlay(&parent.file, child, parent.len, &runs).map_err(|source| DiskError::OverlayCopy {
+            path: self.path.clone(),
+            source,
+        })?;
+        Ok(runs)
+    }
+
+    /// A fork child's disk from the parts [`DiskImage::fork_into`] made,
+    /// handed to its process: the frozen `base` (read-only is enough: it is
+    /// never written), its own `overlay` and the overlay's present clusters
+    /// (`runs`, checked: a run past the image, out of order or overlapping
+    /// is refused, as is an overlay whose length is not the image's).
+    pub fn from_parts(base: File, overlay: File, runs: &[(u64, u64)], path: String) -> Result<Self, DiskError> {
+        let mut disk = Self::from_file(base, false, path)?;
+        let len = disk.len_bytes();
+        let bad = |why: String| DiskError::Overlay {
+            path: disk.path.clone(),
+            source: std::io::Error::new(ErrorKind::InvalidData, why),
+        };
+        let have = overlay.metadata().map_err(DiskError::Metadata)?.len();
+        if have != len {
+            return Err(bad(format!("the overlay is {have} bytes long, the image {len}")));
+        }
+        let clusters = len.div_ceil(CLUSTER_SIZE);
+        let mut map = ClusterMap::default();
+        let mut last = 0u64;
+        for &(first, end) in runs {
+            if first < last || end <= first || end > clusters {
+                return Err(bad(format!(
+                    "the run of clusters [{first}, {end}) is out of order or past the image's {clusters}"
+                )));
+            }
+            map.mark(first, end);
+            last = end;
+        }
+        disk.overlay_dir = None;
+        disk.overlay = OnceLock::from(Overlay {
+            file: overlay,
+            len,
+            map: Mutex::new(map),
+            budget: None,
+        });
+        Ok(disk)
     }
 
     /// Makes written data durable (`fdatasync` of the overlay when there is
@@ -428,13 +506,13 @@ impl Drop for Overlay {
 
 impl Overlay {
     /// An empty overlay for an image of `len` bytes.
-    fn create(dir: Option<&Path>, len: u64) -> std::io::Result<Self> {
-        Ok(Self {
-            file: tmpfile(dir, len)?,
+    fn over(file: File, len: u64) -> Self {
+        Self {
+            file,
             len,
             map: Mutex::new(ClusterMap::default()),
             budget: None,
-        })
+        }
     }
 
     fn map(&self) -> MutexGuard<'_, ClusterMap> {
@@ -758,6 +836,29 @@ fn into_io(e: VolatileMemoryError) -> std::io::Error {
         VolatileMemoryError::IOError(e) => e,
         other => std::io::Error::other(other),
     }
+}
+
+/// Copies the clusters of `runs` (`[first, end)`, as
+/// [`DiskImage::fork_into`] returns them) of the overlay `from` into `to`,
+/// which is first emptied to `len` bytes (the image's): another fork
+/// child's overlay made from the same fork instant. Holes stay holes.
+pub fn copy_overlay(from: &File, to: &File, len: u64, runs: &[(u64, u64)]) -> std::io::Result<()> {
+    to.set_len(0)?;
+    to.set_len(len)?;
+    for &(first, end) in runs {
+        let start = first.saturating_mul(CLUSTER_SIZE).min(len);
+        let stop = end.saturating_mul(CLUSTER_SIZE).min(len);
+        copy_data(from, to, start, stop)?;
+    }
+    Ok(())
+}
+
+/// A new overlay file for a fork (what a daemon makes for a fork child in
+/// a VM process, which creates no file): unlinked and sparse, `O_TMPFILE`
+/// in `dir` (the image's directory), else in `std::env::temp_dir()`.
+/// [`DiskImage::fork_into`] and [`copy_overlay`] give it its length.
+pub fn overlay_file(dir: Option<&Path>) -> std::io::Result<File> {
+    tmpfile(dir, 0)
 }
 
 /// An unlinked, sparse file of `len` bytes: `O_TMPFILE` in `dir`, else in

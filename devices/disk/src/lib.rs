@@ -16,7 +16,7 @@
 pub mod image;
 pub mod request;
 
-pub use image::{CLUSTER_SIZE, DiskAt, DiskBudget, DiskImage, EMPTY_MEDIUM, FileAt};
+pub use image::{CLUSTER_SIZE, DiskAt, DiskBudget, DiskImage, EMPTY_MEDIUM, FileAt, copy_overlay, overlay_file};
 
 use thiserror::Error;
 use vm_memory::GuestMemoryMmap;

@@ -810,10 +810,6 @@ impl Daemon {
         use crate::vstate::vm::VmState;
         let ids_of: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
         let procs = self.forking_processes(id)?;
-        for r in remotes {
-            let g = r.lock().unwrap_or_else(|p| p.into_inner());
-            super::processes::refuse_devices(g.id(), g.config())?;
-        }
         let mut child_clusters = self.reserve_child_clusters(id, count)?;
         let held: Vec<Reservation<'_>> = ids_of
             .iter()
@@ -917,6 +913,13 @@ impl Daemon {
             });
         }
         // Children in fork order, member within fork.
+        // Each member's children's own overlays of its read-write disks,
+        // all made before any child runs.
+        let overlays: Vec<Vec<Vec<std::fs::File>>> = captured
+            .iter()
+            .zip(&ids_of)
+            .map(|(cap, m)| super::processes::child_overlays(m, cap, count as usize))
+            .collect::<Result<_, _>>()?;
         let mut jobs = Vec::with_capacity(count as usize * members.len());
         for (f, c) in made.iter_mut().enumerate() {
             for (m, r) in held.iter().enumerate() {
@@ -934,6 +937,7 @@ impl Daemon {
                     capture: cap,
                     spec: &spec,
                     bridge: c.bridge.as_deref().map(|b| (b, members[m].bridged.as_slice())),
+                    overlays: &overlays[m][f],
                 });
             }
         }

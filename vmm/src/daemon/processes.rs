@@ -21,7 +21,7 @@
 //! serve yet is refused with a sentence.
 
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -506,6 +506,11 @@ pub(super) fn host_files(
     }
     for (i, d) in config.devices.disks.iter().enumerate() {
         let Some(path) = &d.path else { continue };
+        // A fork child's read-write disk is its source's frozen base and an
+        // overlay of its own, which its build hands over (`build_child`).
+        if fork_child && !d.read_only {
+            continue;
+        }
         let index = u16::try_from(i)
             .map_err(|_| ApiError::new(ErrorCode::InvalidArgument, format!("vm {id}: too many disks")))?;
         let role = FileRole::Disk { index };
@@ -954,13 +959,45 @@ impl Remote {
         }
     }
 
-    /// Exports its fork instant (the caller paused it).
+    /// Exports its fork instant (the caller paused it). Each read-write
+    /// disk is given two overlay files made here (a VM process creates
+    /// none): its own, taken at its first fork, and its children's, which
+    /// it fills with what it wrote since its base froze; the base is then
+    /// opened again here, read-only, for the children ([`ForkedDisk`]).
     pub(super) fn capture(&mut self) -> Result<Capture, ApiError> {
+        use std::os::fd::AsRawFd;
         let id = self.id.clone();
-        let (reply, fds) = self.call_fds(&Request::Capture, &[])?;
-        let Reply::Captured { state, diverged } = reply else {
+        let rw: Vec<(u16, PathBuf)> = (0u16..)
+            .zip(&self.config.devices.disks)
+            .filter(|(_, d)| !d.read_only)
+            .filter_map(|(i, d)| d.path.clone().map(|p| (i, p)))
+            .collect();
+        let mut overlays = Vec::with_capacity(rw.len() * 2);
+        for (i, path) in &rw {
+            for _ in 0..2 {
+                let f = k7d_devices::virtio::block::overlay_file(path.parent()).map_err(|e| {
+                    internal(
+                        &format!("vm {id}: disk {i}: cannot make an overlay file for its fork"),
+                        e,
+                    )
+                })?;
+                overlays.push(f);
+            }
+        }
+        let req = match rw.is_empty() {
+            true => Request::Capture,
+            false => Request::CaptureDisks {
+                disks: rw.iter().map(|(i, _)| *i).collect(),
+            },
+        };
+        let raw: Vec<_> = overlays.iter().map(|f| f.as_raw_fd()).collect();
+        let (reply, fds) = self.call_fds(&req, &raw)?;
+        let Reply::Captured { state, diverged, disks } = reply else {
             return Err(internal(&format!("vm {id}: capture"), format!("{reply:?}")));
         };
+        // The children's overlays: the second of each disk's pair.
+        let templates: Vec<std::fs::File> = overlays.into_iter().skip(1).step_by(2).collect();
+        let disks = forked_disks(&id, &rw, disks, templates)?;
         if fds.len() != 2 {
             return Err(internal(
                 &format!("vm {id}: capture"),
@@ -986,6 +1023,7 @@ impl Remote {
             state,
             diverged,
             fds,
+            disks,
         })
     }
 
@@ -1106,19 +1144,6 @@ impl Remote {
     }
 }
 
-/// Refuses, before anything is paused, a fork of `id` across processes
-/// that its devices rule out: a read-write disk (its copy-on-write
-/// overlays live in its process).
-pub(super) fn refuse_devices(id: &str, config: &VmConfig) -> Result<(), ApiError> {
-    if let Some(i) = config.devices.disks.iter().position(|d| !d.read_only) {
-        return Err(ApiError::new(
-            ErrorCode::Conflict,
-            format!("vm {id}'s disk {i} is read-write: its children cannot be built in VM processes yet"),
-        ));
-    }
-    Ok(())
-}
-
 /// A read-only open of the memfd `fd` (through `/proc/self/fd`), which
 /// must be named `prefix…`: a base a child can map but not write.
 fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
@@ -1168,6 +1193,105 @@ pub(super) struct ChildJob<'a> {
     /// The bridge its NICs of these indexes go on (a cluster fork's own),
     /// before it runs.
     pub bridge: Option<(&'a str, &'a [u16])>,
+    /// Its own overlay of each of its source's read-write disks, in the
+    /// capture's order ([`child_overlays`]).
+    pub overlays: &'a [std::fs::File],
+}
+
+/// A read-write disk of an exported fork instant, as its children take it.
+pub(super) struct ForkedDisk {
+    /// What the source said of it: its place and its overlay's clusters.
+    exported: crate::vstate::fork::ExportedDisk,
+    /// The frozen base, opened again here read-only (checked to be the
+    /// source's file) and share-locked: a child can read it, never write
+    /// it, and it stays frozen while a child lives.
+    base: std::fs::File,
+    /// The children's overlay as the source filled it.
+    template: std::fs::File,
+    /// The image's length (each child's overlay's).
+    len: u64,
+    /// Where the children's own overlays are made (the image's directory).
+    dir: Option<PathBuf>,
+}
+
+/// The read-write disks `rw` of vm `id` as its capture reply `said` of
+/// them (the disks asked for, in order), each base opened again here
+/// read-only: a base that is not the file the source froze (replaced
+/// since: another device or inode) is refused, as is a reply about other
+/// disks or an overlay of another length.
+fn forked_disks(
+    id: &str,
+    rw: &[(u16, PathBuf)],
+    said: Vec<crate::vstate::fork::ExportedDisk>,
+    templates: Vec<std::fs::File>,
+) -> Result<Vec<ForkedDisk>, ApiError> {
+    use std::os::unix::fs::MetadataExt;
+    let bad = |m: String| internal(&format!("vm {id}: capture"), m);
+    if said.len() != rw.len() || said.iter().zip(rw).any(|(s, (i, _))| s.disk != *i) {
+        return Err(bad(format!(
+            "its VM process told of disks {:?}, asked for {:?}",
+            said.iter().map(|s| s.disk).collect::<Vec<_>>(),
+            rw.iter().map(|(i, _)| *i).collect::<Vec<_>>()
+        )));
+    }
+    let mut out = Vec::with_capacity(rw.len());
+    for ((exported, (i, path)), template) in said.into_iter().zip(rw).zip(templates) {
+        let base = k7d_devices::virtio::block::DiskImage::open_file(path, true)
+            .map_err(|e| ApiError::new(ErrorCode::Conflict, format!("vm {id}: disk {i}: {e}")))?;
+        let meta = base.metadata().map_err(|e| bad(format!("disk {i}: {e}")))?;
+        if (meta.dev(), meta.ino()) != (exported.dev, exported.ino) {
+            return Err(ApiError::new(
+                ErrorCode::Conflict,
+                format!(
+                    "vm {id}: disk {i}'s image {} is no longer the file the VM froze (it was replaced): its children cannot be built from it",
+                    path.display()
+                ),
+            ));
+        }
+        let len = meta.len();
+        let have = template.metadata().map_err(|e| bad(format!("disk {i}: {e}")))?.len();
+        if have != len {
+            return Err(bad(format!(
+                "disk {i}'s children's overlay is {have} bytes long, its image {len}"
+            )));
+        }
+        if let Err(e) = k7d_sys::file::flock(&base, k7d_sys::file::Lock::Shared, false) {
+            tracing::warn!(vm = %id, disk = i, error = %e, "cannot lock a frozen base for its children; a read-write open elsewhere is not refused");
+        }
+        out.push(ForkedDisk {
+            exported,
+            base,
+            template,
+            len,
+            dir: path.parent().map(Path::to_path_buf),
+        });
+    }
+    Ok(out)
+}
+
+/// The overlay files of `n` children of `cap`, per child one per
+/// read-write disk (in `cap.disks`' order): the first child takes the
+/// overlays the source filled, each other one a copy made here. All of
+/// them are made before any child runs (a child writes its own).
+pub(super) fn child_overlays(id: &str, cap: &Capture, n: usize) -> Result<Vec<Vec<std::fs::File>>, ApiError> {
+    let mut out = Vec::with_capacity(n);
+    for k in 0..n {
+        let mut mine = Vec::with_capacity(cap.disks.len());
+        for d in &cap.disks {
+            let i = d.exported.disk;
+            let f = if k == 0 {
+                d.template.try_clone()
+            } else {
+                k7d_devices::virtio::block::overlay_file(d.dir.as_deref()).and_then(|f| {
+                    k7d_devices::virtio::block::copy_overlay(&d.template, &f, d.len, &d.exported.runs).map(|()| f)
+                })
+            }
+            .map_err(|e| internal(&format!("vm {id}: disk {i}: cannot make a fork child's overlay"), e))?;
+            mine.push(f);
+        }
+        out.push(mine);
+    }
+    Ok(out)
 }
 
 /// A VM process's exported fork instant: what its children are built from.
@@ -1180,6 +1304,8 @@ pub(super) struct Capture {
     diverged: Vec<u64>,
     /// The base and the diverged-pages memfds.
     fds: Vec<OwnedFd>,
+    /// Its read-write disks.
+    disks: Vec<ForkedDisk>,
 }
 
 /// Stops VM processes built for a request that failed (every child or
@@ -1367,7 +1493,6 @@ impl super::Daemon {
     ) -> Result<super::api::Forked, ApiError> {
         let id = args.id.as_str();
         let procs = self.forking_processes(id)?;
-        refuse_devices(id, lock(source).config())?;
         let spec = super::child_spec(args);
         let held = self.reserve_children(id, args.count, args.name.as_deref())?;
         let t = Instant::now();
@@ -1386,15 +1511,18 @@ impl super::Daemon {
             (got?, pause_ms, warnings)
         };
         let source_paused_ms = super::ms(t.elapsed());
+        let overlays = child_overlays(id, &cap, held.ids().len())?;
         let jobs: Vec<ChildJob<'_>> = held
             .ids()
             .iter()
-            .map(|cid| ChildJob {
+            .zip(&overlays)
+            .map(|(cid, o)| ChildJob {
                 parent: id,
                 id: cid,
                 capture: &cap,
                 spec: &spec,
                 bridge: None,
+                overlays: o,
             })
             .collect();
         let (children, built) = self.build_process_children(&procs, &jobs)?;
@@ -1536,16 +1664,38 @@ impl super::Daemon {
             }
         }
         let files = std::mem::take(&mut handed.files);
+        let mut roles = std::mem::take(&mut handed.roles);
+        if job.overlays.len() != cap.disks.len() {
+            return Err(internal(
+                &format!("vm {cid}"),
+                format!(
+                    "{} overlays for {} read-write disks",
+                    job.overlays.len(),
+                    cap.disks.len()
+                ),
+            ));
+        }
+        // Each read-write disk: the frozen base (read-only), its own overlay.
+        let mut disk_fds = Vec::with_capacity(cap.disks.len() * 2);
+        for (d, overlay) in cap.disks.iter().zip(job.overlays) {
+            let index = d.exported.disk;
+            roles.push(FileRole::Disk { index });
+            roles.push(FileRole::DiskOverlay { index });
+            disk_fds.push(d.base.as_raw_fd());
+            disk_fds.push(overlay.as_raw_fd());
+        }
         let build = Request::BuildFork {
             id: cid.to_string(),
             config: Box::new(c.clone()),
             state: cap.state.clone(),
             diverged: cap.diverged.clone(),
-            files: std::mem::take(&mut handed.roles),
+            files: roles,
             serial_log: Some(dir.join("serial.log")),
+            disks: cap.disks.iter().map(|d| d.exported.clone()).collect(),
         };
         let mut fds: Vec<_> = cap.fds.iter().map(|f| f.as_raw_fd()).collect();
         fds.extend(files.iter().map(|f| f.as_raw_fd()));
+        fds.extend(disk_fds);
         if fds.len() >= crate::vmproc::wire::MAX_FDS {
             return Err(ApiError::new(
                 ErrorCode::InvalidArgument,

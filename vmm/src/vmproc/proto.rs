@@ -66,6 +66,10 @@ pub enum Request {
         /// The serial log's path (as for [`Request::Build`]).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         serial_log: Option<PathBuf>,
+        /// Its read-write disks' overlays' present clusters (their frozen
+        /// bases and its own overlays come among `files`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        disks: Vec<crate::vstate::fork::ExportedDisk>,
     },
     /// Build the VM (once) from a snapshot the caller opened and verified:
     /// its guest RAM, a memfd the caller filled from the snapshot's memory
@@ -91,6 +95,14 @@ pub enum Request {
     },
     /// Export this paused VM's fork instant: [`Reply::Captured`].
     Capture,
+    /// [`Request::Capture`] of a VM with read-write disks: for each disk
+    /// of `disks`, in order, two new overlay files come with the request
+    /// (the source's own, taken at its first fork, and the children's):
+    /// [`Reply::Captured`] with its `disks`.
+    CaptureDisks {
+        /// The read-write disks, by their place in the config's disks.
+        disks: Vec<u16>,
+    },
     /// What a snapshot of this paused VM is written from, by the caller
     /// (a VM process reaches no directory): [`Reply::SnapshotParts`].
     SnapshotParts,
@@ -146,6 +158,9 @@ pub enum Reply {
         state: String,
         /// The pages in the diverged-pages memfd.
         diverged: Vec<u64>,
+        /// Its read-write disks' children's overlays ([`Request::CaptureDisks`]).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        disks: Vec<crate::vstate::fork::ExportedDisk>,
     },
     /// To [`Request::SnapshotParts`]: the machine state, and the guest
     /// RAM as descriptors: its memfd alone, or (`diverged` given: a fork

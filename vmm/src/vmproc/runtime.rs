@@ -234,16 +234,25 @@ fn handle(
             *vm = Some(built);
             Ok((Reply::Ok, Vec::new()))
         }
-        Request::Capture => {
-            let e = built(vm)?.export_capture().map_err(|e| e.to_string())?;
-            let state = serde_json::to_string(&e.state).map_err(|e| e.to_string())?;
-            Ok((
-                Reply::Captured {
-                    state,
-                    diverged: e.words,
-                },
-                vec![e.base, std::sync::Arc::new(e.delta)],
-            ))
+        Request::Capture => capture(vm, Vec::new()),
+        Request::CaptureDisks { disks } => {
+            if fds.len() != disks.len().saturating_mul(2) {
+                return Err(format!(
+                    "a capture of {} read-write disk(s) takes two overlay files each, not {} descriptors",
+                    disks.len(),
+                    fds.len()
+                ));
+            }
+            let mut files = fds.into_iter().map(std::fs::File::from);
+            let overlays = disks
+                .into_iter()
+                .map(|disk| crate::vstate::fork::OverlayFiles {
+                    disk,
+                    own: files.next(),
+                    child: files.next().expect("two files per disk, counted above"),
+                })
+                .collect();
+            capture(vm, overlays)
         }
         Request::SnapshotParts => {
             let p = built(vm)?.snapshot_parts().map_err(|e| e.to_string())?;
@@ -263,6 +272,7 @@ fn handle(
             diverged,
             files,
             serial_log,
+            disks,
         } => {
             if vm.is_some() {
                 return Err("this VM process already holds its VM".into());
@@ -283,16 +293,14 @@ fn handle(
             let opts = handed_options(&files, opened, serial_log)?;
             let state: crate::vstate::persist::MachineState =
                 serde_json::from_str(&state).map_err(|e| format!("the fork instant's state is unreadable: {e}"))?;
-            let child = Vm::from_export(
-                &id,
-                &config,
-                &opts,
-                &state,
-                std::fs::File::from(base),
-                std::fs::File::from(delta),
-                &diverged,
-            )
-            .map_err(|e| e.to_string())?;
+            let received = crate::vstate::fork::Received {
+                state: &state,
+                base: std::fs::File::from(base),
+                delta: std::fs::File::from(delta),
+                words: &diverged,
+                disks: &disks,
+            };
+            let child = Vm::from_export(&id, &config, &opts, received).map_err(|e| e.to_string())?;
             take_listener(listener, listen)?;
             *vm = Some(child);
             Ok((Reply::Ok, Vec::new()))
@@ -346,10 +354,29 @@ fn handle(
     }
 }
 
+/// The fork instant of the VM in `vm` ([`Vm::export_capture`]) as its
+/// reply: the base and the diverged-pages memfds ride along.
+fn capture(
+    vm: &mut Option<Vm>,
+    overlays: Vec<crate::vstate::fork::OverlayFiles>,
+) -> Result<(Reply, Vec<std::sync::Arc<std::fs::File>>), String> {
+    let e = built(vm)?.export_capture(overlays).map_err(|e| e.to_string())?;
+    let state = serde_json::to_string(&e.state).map_err(|e| e.to_string())?;
+    Ok((
+        Reply::Captured {
+            state,
+            diverged: e.words,
+            disks: e.disks,
+        },
+        vec![e.base, std::sync::Arc::new(e.delta)],
+    ))
+}
+
 fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
     match req {
         Request::Hello { .. } => Err("hello was already said".into()),
         Request::Capture
+        | Request::CaptureDisks { .. }
         | Request::SnapshotParts
         | Request::BuildFork { .. }
         | Request::Build { .. }

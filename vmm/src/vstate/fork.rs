@@ -174,22 +174,114 @@ pub struct Exported {
     pub base: Arc<std::fs::File>,
     /// The diverged pages.
     pub delta: std::fs::File,
+    /// Each read-write disk's overlay as the children's copies hold it.
+    pub disks: Vec<ExportedDisk>,
+}
+
+/// An [`Exported`] fork instant as a child's process receives it.
+pub struct Received<'a> {
+    /// The machine state.
+    pub state: &'a super::persist::MachineState,
+    /// The source's frozen base.
+    pub base: std::fs::File,
+    /// The diverged pages.
+    pub delta: std::fs::File,
+    /// The pages in `delta` (bitmap words over the whole RAM).
+    pub words: &'a [u64],
+    /// The source's read-write disks' overlays.
+    pub disks: &'a [ExportedDisk],
+}
+
+/// The overlay files a fork across processes gives read-write disk `disk`
+/// (made by the caller: a VM process creates no file): `own` becomes the
+/// source's overlay at its first fork (the base freezes), `child` gets a
+/// copy of the source's present clusters ([`DiskImage::fork_into`]).
+///
+/// [`DiskImage::fork_into`]: k7d_devices::virtio::block::DiskImage::fork_into
+pub struct OverlayFiles {
+    /// The disk's place in the config's disks.
+    pub disk: u16,
+    /// The source's overlay, if its base is not frozen yet.
+    pub own: Option<std::fs::File>,
+    /// The children's overlay as of the fork instant.
+    pub child: std::fs::File,
+}
+
+/// What an exported fork instant says of read-write disk `disk`: the
+/// present clusters of its children's overlay, and which file its frozen
+/// base is (device and inode: the caller, which opens the base again for
+/// the children, checks it is the same file).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExportedDisk {
+    /// The disk's place in the config's disks.
+    pub disk: u16,
+    /// `[first, end)` runs of present clusters.
+    pub runs: Vec<(u64, u64)>,
+    /// The base's device.
+    pub dev: u64,
+    /// The base's inode.
+    pub ino: u64,
 }
 
 impl Vm {
     /// Captures this paused VM's fork instant for a child built in another
     /// process ([`Vm::capture`], then the diverged pages written out).
     /// The children's devices are made from their own configs and files
-    /// ([`Vm::from_export`]); a read-write disk is refused: its
-    /// copy-on-write overlays live in this process.
-    pub fn export_capture(&self) -> Result<Exported, VmError> {
-        if let Some(i) = self.config.devices.disks.iter().position(|d| !d.read_only) {
+    /// ([`Vm::from_export`]); each read-write disk needs its
+    /// [`OverlayFiles`] in `overlays` (the first fork freezes its base, and
+    /// the children's overlay gets a copy of what this VM wrote since).
+    pub fn export_capture(&self, overlays: Vec<OverlayFiles>) -> Result<Exported, VmError> {
+        let mut overlays = overlays;
+        for (i, d) in self.config.devices.disks.iter().enumerate() {
+            let given = overlays.iter().filter(|o| usize::from(o.disk) == i).count();
+            if given != usize::from(!d.read_only && d.path.is_some()) {
+                return Err(VmError::Refused(format!(
+                    "vm {}'s disk {i}: {given} overlay file(s) given for its fork, where a {} disk takes {}",
+                    self.id,
+                    if d.read_only { "read-only" } else { "read-write" },
+                    usize::from(!d.read_only && d.path.is_some())
+                )));
+            }
+        }
+        if overlays.len() > self.config.devices.disks.len() {
             return Err(VmError::Refused(format!(
-                "vm {}'s disk {i} is read-write: its children cannot be built in another process yet",
+                "vm {}: overlay files given for disks it does not have",
                 self.id
             )));
         }
         let capture = self.capture()?;
+        let mut disks = Vec::with_capacity(overlays.len());
+        overlays.sort_by_key(|o| o.disk);
+        for o in overlays {
+            let i = usize::from(o.disk);
+            let image = self.disks.get(i).ok_or_else(|| {
+                VmError::Refused(format!(
+                    "vm {}: overlay files given for disk {i}, which it does not have",
+                    self.id
+                ))
+            })?;
+            let runs = image.fork_into(o.own, &o.child).map_err(|e| VmError::Device {
+                what: "virtio-blk",
+                msg: format!(
+                    "disk {i}: {e}{}",
+                    std::error::Error::source(&e)
+                        .map(|c| format!(": {c}"))
+                        .unwrap_or_default()
+                ),
+            })?;
+            let meta = image.file().metadata().map_err(|source| VmError::Io {
+                what: format!("disk {i}'s base cannot be read"),
+                source,
+            })?;
+            use std::os::unix::fs::MetadataExt;
+            disks.push(ExportedDisk {
+                disk: o.disk,
+                runs,
+                dev: meta.dev(),
+                ino: meta.ino(),
+            });
+        }
         let words = self.ram.diverged_words();
         let delta =
             crate::sys::memfd(&format!("k7d-delta-{}", self.id), self.ram.size()).map_err(|source| VmError::Io {
@@ -202,6 +294,7 @@ impl Vm {
             words,
             base: self.ram.memfd(),
             delta,
+            disks,
         })
     }
 
@@ -210,17 +303,22 @@ impl Vm {
     /// Its devices are built from its config and the files handed over
     /// with it (its own taps, vsock socket and entropy source), its
     /// read-only disks from the same images as the source's (handed open:
-    /// what a read-only disk's copy-on-write view is); a read-write disk is
-    /// refused.
+    /// what a read-only disk's copy-on-write view is), its read-write ones
+    /// from the source's frozen base and an overlay of its own (both
+    /// handed open) with the present clusters of `received.disks`.
     pub fn from_export(
         id: &str,
         config: &crate::config::VmConfig,
         opts: &VmOptions,
-        state: &super::persist::MachineState,
-        base: std::fs::File,
-        delta: std::fs::File,
-        words: &[u64],
+        received: Received<'_>,
     ) -> Result<Self, VmError> {
+        let Received {
+            state,
+            base,
+            delta,
+            words,
+            disks,
+        } = received;
         let parent = GuestRam::from_capture(base, delta, words, config.memory_mib << 20)?;
         // The devices' backends in bus order (rng, disks, NICs, vsock).
         let mut backends = VecDeque::new();
@@ -228,23 +326,37 @@ impl Vm {
             backends.push_back(ForkBackend::from_config());
         }
         for (i, d) in config.devices.disks.iter().enumerate() {
-            if !d.read_only {
-                return Err(VmError::Refused(format!(
-                    "vm {id}: disk {i} is read-write: a child built from a fork instant handed over takes read-only disks only"
-                )));
-            }
             let index = u16::try_from(i).map_err(|_| VmError::Refused(format!("vm {id}: too many disks")))?;
+            let take = |role: super::handed::FileRole| {
+                opts.files
+                    .take(role)
+                    .and_then(|f| f.ok_or_else(|| format!("{role} was not handed over")))
+                    .map_err(|msg| VmError::Device {
+                        what: "virtio-blk",
+                        msg,
+                    })
+            };
             let disk = match &d.path {
+                Some(p) if d.read_only => k7d_devices::virtio::block::DiskImage::from_file(
+                    take(super::handed::FileRole::Disk { index })?,
+                    true,
+                    p.display().to_string(),
+                ),
                 Some(p) => {
-                    let f = opts
-                        .files
-                        .take(super::handed::FileRole::Disk { index })
-                        .and_then(|f| f.ok_or_else(|| format!("disk {i}'s image was not handed over")))
-                        .map_err(|msg| VmError::Device {
+                    let runs = disks
+                        .iter()
+                        .find(|x| x.disk == index)
+                        .map(|x| x.runs.as_slice())
+                        .ok_or_else(|| VmError::Device {
                             what: "virtio-blk",
-                            msg,
+                            msg: format!("disk {i} is read-write, and its overlay's clusters were not given"),
                         })?;
-                    k7d_devices::virtio::block::DiskImage::from_file(f, true, p.display().to_string())
+                    k7d_devices::virtio::block::DiskImage::from_parts(
+                        take(super::handed::FileRole::Disk { index })?,
+                        take(super::handed::FileRole::DiskOverlay { index })?,
+                        runs,
+                        p.display().to_string(),
+                    )
                 }
                 None => k7d_devices::virtio::block::DiskImage::empty(),
             }

@@ -31,6 +31,12 @@ pub enum FileRole {
         /// Its place in the config's disks.
         index: u16,
     },
+    /// Read-write disk `index`'s copy-on-write overlay (a fork child's own,
+    /// made by the caller; its `Disk` is then the frozen base, read-only).
+    DiskOverlay {
+        /// Its place in the config's disks.
+        index: u16,
+    },
     /// The guest's serial log, opened for appending.
     SerialLog,
     /// virtio-rng's entropy source.
@@ -57,6 +63,7 @@ impl std::fmt::Display for FileRole {
             Self::Initrd => f.write_str("the initrd"),
             Self::RawImage => f.write_str("the guest image"),
             Self::Disk { index } => write!(f, "disk {index}'s image"),
+            Self::DiskOverlay { index } => write!(f, "disk {index}'s overlay"),
             Self::SerialLog => f.write_str("the serial log"),
             Self::Entropy => f.write_str("the entropy source"),
             Self::TapQueue { nic, queue } => write!(f, "queue {queue} of nic {nic}'s tap"),

@@ -556,7 +556,62 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     assert_eq!(info(dir, "src")["status"], "paused");
     assert!(cli(dir, &["resume", "src"]).status.success());
     assert!(grows(|| counter(dir, "src")));
-    for id in ["src-f1", "src-f2", "src"] {
+    // `k7d rebase` in its VM process: a new base holding its RAM as it is,
+    // built while it runs (it runs on); its next child is its RAM at that
+    // fork. A VM never forked has no base to re-base (one sentence), and
+    // a threshold no thread would watch in a VM process is refused.
+    let o = cli(dir, &["--json", "rebase", "src"]);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(r["id"], "src", "{r}");
+    assert!(
+        r["diverged_mib"].as_f64().is_some_and(|m| m > 0.0),
+        "nothing diverged: {r}"
+    );
+    assert_eq!(info(dir, "src")["status"], "running");
+    assert!(grows(|| counter(dir, "src")), "src stopped at its re-base");
+    assert!(cli(dir, &["pause", "src"]).status.success());
+    let at_fork = read_pages(src, "src", AREA, PAGES);
+    let count_at_fork = counter(dir, "src");
+    let line = serde_json::json!({"v": 1, "op": "fork", "args": {"id": "src", "count": 1, "name": "after-rebase"}});
+    let v = api(dir, &line.to_string());
+    assert_eq!(v["ok"], true, "{v}");
+    let pid = pid_of(dir, "after-rebase");
+    guard.pids.push(pid);
+    assert!(
+        read_pages(pid, "src", AREA, PAGES) == at_fork,
+        "the re-based source's child differs from it at the fork instant"
+    );
+    assert!(grows(|| counter(dir, "after-rebase")));
+    assert!(counter(dir, "after-rebase") > count_at_fork);
+    let o = cli(
+        dir,
+        &["create", "--id", "fresh", "--builtin", "memwriter", "--memory", "16"],
+    );
+    assert!(o.status.success(), "{:?}", text(&o));
+    guard.pids.push(pid_of(dir, "fresh"));
+    let o = cli(dir, &["rebase", "fresh"]);
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = text(&o).1;
+    assert!(err.contains("fresh") && err.lines().count() == 1, "{err}");
+    let o = cli(
+        dir,
+        &[
+            "create",
+            "--id",
+            "watched",
+            "--builtin",
+            "memwriter",
+            "--memory",
+            "16",
+            "--rebase-at",
+            "10",
+        ],
+    );
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    assert!(text(&o).1.contains("fork.rebase_at_percent"), "{:?}", text(&o));
+    assert!(!dir.join("state/vms/watched").exists(), "the refused create left files");
+    for id in ["fresh", "after-rebase", "src-f1", "src-f2", "src"] {
         assert!(cli(dir, &["delete", id]).status.success());
     }
     for &p in &guard.pids {
@@ -1944,6 +1999,7 @@ fn forks_of_a_vm_process_with_a_read_write_disk_share_its_frozen_base() {
     let image = dir.join("image.img");
     std::fs::write(&image, vec![7u8; 1 << 20]).unwrap();
     let rw = format!("{},rw", image.display());
+    std::fs::write(dir.join("b.img"), vec![0u8; 1 << 20]).unwrap();
     let create = |id: &str| {
         cli(
             dir,
@@ -1978,6 +2034,31 @@ fn forks_of_a_vm_process_with_a_read_write_disk_share_its_frozen_base() {
         "the daemon keeps the image open"
     );
     assert_eq!(overlays_held(daemon_pid, dir), 0, "the daemon keeps an overlay");
+    // A disk budget its children's overlays could not be held to, in VM
+    // processes of their own, is refused before anything is paused.
+    let o = cli(
+        dir,
+        &[
+            "create",
+            "--id",
+            "budget",
+            "--kernel",
+            k,
+            "--memory",
+            "128",
+            "--disk",
+            &format!("{},rw", dir.join("b.img").display()),
+            "--max-children-disk",
+            "4",
+        ],
+    );
+    assert!(o.status.success(), "create budget: {:?}", text(&o));
+    guard.pids.push(pid_of(dir, "budget"));
+    let o = cli(dir, &["fork", "budget"]);
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    assert!(text(&o).1.contains("fork.max_children_disk_mib"), "{:?}", text(&o));
+    assert!(!dir.join("state/vms/budget-f1").exists());
+    assert!(cli(dir, &["delete", "budget"]).status.success());
     // The base is frozen: no other VM may write it.
     let o = create("other");
     assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));

@@ -810,6 +810,10 @@ impl Daemon {
         use crate::vstate::vm::VmState;
         let ids_of: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
         let procs = self.forking_processes(id)?;
+        for r in remotes {
+            let g = r.lock().unwrap_or_else(|p| p.into_inner());
+            super::processes::refuse_unbudgeted_disks(g.id(), g.config())?;
+        }
         let mut child_clusters = self.reserve_child_clusters(id, count)?;
         let held: Vec<Reservation<'_>> = ids_of
             .iter()

@@ -104,7 +104,7 @@ enum Slot {
 /// The sentence for a request a VM process does not serve yet.
 fn not_served_in_a_process(id: &str) -> String {
     format!(
-        "vm {id} runs in a VM process of its own, which serves start, pause, resume, stop, delete, info, peek, snapshot, fork and clusters so far"
+        "vm {id} runs in a VM process of its own, which serves start, pause, resume, stop, delete, info, peek, snapshot, fork, rebase and clusters so far"
     )
 }
 

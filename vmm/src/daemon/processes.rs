@@ -1144,6 +1144,24 @@ impl Remote {
     }
 }
 
+/// Refuses, before anything is paused, a fork across processes of `id`
+/// whose read-write disks' children have a budget
+/// (`fork.max_children_disk_mib`): each child's overlay is another
+/// process's to write, and no budget follows those yet. Never an
+/// unenforced limit.
+pub(super) fn refuse_unbudgeted_disks(id: &str, config: &VmConfig) -> Result<(), ApiError> {
+    let rw = config.devices.disks.iter().any(|d| !d.read_only && d.path.is_some());
+    if rw && config.fork.max_children_disk_mib.is_some() {
+        return Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!(
+                "vm {id} sets fork.max_children_disk_mib, which its children's disks cannot be held to in VM processes of their own yet: unset it to fork it"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A read-only open of the memfd `fd` (through `/proc/self/fd`), which
 /// must be named `prefix…`: a base a child can map but not write.
 fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
@@ -1423,6 +1441,7 @@ impl super::Daemon {
             Api::Start(id) | Api::Pause(id) | Api::Resume(id) | Api::Stop(id) | Api::Info(id) => id,
             Api::Peek(a) => &a.id,
             Api::Medium(a) => &a.id,
+            Api::Rebase(id) => id,
             _ => return None,
         };
         let r = self.process(id)?;
@@ -1449,6 +1468,13 @@ impl super::Daemon {
                     .map(drop)
                     .map_err(|e| internal(&format!("vm {id}: cannot record its medium"), e))
             }),
+            Api::Rebase(_) => {
+                return Some(match g.call(&Request::Rebase) {
+                    Ok(Reply::Rebased(r)) if r.id == *id => Ok(ApiReply::Rebased(r)),
+                    Ok(other) => Err(internal(&format!("vm {id}: rebase"), format!("{other:?}"))),
+                    Err(e) => Err(e),
+                });
+            }
             Api::Peek(a) => {
                 return Some(
                     match g.call(&Request::Peek {
@@ -1493,6 +1519,7 @@ impl super::Daemon {
     ) -> Result<super::api::Forked, ApiError> {
         let id = args.id.as_str();
         let procs = self.forking_processes(id)?;
+        refuse_unbudgeted_disks(id, lock(source).config())?;
         let spec = super::child_spec(args);
         let held = self.reserve_children(id, args.count, args.name.as_deref())?;
         let t = Instant::now();
@@ -1787,6 +1814,16 @@ impl super::Daemon {
         start: bool,
         restored: Option<&Restored>,
     ) -> Result<super::api::VmInfo, ApiError> {
+        // The `k7d-rebase` thread reaches the daemon's own VMs only: a
+        // threshold nobody watches is refused, never ignored.
+        if config.fork.rebase_at_percent.is_some() {
+            return Err(ApiError::new(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "vm {id} sets fork.rebase_at_percent, which is not watched in VM processes yet: unset it and re-base with `k7d rebase`"
+                ),
+            ));
+        }
         let id = id.to_string();
         let dir = self
             .store

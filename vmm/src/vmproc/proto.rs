@@ -106,6 +106,8 @@ pub enum Request {
     /// What a snapshot of this paused VM is written from, by the caller
     /// (a VM process reaches no directory): [`Reply::SnapshotParts`].
     SnapshotParts,
+    /// Re-base this fork source ([`crate::Vm::rebase`]): [`Reply::Rebased`].
+    Rebase,
     /// Start its vCPUs.
     Start,
     /// Pause every vCPU and device.
@@ -135,7 +137,7 @@ pub enum Request {
 }
 
 /// What the VM process answers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "reply", rename_all = "snake_case", deny_unknown_fields)]
 pub enum Reply {
     /// To [`Request::Hello`].
@@ -173,6 +175,8 @@ pub enum Reply {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         diverged: Option<Vec<u64>>,
     },
+    /// To [`Request::Rebase`]: what the re-base did.
+    Rebased(crate::vstate::rebase::Rebased),
     /// Words read.
     Peeked {
         /// The words.

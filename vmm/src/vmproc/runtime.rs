@@ -383,6 +383,10 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
         | Request::BuildRestored { .. }
         | Request::Medium { .. } => Err("handled above".into()),
         Request::Start => built(vm)?.start().map(|()| Reply::Ok).map_err(|e| e.to_string()),
+        Request::Rebase => built(vm)?
+            .rebase(Duration::from_secs(2))
+            .map(Reply::Rebased)
+            .map_err(|e| e.to_string()),
         Request::Pause => built(vm)?
             .pause(Duration::from_secs(2))
             .map(|()| Reply::Ok)

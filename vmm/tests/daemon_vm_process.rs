@@ -568,7 +568,8 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
         r["diverged_mib"].as_f64().is_some_and(|m| m > 0.0),
         "nothing diverged: {r}"
     );
-    assert_eq!(info(dir, "src")["status"], "running");
+    let i = info(dir, "src");
+    assert_eq!((&i["status"], &i["rebases"]), (&"running".into(), &1.into()), "{i}");
     assert!(grows(|| counter(dir, "src")), "src stopped at its re-base");
     assert!(cli(dir, &["pause", "src"]).status.success());
     let at_fork = read_pages(src, "src", AREA, PAGES);

@@ -13,12 +13,12 @@
 //! connections to the host are refused: the VM process has no path to
 //! reach), NICs in pod networks attached here (at the build, or a bare
 //! one later: `nic_attach`) and detached at delete; start, pause, resume,
-//! stop, delete, info, list, peek, medium, fork (of VMs without
-//! read-write disks: each child's devices made here as for a build) and
-//! clusters (their members' NICs on the cluster's private bridge, each
-//! fork's children's taps on a bridge of that fork's own before they run;
-//! members without read-write disks). A request the VM process does not
-//! serve yet is refused with a sentence.
+//! stop, delete, info, list, peek, medium, rebase, snapshot, restore, fork
+//! (each child's devices made here as for a build; a read-write disk's
+//! overlay files made here too: `ForkedDisk`) and clusters (their members'
+//! NICs on the cluster's private bridge, each fork's children's taps on a
+//! bridge of that fork's own before they run). A request the VM process
+//! does not serve yet is refused with a sentence.
 
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -1987,6 +1987,7 @@ impl super::Daemon {
             devices,
             rng_reseed,
             vmgenid,
+            rebases,
         } = g.status();
         let mut devices = devices;
         let p = g.record();
@@ -2026,7 +2027,7 @@ impl super::Daemon {
             exits,
             parent,
             children: self.children_of(g.id()),
-            rebases: 0,
+            rebases,
             shells_ready: None,
             rng_reseed,
             vmgenid,

@@ -15,8 +15,11 @@
 //! own connections to the host, by path, are refused), a NIC's tap queues
 //! arrive open (in a pod's netns with the datapath around them, for a
 //! datapath NIC: the daemon's to detach), a new medium arrives open; a
-//! fork child's devices are built from files handed over the same way.
-//! Not yet: vhost-net, snapshots, forks of VMs with read-write disks.
+//! fork child's devices are built from files handed over the same way
+//! (a read-write disk's: its frozen base read-only and an overlay of its
+//! own, made by the caller, which also hands the source the overlay files
+//! a fork takes); snapshots' parts and re-bases are served too.
+//! Not yet: vhost-net.
 
 /// The exit status of a VM process that panicked (its panic hook ends it:
 /// nothing carries on with what the panic left half-changed).

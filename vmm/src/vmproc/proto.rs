@@ -216,6 +216,13 @@ pub struct VmStatus {
     /// Its VM Generation ID (hex), when it has the device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vmgenid: Option<String>,
+    /// Re-bases so far.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub rebases: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl VmStatus {
@@ -229,6 +236,7 @@ impl VmStatus {
             devices: Vec::new(),
             rng_reseed: None,
             vmgenid: None,
+            rebases: 0,
         }
     }
 }

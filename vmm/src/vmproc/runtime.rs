@@ -421,6 +421,7 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
                 devices: v.devices().to_vec(),
                 rng_reseed: Some(v.rng_reseed()),
                 vmgenid: v.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
+                rebases: v.rebases(),
             }))
         }
         Request::Stop => {

@@ -272,6 +272,8 @@ fi
 lab_metric fork.ms "$fork_ms" ms
 [ -z "$paused_ms" ] || lab_metric fork.source_paused_ms "$paused_ms" ms
 lab_note "fork: k7d fork $SRC --count 1 -> child $CH, fork_ms=$fork_ms, source_paused_ms=${paused_ms:-?}; the CLI call took $(lab_sub "$u_fork1" "$u_fork0") s in L1; source ticks n=$n_before before the call, n=$n_after after it"
+lab_where "$sock" "$SRC" "$CH"
+lab_note "where: $where"
 ch_p=$(last_n "$CH_LOG" 2>/dev/null || echo 0)
 sleep "$PAUSE_S"
 sz_r=$(wc -c <"$SRC_LOG") src_r=$(last_n "$SRC_LOG") ch_r=$(last_n "$CH_LOG" 2>/dev/null || echo 0)

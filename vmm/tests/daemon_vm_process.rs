@@ -817,16 +817,21 @@ fn a_vm_process_refuses_bad_guest_files_with_a_sentence_and_leaves_nothing() {
     let err = text(&o).1;
     assert!(err.contains("vm bad: ") && err.contains(k), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
-    // A pod network that is not there, and vhost-net asked for by name (a
-    // VM process is not handed /dev/vhost-net yet): refused by the daemon
-    // before anything starts, one sentence each.
+    // A pod network that is not there, and vhost-net asked for by name on
+    // a host without it (the daemon opens /dev/vhost-net for a VM process,
+    // which opens no path): refused by the daemon before anything starts,
+    // one sentence each.
+    let no_vhost = !Path::new("/dev/vhost-net").exists();
     for (nic, says) in [
         (
             "datapath=direct,netns=/run/netns/k7d-bad,pod-if=eth0",
             "/run/netns/k7d-bad",
         ),
-        ("vhost=on", "a VM process is not handed /dev/vhost-net"),
+        ("vhost=on", "/dev/vhost-net does not exist"),
     ] {
+        if nic == "vhost=on" && !no_vhost {
+            continue;
+        }
         let o = cli(dir, &["create", "--id", "bad", "--kernel", k, "--nic", nic]);
         assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
         let err = text(&o).1;

@@ -274,8 +274,10 @@ pub(super) fn keep_spares(procs: &Arc<VmProcesses>) {
 }
 
 /// The taps of `config`'s NICs, made here (the VM process may not), each
-/// queue as a file: planned as the VM process plans them (the same node
-/// settings, no vhost), so both settle on the same queue count. A tap goes
+/// queue as a file, and on the kernel's data plane one `/dev/vhost-net`
+/// per queue pair: planned here as inside the daemon, and by the VM
+/// process from what it was handed (vhost devices or none) with the same
+/// node settings, so both settle on the same plane and queues. A tap goes
 /// when the last of its queues closes: with the VM process, or here when
 /// the build fails. A NIC in a pod network gets its tap in the pod netns
 /// with the datapath around it (`attach_to_pod`, as a VM built here
@@ -289,9 +291,37 @@ fn taps(id: &str, config: &VmConfig, node: &crate::config::NodeConfig, out: &mut
     let mut nl = None;
     for (i, n) in config.devices.nics.iter().enumerate() {
         let nic = u16::try_from(i).map_err(|_| bad("too many NICs".into()))?;
-        let avail =
-            k7d_net::policy::VhostAvailability::Unavailable(crate::vstate::handed::NO_VHOST_IN_A_VM_PROCESS.into());
-        let plan = crate::vstate::nic_plan(&net, n, config.vcpus, avail).map_err(|e| bad(format!("nic {i}: {e}")))?;
+        // Planned as a VM built here plans it; on the kernel's data plane
+        // the VM process is handed one /dev/vhost-net per pair (opened
+        // here: it opens no path). One that cannot be opened falls back to
+        // userspace as inside the daemon (refused when vhost was asked for
+        // by name).
+        use k7d_net::policy::VhostAvailability;
+        let avail = if n.vhost.unwrap_or(net.vhost_default()) && n.datapath.is_none() {
+            VhostAvailability::probe(Path::new(k7d_net::policy::VHOST_NET_PATH))
+        } else {
+            VhostAvailability::Unavailable("not probed".into())
+        };
+        let mut plan =
+            crate::vstate::nic_plan(&net, n, config.vcpus, avail).map_err(|e| bad(format!("nic {i}: {e}")))?;
+        let mut vhost = Vec::new();
+        if plan.vhost {
+            match (0..plan.queue_pairs)
+                .map(|_| k7d_devices::virtio::net::open_vhost_net())
+                .collect::<std::io::Result<Vec<_>>>()
+            {
+                Ok(v) => vhost = v,
+                Err(e) => {
+                    let why =
+                        VhostAvailability::Unavailable(format!("cannot open {}: {e}", k7d_net::policy::VHOST_NET_PATH));
+                    plan = crate::vstate::nic_plan(&net, n, config.vcpus, why)
+                        .map_err(|e| bad(format!("nic {i}: {e}")))?;
+                }
+            }
+        }
+        if let Some(w) = &plan.warning {
+            tracing::warn!(vm = %id, nic = i, "{w}");
+        }
         let tap = match &n.datapath {
             None => {
                 let name = n.tap.clone().unwrap_or_else(|| k7d_net::nic_names(id, nic).tap);
@@ -324,6 +354,10 @@ fn taps(id: &str, config: &VmConfig, node: &crate::config::NodeConfig, out: &mut
             let queue = u16::try_from(q).map_err(|_| bad("too many queues".into()))?;
             out.roles.push(FileRole::TapQueue { nic, queue });
             out.files.push(std::fs::File::from(fd));
+        }
+        for (pair, f) in (0u16..).zip(vhost) {
+            out.roles.push(FileRole::VhostNet { nic, pair });
+            out.files.push(f);
         }
     }
     Ok(())

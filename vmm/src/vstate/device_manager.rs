@@ -521,8 +521,14 @@ impl PciCtx<'_> {
         };
         let would_vhost = n.vhost.unwrap_or(node.vhost_default());
         let handed = self.files.handed();
+        // A VM process opens no path: the daemon planned the NIC, and
+        // handed it one /dev/vhost-net per pair when it planned vhost.
         let avail = if handed {
-            VhostAvailability::Unavailable(super::handed::NO_VHOST_IN_A_VM_PROCESS.into())
+            if self.files.has(FileRole::VhostNet { nic: idx, pair: 0 }) {
+                VhostAvailability::Available
+            } else {
+                VhostAvailability::Unavailable(super::handed::NO_VHOST_HANDED.into())
+            }
         } else if would_vhost && n.datapath.is_none() {
             VhostAvailability::probe(Path::new(VHOST_NET_PATH))
         } else {
@@ -594,7 +600,25 @@ impl PciCtx<'_> {
             mac,
             queue_pairs: pairs,
         };
-        let net = if plane.vhost {
+        let net = if plane.vhost && handed {
+            let opts = k7d_devices::virtio::net::VhostOptions {
+                dirty_log: self.fork_backends.is_some(),
+            };
+            let devices = (0..plane.queue_pairs)
+                .map(|pair| {
+                    let role = FileRole::VhostNet { nic: idx, pair };
+                    self.files
+                        .take(role)
+                        .and_then(|f| f.ok_or_else(|| format!("{role} was not handed to this VM process")))
+                })
+                .collect::<Result<Vec<_>, String>>()
+                .map_err(|msg| VmError::Device {
+                    what: "virtio-net",
+                    msg,
+                })?;
+            k7d_devices::virtio::net::Net::new_vhost_with(tap, cfg(plane.queue_pairs), self.mem.clone(), opts, devices)
+                .map_err(|e| dev_err("virtio-net")(&e))?
+        } else if plane.vhost {
             // The dirty log is switched on by the first fork (logging costs
             // the kernel a bit set per page it writes); a fork child's is on
             // from its start, as its KVM dirty log is: it can be forked in

@@ -48,6 +48,15 @@ pub enum FileRole {
         /// The queue (pair) index.
         queue: u16,
     },
+    /// `/dev/vhost-net` for queue pair `pair` of NIC `nic` (opened by the
+    /// daemon, which may; the VM process takes ownership of it): handed
+    /// over only when the daemon planned the NIC on the kernel's data plane.
+    VhostNet {
+        /// Its place in the config's NICs.
+        nic: u16,
+        /// The queue pair.
+        pair: u16,
+    },
     /// The VM process's own log: it becomes its standard error.
     ProcessLog,
     /// vsock's host socket, bound and listening (the daemon binds it at
@@ -64,6 +73,7 @@ impl std::fmt::Display for FileRole {
             Self::RawImage => f.write_str("the guest image"),
             Self::Disk { index } => write!(f, "disk {index}'s image"),
             Self::DiskOverlay { index } => write!(f, "disk {index}'s overlay"),
+            Self::VhostNet { nic, pair } => write!(f, "nic {nic}'s /dev/vhost-net for queue pair {pair}"),
             Self::SerialLog => f.write_str("the serial log"),
             Self::Entropy => f.write_str("the entropy source"),
             Self::TapQueue { nic, queue } => write!(f, "queue {queue} of nic {nic}'s tap"),
@@ -128,17 +138,24 @@ impl HostFiles {
         }
     }
 
+    /// Whether `role` was handed over (and not taken yet).
+    pub fn has(&self, role: FileRole) -> bool {
+        match self {
+            Self::Paths => false,
+            Self::Handed(h) => h.files.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&role),
+        }
+    }
+
     /// Whether files arrive handed over.
     pub fn handed(&self) -> bool {
         matches!(self, Self::Handed(_))
     }
 }
 
-/// Why a NIC in a VM process has no kernel vhost-net data plane: the same
-/// sentence where the daemon plans the NIC and where the VM process builds
-/// it, so both settle on the same queues.
-pub const NO_VHOST_IN_A_VM_PROCESS: &str =
-    "a VM process is not handed /dev/vhost-net yet (issue 36): the NIC runs in userspace";
+/// Why a NIC in a VM process has no kernel vhost-net data plane: its
+/// daemon handed it no `/dev/vhost-net` (it planned the NIC in userspace,
+/// and said why in its own log).
+pub const NO_VHOST_HANDED: &str = "its daemon handed it no /dev/vhost-net: the NIC runs in userspace";
 
 /// Opens a guest input file (kernel, initrd, raw image) read-only as the
 /// VM would: `O_NONBLOCK` so that a FIFO put in its place does not wait

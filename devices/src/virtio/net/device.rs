@@ -203,6 +203,32 @@ impl Net {
         Ok(net)
     }
 
+    /// [`Net::new_vhost`] over `/dev/vhost-net` devices the caller opened,
+    /// one per queue pair (a VM process, which opens no path, is handed
+    /// them).
+    pub fn new_vhost_with(
+        tap: Tap,
+        config: NetConfig,
+        mem: GuestMemoryHandle,
+        opts: VhostOptions,
+        devices: Vec<std::fs::File>,
+    ) -> Result<Self, NetError> {
+        if devices.len() != usize::from(config.queue_pairs) {
+            return Err(NetError::Vhost {
+                pair: 0,
+                op: "open",
+                reason: format!(
+                    "{} vhost-net devices for {} queue pairs",
+                    devices.len(),
+                    config.queue_pairs
+                ),
+            });
+        }
+        let mut net = Self::new(tap, config)?;
+        net.vhost = Some(VhostNetBackend::with_devices(mem, devices, opts)?);
+        Ok(net)
+    }
+
     /// Whether the kernel serves the rings (the data plane settled at build).
     pub fn is_vhost(&self) -> bool {
         self.vhost.is_some()

@@ -43,7 +43,7 @@ pub mod vhost;
 use thiserror::Error;
 
 pub use device::{Net, NetConfig, NetStats, QueuePairStats};
-pub use vhost::{VhostDirtyLog, VhostOptions};
+pub use vhost::{VhostDirtyLog, VhostOptions, open_vhost_net};
 
 /// Size of every queue.
 pub const QUEUE_SIZE: u16 = 256;

@@ -56,7 +56,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tracing::{debug, info, warn};
 use vhost::net::VhostNet;
 use vhost::vhost_kern::VhostKernBackend;
-use vhost::vhost_kern::net::Net as KernNet;
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_bindings::virtio_net::VIRTIO_NET_F_MRG_RXBUF;
 use virtio_queue::QueueT;
@@ -242,12 +241,69 @@ fn vhost_err(pair: u16, op: &'static str) -> impl Fn(vhost::Error) -> NetError {
     }
 }
 
+/// Opens `/dev/vhost-net` as a pair's device: what a daemon opens for a
+/// VM process (which opens no path) and hands over, and what
+/// [`VhostNetBackend::open`] opens itself.
+pub fn open_vhost_net() -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NONBLOCK)
+        .open(VHOST_NET_PATH)
+}
+
+/// One `/dev/vhost-net` instance over an open descriptor (the `vhost`
+/// crate's kernel backend opens the path itself, which a VM process with
+/// no filesystem cannot): the crate's ioctls through [`VhostKernBackend`],
+/// and `VHOST_NET_SET_BACKEND`.
+struct VhostNetDevice {
+    fd: File,
+    mem: GuestMemoryHandle,
+}
+
+impl std::os::fd::AsRawFd for VhostNetDevice {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+impl VhostKernBackend for VhostNetDevice {
+    type AS = GuestMemoryHandle;
+
+    fn mem(&self) -> &GuestMemoryHandle {
+        &self.mem
+    }
+}
+
+impl VhostNet for VhostNetDevice {
+    fn set_backend(&self, queue_idx: usize, fd: Option<&File>) -> vhost::Result<()> {
+        use std::os::fd::AsRawFd;
+        let file = vhost::vhost_kern::vhost_binding::vhost_vring_file {
+            index: u32::try_from(queue_idx)
+                .map_err(|_| vhost::Error::IoctlError(std::io::Error::from(std::io::ErrorKind::InvalidInput)))?,
+            fd: fd.map_or(-1, |f| f.as_raw_fd()),
+        };
+        // SAFETY: the descriptor is this device's own /dev/vhost-net, the
+        // request is VHOST_NET_SET_BACKEND, whose argument is the
+        // `vhost_vring_file` passed by reference and only read by the
+        // kernel; the return value is checked.
+        let rc = unsafe {
+            vmm_sys_util::ioctl::ioctl_with_ref(self, vhost::vhost_kern::vhost_binding::VHOST_NET_SET_BACKEND(), &file)
+        };
+        if rc < 0 {
+            return Err(vhost::Error::IoctlError(std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+}
+
 /// The kernel vhost-net data plane of one NIC: one `/dev/vhost-net` per
 /// queue pair.
 pub struct VhostNetBackend {
     /// Dropped first: the kernel stops using the log and guest memory when
     /// these close.
-    pairs: Vec<KernNet<GuestMemoryHandle>>,
+    pairs: Vec<VhostNetDevice>,
     kernel: u64,
     log: Option<Arc<VhostDirtyLog>>,
     /// The VM's RAM (a log switched on later is sized for it).
@@ -275,11 +331,27 @@ impl VhostNetBackend {
     /// reads the kernel's features. `mem` must be the VM's RAM (the mapping
     /// the device is activated with).
     pub fn open(mem: GuestMemoryHandle, queue_pairs: u16, opts: VhostOptions) -> Result<Self, NetError> {
+        let devices = (0..queue_pairs)
+            .map(|k| open_vhost_net().map_err(|e| vhost_err(k, "open")(vhost::Error::VhostOpen(e))))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::with_devices(mem, devices, opts)
+    }
+
+    /// [`VhostNetBackend::open`] over `devices`, one `/dev/vhost-net` per
+    /// queue pair opened by the caller ([`open_vhost_net`]; a VM process is
+    /// handed them). `VHOST_SET_OWNER` is done here: the kernel's worker
+    /// then serves this process's memory.
+    pub fn with_devices(mem: GuestMemoryHandle, devices: Vec<File>, opts: VhostOptions) -> Result<Self, NetError> {
         let log = opts.dirty_log.then(|| Arc::new(VhostDirtyLog::for_memory(&mem)));
-        let mut pairs = Vec::with_capacity(usize::from(queue_pairs));
+        let queue_pairs = u16::try_from(devices.len()).map_err(|_| NetError::Vhost {
+            pair: 0,
+            op: "open",
+            reason: format!("{} vhost-net devices for one NIC", devices.len()),
+        })?;
+        let mut pairs = Vec::with_capacity(devices.len());
         let mut kernel = u64::MAX;
-        for k in 0..queue_pairs {
-            let net = KernNet::new(mem.clone()).map_err(vhost_err(k, "open"))?;
+        for (k, fd) in (0u16..).zip(devices) {
+            let net = VhostNetDevice { fd, mem: mem.clone() };
             net.set_owner().map_err(vhost_err(k, "VHOST_SET_OWNER"))?;
             kernel &= net.get_features().map_err(vhost_err(k, "VHOST_GET_FEATURES"))?;
             pairs.push(net);

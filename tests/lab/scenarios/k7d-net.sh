@@ -138,9 +138,14 @@ elif [ "$VMM" = k7d-jail ]; then
     *) lab_fail "the daemon did not report 'tap $TAP, vhost: $VHOST, queues: 2' (it printed: $line)" ;;
   esac
   grep -q "stopped (guest poweroff)" "$LOG" || lab_fail "k7d did not report the guest poweroff"
-  # Its tap's two queues among its descriptors.
+  # Its tap's two queues among its descriptors, and on vhost-net one
+  # /dev/vhost-net per queue pair (handed over: it opens no path).
   [ "$(grep -c ' -> /dev/net/tun$' /tmp/k7d-jail/fds)" = 2 ] ||
     lab_fail "the VM process does not hold the tap's 2 queues: $(tr '\n' ' ' </tmp/k7d-jail/fds)"
+  want=0
+  [ "$VHOST" = on ] && want=2
+  [ "$(grep -c ' -> /dev/vhost-net$' /tmp/k7d-jail/fds)" = "$want" ] ||
+    lab_fail "the VM process does not hold $want vhost-net devices: $(tr '\n' ' ' </tmp/k7d-jail/fds)"
   lab_jail_check
 fi
 [ -n "$DIRECT" ] || ! ip link show "$TAP" >/dev/null 2>&1 || lab_fail "the tap $TAP is still there after $VMM exited"

@@ -7,7 +7,8 @@
 //! why it ended when nobody asked it to (`kill -9`, a crash).
 //!
 //! What runs in a VM process so far: built-in guests, raw images and Linux
-//! guests with disks, virtio-rng and NICs (userspace, on taps made here),
+//! guests with disks, virtio-rng and NICs (on taps made here; on
+//! vhost-net with `/dev/vhost-net` opened here),
 //! every host file and tap queue opened here and handed over
 //! (`host_files`), vsock with its host socket bound here (its guest's own
 //! connections to the host are refused: the VM process has no path to

@@ -18,8 +18,8 @@
 //! fork child's devices are built from files handed over the same way
 //! (a read-write disk's: its frozen base read-only and an overlay of its
 //! own, made by the caller, which also hands the source the overlay files
-//! a fork takes); snapshots' parts and re-bases are served too.
-//! Not yet: vhost-net.
+//! a fork takes); a NIC on vhost-net gets its `/dev/vhost-net` devices
+//! handed over too; snapshots' parts and re-bases are served.
 
 /// The exit status of a VM process that panicked (its panic hook ends it:
 /// nothing carries on with what the panic left half-changed).

@@ -1,6 +1,6 @@
 use std::{os::unix::fs::OpenOptionsExt, path::Path};
 
-use crate::{NetError, sys};
+use crate::NetError;
 
 /// Runs `f` on a fresh thread that has entered the network namespace at
 /// `netns` (e.g. `/run/netns/x` or `/proc/<pid>/ns/net`); `None` runs it in
@@ -26,7 +26,7 @@ where
     std::thread::scope(|s| {
         s.spawn(move || {
             if let Some(ns) = &ns {
-                sys::setns_net(ns).map_err(|e| NetError::os("enter the pod netns", e))?;
+                k7d_sys::netif::setns_net(ns).map_err(|e| NetError::os("enter the pod netns", e))?;
             }
             f()
         })

@@ -1,16 +1,6 @@
-//! Every `unsafe` of k7d-net lives here: setns and statfs/mount of bpffs.
-//! Tap queues and raw fd I/O are `k7d_sys`'s.
-use std::{ffi::CString, fs::File, io, os::fd::AsRawFd, path::Path};
-
-/// Moves the calling thread into the network namespace open at `ns`.
-pub fn setns_net(ns: &File) -> io::Result<()> {
-    // SAFETY: setns only reads the fd number; `ns` keeps it open for the call.
-    let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
+//! Every `unsafe` of k7d-net lives here: statfs/mount of bpffs. Tap
+//! queues, raw fd I/O and setns are `k7d_sys`'s.
+use std::{ffi::CString, io, path::Path};
 
 /// True when `path` is on a bpf filesystem.
 pub fn is_bpffs(path: &Path) -> io::Result<bool> {

@@ -144,13 +144,7 @@ fn pseudo_fs(path: &Path) -> Option<&'static str> {
         (0x1cd1, "devpts"),
     ];
     let c = CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: all-zero is a valid `statfs`.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable `statfs`.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    let magic = st.f_type as i64;
+    let magic = k7d_sys::mount::filesystem_type(&c).ok()?;
     PSEUDO.iter().find(|(m, _)| *m == magic).map(|(_, n)| *n)
 }
 
@@ -242,40 +236,19 @@ fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
         }
         binds.push((cpath(&s.source)?, cpath(&at)?));
     }
-    let root = CString::from(c"/");
     let mut cmd = Command::new("mkfs.erofs");
     cmd.arg("--quiet").arg(image).arg(stage);
     // SAFETY: the closure runs in the forked child before exec and makes
-    // only async-signal-safe system calls (unshare, mount) on C strings
-    // built before the fork; it allocates nothing.
+    // only async-signal-safe system calls (unshare, mount: k7d_sys's
+    // wrappers allocate nothing) on C strings built before the fork.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
+            k7d_sys::mount::unshare_mount_namespace()?;
             // Private first: a bind made under a shared root would
             // propagate to the host's namespace.
-            if libc::mount(
-                std::ptr::null(),
-                root.as_ptr(),
-                std::ptr::null(),
-                libc::MS_REC | libc::MS_PRIVATE,
-                std::ptr::null(),
-            ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
+            k7d_sys::mount::make_private()?;
             for (src, at) in &binds {
-                if libc::mount(
-                    src.as_ptr(),
-                    at.as_ptr(),
-                    std::ptr::null(),
-                    libc::MS_BIND,
-                    std::ptr::null(),
-                ) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
+                k7d_sys::mount::bind(src, at)?;
             }
             Ok(())
         });
@@ -394,9 +367,7 @@ mod tests {
         std::fs::write(top.join("a"), "a").unwrap();
         // A tmpfs mounted below the source, holding more than the limit.
         let at = CString::new(top.join("mnt").as_os_str().as_bytes()).unwrap();
-        // SAFETY: valid C strings; unmounted below.
-        let r = unsafe { libc::mount(c"tmpfs".as_ptr(), at.as_ptr(), c"tmpfs".as_ptr(), 0, std::ptr::null()) };
-        assert_eq!(r, 0, "mount tmpfs: {}", std::io::Error::last_os_error());
+        k7d_sys::mount::mount(Some(c"tmpfs"), &at, Some(c"tmpfs"), 0, None).expect("mount tmpfs");
         std::fs::write(top.join("mnt/hidden"), vec![1u8; 3 << 20]).unwrap();
         let spec = json!({"mounts": [
             {"destination": "/s", "type": "bind", "source": "/proc/self/status", "options": ["rbind", "ro"]},
@@ -406,8 +377,7 @@ mod tests {
         let pod = d.join("pod");
         std::fs::create_dir_all(&pod).unwrap();
         let packed = pack(&spec, &pod, 2 << 20);
-        // SAFETY: the path mounted above.
-        unsafe { libc::umount2(at.as_ptr(), libc::MNT_DETACH) };
+        k7d_sys::mount::unmount_detach(&at).unwrap();
         let c = packed.unwrap().unwrap();
         let got: Vec<usize> = c.mounts.iter().map(|b| b.index).collect();
         assert_eq!(got, [2], "only the directory on a real filesystem is carried");

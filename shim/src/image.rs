@@ -212,21 +212,8 @@ pub(crate) fn run_mkfs(cmd: &mut Command, what: &str, timeout: Duration) -> anyh
 fn mount_overlay_ro(target: &Path, lower: &str) -> anyhow::Result<()> {
     let t = CString::new(target.as_os_str().as_bytes())?;
     let data = CString::new(format!("lowerdir={lower}"))?;
-    // SAFETY: NUL-terminated strings that outlive the call; no pointer is kept.
-    let rc = unsafe {
-        libc::mount(
-            c"overlay".as_ptr(),
-            t.as_ptr(),
-            c"overlay".as_ptr(),
-            libc::MS_RDONLY,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        return Err(std::io::Error::last_os_error())
-            .with_context(|| format!("cannot merge the image layers at {}", target.display()));
-    }
-    Ok(())
+    k7d_sys::mount::mount(Some(c"overlay"), &t, Some(c"overlay"), libc::MS_RDONLY, Some(&data))
+        .with_context(|| format!("cannot merge the image layers at {}", target.display()))
 }
 
 /// Detaches whatever is mounted at `target` (nothing mounted is fine).
@@ -234,8 +221,7 @@ pub fn umount(target: &Path) {
     let Ok(t) = CString::new(target.as_os_str().as_bytes()) else {
         return;
     };
-    // SAFETY: a NUL-terminated path that outlives the call.
-    unsafe { libc::umount2(t.as_ptr(), libc::MNT_DETACH) };
+    let _ = k7d_sys::mount::unmount_detach(&t);
 }
 
 #[cfg(test)]

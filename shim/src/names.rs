@@ -109,23 +109,7 @@ fn is_pool_member(id: &str) -> bool {
 fn is_mount_root(p: &Path) -> std::io::Result<bool> {
     let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
         .map_err(|_| std::io::Error::other(format!("{} holds a NUL byte", p.display())))?;
-    // SAFETY: all-zero is a valid `statx`.
-    let mut st: libc::statx = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated path and `st` a writable `statx`.
-    let r = unsafe {
-        libc::statx(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-            libc::STATX_BASIC_STATS,
-            &mut st,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    let bit = libc::STATX_ATTR_MOUNT_ROOT as u64;
-    Ok(st.stx_attributes_mask & bit != 0 && st.stx_attributes & bit != 0)
+    k7d_sys::mount::is_mount_root(&c)
 }
 
 /// Removes `dir` and what is under it on device `dev`, entering no mount.
@@ -220,20 +204,9 @@ mod tests {
         std::fs::create_dir_all(n.dir.join("bound")).unwrap();
         let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).unwrap();
         let (src, at) = (c(&outside), c(&n.dir.join("bound")));
-        // SAFETY: valid paths; a plain bind, undone below.
-        let r = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                at.as_ptr(),
-                std::ptr::null(),
-                libc::MS_BIND,
-                std::ptr::null(),
-            )
-        };
-        assert_eq!(r, 0, "bind mount: {}", std::io::Error::last_os_error());
+        k7d_sys::mount::bind(&src, &at).expect("bind mount");
         n.remove_dir();
-        // SAFETY: the path mounted above.
-        unsafe { libc::umount2(at.as_ptr(), libc::MNT_DETACH) };
+        k7d_sys::mount::unmount_detach(&at).unwrap();
         assert!(outside.join("precious").exists(), "a bind's source is never emptied");
         assert!(n.dir.join("bound").exists(), "the directory holding the mount is kept");
         std::fs::remove_dir_all(&state).unwrap();

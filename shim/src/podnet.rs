@@ -6,7 +6,6 @@
 //! address, gateway and MTU ([`PodNet`], read here from inside the netns).
 
 use std::net::Ipv4Addr;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
@@ -60,29 +59,29 @@ pub fn take(netns: &Path) -> anyhow::Result<PodNet> {
     std::thread::Builder::new()
         .name("k7d-shim-podnet".into())
         .spawn(move || -> anyhow::Result<PodNet> {
-            // SAFETY: setns changes this thread's network namespace only;
-            // `ns` is an open descriptor (a non-namespace file is refused).
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                bail!(
-                    "{} is not a network namespace the shim can enter: {}",
-                    path.display(),
-                    std::io::Error::last_os_error()
-                );
+            // This thread's network namespace only (a non-namespace file
+            // is refused).
+            if let Err(e) = k7d_sys::netif::setns_net(&ns) {
+                bail!("{} is not a network namespace the shim can enter: {e}", path.display());
             }
-            let (addr, prefix) = ipv4_of(POD_IF)?.with_context(|| {
-                format!(
-                    "the pod's {POD_IF} in {} has no IPv4 address (the CNI did not set it up)",
-                    path.display()
-                )
-            })?;
+            let (addr, prefix) = k7d_sys::netif::ipv4_of(POD_IF)
+                .context("cannot list the pod's addresses")?
+                .with_context(|| {
+                    format!(
+                        "the pod's {POD_IF} in {} has no IPv4 address (the CNI did not set it up)",
+                        path.display()
+                    )
+                })?;
             // Not /sys/class/net: sysfs shows the namespace of whoever
             // mounted it, not this thread's.
-            let mtu = mtu_of(POD_IF).with_context(|| format!("cannot read the MTU of the pod's {POD_IF}"))?;
+            let mtu =
+                k7d_sys::netif::mtu_of(POD_IF).with_context(|| format!("cannot read the MTU of the pod's {POD_IF}"))?;
             // /proc/thread-self: /proc/self/net is the thread group
             // leader's namespace, not this thread's.
             let routes = std::fs::read_to_string("/proc/thread-self/net/route")
                 .context("cannot read the pod's routes (/proc/thread-self/net/route)")?;
-            release_ipv4(POD_IF).with_context(|| format!("cannot take the address off the pod's {POD_IF}"))?;
+            k7d_sys::netif::release_ipv4(POD_IF)
+                .with_context(|| format!("cannot take the address off the pod's {POD_IF}"))?;
             Ok(PodNet {
                 netns: path,
                 address: format!("{addr}/{prefix}"),
@@ -93,96 +92,6 @@ pub fn take(netns: &Path) -> anyhow::Result<PodNet> {
         .context("cannot start a thread to read the pod's network")?
         .join()
         .map_err(|_| anyhow::anyhow!("reading the pod's network failed (the thread panicked)"))?
-}
-
-/// An `AF_INET` socket (in this thread's network namespace) and an
-/// `ifreq` naming `name`.
-fn if_request(name: &str) -> anyhow::Result<(std::os::fd::OwnedFd, libc::ifreq)> {
-    use std::os::fd::{FromRawFd, OwnedFd};
-    // SAFETY: `socket` takes plain integers.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        bail!("cannot open a socket: {}", std::io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just returned by `socket` and is owned by nobody else.
-    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
-    // SAFETY: `ifreq` is plain old data; all zeroes is a valid value.
-    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
-    if name.len() >= req.ifr_name.len() {
-        bail!("the interface name {name} is too long");
-    }
-    for (dst, &src) in req.ifr_name.iter_mut().zip(name.as_bytes()) {
-        *dst = src as libc::c_char;
-    }
-    Ok((sock, req))
-}
-
-/// Removes interface `name`'s IPv4 address (`SIOCSIFADDR` of 0.0.0.0, as
-/// `ifconfig NAME 0.0.0.0` does); its routes go with it.
-fn release_ipv4(name: &str) -> anyhow::Result<()> {
-    let (sock, mut req) = if_request(name)?;
-    let sin = libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: 0,
-        sin_addr: libc::in_addr { s_addr: 0 },
-        sin_zero: [0; 8],
-    };
-    // SAFETY: `sockaddr_in` and `sockaddr` are both 16 bytes of plain data.
-    req.ifr_ifru.ifru_addr = unsafe { std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sin) };
-    // SAFETY: `req` is a valid `ifreq` that SIOCSIFADDR reads.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFADDR, &req) } < 0 {
-        bail!("SIOCSIFADDR failed: {}", std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// The MTU of interface `name` in this thread's network namespace.
-fn mtu_of(name: &str) -> anyhow::Result<u32> {
-    let (sock, mut req) = if_request(name)?;
-    // SAFETY: `req` is a valid `ifreq` that SIOCGIFMTU fills.
-    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFMTU, &mut req) } < 0 {
-        bail!("SIOCGIFMTU failed: {}", std::io::Error::last_os_error());
-    }
-    // SAFETY: SIOCGIFMTU filled the `ifru_mtu` member of the union.
-    let mtu = unsafe { req.ifr_ifru.ifru_mtu };
-    u32::try_from(mtu).map_err(|_| anyhow::anyhow!("the kernel reported MTU {mtu}"))
-}
-
-/// The IPv4 address and prefix of interface `name` (this thread's netns).
-fn ipv4_of(name: &str) -> anyhow::Result<Option<(Ipv4Addr, u8)>> {
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list we free below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        bail!("cannot list the pod's addresses: {}", std::io::Error::last_os_error());
-    }
-    let mut found = None;
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null() || ifa.ifa_netmask.is_null() || ifa.ifa_name.is_null() {
-            continue;
-        }
-        // SAFETY: a non-null name is a NUL-terminated string of the list.
-        let n = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) };
-        // SAFETY: a non-null address points at a sockaddr of its family.
-        if n.to_bytes() != name.as_bytes() || i32::from(unsafe { (*ifa.ifa_addr).sa_family }) != libc::AF_INET {
-            continue;
-        }
-        // SAFETY: AF_INET: both point at `sockaddr_in`s.
-        let (a, m) = unsafe {
-            (
-                (*ifa.ifa_addr.cast::<libc::sockaddr_in>()).sin_addr.s_addr,
-                (*ifa.ifa_netmask.cast::<libc::sockaddr_in>()).sin_addr.s_addr,
-            )
-        };
-        found = Some((Ipv4Addr::from(u32::from_be(a)), u32::from_be(m).count_ones() as u8));
-        break;
-    }
-    // SAFETY: `head` came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(head) };
-    Ok(found)
 }
 
 /// The gateway of the default route through `iface` in `/proc/net/route`'s

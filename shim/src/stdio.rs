@@ -4,7 +4,6 @@
 use std::fs::OpenOptions;
 use std::io::{Read, Write};
 use std::net::Shutdown;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -169,13 +168,8 @@ fn open_stdin(fifo: &PathBuf, hold: &Mutex<StdinHold>) -> std::io::Result<std::f
             h.writer = Some(writer);
         }
     }
-    let fd = reader.as_raw_fd();
-    // SAFETY: fcntl on a descriptor `reader` owns; no pointers.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    // SAFETY: as above; clears O_NONBLOCK so reads wait for data.
-    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    // Reads wait for data from here.
+    k7d_sys::fd::set_nonblocking(&reader, false)?;
     Ok(reader)
 }
 

@@ -13,7 +13,6 @@
 //! lock file; the first one boots it.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -274,15 +273,10 @@ pub(crate) fn try_lock(path: &Path) -> anyhow::Result<Option<File>> {
         .write(true)
         .open(path)
         .with_context(|| format!("cannot open the shims' lock {}", path.display()))?;
-    // SAFETY: flock on a descriptor we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        return Ok(Some(f));
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(None)
-    } else {
-        Err(e).with_context(|| format!("cannot lock {}", path.display()))
+    match k7d_sys::file::flock(&f, k7d_sys::file::Lock::Exclusive, false) {
+        Ok(()) => Ok(Some(f)),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("cannot lock {}", path.display())),
     }
 }
 

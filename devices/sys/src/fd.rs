@@ -131,6 +131,27 @@ pub fn poll_readable(fds: &[&dyn AsRawFd], timeout: Option<Duration>) -> io::Res
     Ok(pfds.iter().map(|p| p.revents != 0).collect())
 }
 
+/// Sets or clears `O_NONBLOCK` on `fd` (a FIFO opened without waiting for
+/// its writer, then read waiting for data: clear).
+pub fn set_nonblocking(fd: &impl AsRawFd, on: bool) -> io::Result<()> {
+    let fd = fd.as_raw_fd();
+    // SAFETY: fcntl(F_GETFL) on a descriptor the caller keeps open; no pointers.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let want = if on {
+        flags | libc::O_NONBLOCK
+    } else {
+        flags & !libc::O_NONBLOCK
+    };
+    // SAFETY: as above; F_SETFL takes the flags as an integer.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, want) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;

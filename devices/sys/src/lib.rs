@@ -4,9 +4,15 @@
 //! [`std::io::Result`] (`EINTR` retried where a call can be retried).
 //!
 //! - [`fd`]: raw `read`/`write`/`writev`, positioned reads and writes
-//!   between files and guest memory (vm-memory's `VolatileSlice`), `poll`.
+//!   between files and guest memory (vm-memory's `VolatileSlice`), `poll`,
+//!   `O_NONBLOCK` on and off.
 //! - [`file`]: `flock`, the page size, data extents (`SEEK_DATA` /
 //!   `SEEK_HOLE`), `copy_file_range`, `fallocate`.
+//! - [`mount`]: `mount(2)` (binds, private propagation), lazy unmounts, a
+//!   mount namespace of one's own, a path's filesystem type and whether it
+//!   is a mount's root.
+//! - [`netif`]: a thread's network namespace (`setns`) and its interfaces'
+//!   IPv4 address and MTU (`getifaddrs`, `SIOC*IF*`).
 //! - [`random`]: the kernel's CSPRNG (`getrandom`).
 //! - [`socket`]: connecting unix stream sockets without blocking.
 //! - [`thread`]: the calling thread's id.
@@ -14,11 +20,12 @@
 //!   `TUNSETQUEUE`) and the [`tap::Tap`] a virtio-net device takes.
 //!
 //! Crate-specific calls stay in their crate's own sys module (`vmm/src/sys.rs`
-//! for KVM-adjacent and process-wide calls, `net/src/sys.rs` for setns and
-//! bpffs).
+//! for KVM-adjacent and process-wide calls, `net/src/sys.rs` for bpffs).
 
 pub mod fd;
 pub mod file;
+pub mod mount;
+pub mod netif;
 pub mod random;
 pub mod socket;
 pub mod tap;

@@ -1,0 +1,408 @@
+"""The k7d daemon's API over its unix socket (`vmm/src/daemon/api.rs`): one JSON
+request per line, one response line per request, a connection per call.
+
+Every operation of the API has a method; results are the daemon's JSON
+objects (typed as :class:`typing.TypedDict`s of their main fields), errors
+are :class:`K7dError`s carrying the daemon's code and sentence. The
+context managers (:meth:`Client.vm`, :meth:`Client.forked`,
+:meth:`Client.cluster`) delete what they created when the block ends,
+whatever ended it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypedDict, Union
+
+#: Where `k7d daemon` listens unless told otherwise (as the CLI's `--socket`).
+DEFAULT_SOCKET = "/run/k7d/k7d.sock"
+
+#: The API version this client speaks.
+API_VERSION = 1
+
+#: The longest response line read (a `list` of many VMs fits easily).
+MAX_LINE = 16 << 20
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class K7dError(Exception):
+    """The daemon refused or failed a request: its code and its sentence."""
+
+    code: str = "error"
+
+    def __init__(self, message: str, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class BadRequest(K7dError):
+    """Not JSON, or not a request (a bug of the client)."""
+
+    code = "bad_request"
+
+
+class UnsupportedVersion(K7dError):
+    """The daemon does not speak this client's API version."""
+
+    code = "unsupported_version"
+
+
+class InvalidArgument(K7dError):
+    """A field value was refused."""
+
+    code = "invalid_argument"
+
+
+class NotFound(K7dError):
+    """No such VM or cluster."""
+
+    code = "not_found"
+
+
+class Conflict(K7dError):
+    """A duplicate id, or a VM in the wrong state."""
+
+    code = "conflict"
+
+
+class Internal(K7dError):
+    """The host failed (KVM, memory, files)."""
+
+    code = "internal"
+
+
+class Busy(K7dError):
+    """The daemon serves as many connections as it may: try again later."""
+
+    code = "busy"
+
+
+class PermissionDenied(K7dError):
+    """This process's credentials may not use the API."""
+
+    code = "permission_denied"
+
+
+class Unreachable(K7dError):
+    """No daemon answered at the socket (not running, or no permission)."""
+
+    code = "unreachable"
+
+
+_BY_CODE: Dict[str, Type[K7dError]] = {
+    c.code: c
+    for c in (BadRequest, UnsupportedVersion, InvalidArgument, NotFound, Conflict, Internal, Busy, PermissionDenied)
+}
+
+
+class VmSummary(TypedDict, total=False):
+    """One VM of `list` (and of a cluster's members)."""
+
+    id: str
+    status: str
+    vcpus: int
+    memory_mib: int
+    guest: str
+
+
+class VmInfo(TypedDict, total=False):
+    """`info` (and the result of create, start, pause, resume, stop, restore)."""
+
+    id: str
+    status: str
+    state: Dict[str, Any]
+    config: Dict[str, Any]
+    devices: List[Dict[str, Any]]
+    parent: Optional[str]
+    children: List[str]
+    exits: int
+    rebases: int
+    serial_log: str
+    vm_process: Dict[str, Any]
+
+
+class ForkedChild(TypedDict, total=False):
+    """One child of a fork: its `info` fields, and what its fork took."""
+
+    id: str
+    status: str
+    fork_ms: float
+    shell: bool
+
+
+class Forked(TypedDict, total=False):
+    """`fork`'s result."""
+
+    id: str
+    children: List[ForkedChild]
+    pause_ms: float
+    source_paused_ms: float
+    clusters: List[str]
+    rebased: List[str]
+    warnings: List[str]
+
+
+class ClusterInfo(TypedDict, total=False):
+    """`cluster_info` (and the result of cluster_create and cluster_add)."""
+
+    id: str
+    members: List[VmSummary]
+    bridge: Optional[str]
+    ports: List[str]
+
+
+class Deleted(TypedDict):
+    """`delete`'s and `cluster_delete`'s result."""
+
+    id: str
+    deleted: bool
+
+
+def builtin(
+    name: str,
+    *,
+    args: Sequence[int] = (),
+    memory_mib: int = 16,
+    vcpus: int = 1,
+    id: Optional[str] = None,
+) -> Dict[str, Any]:
+    """The config of a VM running one of k7d's built-in test guests
+    (`k7d guests` lists them; `memwriter` writes pages and counts)."""
+    config: Dict[str, Any] = {
+        "vcpus": vcpus,
+        "memory_mib": memory_mib,
+        "guest": {"kind": "builtin", "name": name, "args": list(args)},
+    }
+    if id is not None:
+        config["id"] = id
+    return config
+
+
+def linux(
+    kernel: PathLike,
+    *,
+    initrd: Optional[PathLike] = None,
+    cmdline: Optional[str] = None,
+    memory_mib: int = 512,
+    vcpus: int = 1,
+    id: Optional[str] = None,
+    devices: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, Any]:
+    """The config of a Linux guest (`devices`: disks, NICs, rng, vsock as
+    `VmConfig` holds them, `vmm/src/config.rs`)."""
+    guest: Dict[str, Any] = {"kind": "linux", "kernel": os.fspath(kernel)}
+    if initrd is not None:
+        guest["initrd"] = os.fspath(initrd)
+    if cmdline is not None:
+        guest["cmdline"] = cmdline
+    config: Dict[str, Any] = {"vcpus": vcpus, "memory_mib": memory_mib, "guest": guest}
+    if devices is not None:
+        config["devices"] = dict(devices)
+    if id is not None:
+        config["id"] = id
+    return config
+
+
+class Client:
+    """The daemon at `socket_path`. Each call opens a connection of its
+    own, so one client may be used from several threads at once."""
+
+    def __init__(self, socket_path: PathLike = DEFAULT_SOCKET, *, timeout: Optional[float] = 120.0) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.timeout = timeout
+
+    # -- the wire ---------------------------------------------------------
+
+    def call(self, op: str, args: Optional[Mapping[str, Any]] = None) -> Any:
+        """Sends one request and returns its result, or raises the
+        daemon's error (:class:`K7dError`)."""
+        request: Dict[str, Any] = {"v": API_VERSION, "op": op}
+        if args is not None:
+            request["args"] = dict(args)
+        line = (json.dumps(request, separators=(",", ":")) + "\n").encode()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(self.timeout)
+                s.connect(self.socket_path)
+                s.sendall(line)
+                answer = _read_line(s)
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            raise Unreachable(f"no k7d daemon answers at {self.socket_path}: {e.strerror or e}") from e
+        except socket.timeout as e:
+            raise Unreachable(f"the k7d daemon at {self.socket_path} did not answer {op} within {self.timeout} s") from e
+        try:
+            response = json.loads(answer)
+        except ValueError as e:
+            raise BadRequest(f"the daemon's answer to {op} is not JSON: {answer[:200]!r}") from e
+        if not isinstance(response, dict) or "ok" not in response:
+            raise BadRequest(f"the daemon's answer to {op} is not a response: {answer[:200]!r}")
+        if response["ok"]:
+            return response.get("result")
+        error = response.get("error") or {}
+        code = str(error.get("code", "error"))
+        message = str(error.get("message", f"{op} failed"))
+        raise _BY_CODE.get(code, K7dError)(message, code)
+
+    # -- VMs --------------------------------------------------------------
+
+    def version(self) -> Dict[str, Any]:
+        """The daemon's API version, k7d version and pid."""
+        return self.call("version")
+
+    def list(self) -> List[VmSummary]:
+        """Every VM."""
+        return self.call("list")["vms"]
+
+    def info(self, id: str) -> VmInfo:
+        """One VM's record and live state."""
+        return self.call("info", {"id": id})
+
+    def create(self, config: Mapping[str, Any], *, start: bool = False) -> VmInfo:
+        """Builds a VM from `config` (:func:`builtin`, :func:`linux`, or a
+        config file's contents as a dict), started when `start`."""
+        return self.call("create", {"config": dict(config), "start": start})
+
+    def start(self, id: str) -> VmInfo:
+        """Starts a created VM."""
+        return self.call("start", {"id": id})
+
+    def pause(self, id: str) -> VmInfo:
+        """Parks a running VM's vCPUs (and its devices)."""
+        return self.call("pause", {"id": id})
+
+    def resume(self, id: str) -> VmInfo:
+        """Unparks a paused VM."""
+        return self.call("resume", {"id": id})
+
+    def stop(self, id: str) -> VmInfo:
+        """Stops a VM (it stays listed until deleted)."""
+        return self.call("stop", {"id": id})
+
+    def delete(self, id: str) -> Deleted:
+        """Stops a VM if needed and removes it."""
+        return self.call("delete", {"id": id})
+
+    def snapshot(self, id: str, dir: PathLike, *, replace: bool = False) -> Dict[str, Any]:
+        """Writes a cold snapshot of `id` into the absolute directory `dir`
+        (a running VM is paused for it and resumed)."""
+        args: Dict[str, Any] = {"id": id, "dir": os.fspath(dir)}
+        if replace:
+            args["replace"] = True
+        return self.call("snapshot", args)
+
+    def restore(self, dir: PathLike, *, id: Optional[str] = None) -> VmInfo:
+        """Builds and starts a VM from the snapshot in `dir`."""
+        args: Dict[str, Any] = {"dir": os.fspath(dir)}
+        if id is not None:
+            args["id"] = id
+        return self.call("restore", args)
+
+    def fork(self, id: str, *, count: int = 1, name: Optional[str] = None) -> Forked:
+        """Forks the VM or cluster `id` `count` times, copy-on-write; the
+        children run at once (a cluster's children of one fork form a
+        cluster of their own). `name`: the one child's id."""
+        args: Dict[str, Any] = {"id": id, "count": count}
+        if name is not None:
+            args["name"] = name
+        return self.call("fork", args)
+
+    def rebase(self, id: str) -> Dict[str, Any]:
+        """Gives the fork source `id` a new base holding its RAM as it is."""
+        return self.call("rebase", {"id": id})
+
+    def peek(self, id: str, addr: int, count: int = 1) -> List[int]:
+        """`count` little-endian 32-bit words of guest RAM at `addr`."""
+        return self.call("peek", {"id": id, "addr": addr, "count": count})["words"]
+
+    # -- clusters ---------------------------------------------------------
+
+    def cluster_create(self, id: str, members: Sequence[str]) -> ClusterInfo:
+        """Names existing VMs as cluster `id` (forked together, one pause)."""
+        return self.call("cluster_create", {"id": id, "members": list(members)})
+
+    def cluster_add(self, id: str, members: Sequence[str]) -> ClusterInfo:
+        """Adds existing VMs to cluster `id`."""
+        return self.call("cluster_add", {"id": id, "members": list(members)})
+
+    def cluster_info(self, id: str) -> ClusterInfo:
+        """One cluster and its members."""
+        return self.call("cluster_info", {"id": id})
+
+    def cluster_list(self) -> List[Dict[str, Any]]:
+        """Every cluster."""
+        return self.call("cluster_list")["clusters"]
+
+    def cluster_delete(self, id: str) -> Deleted:
+        """Deletes cluster `id` and every member VM."""
+        return self.call("cluster_delete", {"id": id})
+
+    # -- what deletes what it made ----------------------------------------
+
+    @contextlib.contextmanager
+    def vm(self, config: Mapping[str, Any], *, start: bool = True) -> Iterator[VmInfo]:
+        """A VM for the block: created (and started), deleted at its end."""
+        info = self.create(config, start=start)
+        try:
+            yield info
+        finally:
+            _forget(self.delete, info["id"])
+
+    @contextlib.contextmanager
+    def forked(self, id: str, *, count: int = 1, name: Optional[str] = None) -> Iterator[Forked]:
+        """`count` children of `id` for the block, deleted at its end (a
+        cluster's forks: each child cluster, with its members)."""
+        forked = self.fork(id, count=count, name=name)
+        try:
+            yield forked
+        finally:
+            for c in forked.get("clusters", []):
+                _forget(self.cluster_delete, c)
+            if not forked.get("clusters"):
+                for child in forked["children"]:
+                    _forget(self.delete, child["id"])
+
+    @contextlib.contextmanager
+    def cluster(self, id: str, members: Sequence[str]) -> Iterator[ClusterInfo]:
+        """Cluster `id` of `members` for the block; at its end the cluster
+        is deleted, and with it (as the daemon does) its members."""
+        info = self.cluster_create(id, members)
+        try:
+            yield info
+        finally:
+            _forget(self.cluster_delete, id)
+
+
+def _forget(delete: Any, id: str) -> None:
+    """Deletes `id`; one that is gone already is what was wanted."""
+    try:
+        delete(id)
+    except NotFound:
+        pass
+
+
+def _read_line(s: socket.socket) -> str:
+    """One response line (without its newline)."""
+    chunks: List[bytes] = []
+    size = 0
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        nl = chunk.find(b"\n")
+        if nl >= 0:
+            chunks.append(chunk[:nl])
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_LINE:
+            raise BadRequest(f"the daemon's answer is longer than {MAX_LINE} bytes")
+    return b"".join(chunks).decode()

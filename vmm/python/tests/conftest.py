@@ -1,0 +1,68 @@
+"""A real `k7d daemon` for the client's tests: the binary named by
+`K7D_BIN` (the release build, as CI builds it), its state and socket in a
+directory of the test's own, stopped with SIGTERM at the end (it must exit
+0 and leave no VM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from k7d import Client
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def k7d_bin() -> Path:
+    given = os.environ.get("K7D_BIN")
+    if given:
+        return Path(given)
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    return target / "release" / "k7d"
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Client]:
+    binary = k7d_bin()
+    if not binary.is_file():
+        pytest.fail(f"no k7d binary at {binary} (build it, or set K7D_BIN)")
+    if os.geteuid() != 0:
+        pytest.fail("the k7d daemon needs root (KVM): run the client's tests as root")
+    sock = tmp_path / "k7d.sock"
+    log = open(tmp_path / "daemon.log", "wb")
+    proc = subprocess.Popen(
+        [str(binary), "daemon", "--state-dir", str(tmp_path / "state"), "--socket", str(sock)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    client = Client(sock, timeout=60)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.version()
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                log.close()
+                pytest.fail(f"the daemon did not come up: {(tmp_path / 'daemon.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+    try:
+        yield client
+        left = client.list()
+        assert left == [], f"VMs left behind: {left}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log.close()
+    assert rc == 0, f"the daemon exited {rc}: {(tmp_path / 'daemon.log').read_text()[-2000:]}"

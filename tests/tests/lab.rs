@@ -941,11 +941,13 @@ fn lab_k7d_net_userspace_two_queues() {
     );
 }
 
-/// Issue 36: k7d-net's VM built by `k7d daemon --jail on` in a jailed VM
-/// process: the daemon creates the tap and hands its two queues over; the
-/// guest sees 2 queue pairs, pings L1 and moves 16 MiB each way with
-/// matching sums, the daemon reports the NIC as `k7d run` does, and the VM
-/// process (asserted in the scenario) was jailed holding the tap's queues.
+/// Issue 36: k7d-net-vhost's VM built by `k7d daemon --jail on` in a
+/// jailed VM process: the daemon creates the tap and opens one
+/// `/dev/vhost-net` per queue pair and hands them all over; the guest sees
+/// 2 queue pairs on the kernel's data plane, pings L1 and moves 16 MiB
+/// each way with matching sums, the daemon reports the NIC as `k7d run`
+/// does, and the VM process (asserted in the scenario) was jailed holding
+/// the tap's queues and both vhost devices.
 #[test]
 #[ignore = "nested lab: slow; run with --ignored (CI does)"]
 fn lab_k7d_net_in_a_jailed_vm_process() {
@@ -956,7 +958,7 @@ fn lab_k7d_net_in_a_jailed_vm_process() {
     let r = run_scenario("k7d-net-jail", Some(&bin)).unwrap_or_else(|e| panic!("{e:#}"));
     assert!(metric(&r, "net.guest_to_l1_s") > 0.0);
     let notes = r["notes"].to_string();
-    assert!(notes.contains("tap k7dlab0, vhost: off, queues: 2"), "{notes}");
+    assert!(notes.contains("tap k7dlab0, vhost: on, queues: 2"), "{notes}");
     assert!(
         notes.contains("holding its files and serial log as handed descriptors"),
         "{notes}"

@@ -1259,7 +1259,8 @@ pub(super) struct ForkedDisk {
     /// source's file) and share-locked: a child can read it, never write
     /// it, and it stays frozen while a child lives.
     base: std::fs::File,
-    /// The children's overlay as the source filled it.
+    /// The children's overlay as the source filled it (copied for each
+    /// child: the source may still hold it).
     template: std::fs::File,
     /// The image's length (each child's overlay's).
     len: u64,
@@ -1323,23 +1324,21 @@ fn forked_disks(
 }
 
 /// The overlay files of `n` children of `cap`, per child one per
-/// read-write disk (in `cap.disks`' order): the first child takes the
-/// overlays the source filled, each other one a copy made here. All of
-/// them are made before any child runs (a child writes its own).
+/// read-write disk (in `cap.disks`' order), each a copy made here of the
+/// overlay the source filled. No child gets that one itself: the source
+/// was handed it and may still hold it, and no VM process may write
+/// another VM's disk.
 pub(super) fn child_overlays(id: &str, cap: &Capture, n: usize) -> Result<Vec<Vec<std::fs::File>>, ApiError> {
     let mut out = Vec::with_capacity(n);
-    for k in 0..n {
+    for _ in 0..n {
         let mut mine = Vec::with_capacity(cap.disks.len());
         for d in &cap.disks {
             let i = d.exported.disk;
-            let f = if k == 0 {
-                d.template.try_clone()
-            } else {
-                k7d_devices::virtio::block::overlay_file(d.dir.as_deref()).and_then(|f| {
+            let f = k7d_devices::virtio::block::overlay_file(d.dir.as_deref())
+                .and_then(|f| {
                     k7d_devices::virtio::block::copy_overlay(&d.template, &f, d.len, &d.exported.runs).map(|()| f)
                 })
-            }
-            .map_err(|e| internal(&format!("vm {id}: disk {i}: cannot make a fork child's overlay"), e))?;
+                .map_err(|e| internal(&format!("vm {id}: disk {i}: cannot make a fork child's overlay"), e))?;
             mine.push(f);
         }
         out.push(mine);
@@ -2072,6 +2071,58 @@ impl super::Daemon {
                 gid: p.gid,
                 cgroup: p.cgroup.clone(),
             }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+
+    /// A source that kept the overlay it filled must not reach any child's
+    /// disk through it: each child gets a copy (its own inode) with the
+    /// same clusters.
+    #[test]
+    fn every_fork_child_gets_a_copy_of_the_overlay_the_source_filled_never_that_file() {
+        let len = 16 * 4096;
+        let template = k7d_devices::virtio::block::overlay_file(None).unwrap();
+        template.set_len(len).unwrap();
+        template.write_all_at(&[0x5a; 4096], 4096).unwrap();
+        let base = k7d_devices::virtio::block::overlay_file(None).unwrap();
+        let ino = template.metadata().unwrap().ino();
+        let cap = Capture {
+            config: VmConfig::default(),
+            state: String::new(),
+            diverged: Vec::new(),
+            fds: Vec::new(),
+            disks: vec![ForkedDisk {
+                exported: crate::vstate::fork::ExportedDisk {
+                    disk: 0,
+                    runs: vec![(1, 2)],
+                    dev: 0,
+                    ino: 0,
+                },
+                base,
+                template,
+                len,
+                dir: None,
+            }],
+        };
+        let kids = child_overlays("t", &cap, 3).unwrap();
+        assert_eq!(kids.len(), 3);
+        let mut inodes = std::collections::HashSet::new();
+        for files in &kids {
+            let [f] = files.as_slice() else {
+                panic!("one overlay per read-write disk, got {}", files.len())
+            };
+            let m = f.metadata().unwrap();
+            assert_ne!(m.ino(), ino, "a child got the overlay the source filled");
+            assert!(inodes.insert(m.ino()), "two children share an overlay");
+            assert_eq!(m.len(), len);
+            let mut got = [0u8; 4096];
+            f.read_exact_at(&mut got, 4096).unwrap();
+            assert_eq!(got, [0x5a; 4096], "the copy lacks the source's cluster");
         }
     }
 }

@@ -298,11 +298,7 @@ fn taps(id: &str, config: &VmConfig, node: &crate::config::NodeConfig, out: &mut
         // userspace as inside the daemon (refused when vhost was asked for
         // by name).
         use k7d_net::policy::VhostAvailability;
-        let avail = if n.vhost.unwrap_or(net.vhost_default()) && n.datapath.is_none() {
-            VhostAvailability::probe(Path::new(k7d_net::policy::VHOST_NET_PATH))
-        } else {
-            VhostAvailability::Unavailable("not probed".into())
-        };
+        let avail = crate::vstate::probe_vhost(&net, n);
         let mut plan =
             crate::vstate::nic_plan(&net, n, config.vcpus, avail).map_err(|e| bad(format!("nic {i}: {e}")))?;
         let mut vhost = Vec::new();

@@ -272,6 +272,23 @@ pub fn nic_plan(
     k7d_net::policy::effective_data_plane(node, &req, u16::from(vcpus), &vhost).map_err(|e| e.to_string())
 }
 
+/// What a vhost attempt for `nic` can count on on this host, for
+/// [`nic_plan`]: `/dev/vhost-net` probed when the NIC would take vhost
+/// (asked for, or the node's default) and is not a datapath NIC; otherwise
+/// not probed. What the daemon plans a NIC with, for a VM built in it or
+/// in a VM process.
+pub fn probe_vhost(
+    node: &k7d_net::policy::NodeNetConfig,
+    nic: &crate::config::NicConfig,
+) -> k7d_net::policy::VhostAvailability {
+    use k7d_net::policy::{VHOST_NET_PATH, VhostAvailability};
+    if nic.vhost.unwrap_or(node.vhost_default()) && nic.datapath.is_none() {
+        VhostAvailability::probe(Path::new(VHOST_NET_PATH))
+    } else {
+        VhostAvailability::Unavailable("not probed".into())
+    }
+}
+
 /// Where `add_linux_platform` puts what it builds.
 pub(super) struct Wiring<'a> {
     pub(super) buses: &'a mut Buses,
@@ -512,14 +529,13 @@ impl PciCtx<'_> {
         n: &crate::config::NicConfig,
         vcpus: u8,
     ) -> Result<Option<NetCleanup>, VmError> {
-        use k7d_net::policy::{VHOST_NET_PATH, VhostAvailability};
+        use k7d_net::policy::VhostAvailability;
         let idx = i as u16;
         let id = self.id.clone();
         let plan_err = |e: String| VmError::Device {
             what: "virtio-net",
             msg: format!("nic {i}: {e}"),
         };
-        let would_vhost = n.vhost.unwrap_or(node.vhost_default());
         let handed = self.files.handed();
         // A VM process opens no path: the daemon planned the NIC, and
         // handed it one /dev/vhost-net per pair when it planned vhost.
@@ -529,10 +545,8 @@ impl PciCtx<'_> {
             } else {
                 VhostAvailability::Unavailable(super::handed::NO_VHOST_HANDED.into())
             }
-        } else if would_vhost && n.datapath.is_none() {
-            VhostAvailability::probe(Path::new(VHOST_NET_PATH))
         } else {
-            VhostAvailability::Unavailable("not probed".into())
+            probe_vhost(node, n)
         };
         let mut plane = nic_plan(node, n, vcpus, avail).map_err(plan_err)?;
         if let Some(w) = &plane.warning {

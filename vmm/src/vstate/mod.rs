@@ -19,5 +19,5 @@ pub mod vcpu;
 pub mod vm;
 
 pub(crate) use attach::check_attachable;
-pub use device_manager::nic_plan;
 pub(crate) use device_manager::{NetCleanup, attach_to_pod, pin_macs};
+pub use device_manager::{nic_plan, probe_vhost};

@@ -1,32 +1,21 @@
-//! Every `unsafe` of k7d-net lives here: statfs/mount of bpffs. Tap
-//! queues, raw fd I/O and setns are `k7d_sys`'s.
+//! bpffs: whether a path is on one, and mounting one (through
+//! `k7d_sys::mount`, where every mount and statfs of k7d is wrapped). Tap
+//! queues, raw fd I/O and setns are `k7d_sys`'s too: k7d-net has no
+//! `unsafe` of its own.
 use std::{ffi::CString, io, path::Path};
+
+fn c_path(path: &Path) -> io::Result<CString> {
+    CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))
+}
 
 /// True when `path` is on a bpf filesystem.
 pub fn is_bpffs(path: &Path) -> io::Result<bool> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))?;
-    // SAFETY: an all-zero statfs is a valid value of this plain C struct.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c` is a valid NUL-terminated string and `st` a live, writable
-    // statfs for the kernel to fill.
-    let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(u64::try_from(st.f_type).ok() == u64::try_from(libc::BPF_FS_MAGIC).ok())
+    let t = k7d_sys::mount::filesystem_type(&c_path(path)?)?;
+    Ok(u64::try_from(t).ok() == u64::try_from(libc::BPF_FS_MAGIC).ok())
 }
 
 /// Mounts a bpf filesystem at `path` (which must exist).
 pub fn mount_bpffs(path: &Path) -> io::Result<()> {
-    let target = CString::new(path.as_os_str().as_encoded_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path has a NUL byte"))?;
-    let fstype = c"bpf";
-    // SAFETY: all pointers are valid NUL-terminated strings that outlive the
-    // call; data is null, which mount(2) accepts for bpffs.
-    let rc = unsafe { libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
-    if rc < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    k7d_sys::mount::mount(Some(c"bpf"), &c_path(path)?, Some(c"bpf"), 0, None)
 }

@@ -340,10 +340,7 @@ pub fn pipe_nonblocking_writer() -> io::Result<(File, File)> {
     }
     // SAFETY: both fds were just created by pipe2 and are owned by nobody else.
     let (rx, tx) = unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) };
-    // SAFETY: fcntl on an fd we own, with flags it defines.
-    if unsafe { libc::fcntl(tx.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    k7d_sys::fd::set_nonblocking(&tx, true)?;
     Ok((rx, tx))
 }
 
@@ -552,17 +549,7 @@ pub fn fork_process() -> io::Result<Option<u32>> {
 /// Makes every mount of the calling process's (new) mount namespace
 /// private: nothing it mounts or unmounts reaches the host's, and back.
 pub fn make_mounts_private() -> io::Result<()> {
-    // SAFETY: the strings are NUL-terminated literals; with MS_REC |
-    // MS_PRIVATE only the target is read.
-    check_rc(unsafe {
-        libc::mount(
-            c"none".as_ptr(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        )
-    })
+    k7d_sys::mount::make_private()
 }
 
 /// How [`pivot_into`] made the new root the process's `/`.
@@ -588,17 +575,7 @@ pub enum RootChange {
 pub fn pivot_into(root: &std::path::Path) -> io::Result<RootChange> {
     use std::os::unix::ffi::OsStrExt;
     let r = CString::new(root.as_os_str().as_bytes()).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: `r` is a NUL-terminated path we own; a bind mount reads only
-    // the source and target strings.
-    check_rc(unsafe {
-        libc::mount(
-            r.as_ptr(),
-            r.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND | libc::MS_REC,
-            std::ptr::null(),
-        )
-    })?;
+    k7d_sys::mount::mount(Some(&r), &r, None, libc::MS_BIND | libc::MS_REC, None)?;
     // SAFETY: `r` is NUL-terminated.
     check_rc(unsafe { libc::chdir(r.as_ptr()) })?;
     // SAFETY: pivot_root(".", ".") takes two NUL-terminated paths: the new
@@ -611,24 +588,15 @@ pub fn pivot_into(root: &std::path::Path) -> io::Result<RootChange> {
         }
         // rootfs: the bind mount of `root` (the current directory) moves
         // over "/", and the process chroots into it.
-        // SAFETY: two NUL-terminated literals; MS_MOVE reads only them.
-        check_rc(unsafe {
-            libc::mount(
-                c".".as_ptr(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_MOVE,
-                std::ptr::null(),
-            )
-        })?;
+        k7d_sys::mount::mount(Some(c"."), c"/", None, libc::MS_MOVE, None)?;
         // SAFETY: a NUL-terminated literal.
         check_rc(unsafe { libc::chroot(c".".as_ptr()) })?;
         // SAFETY: a NUL-terminated literal.
         check_rc(unsafe { libc::chdir(c"/".as_ptr()) })?;
         return Ok(RootChange::MovedAndChrooted);
     }
-    // SAFETY: "." is the old root stacked on the new one; MNT_DETACH unmounts it lazily.
-    check_rc(unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) })?;
+    // "." is the old root stacked on the new one.
+    k7d_sys::mount::unmount_detach(c".")?;
     // SAFETY: a NUL-terminated literal.
     check_rc(unsafe { libc::chdir(c"/".as_ptr()) })?;
     Ok(RootChange::Pivoted)

@@ -232,35 +232,30 @@ impl Vm {
     /// [`OverlayFiles`] in `overlays` (the first fork freezes its base, and
     /// the children's overlay gets a copy of what this VM wrote since).
     pub fn export_capture(&self, overlays: Vec<OverlayFiles>) -> Result<Exported, VmError> {
+        // Exactly one per read-write disk, none for any other (or for a
+        // disk it does not have): checked before anything is frozen.
         let mut overlays = overlays;
-        for (i, d) in self.config.devices.disks.iter().enumerate() {
-            let given = overlays.iter().filter(|o| usize::from(o.disk) == i).count();
-            if given != usize::from(!d.read_only && d.path.is_some()) {
-                return Err(VmError::Refused(format!(
-                    "vm {}'s disk {i}: {given} overlay file(s) given for its fork, where a {} disk takes {}",
-                    self.id,
-                    if d.read_only { "read-only" } else { "read-write" },
-                    usize::from(!d.read_only && d.path.is_some())
-                )));
-            }
-        }
-        if overlays.len() > self.config.devices.disks.len() {
+        overlays.sort_by_key(|o| o.disk);
+        let rw: Vec<u16> = (0u16..)
+            .zip(&self.config.devices.disks)
+            .filter(|(_, d)| !d.read_only && d.path.is_some())
+            .map(|(i, _)| i)
+            .collect();
+        let given: Vec<u16> = overlays.iter().map(|o| o.disk).collect();
+        if given != rw {
             return Err(VmError::Refused(format!(
-                "vm {}: overlay files given for disks it does not have",
+                "vm {}: overlay files were given for disks {given:?}, and its read-write disks are {rw:?}",
                 self.id
             )));
         }
         let capture = self.capture()?;
         let mut disks = Vec::with_capacity(overlays.len());
-        overlays.sort_by_key(|o| o.disk);
         for o in overlays {
             let i = usize::from(o.disk);
-            let image = self.disks.get(i).ok_or_else(|| {
-                VmError::Refused(format!(
-                    "vm {}: overlay files given for disk {i}, which it does not have",
-                    self.id
-                ))
-            })?;
+            let image = self
+                .disks
+                .get(i)
+                .ok_or_else(|| VmError::Refused(format!("vm {} has no disk {i}", self.id)))?;
             let runs = image.fork_into(o.own, &o.child).map_err(|e| VmError::Device {
                 what: "virtio-blk",
                 msg: format!(

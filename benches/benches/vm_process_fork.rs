@@ -16,7 +16,8 @@
 //! fork, in VM processes as in the daemon.
 //!
 //! Run as root: `cargo build --release --bin k7d && cargo bench -p k7d-benches --bench vm_process_fork`
-//! (`K7D_BENCH_RUNS` sets the run count, default 21).
+//! (`K7D_BENCH_RUNS` sets the run count, default 21; `K7D_BENCH_SPARES`
+//! each daemon's `--jail-spares`, default 2).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -39,6 +40,7 @@ struct Daemon {
 impl Daemon {
     fn start(k7d: &Path, dir: &Path, jail: &str) -> Result<Self> {
         let sock = dir.join(format!("{jail}.sock"));
+        let spares = std::env::var("K7D_BENCH_SPARES").unwrap_or_else(|_| "2".into());
         let child = Command::new(k7d)
             // No cgroup: this host may have none with the memory and cpu
             // controllers, and limits are not what is measured.
@@ -50,6 +52,8 @@ impl Daemon {
                 "off",
                 "--jail-id-base",
                 "2000000600",
+                "--jail-spares",
+                &spares,
                 "--state-dir",
             ])
             .arg(dir.join(format!("state-{jail}")))

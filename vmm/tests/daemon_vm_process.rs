@@ -686,6 +686,15 @@ fn clusters_of_vm_processes_fork_together_and_outlive_the_daemon() {
                 "{c} shares a uid"
             );
             assert_eq!(info(dir, &c)["parent"], m);
+            // More children than the daemon keeps spares (2): the fork made
+            // the rest ahead, before it paused anything, so every child
+            // was built in a process already started and jailed.
+            let rec: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(dir.join(format!("state/vms/{c}.json"))).unwrap()).unwrap();
+            assert!(
+                rec["vm_process"]["spare_dir"].is_string(),
+                "{c} was not built in a VM process made ahead: {rec}"
+            );
             assert!(
                 read_pages(pid, m, AREA, PAGES) == at_fork[m],
                 "{c}'s RAM differs from {m}'s at the fork instant"

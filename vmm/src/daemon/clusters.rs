@@ -819,6 +819,7 @@ impl Daemon {
             .iter()
             .map(|m| self.reserve_children(m, count, None))
             .collect::<Result<_, _>>()?;
+        procs.ready_for(held.iter().map(|h| h.ids().len()).sum());
         // Lock every member in id order (as the in-daemon fork does).
         let mut order: Vec<usize> = (0..remotes.len()).collect();
         order.sort_by(|&a, &b| ids_of[a].cmp(&ids_of[b]));

@@ -8,12 +8,13 @@ use std::os::fd::{AsRawFd, FromRawFd};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicPtr, Ordering};
 
-/// Creates an anonymous memory file (`memfd_create`, close-on-exec) of `size` bytes.
+/// Creates an anonymous memory file (`memfd_create`, close-on-exec, seals
+/// allowed: [`seal_against_writes`]) of `size` bytes.
 pub fn memfd(name: &str, size: u64) -> io::Result<File> {
     let cname =
         CString::new(name).map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "memfd name has a NUL byte"))?;
     // SAFETY: `cname` is a valid NUL-terminated string; the flags are valid.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -21,6 +22,42 @@ pub fn memfd(name: &str, size: u64) -> io::Result<File> {
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(size)?;
     Ok(file)
+}
+
+/// The seals [`seal_against_writes`] adds.
+pub const WRITE_SEALS: i32 = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+/// Seals the memfd `file` (held writable: the kernel adds seals only
+/// through such a descriptor) against every write, shrink and growth
+/// through any descriptor or shared mapping, its maker's included: a fork
+/// source's frozen base and diverged pages, which its children map or
+/// read, stay what they were at the fork instant. Fails if a writable
+/// shared mapping of it exists, if it was made without seals allowed, or
+/// if it is not sealed yet and `file` is read-only.
+pub fn seal_against_writes(file: &impl AsRawFd) -> io::Result<()> {
+    // Sealed at an earlier fork (a child's base, which it holds read-only,
+    // is its source's).
+    if seals_of(file)? & WRITE_SEALS == WRITE_SEALS {
+        return Ok(());
+    }
+    // SAFETY: fcntl on a descriptor we hold, with an integer argument.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, WRITE_SEALS) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    match seals_of(file)? {
+        s if s & WRITE_SEALS == WRITE_SEALS => Ok(()),
+        s => Err(io::Error::other(format!("the seals read back as {s:#x}"))),
+    }
+}
+
+/// The seals of memfd `file` (`F_GET_SEALS`).
+pub fn seals_of(file: &impl AsRawFd) -> io::Result<i32> {
+    // SAFETY: fcntl on a descriptor we hold, no argument.
+    let s = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if s < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(s)
 }
 
 /// The real-time signal used to kick vCPU threads out of `KVM_RUN`.

@@ -525,6 +525,10 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
             "{c}'s RAM differs from its source's at the fork instant"
         );
     }
+    // The source still holds its base writable (it made it), but the
+    // daemon sealed it at the fork: nobody, the source included, can
+    // write, shrink or grow what its children map.
+    assert_base_sealed(src, "src");
     assert_eq!(v["children"].as_array().map(Vec::len), Some(2), "{v}");
     assert!(
         v.get("warnings").is_none_or(|w| w == &serde_json::json!([])),
@@ -1778,6 +1782,34 @@ fn access_of(pid: u32, names: impl Fn(&Path) -> bool) -> Vec<&'static str> {
     out
 }
 
+/// Checks that process `pid` holds the RAM memfd of `vm` (its base once
+/// forked) writable, and that a write through it, opened again read-write
+/// as root, fails: the memfd is sealed against writes, shrinking and
+/// growth (`F_GET_SEALS`).
+fn assert_base_sealed(pid: u32, vm: &str) {
+    use std::os::unix::fs::FileExt;
+    let name = format!("/memfd:k7d-ram-{vm} ");
+    let fd = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .find(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with(&name)))
+        .unwrap_or_else(|| panic!("process {pid} holds no RAM memfd of {vm}"));
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(fd.path())
+        .unwrap();
+    // SAFETY: fcntl on a descriptor this test holds, no argument.
+    let seals = unsafe { libc::fcntl(std::os::fd::AsRawFd::as_raw_fd(&f), libc::F_GET_SEALS) };
+    let want = libc::F_SEAL_WRITE | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+    assert_eq!(seals & want, want, "{vm}'s base has seals {seals:#x}");
+    let e = f
+        .write_at(&[0xaa], 0x20_0000)
+        .expect_err("a write into a fork's base went through");
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+    assert!(f.set_len(4096).is_err(), "{vm}'s base could be shrunk");
+}
+
 /// How many copy-on-write overlays (unlinked files made in `dir`, the
 /// image's directory) process `pid` holds.
 fn overlays_held(pid: u32, dir: &Path) -> usize {
@@ -2031,6 +2063,14 @@ fn forks_of_a_vm_process_with_a_read_write_disk_share_its_frozen_base() {
         overlays_held(src, dir),
         1,
         "the source writes an overlay of its own now"
+    );
+    // Its base froze: the source swapped its read-write descriptor of the
+    // image for the read-only one its daemon opened, so it holds nothing
+    // that writes what its children read.
+    assert_eq!(
+        image_fds(src, &image),
+        ["r"],
+        "the source still holds its frozen base writable"
     );
     let o = cli(dir, &["--json", "fork", "rws-f1"]);
     assert!(o.status.success(), "fork of a child: {:?}", text(&o));

@@ -372,6 +372,47 @@ impl DiskImage {
         Ok(installed)
     }
 
+    /// Makes this frozen image's base read-only in this process: `base`,
+    /// the same file opened again read-only by whoever may open files (a VM
+    /// process's daemon), takes the place of the descriptor the image was
+    /// opened with (`dup3` onto its number, so every reader keeps its
+    /// handle), share-locked first as a frozen base is. From then on this
+    /// process holds nothing that writes the base its fork children read.
+    /// Refused, with nothing changed, unless the base is frozen and `base`
+    /// is read-only and the same file (device and inode); nothing to do
+    /// when the base is read-only already.
+    pub fn make_base_read_only(&self, base: File) -> Result<(), DiskError> {
+        use std::os::unix::fs::MetadataExt;
+        let fail = |source: std::io::Error| DiskError::ReadOnlyBase {
+            path: self.path.clone(),
+            source,
+        };
+        let refuse = |why: &str| fail(std::io::Error::new(ErrorKind::InvalidInput, why.to_string()));
+        if self.overlay.get().is_none() {
+            return Err(refuse("its base is not frozen (it has no overlay)"));
+        }
+        if k7d_sys::fd::is_read_only(&self.file).map_err(fail)? {
+            return Ok(());
+        }
+        if !k7d_sys::fd::is_read_only(&base).map_err(fail)? {
+            return Err(refuse("the file given for it is writable"));
+        }
+        let (ours, given) = (
+            self.file.metadata().map_err(DiskError::Metadata)?,
+            base.metadata().map_err(DiskError::Metadata)?,
+        );
+        if (ours.dev(), ours.ino()) != (given.dev(), given.ino()) {
+            return Err(refuse("the file given for it is another file (replaced since)"));
+        }
+        if flock(&base, Lock::Shared, false).is_err() {
+            warn!(
+                path = self.path,
+                "could not lock the frozen base image again; a read-write open elsewhere is not refused"
+            );
+        }
+        k7d_sys::fd::dup_over(&base, &self.file).map_err(fail)
+    }
+
     /// [`DiskImage::fork`] for a child built in another process (a VM
     /// process of its own), with the overlay files made by the caller (a
     /// VM process creates no file): `own` becomes this image's overlay if it

@@ -104,6 +104,15 @@ pub enum DiskError {
         #[source]
         source: std::io::Error,
     },
+    /// The frozen base could not be made read-only in this process.
+    #[error("making the frozen base {path} read-only in this process failed")]
+    ReadOnlyBase {
+        /// The image path.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The image is the frozen base of a forked VM's disk.
     #[error(
         "the disk image {0} is the frozen base of a forked VM's disk and cannot be opened read-write while that VM or its children live"

@@ -7,6 +7,32 @@ use std::time::Duration;
 use vm_memory::VolatileSlice;
 use vm_memory::bitmap::BitmapSlice;
 
+/// Whether `fd` was opened read-only (the access mode of `F_GETFL`).
+pub fn is_read_only(fd: &impl AsRawFd) -> io::Result<bool> {
+    // SAFETY: fcntl on a descriptor the caller holds, no argument.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(flags & libc::O_ACCMODE == libc::O_RDONLY)
+}
+
+/// Makes descriptor `target` refer to what `from` refers to (`dup3`,
+/// close-on-exec): `target` keeps its number, so whoever holds it reads
+/// through the new open file from then on; the open file it referred to
+/// is closed (with its locks, unless another descriptor shares it).
+pub fn dup_over(from: &impl AsRawFd, target: &impl AsRawFd) -> io::Result<()> {
+    if from.as_raw_fd() == target.as_raw_fd() {
+        return Ok(());
+    }
+    // SAFETY: dup3 on two descriptors the caller holds; `target` stays
+    // open (atomically re-pointed), so its owner's handle stays valid.
+    if unsafe { libc::dup3(from.as_raw_fd(), target.as_raw_fd(), libc::O_CLOEXEC) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// `read(2)` into `buf`.
 pub fn read(fd: &impl AsRawFd, buf: &mut [u8]) -> io::Result<usize> {
     // SAFETY: `buf` is a live, writable slice of `buf.len()` bytes.

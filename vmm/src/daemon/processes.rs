@@ -1078,8 +1078,10 @@ impl Remote {
     /// Exports its fork instant (the caller paused it). Each read-write
     /// disk is given two overlay files made here (a VM process creates
     /// none): its own, taken at its first fork, and its children's, which
-    /// it fills with what it wrote since its base froze; the base is then
-    /// opened again here, read-only, for the children ([`ForkedDisk`]).
+    /// it fills with what it wrote since its base froze; and the image
+    /// opened again read-only, which the source takes in place of its own
+    /// read-write descriptor of the frozen base. The base is then opened
+    /// again here, read-only, for the children ([`ForkedDisk`]).
     pub(super) fn capture(&mut self) -> Result<Capture, ApiError> {
         use std::os::fd::AsRawFd;
         let id = self.id.clone();
@@ -1100,17 +1102,40 @@ impl Remote {
                 overlays.push(f);
             }
         }
+        // Each image opened again read-only: at its first fork the source
+        // swaps its read-write descriptor of the now frozen base for it,
+        // and so holds nothing that writes what its children read.
+        let bases = rw
+            .iter()
+            .map(|(i, path)| {
+                k7d_devices::virtio::block::DiskImage::open_file(path, true).map_err(|e| {
+                    let cause = std::error::Error::source(&e)
+                        .map(|c| format!(": {c}"))
+                        .unwrap_or_default();
+                    ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("vm {id} cannot be forked: disk {i}: {e}{cause}"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let req = match rw.is_empty() {
             true => Request::Capture,
             false => Request::CaptureDisks {
                 disks: rw.iter().map(|(i, _)| *i).collect(),
+                bases: true,
             },
         };
-        let raw: Vec<_> = overlays.iter().map(|f| f.as_raw_fd()).collect();
+        let raw: Vec<_> = overlays
+            .chunks(2)
+            .zip(&bases)
+            .flat_map(|(pair, base)| pair.iter().chain(std::iter::once(base)).map(|f| f.as_raw_fd()))
+            .collect();
         let (reply, fds) = self.call_fds(&req, &raw)?;
         let Reply::Captured { state, diverged, disks } = reply else {
             return Err(internal(&format!("vm {id}: capture"), format!("{reply:?}")));
         };
+        drop(bases);
         // The children's overlays: the second of each disk's pair.
         let templates: Vec<std::fs::File> = overlays.into_iter().skip(1).step_by(2).collect();
         let disks = forked_disks(&id, &rw, disks, templates)?;
@@ -1122,8 +1147,22 @@ impl Remote {
         }
         // The base goes to the children read-only (they map it privately):
         // a child may not write its source's and siblings' memory. Its
-        // source sent it: it must be that VM's guest RAM memfd.
+        // source sent it: it must be that VM's guest RAM memfd. Both it and
+        // the diverged pages are sealed first against every write, the
+        // source's own included: what a child maps or reads stays what it
+        // was at the fork instant, whatever the source does later.
         let mut fds = fds;
+        for (fd, prefix, what) in [
+            (&fds[0], "/memfd:k7d-ram-", "base"),
+            (&fds[1], "/memfd:k7d-delta-", "diverged pages"),
+        ] {
+            sealed_memfd(fd, prefix).map_err(|e| {
+                ApiError::new(
+                    ErrorCode::Conflict,
+                    format!("vm {id} cannot be forked: its fork's {what} {e}"),
+                )
+            })?;
+        }
         let base =
             read_only_memfd(&fds[0], "/memfd:k7d-ram-").map_err(|e| internal(&format!("vm {id}: capture"), e))?;
         fds[0] = base;
@@ -1280,6 +1319,21 @@ pub(super) fn refuse_unbudgeted_disks(id: &str, config: &VmConfig) -> Result<(),
 
 /// A read-only open of the memfd `fd` (through `/proc/self/fd`), which
 /// must be named `prefix…`: a base a child can map but not write.
+/// Checks that `fd` is a memfd named `prefix…` and seals it against every
+/// write ([`crate::sys::seal_against_writes`]); the error finishes a
+/// sentence about it.
+fn sealed_memfd(fd: &OwnedFd, prefix: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let target =
+        std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| format!("cannot be read: {e}"))?;
+    if !target.to_string_lossy().starts_with(prefix) {
+        return Err(format!("is {}, not what its VM process should send", target.display()));
+    }
+    crate::sys::seal_against_writes(fd).map_err(|e| {
+        format!("cannot be sealed against its source's writes ({e}): a VM process of a k7d before sealing makes no sealable RAM; restart the VM")
+    })
+}
+
 fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
     use std::os::fd::AsRawFd;
     let link = format!("/proc/self/fd/{}", fd.as_raw_fd());

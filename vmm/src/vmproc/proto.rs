@@ -97,11 +97,17 @@ pub enum Request {
     Capture,
     /// [`Request::Capture`] of a VM with read-write disks: for each disk
     /// of `disks`, in order, two new overlay files come with the request
-    /// (the source's own, taken at its first fork, and the children's):
-    /// [`Reply::Captured`] with its `disks`.
+    /// (the source's own, taken at its first fork, and the children's),
+    /// and with `bases` a third, the image opened again read-only, which
+    /// takes the place of the source's read-write descriptor of its frozen
+    /// base: [`Reply::Captured`] with its `disks`.
     CaptureDisks {
         /// The read-write disks, by their place in the config's disks.
         disks: Vec<u16>,
+        /// Whether each disk's read-only base comes too (absent: from a
+        /// daemon before it, two files per disk).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        bases: bool,
     },
     /// What a snapshot of this paused VM is written from, by the caller
     /// (a VM process reaches no directory): [`Reply::SnapshotParts`].

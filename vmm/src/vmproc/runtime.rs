@@ -235,10 +235,11 @@ fn handle(
             Ok((Reply::Ok, Vec::new()))
         }
         Request::Capture => capture(vm, Vec::new()),
-        Request::CaptureDisks { disks } => {
-            if fds.len() != disks.len().saturating_mul(2) {
+        Request::CaptureDisks { disks, bases } => {
+            let each = if bases { 3 } else { 2 };
+            if fds.len() != disks.len().saturating_mul(each) {
                 return Err(format!(
-                    "a capture of {} read-write disk(s) takes two overlay files each, not {} descriptors",
+                    "a capture of {} read-write disk(s) takes {each} files each, not {} descriptors",
                     disks.len(),
                     fds.len()
                 ));
@@ -249,7 +250,8 @@ fn handle(
                 .map(|disk| crate::vstate::fork::OverlayFiles {
                     disk,
                     own: files.next(),
-                    child: files.next().expect("two files per disk, counted above"),
+                    child: files.next().expect("files per disk counted above"),
+                    base: if bases { files.next() } else { None },
                 })
                 .collect();
             capture(vm, overlays)

@@ -205,6 +205,12 @@ pub struct OverlayFiles {
     pub own: Option<std::fs::File>,
     /// The children's overlay as of the fork instant.
     pub child: std::fs::File,
+    /// The image opened again read-only, to take the place of this
+    /// process's read-write descriptor of the frozen base
+    /// ([`DiskImage::make_base_read_only`]).
+    ///
+    /// [`DiskImage::make_base_read_only`]: k7d_devices::virtio::block::DiskImage::make_base_read_only
+    pub base: Option<std::fs::File>,
 }
 
 /// What an exported fork instant says of read-write disk `disk`: the
@@ -265,6 +271,17 @@ impl Vm {
                         .unwrap_or_default()
                 ),
             })?;
+            if let Some(base) = o.base {
+                image.make_base_read_only(base).map_err(|e| VmError::Device {
+                    what: "virtio-blk",
+                    msg: format!(
+                        "disk {i}: {e}{}",
+                        std::error::Error::source(&e)
+                            .map(|c| format!(": {c}"))
+                            .unwrap_or_default()
+                    ),
+                })?;
+            }
             let meta = image.file().metadata().map_err(|source| VmError::Io {
                 what: format!("disk {i}'s base cannot be read"),
                 source,

@@ -33,7 +33,7 @@ use crate::config::{GuestSpec, VmConfig};
 use crate::jail::JailConfig;
 use crate::jail::cgroup::{self, CgroupRoot};
 use crate::vmproc::handle::VmProcess;
-use crate::vmproc::proto::{Reply, Request, VERSION, VmStatus};
+use crate::vmproc::proto::{Reply, Request, UNKNOWN_REQUEST, VERSION, VmStatus};
 use crate::vmproc::spawner::Spawner;
 use crate::vstate::control::StopReason;
 use crate::vstate::handed::FileRole;
@@ -837,6 +837,9 @@ impl Remote {
             spare_dir,
             nic_notes: Vec::new(),
             cgroup: leaf,
+            // This daemon's VM processes make sealable RAM (a fork child's
+            // is its source's: `build_child` says).
+            seals_ram: true,
         };
         Ok(Self::watched(id, config.clone(), proc, rec, pidfd, store))
     }
@@ -1083,6 +1086,28 @@ impl Remote {
     /// read-write descriptor of the frozen base. The base is then opened
     /// again here, read-only, for the children ([`ForkedDisk`]).
     pub(super) fn capture(&mut self) -> Result<Capture, ApiError> {
+        self.capture_with(false).map(|(c, _)| c)
+    }
+
+    /// [`Remote::capture`] of a VM that may be running, for a single fork:
+    /// its VM process pauses it (if it runs), exports the fork instant and
+    /// resumes it in one round trip ([`Request::CaptureLive`]); with how
+    /// long it took to pause and how long it stood still (ms). `None` from
+    /// a VM process of a k7d before that request: the caller asks for each
+    /// step.
+    pub(super) fn capture_live(&mut self) -> Result<Option<(Capture, f64, f64)>, ApiError> {
+        match self.capture_with(true) {
+            Ok((c, Some((pause, still)))) => Ok(Some((c, pause, still))),
+            Ok((_, None)) => Err(internal(
+                &format!("vm {}: capture", self.id),
+                "the reply did not say how long the VM stood still",
+            )),
+            Err(e) if e.message.contains(UNKNOWN_REQUEST) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn capture_with(&mut self, live: bool) -> Result<(Capture, Option<(f64, f64)>), ApiError> {
         use std::os::fd::AsRawFd;
         let id = self.id.clone();
         let rw: Vec<(u16, PathBuf)> = (0u16..)
@@ -1119,10 +1144,15 @@ impl Remote {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let req = match rw.is_empty() {
-            true => Request::Capture,
-            false => Request::CaptureDisks {
-                disks: rw.iter().map(|(i, _)| *i).collect(),
+        let disk_ids: Vec<u16> = rw.iter().map(|(i, _)| *i).collect();
+        let req = match (live, rw.is_empty()) {
+            (true, _) => Request::CaptureLive {
+                bases: !disk_ids.is_empty(),
+                disks: disk_ids,
+            },
+            (false, true) => Request::Capture,
+            (false, false) => Request::CaptureDisks {
+                disks: disk_ids,
                 bases: true,
             },
         };
@@ -1132,9 +1162,18 @@ impl Remote {
             .flat_map(|(pair, base)| pair.iter().chain(std::iter::once(base)).map(|f| f.as_raw_fd()))
             .collect();
         let (reply, fds) = self.call_fds(&req, &raw)?;
-        let Reply::Captured { state, diverged, disks } = reply else {
+        let Reply::Captured {
+            state,
+            diverged,
+            disks,
+            pause_us,
+            still_us,
+        } = reply
+        else {
             return Err(internal(&format!("vm {id}: capture"), format!("{reply:?}")));
         };
+        let ms = |us: u64| us as f64 / 1000.0;
+        let stood = pause_us.zip(still_us).map(|(p, s)| (ms(p), ms(s)));
         drop(bases);
         // The children's overlays: the second of each disk's pair.
         let templates: Vec<std::fs::File> = overlays.into_iter().skip(1).step_by(2).collect();
@@ -1156,12 +1195,20 @@ impl Remote {
             (&fds[0], "/memfd:k7d-ram-", "base"),
             (&fds[1], "/memfd:k7d-delta-", "diverged pages"),
         ] {
-            sealed_memfd(fd, prefix).map_err(|e| {
-                ApiError::new(
-                    ErrorCode::Conflict,
-                    format!("vm {id} cannot be forked: its fork's {what} {e}"),
-                )
-            })?;
+            match sealed_memfd(fd, prefix) {
+                Ok(()) => {}
+                // Built by an earlier k7d: forked as it was then.
+                Err(Unsealed::Refused(e)) if !self.rec.seals_ram => tracing::warn!(
+                    vm = %id,
+                    "its fork's {what} {e}; its children are forked unsealed (a VM process of an earlier k7d)"
+                ),
+                Err(Unsealed::Refused(e) | Unsealed::NotRam(e)) => {
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("vm {id} cannot be forked: its fork's {what} {e}"),
+                    ));
+                }
+            }
         }
         let base =
             read_only_memfd(&fds[0], "/memfd:k7d-ram-").map_err(|e| internal(&format!("vm {id}: capture"), e))?;
@@ -1173,13 +1220,17 @@ impl Remote {
         {
             tracing::warn!(vm = %id, error = %e, "cannot raise a fork source's memory limit");
         }
-        Ok(Capture {
-            config: self.config.clone(),
-            state,
-            diverged,
-            fds,
-            disks,
-        })
+        Ok((
+            Capture {
+                config: self.config.clone(),
+                state,
+                diverged,
+                fds,
+                disks,
+                seals_ram: self.rec.seals_ram,
+            },
+            stood,
+        ))
     }
 
     /// Writes a snapshot of it into `dir` (as [`crate::Vm::snapshot`]):
@@ -1319,19 +1370,28 @@ pub(super) fn refuse_unbudgeted_disks(id: &str, config: &VmConfig) -> Result<(),
 
 /// A read-only open of the memfd `fd` (through `/proc/self/fd`), which
 /// must be named `prefix…`: a base a child can map but not write.
+/// Why [`sealed_memfd`] did not seal; each finishes a sentence about it.
+enum Unsealed {
+    /// It is not what a VM process sends.
+    NotRam(String),
+    /// The kernel refused the seals.
+    Refused(String),
+}
+
 /// Checks that `fd` is a memfd named `prefix…` and seals it against every
-/// write ([`crate::sys::seal_against_writes`]); the error finishes a
-/// sentence about it.
-fn sealed_memfd(fd: &OwnedFd, prefix: &str) -> Result<(), String> {
+/// write ([`crate::sys::seal_against_writes`]).
+fn sealed_memfd(fd: &OwnedFd, prefix: &str) -> Result<(), Unsealed> {
     use std::os::fd::AsRawFd;
-    let target =
-        std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(|e| format!("cannot be read: {e}"))?;
+    let target = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .map_err(|e| Unsealed::NotRam(format!("cannot be read: {e}")))?;
     if !target.to_string_lossy().starts_with(prefix) {
-        return Err(format!("is {}, not what its VM process should send", target.display()));
+        return Err(Unsealed::NotRam(format!(
+            "is {}, not what its VM process should send",
+            target.display()
+        )));
     }
-    crate::sys::seal_against_writes(fd).map_err(|e| {
-        format!("cannot be sealed against its source's writes ({e}): a VM process of a k7d before sealing makes no sealable RAM; restart the VM")
-    })
+    crate::sys::seal_against_writes(fd)
+        .map_err(|e| Unsealed::Refused(format!("cannot be sealed against its source's writes ({e})")))
 }
 
 fn read_only_memfd(fd: &OwnedFd, prefix: &str) -> Result<OwnedFd, String> {
@@ -1493,6 +1553,8 @@ pub(super) struct Capture {
     fds: Vec<OwnedFd>,
     /// Its read-write disks.
     disks: Vec<ForkedDisk>,
+    /// Whether its RAM was sealed (its children's RAM can be).
+    seals_ram: bool,
 }
 
 /// Stops VM processes built for a request that failed (every child or
@@ -1693,21 +1755,26 @@ impl super::Daemon {
         let held = self.reserve_children(id, args.count, args.name.as_deref())?;
         procs.ready_for(held.ids().len());
         let t = Instant::now();
-        let (cap, pause_ms, warnings) = {
+        let (cap, pause_ms, source_paused_ms, warnings) = {
             let mut g = lock(source);
             let warnings: Vec<String> = g.rng_warning().into_iter().collect();
-            let was_running = matches!(g.status().state, VmState::Running);
-            if was_running {
-                g.call(&Request::Pause)?;
+            match g.capture_live()? {
+                Some((cap, pause_ms, still_ms)) => (cap, pause_ms, still_ms, warnings),
+                // A VM process of an earlier k7d: each step asked for.
+                None => {
+                    let was_running = matches!(g.status().state, VmState::Running);
+                    if was_running {
+                        g.call(&Request::Pause)?;
+                    }
+                    let pause_ms = super::ms(t.elapsed());
+                    let got = g.capture();
+                    if was_running {
+                        g.call(&Request::Resume)?;
+                    }
+                    (got?, pause_ms, super::ms(t.elapsed()), warnings)
+                }
             }
-            let pause_ms = super::ms(t.elapsed());
-            let got = g.capture();
-            if was_running {
-                g.call(&Request::Resume)?;
-            }
-            (got?, pause_ms, warnings)
         };
-        let source_paused_ms = super::ms(t.elapsed());
         let overlays = child_overlays(id, &cap, held.ids().len())?;
         let jobs: Vec<ChildJob<'_>> = held
             .ids()
@@ -1904,6 +1971,8 @@ impl super::Daemon {
             ));
         }
         let mut remote = Remote::spawn_with(procs, &self.store, cid, &c, &dir, &build, &fds)?;
+        // Its RAM is its source's base: sealed only if the source's was.
+        remote.rec.seals_ram = cap.seals_ram;
         drop(files);
         remote.rec.nic_notes = std::mem::take(&mut handed.notes);
         handed.keep();
@@ -2244,6 +2313,7 @@ mod tests {
                 len,
                 dir: None,
             }],
+            seals_ram: true,
         };
         let kids = child_overlays("t", &cap, 3).unwrap();
         assert_eq!(kids.len(), 3);

@@ -77,6 +77,12 @@ pub struct ProcessRecord {
     /// `--jail-cgroup off`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cgroup: Option<PathBuf>,
+    /// Whether its guest RAM can be sealed against its own writes: built
+    /// by a daemon that seals (and for a fork child, from a source whose
+    /// RAM could be). A fork of it refuses RAM it cannot seal; a VM
+    /// process of an earlier k7d (false) forks unsealed, with a warning.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub seals_ram: bool,
 }
 
 /// Errors from the record store.

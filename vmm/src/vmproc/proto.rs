@@ -17,6 +17,10 @@ use crate::vstate::vm::{DeviceInfo, VmState};
 /// devices).
 pub const VERSION: u32 = 2;
 
+/// How a VM process's error reply to a request it does not know begins
+/// (one added after it was built): its caller may then ask the older way.
+pub const UNKNOWN_REQUEST: &str = "the request is not one this VM process knows";
+
 /// What the caller asks.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
@@ -109,6 +113,20 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         bases: bool,
     },
+    /// A single fork's whole source side in one round trip: pause it if
+    /// it runs, export its fork instant (as [`Request::Capture`], or as
+    /// [`Request::CaptureDisks`] with its files when `disks` names any),
+    /// and resume it if it ran: [`Reply::Captured`] with `pause_us` and
+    /// `still_us`. (A cluster fork pauses every member before it exports
+    /// any, so it asks for each step.)
+    CaptureLive {
+        /// The read-write disks, as for [`Request::CaptureDisks`].
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        disks: Vec<u16>,
+        /// As for [`Request::CaptureDisks`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        bases: bool,
+    },
     /// What a snapshot of this paused VM is written from, by the caller
     /// (a VM process reaches no directory): [`Reply::SnapshotParts`].
     SnapshotParts,
@@ -169,6 +187,14 @@ pub enum Reply {
         /// Its read-write disks' children's overlays ([`Request::CaptureDisks`]).
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         disks: Vec<crate::vstate::fork::ExportedDisk>,
+        /// To [`Request::CaptureLive`]: microseconds until every vCPU
+        /// stood still (0 when it was not running).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pause_us: Option<u64>,
+        /// To [`Request::CaptureLive`]: microseconds from the request to
+        /// the resume (the whole capture when it was not running).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        still_us: Option<u64>,
     },
     /// To [`Request::SnapshotParts`]: the machine state, and the guest
     /// RAM as descriptors: its memfd alone, or (`diverged` given: a fork

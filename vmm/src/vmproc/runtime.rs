@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use vm_memory::{Bytes, GuestAddress};
 
-use super::proto::{Reply, Request, VERSION};
+use super::proto::{Reply, Request, UNKNOWN_REQUEST, VERSION};
 use super::wire::Channel;
 use crate::vstate::handed::{FileRole, HandedFiles, HostFiles};
 use crate::{Vm, VmOptions};
@@ -123,7 +123,7 @@ fn session(channel: UnixStream, vm: &mut Option<Vm>, listener: &mut Option<UnixL
                 send(
                     &chan,
                     &Reply::Error {
-                        message: format!("the request is not one this VM process knows: {e}"),
+                        message: format!("{UNKNOWN_REQUEST}: {e}"),
                     },
                     &[],
                 )?;
@@ -236,25 +236,39 @@ fn handle(
         }
         Request::Capture => capture(vm, Vec::new()),
         Request::CaptureDisks { disks, bases } => {
-            let each = if bases { 3 } else { 2 };
-            if fds.len() != disks.len().saturating_mul(each) {
-                return Err(format!(
-                    "a capture of {} read-write disk(s) takes {each} files each, not {} descriptors",
-                    disks.len(),
-                    fds.len()
-                ));
-            }
-            let mut files = fds.into_iter().map(std::fs::File::from);
-            let overlays = disks
-                .into_iter()
-                .map(|disk| crate::vstate::fork::OverlayFiles {
-                    disk,
-                    own: files.next(),
-                    child: files.next().expect("files per disk counted above"),
-                    base: if bases { files.next() } else { None },
-                })
-                .collect();
+            let overlays = overlay_files(disks, bases, fds)?;
             capture(vm, overlays)
+        }
+        Request::CaptureLive { disks, bases } => {
+            let t = std::time::Instant::now();
+            let overlays = overlay_files(disks, bases, fds)?;
+            let v = built(vm)?;
+            let running = matches!(v.state(), crate::vstate::vm::VmState::Running);
+            if running {
+                v.pause(Duration::from_secs(2)).map_err(|e| e.to_string())?;
+            }
+            let pause_us = micros(t.elapsed());
+            let got = capture(vm, overlays);
+            if running {
+                let resumed = built(vm)?.resume().map_err(|e| e.to_string());
+                if let Err(r) = resumed {
+                    return Err(match got {
+                        Ok(_) => format!("its fork instant was exported, but it cannot resume: {r}"),
+                        Err(e) => format!("{e}; resuming it afterwards failed too: {r}"),
+                    });
+                }
+            }
+            let (mut reply, out) = got?;
+            if let Reply::Captured {
+                pause_us: p,
+                still_us: s,
+                ..
+            } = &mut reply
+            {
+                *p = Some(pause_us);
+                *s = Some(micros(t.elapsed()));
+            }
+            Ok((reply, out))
         }
         Request::SnapshotParts => {
             let p = built(vm)?.snapshot_parts().map_err(|e| e.to_string())?;
@@ -356,6 +370,37 @@ fn handle(
     }
 }
 
+/// The overlay files of a capture of read-write disks `disks`: two per
+/// disk, and with `bases` a third (the image opened again read-only).
+fn overlay_files(
+    disks: Vec<u16>,
+    bases: bool,
+    fds: Vec<OwnedFd>,
+) -> Result<Vec<crate::vstate::fork::OverlayFiles>, String> {
+    let each = if bases { 3 } else { 2 };
+    if fds.len() != disks.len().saturating_mul(each) {
+        return Err(format!(
+            "a capture of {} read-write disk(s) takes {each} files each, not {} descriptors",
+            disks.len(),
+            fds.len()
+        ));
+    }
+    let mut files = fds.into_iter().map(std::fs::File::from);
+    Ok(disks
+        .into_iter()
+        .map(|disk| crate::vstate::fork::OverlayFiles {
+            disk,
+            own: files.next(),
+            child: files.next().expect("files per disk counted above"),
+            base: if bases { files.next() } else { None },
+        })
+        .collect())
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
 /// The fork instant of the VM in `vm` ([`Vm::export_capture`]) as its
 /// reply: the base and the diverged-pages memfds ride along.
 fn capture(
@@ -369,6 +414,8 @@ fn capture(
             state,
             diverged: e.words,
             disks: e.disks,
+            pause_us: None,
+            still_us: None,
         },
         vec![e.base, std::sync::Arc::new(e.delta)],
     ))
@@ -379,6 +426,7 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
         Request::Hello { .. } => Err("hello was already said".into()),
         Request::Capture
         | Request::CaptureDisks { .. }
+        | Request::CaptureLive { .. }
         | Request::SnapshotParts
         | Request::BuildFork { .. }
         | Request::Build { .. }

@@ -50,6 +50,20 @@ impl Periodic {
 }
 
 impl Daemon {
+    /// Every VM in a VM process by id, held weakly (as
+    /// [`Daemon::live_vms_weakly`]).
+    pub(super) fn live_processes_weakly(&self) -> Vec<(String, Weak<std::sync::Mutex<super::processes::Remote>>)> {
+        self.vms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter_map(|(id, s)| match s {
+                super::Slot::Process(r) => Some((id.clone(), Arc::downgrade(r))),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Every built VM by id, held weakly (for a pass that must not keep a
     /// deleted VM alive).
     pub(super) fn live_vms_weakly(&self) -> Vec<(String, Weak<std::sync::Mutex<crate::vstate::vm::Vm>>)> {

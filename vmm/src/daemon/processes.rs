@@ -2053,16 +2053,6 @@ impl super::Daemon {
         start: bool,
         restored: Option<&Restored>,
     ) -> Result<super::api::VmInfo, ApiError> {
-        // The `k7d-rebase` thread reaches the daemon's own VMs only: a
-        // threshold nobody watches is refused, never ignored.
-        if config.fork.rebase_at_percent.is_some() {
-            return Err(ApiError::new(
-                ErrorCode::InvalidArgument,
-                format!(
-                    "vm {id} sets fork.rebase_at_percent, which is not watched in VM processes yet: unset it and re-base with `k7d rebase`"
-                ),
-            ));
-        }
         let id = id.to_string();
         let dir = self
             .store

@@ -2,7 +2,8 @@
 //! for it (`VmConfig.fork.rebase_at_percent`) once they have diverged from
 //! their base by that share of their RAM, so that their forks copy at most
 //! about that much whatever the source did since its first fork
-//! (`docs/fork.md`, "Re-basing").
+//! (`docs/fork.md`, "Re-basing"), its own VMs and those in VM processes
+//! alike.
 
 use std::collections::HashMap;
 use std::sync::{Arc, TryLockError};
@@ -49,7 +50,13 @@ impl Daemon {
         stop: &dyn Fn() -> bool,
     ) -> bool {
         let vms = self.live_vms_weakly();
-        not_before.retain(|id, _| vms.iter().any(|(v, _)| v == id));
+        let remotes = self.live_processes_weakly();
+        not_before.retain(|id, _| {
+            vms.iter()
+                .map(|(v, _)| v)
+                .chain(remotes.iter().map(|(r, _)| r))
+                .any(|v| v == id)
+        });
         for (id, vm) in vms {
             if stop() {
                 return false;
@@ -86,6 +93,68 @@ impl Daemon {
             let t = Instant::now();
             let wait = match g.rebase(PAUSE_TIMEOUT) {
                 Ok(_) => (t.elapsed() * 10).max(period),
+                Err(e) => {
+                    tracing::warn!(vm = %id, error = %e, "the vm's threshold re-base failed");
+                    FAILED_WAIT
+                }
+            };
+            not_before.insert(id, Instant::now() + wait);
+        }
+        self.rebase_diverged_processes(remotes, period, not_before, stop)
+    }
+
+    /// [`Daemon::rebase_diverged`] for the VMs in VM processes: each VM
+    /// process reads its own divergence and re-bases itself when asked
+    /// (`divergence` and `rebase` on the channel).
+    fn rebase_diverged_processes(
+        &self,
+        remotes: Vec<(String, std::sync::Weak<std::sync::Mutex<super::processes::Remote>>)>,
+        period: Duration,
+        not_before: &mut HashMap<String, Instant>,
+        stop: &dyn Fn() -> bool,
+    ) -> bool {
+        use crate::vmproc::proto::{Reply, Request};
+        for (id, r) in remotes {
+            if stop() {
+                return false;
+            }
+            if not_before.get(&id).is_some_and(|t| Instant::now() < *t) {
+                continue;
+            }
+            let Some(r) = r.upgrade() else { continue };
+            let mut g = match r.try_lock() {
+                Ok(g) => g,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => continue,
+            };
+            let Some(pct) = g.config().fork.rebase_at_percent else {
+                continue;
+            };
+            let ram = g.config().memory_bytes();
+            let pages = match g.call(&Request::Divergence) {
+                Ok(Reply::Divergence { pages: Some(p) }) => p,
+                Ok(Reply::Divergence { pages: None }) => continue,
+                Ok(other) => {
+                    tracing::warn!(vm = %id, reply = ?other, "its VM process answered the divergence with something else");
+                    not_before.insert(id, Instant::now() + FAILED_WAIT);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(vm = %id, error = %e, "cannot read how far the vm diverged from its fork base");
+                    not_before.insert(id, Instant::now() + FAILED_WAIT);
+                    continue;
+                }
+            };
+            if pages * PAGE * 100 < ram * u64::from(pct) {
+                continue;
+            }
+            let t = Instant::now();
+            let wait = match g.call(&Request::Rebase) {
+                Ok(Reply::Rebased(_)) => (t.elapsed() * 10).max(period),
+                Ok(other) => {
+                    tracing::warn!(vm = %id, reply = ?other, "its VM process answered the re-base with something else");
+                    FAILED_WAIT
+                }
                 Err(e) => {
                     tracing::warn!(vm = %id, error = %e, "the vm's threshold re-base failed");
                     FAILED_WAIT

@@ -132,6 +132,9 @@ pub enum Request {
     SnapshotParts,
     /// Re-base this fork source ([`crate::Vm::rebase`]): [`Reply::Rebased`].
     Rebase,
+    /// How far this VM diverged from its fork base, for the daemon's
+    /// threshold re-base: [`Reply::Divergence`].
+    Divergence,
     /// Start its vCPUs.
     Start,
     /// Pause every vCPU and device.
@@ -209,6 +212,13 @@ pub enum Reply {
     },
     /// To [`Request::Rebase`]: what the re-base did.
     Rebased(crate::vstate::rebase::Rebased),
+    /// To [`Request::Divergence`]: the pages that differ from its fork
+    /// base, or none when it was never forked or neither runs nor is
+    /// paused (nothing to re-base).
+    Divergence {
+        /// The pages (4 KiB).
+        pages: Option<u64>,
+    },
     /// Words read.
     Peeked {
         /// The words.

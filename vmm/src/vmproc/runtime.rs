@@ -437,6 +437,18 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
             .rebase(Duration::from_secs(2))
             .map(Reply::Rebased)
             .map_err(|e| e.to_string()),
+        Request::Divergence => {
+            let v = built(vm)?;
+            let live = matches!(
+                v.state(),
+                crate::vstate::vm::VmState::Running | crate::vstate::vm::VmState::Paused
+            );
+            let pages = match v.has_been_forked() && live {
+                true => Some(v.divergence().map_err(|e| e.to_string())?),
+                false => None,
+            };
+            Ok(Reply::Divergence { pages })
+        }
         Request::Pause => built(vm)?
             .pause(Duration::from_secs(2))
             .map(|()| Reply::Ok)

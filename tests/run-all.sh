@@ -173,8 +173,8 @@ HOST_TIMES=$(mktemp /tmp/k7d-host-times.XXXXXX)
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER=$(pwd)/tests/report-time.sh \
   cargo test --workspace --release 2>&1 | tee "$HOST_TIMES"
 
-phase "python client (pytest against a real daemon)"
-# pytest from PyPI, cached outside the checkout by version (vmm/python/run-tests.sh).
+phase "python client (pytest against a real daemon; rollouts over a two-node Ray cluster)"
+# pytest and Ray from PyPI, cached outside the checkout by version (vmm/python/run-tests.sh).
 vmm/python/run-tests.sh "$(cd "${CARGO_TARGET_DIR:-target}/release" && pwd)/k7d"
 
 phase "tc object: no clang embeds nothing, a plain rebuild after clang appears embeds it"

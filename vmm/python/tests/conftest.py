@@ -5,6 +5,7 @@ directory of the test's own, stopped with SIGTERM at the end (it must exit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -27,17 +28,20 @@ def k7d_bin() -> Path:
     return target / "release" / "k7d"
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Client]:
+@contextlib.contextmanager
+def running_daemon(dir: Path) -> Iterator[Client]:
+    """A daemon with its state and socket in `dir`; at the end it must be
+    empty, exit 0 on SIGTERM."""
     binary = k7d_bin()
     if not binary.is_file():
         pytest.fail(f"no k7d binary at {binary} (build it, or set K7D_BIN)")
     if os.geteuid() != 0:
         pytest.fail("the k7d daemon needs root (KVM): run the client's tests as root")
-    sock = tmp_path / "k7d.sock"
-    log = open(tmp_path / "daemon.log", "wb")
+    dir.mkdir(parents=True, exist_ok=True)
+    sock = dir / "k7d.sock"
+    log = open(dir / "daemon.log", "wb")
     proc = subprocess.Popen(
-        [str(binary), "daemon", "--state-dir", str(tmp_path / "state"), "--socket", str(sock)],
+        [str(binary), "daemon", "--state-dir", str(dir / "state"), "--socket", str(sock)],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -51,7 +55,7 @@ def daemon(tmp_path: Path) -> Iterator[Client]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 log.close()
-                pytest.fail(f"the daemon did not come up: {(tmp_path / 'daemon.log').read_text()[-2000:]}")
+                pytest.fail(f"the daemon did not come up: {(dir / 'daemon.log').read_text()[-2000:]}")
             time.sleep(0.05)
     try:
         yield client
@@ -65,4 +69,10 @@ def daemon(tmp_path: Path) -> Iterator[Client]:
             proc.kill()
             rc = proc.wait()
         log.close()
-    assert rc == 0, f"the daemon exited {rc}: {(tmp_path / 'daemon.log').read_text()[-2000:]}"
+    assert rc == 0, f"the daemon exited {rc}: {(dir / 'daemon.log').read_text()[-2000:]}"
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Client]:
+    with running_daemon(tmp_path) as client:
+        yield client

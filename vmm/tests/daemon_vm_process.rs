@@ -1561,6 +1561,25 @@ fn a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one() {
         ]);
     }
     old_cli(&["fork", "up-a"]);
+    // With the cloud kernel cached: a VM with a read-write disk (created,
+    // not started: a Linux guest cannot run on a PVM host), forked under
+    // this k7d after the takeover.
+    let kernel = common::cached_cloud_kernel();
+    let disk = dir.join("up-d.img");
+    if let Some(k) = &kernel {
+        std::fs::write(&disk, vec![7u8; 1 << 20]).unwrap();
+        old_cli(&[
+            "create",
+            "--id",
+            "up-d",
+            "--kernel",
+            k.to_str().unwrap(),
+            "--memory",
+            "128",
+            "--disk",
+            &format!("{},rw", disk.display()),
+        ]);
+    }
     let ids = ["up-a", "up-b", "up-a-f1"];
     let pids: Vec<u32> = ids.iter().map(|id| pid_of(dir, id)).collect();
     guard.pids = pids.clone();
@@ -1624,10 +1643,19 @@ fn a_daemon_of_this_k7d_takes_over_the_vm_processes_of_an_earlier_one() {
         guard.pids.push(pid_of(dir, "up-a-f2"));
         assert_eq!(info(dir, "up-a-f2")["parent"].as_str(), Some("up-a"));
         assert!(grows(|| counter(dir, "up-a-f2")), "up-a-f2 does not run");
+        // Its read-write disk too: an earlier VM process may not know the
+        // read-only base it is handed (asked without it then).
+        if kernel.is_some() {
+            guard.pids.push(pid_of(dir, "up-d"));
+            let o = cli(dir, &["--json", "fork", "up-d"]);
+            assert!(o.status.success(), "fork of the earlier k7d's up-d: {:?}", text(&o));
+            guard.pids.push(pid_of(dir, "up-d-f1"));
+            assert_eq!(info(dir, "up-d-f1")["parent"].as_str(), Some("up-d"));
+        }
         let _ = std::io::Write::flush(&mut std::io::stderr());
         eprintln!("upgrade drill: {from} -> {to}: 3 VM processes re-attached, one forked");
     }
-    for id in ["up-a-f2", "up-a-f1", "up-a", "up-b"] {
+    for id in ["up-d-f1", "up-d", "up-a-f2", "up-a-f1", "up-a", "up-b"] {
         let _ = cli(dir, &["delete", id]);
     }
     for &pid in &guard.pids {

@@ -1086,7 +1086,17 @@ impl Remote {
     /// read-write descriptor of the frozen base. The base is then opened
     /// again here, read-only, for the children ([`ForkedDisk`]).
     pub(super) fn capture(&mut self) -> Result<Capture, ApiError> {
-        self.capture_with(false).map(|(c, _)| c)
+        match self.capture_with(false, true) {
+            // A VM process of a k7d before the read-only base swap does not
+            // know `bases`: its frozen disk base stays writable to it, as
+            // it was then.
+            Err(e) if e.message.contains(UNKNOWN_REQUEST) => {
+                tracing::warn!(vm = %self.id, "its VM process (of an earlier k7d) keeps its frozen disk bases writable");
+                self.capture_with(false, false)
+            }
+            r => r,
+        }
+        .map(|(c, _)| c)
     }
 
     /// [`Remote::capture`] of a VM that may be running, for a single fork:
@@ -1096,7 +1106,7 @@ impl Remote {
     /// a VM process of a k7d before that request: the caller asks for each
     /// step.
     pub(super) fn capture_live(&mut self) -> Result<Option<(Capture, f64, f64)>, ApiError> {
-        match self.capture_with(true) {
+        match self.capture_with(true, true) {
             Ok((c, Some((pause, still)))) => Ok(Some((c, pause, still))),
             Ok((_, None)) => Err(internal(
                 &format!("vm {}: capture", self.id),
@@ -1107,7 +1117,7 @@ impl Remote {
         }
     }
 
-    fn capture_with(&mut self, live: bool) -> Result<(Capture, Option<(f64, f64)>), ApiError> {
+    fn capture_with(&mut self, live: bool, with_bases: bool) -> Result<(Capture, Option<(f64, f64)>), ApiError> {
         use std::os::fd::AsRawFd;
         let id = self.id.clone();
         let rw: Vec<(u16, PathBuf)> = (0u16..)
@@ -1132,6 +1142,7 @@ impl Remote {
         // and so holds nothing that writes what its children read.
         let bases = rw
             .iter()
+            .filter(|_| with_bases)
             .map(|(i, path)| {
                 k7d_devices::virtio::block::DiskImage::open_file(path, true).map_err(|e| {
                     let cause = std::error::Error::source(&e)
@@ -1147,19 +1158,20 @@ impl Remote {
         let disk_ids: Vec<u16> = rw.iter().map(|(i, _)| *i).collect();
         let req = match (live, rw.is_empty()) {
             (true, _) => Request::CaptureLive {
-                bases: !disk_ids.is_empty(),
+                bases: with_bases && !disk_ids.is_empty(),
                 disks: disk_ids,
             },
             (false, true) => Request::Capture,
             (false, false) => Request::CaptureDisks {
                 disks: disk_ids,
-                bases: true,
+                bases: with_bases,
             },
         };
+        // Per disk: its two overlays, then its read-only base if asked.
         let raw: Vec<_> = overlays
             .chunks(2)
-            .zip(&bases)
-            .flat_map(|(pair, base)| pair.iter().chain(std::iter::once(base)).map(|f| f.as_raw_fd()))
+            .enumerate()
+            .flat_map(|(k, pair)| pair.iter().chain(bases.get(k)).map(|f| f.as_raw_fd()))
             .collect();
         let (reply, fds) = self.call_fds(&req, &raw)?;
         let Reply::Captured {

@@ -372,26 +372,30 @@ const PAGES: u64 = 64;
 /// Creates and starts `id`: a 16 MiB memwriter whose rounds each write its
 /// counter into one of [`PAGES`] pages at [`AREA`] (ARG2 = 1).
 fn create_page_writer(dir: &Path, id: &str) {
+    create_page_writer_with(dir, id, &[]);
+}
+
+/// [`create_page_writer`] with `extra` arguments to `create`.
+fn create_page_writer_with(dir: &Path, id: &str, extra: &[&str]) {
     let (area, pages) = (AREA.to_string(), PAGES.to_string());
-    let o = cli(
-        dir,
-        &[
-            "create",
-            "--id",
-            id,
-            "--builtin",
-            "memwriter",
-            "--memory",
-            "16",
-            "--arg",
-            &pages,
-            "--arg",
-            &area,
-            "--arg",
-            "1",
-            "--start",
-        ],
-    );
+    let mut args = vec![
+        "create",
+        "--id",
+        id,
+        "--builtin",
+        "memwriter",
+        "--memory",
+        "16",
+        "--arg",
+        &pages,
+        "--arg",
+        &area,
+        "--arg",
+        "1",
+        "--start",
+    ];
+    args.extend_from_slice(extra);
+    let o = cli(dir, &args);
     assert!(o.status.success(), "create {id}: {:?}", text(&o));
 }
 
@@ -593,29 +597,7 @@ fn forks_of_a_vm_process_are_vm_processes_equal_to_their_source() {
     // A threshold is watched by the daemon's `k7d-rebase` thread in VM
     // processes too: forked once, a VM that writes 64 of its 4,096 pages
     // (1.6 %) passes 1 % and is re-based in its process without a request.
-    let (area, pages) = (AREA.to_string(), PAGES.to_string());
-    let o = cli(
-        dir,
-        &[
-            "create",
-            "--id",
-            "watched",
-            "--builtin",
-            "memwriter",
-            "--memory",
-            "16",
-            "--arg",
-            &pages,
-            "--arg",
-            &area,
-            "--arg",
-            "1",
-            "--rebase-at",
-            "1",
-            "--start",
-        ],
-    );
-    assert!(o.status.success(), "create watched: {:?}", text(&o));
+    create_page_writer_with(dir, "watched", &["--rebase-at", "1"]);
     guard.pids.push(pid_of(dir, "watched"));
     assert!(info(dir, "watched").get("rebases").is_none(), "re-based before a fork");
     assert!(cli(dir, &["fork", "watched"]).status.success());

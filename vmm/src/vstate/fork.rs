@@ -256,31 +256,25 @@ impl Vm {
         }
         let capture = self.capture()?;
         let mut disks = Vec::with_capacity(overlays.len());
+        // A disk's error with its cause, as one sentence.
+        let device = |i: usize, e: k7d_devices::virtio::block::DiskError| VmError::Device {
+            what: "virtio-blk",
+            msg: format!(
+                "disk {i}: {e}{}",
+                std::error::Error::source(&e)
+                    .map(|c| format!(": {c}"))
+                    .unwrap_or_default()
+            ),
+        };
         for o in overlays {
             let i = usize::from(o.disk);
             let image = self
                 .disks
                 .get(i)
                 .ok_or_else(|| VmError::Refused(format!("vm {} has no disk {i}", self.id)))?;
-            let runs = image.fork_into(o.own, &o.child).map_err(|e| VmError::Device {
-                what: "virtio-blk",
-                msg: format!(
-                    "disk {i}: {e}{}",
-                    std::error::Error::source(&e)
-                        .map(|c| format!(": {c}"))
-                        .unwrap_or_default()
-                ),
-            })?;
+            let runs = image.fork_into(o.own, &o.child).map_err(|e| device(i, e))?;
             if let Some(base) = o.base {
-                image.make_base_read_only(base).map_err(|e| VmError::Device {
-                    what: "virtio-blk",
-                    msg: format!(
-                        "disk {i}: {e}{}",
-                        std::error::Error::source(&e)
-                            .map(|c| format!(": {c}"))
-                            .unwrap_or_default()
-                    ),
-                })?;
+                image.make_base_read_only(base).map_err(|e| device(i, e))?;
             }
             let meta = image.file().metadata().map_err(|source| VmError::Io {
                 what: format!("disk {i}'s base cannot be read"),

@@ -65,7 +65,9 @@ mod persist;
 pub use device::{Block, QueueIndexes};
 pub use event_handler::{Batch, BlockStats, MAX_BATCH, RequestHandler};
 pub use k7d_disk::request::{DiscardRange, Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
-pub use k7d_disk::{CLUSTER_SIZE, DiskAt, DiskBudget, DiskImage, EMPTY_MEDIUM, FileAt, copy_overlay, overlay_file};
+pub use k7d_disk::{
+    CLUSTER_SIZE, DiskAt, DiskBudget, DiskError, DiskImage, EMPTY_MEDIUM, FileAt, copy_overlay, overlay_file,
+};
 pub use k7d_disk::{ID_BYTES, SECTOR_SHIFT, SECTOR_SIZE, status};
 pub use memory::{DeviceMemory, RegionDirty, device_view};
 

@@ -145,7 +145,11 @@ mkdir -p "${CARGO_TARGET_DIR:-target}/drill"
 cp "${CARGO_TARGET_DIR:-target}/release/k7d" "${CARGO_TARGET_DIR:-target}/drill/k7d"
 K7D_DRILL_BIN=$(cd "${CARGO_TARGET_DIR:-target}/drill" && pwd)/k7d
 export K7D_DRILL_BIN
-cargo build --release --bin k7d
+# The release binary every later phase runs is the one `cargo test
+# --workspace` builds (its features unify the workspace's dev-dependencies):
+# built here once with the test binaries, so the host-level tests compile
+# nothing again and no plain `cargo build` makes a binary they would replace.
+cargo test --workspace --release --no-run
 if "${CARGO_TARGET_DIR:-target}/release/k7d" --version | grep -q escape-drill; then
   echo "FAIL: the release build of k7d carries the test-only escape drill" >&2
   exit 1

@@ -104,6 +104,19 @@ after_next_draw() {
     sleep 0.1
   done
 }
+# delete_all WHAT VM...: deletes the VMs at once (a round's children: one
+# at a time they cost a draw period of the round), each answer checked.
+delete_all() {
+  _what=$1; shift
+  _pids=
+  for _v in "$@"; do
+    kc delete "$_v" >"$W/delete-$_v.out" 2>&1 &
+    _pids="$_pids $_v:$!"
+  done
+  for _p in $_pids; do
+    wait "${_p#*:}" || fail "$_what: k7d delete ${_p%%:*} failed: $(cat "$W/delete-${_p%%:*}.out")"
+  done
+}
 # new_ids JSON EXCEPT...: the VM ids a fork's answer names, but EXCEPT.
 new_ids() {
   _j=$1; shift
@@ -197,6 +210,7 @@ fork_ms_list=
 r=1
 while [ "$r" -le "$ROUNDS" ]; do
   after_next_draw "$(log_of src)" "round $r: src"
+  t_fork=$(lab_now)
   kct 180 --json fork src --count "$KIDS" >"$W/fork-$r.json" 2>"$W/fork-$r.err" ||
     fail "round $r: k7d fork src --count $KIDS failed: $(cat "$W/fork-$r.err" "$W/fork-$r.json" | tr '\n' ' ')"
   kids=$(new_ids "$W/fork-$r.json" src)
@@ -208,16 +222,16 @@ while [ "$r" -le "$ROUNDS" ]; do
   pairs=
   for k in $kids; do pairs="$pairs $k:src"; done
   # shellcheck disable=SC2086  # $pairs: one word per child
+  t_judge=$(lab_now)
   judge "round$r" yes $pairs
   [ "$REPEATS" = 0 ] || fail "round $r: draws repeat across src and its $KIDS children: $(tr '\n' ';' <"$W/draws-round$r")"
   paused=$(sed -n 's/.*"source_paused_ms": *\([0-9.]*\).*/\1/p' "$W/fork-$r.json" | head -n1)
   fork_ms_list="$fork_ms_list $paused"
   # (progress on the console: the L1 watchdog wants output at least every 180 s)
-  echo "lab: k7d-vmgenid: round $r of $ROUNDS: $KIDS children reseeded, no repeat (source paused $paused ms) at $(at) s"
-  for k in $kids; do
-    [ "$r" -gt 1 ] || tr -d '\r' <"$(log_of "$k")" >"$W/logs/round1-$k.log"
-    kc delete "$k" >"$W/delete.out" 2>&1 || fail "round $r: k7d delete $k failed: $(cat "$W/delete.out")"
-  done
+  echo "lab: k7d-vmgenid: round $r of $ROUNDS: $KIDS children reseeded, no repeat (source paused $paused ms; fork $(lab_sub "$t_judge" "$t_fork") s, draws judged $(lab_sub "$(lab_now)" "$t_judge") s) at $(at) s"
+  [ "$r" -gt 1 ] || for k in $kids; do tr -d '\r' <"$(log_of "$k")" >"$W/logs/round1-$k.log"; done
+  # shellcheck disable=SC2086  # $kids: one word per child
+  delete_all "round $r" $kids
   r=$((r + 1))
 done
 [ "$(echo "$ids_all" | tr ' ' '\n' | grep -c .)" = "$(echo "$ids_all" | tr ' ' '\n' | grep . | sort -u | wc -l)" ] ||
@@ -245,7 +259,8 @@ while [ "$r" -le "$OFF_ROUNDS" ]; do
   # shellcheck disable=SC2086
   judge "off$r" no $pairs
   off_repeats=$((off_repeats + REPEATS))
-  for k in $kids; do kc delete "$k" >"$W/delete.out" 2>&1 || fail "k7d delete $k failed: $(cat "$W/delete.out")"; done
+  # shellcheck disable=SC2086  # $kids: one word per child
+  delete_all "off round $r" $kids
   r=$((r + 1))
 done
 [ "$off_repeats" -ge 1 ] || fail "without the device no draw repeated in $OFF_ROUNDS forks of off: the check could not tell a reseed from none ($(cat "$W"/draws-off* | tr '\n' ';'))"

@@ -118,7 +118,9 @@ trap summary EXIT
 # acpica-tools (iasl) to check k7d's ACPI tables with ACPICA's disassembler,
 # protobuf-compiler (protoc) for the CRI protos of tests/cri (k8s-cri's build).
 phase "host packages"
-PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86 acpica-tools protobuf-compiler)
+# prometheus (and its promtool) scrapes the daemon in vmm/tests/metrics.rs;
+# the test starts its own on loopback, so the package's service is stopped.
+PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86 acpica-tools protobuf-compiler prometheus)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -128,6 +130,9 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi
 if [ -z "${K7D_SKIP_LAB:-}" ]; then
   phase "lab host packages and kernels"

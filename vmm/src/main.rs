@@ -453,6 +453,11 @@ enum Cmd {
         kernels: KernelCacheArgs,
         #[command(flatten)]
         jail: DaemonJail,
+        /// Serve Prometheus scrapes (`GET /metrics`) on this TCP address,
+        /// e.g. 127.0.0.1:9477 (docs/observability.md); off by default.
+        /// Whoever reaches it may read what the node runs.
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<std::net::SocketAddr>,
     },
     #[command(flatten)]
     Api(ApiCmd),
@@ -846,6 +851,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             limits,
             kernels,
             jail,
+            metrics_listen,
         } => {
             init_logs("info");
             let node = load_node(&node_config)?;
@@ -870,7 +876,15 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                     .context("cannot start the drill's panicking thread")?;
             }
             confine(cli.seccomp)?;
-            daemon(&state_dir, &cli.socket, node, &limits, kernels.dir(), procs)
+            daemon(
+                &state_dir,
+                &cli.socket,
+                node,
+                &limits,
+                kernels.dir(),
+                procs,
+                metrics_listen,
+            )
         }
         Cmd::Net { cmd } => {
             init_logs("warn");
@@ -1460,6 +1474,7 @@ fn daemon(
     limits: &DaemonLimits,
     kernel_cache: Option<PathBuf>,
     procs: Option<k7d_vmm::daemon::VmProcesses>,
+    metrics_listen: Option<std::net::SocketAddr>,
 ) -> Result<ExitCode> {
     k7d_vmm::seccomp::ready().context("cannot confine k7d's threads")?;
     // A few fds per VM and per shell: the default soft limit (1024) would
@@ -1519,6 +1534,16 @@ fn daemon(
         access,
     };
     let d = std::sync::Arc::new(d);
+    // Before the API: an address that cannot be had refuses the start
+    // before any client was served.
+    let metrics = match metrics_listen {
+        Some(addr) => {
+            let m = k7d_vmm::daemon::metrics_http::MetricsServer::start(d.clone(), addr)?;
+            eprintln!("k7d: metrics at http://{}/metrics", m.addr());
+            Some(m)
+        }
+        None => None,
+    };
     let server = Server::start_with(d.clone(), socket, cfg)?;
     let rebaser = k7d_vmm::daemon::Rebaser::start(&d, k7d_vmm::daemon::REBASE_PERIOD)
         .context("cannot spawn the re-base thread")?;
@@ -1542,6 +1567,7 @@ fn daemon(
             // within the bound).
             drop(rebaser);
             drop(keeper);
+            drop(metrics);
             // Half the bound for connections to finish their requests, the
             // rest for stopping and deleting the VMs.
             server.shutdown_within(bound / 2);

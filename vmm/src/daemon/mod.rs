@@ -9,6 +9,8 @@
 pub mod api;
 pub mod client;
 mod clusters;
+pub mod metrics;
+pub mod metrics_http;
 mod periodic;
 mod processes;
 mod rebaser;
@@ -126,6 +128,8 @@ pub struct Daemon {
     processes: Option<Arc<VmProcesses>>,
     /// The VMs re-attached at open, in their VM processes.
     reattached: Vec<String>,
+    /// What a scrape reads (`metrics.rs`).
+    metrics: Arc<metrics::Metrics>,
     _lock: crate::sys::FileLock,
 }
 
@@ -456,6 +460,7 @@ impl Daemon {
                 shells: ShellPool::new(),
                 processes: None,
                 reattached: reattached_ids,
+                metrics: Arc::new(metrics::Metrics::new(false)),
                 _lock: lock,
             },
             reconciled,
@@ -482,6 +487,7 @@ impl Daemon {
         let procs = Arc::new(procs);
         processes::keep_spares(&procs);
         self.processes = Some(procs);
+        self.metrics = Arc::new(metrics::Metrics::new(true));
         self
     }
 
@@ -547,7 +553,24 @@ impl Daemon {
 
     /// Executes one request line and returns the response line.
     pub fn handle_line(&self, line: &str) -> String {
-        let resp = match api::parse_request(line).and_then(|req| self.handle(req)) {
+        let t = Instant::now();
+        let res = match api::parse_request(line) {
+            Ok(req) => {
+                let op = req.op();
+                let fork = match &req {
+                    Request::Fork(a) => Some((self.is_cluster(&a.id), a.count)),
+                    _ => None,
+                };
+                let res = self.handle(req);
+                self.metrics.observe(op, fork, t.elapsed(), &res);
+                res
+            }
+            Err(e) => {
+                self.metrics.observe_unparsed(t.elapsed());
+                Err(e)
+            }
+        };
+        let resp = match res {
             Ok(reply) => Response::ok(&reply),
             Err(e) => Response::err(e),
         };

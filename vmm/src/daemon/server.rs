@@ -512,6 +512,7 @@ fn err_line(code: ErrorCode, message: String) -> String {
 /// Serves one connection: reads request lines (each runs once it arrived
 /// whole) and writes one answer per request, within the bounds of `cfg`.
 fn serve_conn(stream: UnixStream, daemon: &Daemon, cfg: &ServerConfig, peer: PeerCred) {
+    let _counted = daemon.metrics().connection();
     // An answer the client does not read within the line timeout ends the connection.
     if stream.set_write_timeout(Some(cfg.line_timeout)).is_err() {
         return;

@@ -1,0 +1,479 @@
+//! The daemon's Prometheus endpoint (issue 39, `docs/observability.md`):
+//! a real Prometheus (Debian's `prometheus`, on loopback, scraping every
+//! second) scrapes a daemon that creates, forks (single, batch, cluster),
+//! pauses and deletes test guests; its HTTP API must then show the VM
+//! counts, a fork histogram whose count is the forks made, and no series
+//! of a deleted VM. `promtool check metrics` finds nothing to say about a
+//! scrape; the dashboard in `docs/` asks only for metrics a scrape has; the
+//! endpoint bounds hostile clients.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+mod common;
+use common::{K7D, Scratch, root_or_skip, text};
+
+/// A TCP port on loopback nobody listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn cli(dir: &Path, args: &[&str]) -> Output {
+    let o = Command::new(K7D)
+        .arg("--socket")
+        .arg(dir.join("k7d.sock"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "k7d {args:?}: {:?}", text(&o));
+    o
+}
+
+/// An HTTP/1.0 exchange with `port` on loopback: the status code and body.
+fn http(port: u16, request: &[u8]) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request).unwrap();
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).unwrap();
+    let back = String::from_utf8_lossy(&back).into_owned();
+    let (head, body) = back.split_once("\r\n\r\n").unwrap_or((&back, ""));
+    let code = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (code, body.to_string())
+}
+
+fn get(port: u16, path: &str) -> (u16, String) {
+    http(
+        port,
+        format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes(),
+    )
+}
+
+fn scrape(port: u16) -> String {
+    let (code, body) = get(port, "/metrics");
+    assert_eq!(code, 200, "scrape: {body}");
+    body
+}
+
+/// Percent-encodes a PromQL query for a URL.
+fn encode(q: &str) -> String {
+    q.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Prometheus's answer to an instant query: each series' labels and value.
+fn query(prom: u16, q: &str) -> Vec<(serde_json::Value, f64)> {
+    let (code, body) = get(prom, &format!("/api/v1/query?query={}", encode(q)));
+    assert_eq!(code, 200, "query {q}: {body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["status"], "success", "query {q}: {body}");
+    v["data"]["result"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            let val = r["value"][1].as_str().unwrap().parse::<f64>().unwrap();
+            (r["metric"].clone(), val)
+        })
+        .collect()
+}
+
+/// Waits (30 s at most) until `q`'s one value is `want` in Prometheus.
+fn until_value(prom: u16, q: &str, want: f64) {
+    let t = Instant::now();
+    loop {
+        let r = query(prom, q);
+        if r.len() == 1 && r[0].1 == want {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "Prometheus: {q} is {r:?}, not {want}, 30 s after the change"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Waits (30 s at most) until `q` names no series in Prometheus.
+fn until_empty(prom: u16, q: &str) {
+    let t = Instant::now();
+    loop {
+        let r = query(prom, q);
+        if r.is_empty() {
+            return;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "Prometheus: {q} still has {r:?} 30 s after the VM was deleted"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Debian's Prometheus, scraping `target` every second, its storage and
+/// log under `dir`; waits until it is ready.
+fn start_prometheus(dir: &Path, target: u16) -> (Child, u16) {
+    let port = free_port();
+    let cfg = dir.join("prometheus.yml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: k7d\n    static_configs:\n      - targets: ['127.0.0.1:{target}']\n"
+        ),
+    )
+    .unwrap();
+    let log = std::fs::File::create(dir.join("prometheus.log")).unwrap();
+    let mut child = Command::new("prometheus")
+        .arg(format!("--config.file={}", cfg.display()))
+        .arg(format!("--storage.tsdb.path={}", dir.join("tsdb").display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("start prometheus");
+    let t = Instant::now();
+    loop {
+        if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+            let _ = s.write_all(b"GET /-/ready HTTP/1.0\r\n\r\n");
+            let mut b = String::new();
+            let _ = s.read_to_string(&mut b);
+            if b.starts_with("HTTP/1.0 200") || b.starts_with("HTTP/1.1 200") {
+                return (child, port);
+            }
+        }
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!(
+                "prometheus exited ({st}): {}",
+                std::fs::read_to_string(dir.join("prometheus.log")).unwrap_or_default()
+            );
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "prometheus was not ready within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A daemon with VM processes (no cgroup) and the metrics endpoint on a
+/// free port.
+fn start_daemon(dir: &Path, jail: bool, id_base: &str) -> (Child, u16) {
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut args = vec!["--metrics-listen", addr.as_str()];
+    if jail {
+        args.extend_from_slice(&["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", id_base]);
+    }
+    (common::start_daemon(Path::new(K7D), dir, &args, true), port)
+}
+
+fn stop_daemon(mut d: Child) {
+    // SAFETY: plain kill(2) of the daemon this test started.
+    unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
+    let t = Instant::now();
+    while d.try_wait().unwrap().is_none() {
+        if t.elapsed() > Duration::from_secs(20) {
+            let _ = d.kill();
+            panic!("the daemon did not exit on SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The metric names of a scrape's samples (`_bucket`, `_sum`, `_count`
+/// kept as written).
+fn sample_names(scrape: &str) -> std::collections::BTreeSet<String> {
+    scrape
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn a_real_prometheus_scrapes_vm_counts_fork_histograms_and_forgets_deleted_vms() {
+    if !root_or_skip("a_real_prometheus_scrapes_vm_counts_fork_histograms_and_forgets_deleted_vms") {
+        return;
+    }
+    if Command::new("prometheus").arg("--version").output().is_err() {
+        k7d_test_skip::skip(
+            "a_real_prometheus_scrapes_vm_counts_fork_histograms_and_forgets_deleted_vms",
+            "no prometheus binary (Debian's prometheus package; tests/run-all.sh installs it)",
+        );
+        return;
+    }
+    let dir = Scratch::new("metrics-prom");
+    let (daemon, port) = start_daemon(&dir.0, true, "2000000600");
+    let (mut prom, pport) = start_prometheus(&dir.0, port);
+    let d = &dir.0;
+    // 4 VMs: a (forked alone and in a batch), b (deleted later), c and e
+    // (a cluster).
+    for id in ["a", "b", "c", "e"] {
+        cli(
+            d,
+            &[
+                "create",
+                "--id",
+                id,
+                "--builtin",
+                "memwriter",
+                "--memory",
+                "16",
+                "--start",
+            ],
+        );
+    }
+    cli(d, &["cluster", "create", "cl", "c", "e"]);
+    cli(d, &["fork", "a"]);
+    cli(d, &["fork", "a", "--count", "3"]);
+    cli(d, &["fork", "cl"]);
+    cli(d, &["pause", "b"]);
+    // A refused request is counted with its code.
+    let o = Command::new(K7D)
+        .arg("--socket")
+        .arg(d.join("k7d.sock"))
+        .args(["info", "nosuch"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+
+    // 4 + 1 + 3 + 2 VMs: 9 running, b paused.
+    until_value(pport, "sum(k7d_vms)", 10.0);
+    until_value(pport, "k7d_vms{state=\"paused\"}", 1.0);
+    until_value(pport, "k7d_vms{state=\"running\"}", 9.0);
+    // One observation per fork request: 3 forks, 6 children.
+    until_value(pport, "sum(k7d_fork_duration_seconds_count)", 3.0);
+    until_value(pport, "k7d_fork_duration_seconds_count{kind=\"single\"}", 1.0);
+    until_value(pport, "k7d_fork_duration_seconds_count{kind=\"batch\"}", 1.0);
+    until_value(pport, "k7d_fork_duration_seconds_count{kind=\"cluster\"}", 1.0);
+    until_value(pport, "sum(k7d_fork_children_total)", 6.0);
+    until_value(pport, "k7d_fork_child_build_seconds_count", 6.0);
+    until_value(pport, "k7d_vm_fork_children{vm=\"a\"}", 4.0);
+    until_value(pport, "k7d_api_requests_total{op=\"info\",code=\"not_found\"}", 1.0);
+    until_value(pport, "k7d_api_requests_total{op=\"fork\",code=\"ok\"}", 3.0);
+    // A fork's p99 is a number (the histogram has buckets).
+    let p99 = query(
+        pport,
+        "histogram_quantile(0.99, sum by (le) (k7d_fork_duration_seconds_bucket))",
+    );
+    assert!(
+        p99.len() == 1 && p99[0].1.is_finite() && p99[0].1 > 0.0,
+        "fork p99: {p99:?}"
+    );
+    // Each VM process's memory is there, and its guest counts exits.
+    assert_eq!(query(pport, "k7d_vm_process_pss_bytes").len(), 10);
+    let exits = query(pport, "k7d_vm_exits_total{vm=\"a\"}");
+    assert!(exits.len() == 1 && exits[0].1 > 0.0, "exits of a: {exits:?}");
+
+    // Delete b and a fork child: their series go, the counts follow.
+    cli(d, &["delete", "b"]);
+    cli(d, &["delete", "a-f1"]);
+    until_value(pport, "sum(k7d_vms)", 8.0);
+    until_empty(pport, "k7d_vm_state{vm=\"b\"}");
+    until_empty(pport, "{vm=\"b\"}");
+    until_empty(pport, "{vm=\"a-f1\"}");
+    until_value(pport, "k7d_vms{state=\"paused\"}", 0.0);
+    until_value(pport, "k7d_vm_fork_children{vm=\"a\"}", 3.0);
+
+    // promtool has nothing to say about a scrape.
+    let body = scrape(port);
+    let mut check = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    check.stdin.take().unwrap().write_all(body.as_bytes()).unwrap();
+    let out = check.wait_with_output().unwrap();
+    let (o, e) = text(&out);
+    assert!(
+        out.status.success() && o.trim().is_empty() && e.trim().is_empty(),
+        "promtool check metrics: {o}{e}"
+    );
+
+    // Prometheus saw the target up all along.
+    until_value(pport, "up{job=\"k7d\"}", 1.0);
+    let _ = prom.kill();
+    let _ = prom.wait();
+    // VM processes outlive their daemon: every VM is deleted first.
+    let clusters: serde_json::Value = serde_json::from_slice(&cli(d, &["--json", "cluster", "list"]).stdout).unwrap();
+    for c in clusters["clusters"].as_array().unwrap() {
+        cli(d, &["cluster", "delete", c["id"].as_str().unwrap()]);
+    }
+    let list: serde_json::Value = serde_json::from_slice(&cli(d, &["--json", "list"]).stdout).unwrap();
+    for vm in list["vms"].as_array().unwrap() {
+        cli(d, &["delete", vm["id"].as_str().unwrap()]);
+    }
+    stop_daemon(daemon);
+    assert!(common::vm_process_pids_under(d).is_empty(), "VM processes left");
+}
+
+#[test]
+fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
+    if !root_or_skip("the_dashboard_and_the_docs_name_only_metrics_a_scrape_has") {
+        return;
+    }
+    let dir = Scratch::new("metrics-dash");
+    let (daemon, port) = start_daemon(&dir.0, false, "");
+    let d = &dir.0;
+    cli(
+        d,
+        &["create", "--id", "a", "--builtin", "idle", "--memory", "16", "--start"],
+    );
+    cli(d, &["fork", "a"]);
+    let samples = sample_names(&scrape(port));
+    // A histogram's family name counts too (its samples add suffixes).
+    let mut names = samples.clone();
+    for n in &samples {
+        for suffix in ["_bucket", "_sum", "_count"] {
+            if let Some(family) = n.strip_suffix(suffix) {
+                names.insert(family.to_string());
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let dashboard = std::fs::read_to_string(root.join("docs/observability-dashboard.json")).unwrap();
+    let dash: serde_json::Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    let mut exprs = Vec::new();
+    fn walk(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                for (k, v) in m {
+                    match (k.as_str(), v) {
+                        ("expr", serde_json::Value::String(s)) => out.push(s.clone()),
+                        _ => walk(v, out),
+                    }
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| walk(v, out)),
+            _ => {}
+        }
+    }
+    walk(&dash, &mut exprs);
+    assert!(exprs.len() >= 6, "the dashboard has {} queries", exprs.len());
+    let docs = std::fs::read_to_string(root.join("docs/observability.md")).unwrap();
+    // Every k7d_ name the dashboard's queries and the docs use is a sample
+    // name of a scrape (a family whose series all went still shows: the
+    // scrape above made one of each but the datapath's and the VM
+    // processes' own, which the docs mark).
+    let optional = [
+        "k7d_datapath_drops_total",
+        "k7d_vm_process_resident_memory_bytes",
+        "k7d_vm_process_pss_bytes",
+        "k7d_vm_process_spares_ready",
+    ];
+    let mut missing = Vec::new();
+    for text in exprs.iter().map(String::as_str).chain(std::iter::once(docs.as_str())) {
+        for w in text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+            if w.starts_with("k7d_")
+                && w != "k7d_"
+                && !names.contains(w)
+                && !optional.contains(&w)
+                && !missing.contains(&w.to_string())
+            {
+                missing.push(w.to_string());
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "named but not in a scrape: {missing:?}\nscrape has: {names:?}"
+    );
+    // And the docs list every family a scrape has.
+    let undocumented: Vec<_> = samples
+        .iter()
+        .map(|n| {
+            n.trim_end_matches("_bucket")
+                .trim_end_matches("_sum")
+                .trim_end_matches("_count")
+        })
+        .filter(|n| !docs.contains(n))
+        .collect();
+    assert!(
+        undocumented.is_empty(),
+        "docs/observability.md does not list {undocumented:?}"
+    );
+    cli(d, &["delete", "a-f1"]);
+    cli(d, &["delete", "a"]);
+    stop_daemon(daemon);
+}
+
+#[test]
+fn the_endpoint_answers_only_scrapes_and_outlasts_hostile_clients() {
+    if !root_or_skip("the_endpoint_answers_only_scrapes_and_outlasts_hostile_clients") {
+        return;
+    }
+    let dir = Scratch::new("metrics-hostile");
+    let (daemon, port) = start_daemon(&dir.0, false, "");
+    assert_eq!(get(port, "/").0, 404);
+    assert_eq!(get(port, "/metrics/../etc/passwd").0, 404);
+    assert_eq!(
+        http(port, b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").0,
+        405
+    );
+    assert_eq!(http(port, b"hello\r\n\r\n").0, 400);
+    // A head larger than the endpoint reads: refused, not buffered.
+    let mut big = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
+    big.extend(std::iter::repeat_n(b'a', 64 * 1024));
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let _ = s.write_all(&big);
+    let mut back = String::new();
+    let _ = s.read_to_string(&mut back);
+    assert!(back.starts_with("HTTP/1.1 400"), "a 64 KiB head: {back:?}");
+    // A client that connects and says nothing holds the endpoint for its
+    // 2 s at most; a scrape behind it is answered.
+    let _silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let t = Instant::now();
+    let body = scrape(port);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "a scrape behind a silent client took {:?}",
+        t.elapsed()
+    );
+    assert!(body.contains("k7d_build_info{"), "{body}");
+    // HEAD: the head only.
+    let (code, body) = http(port, b"HEAD /metrics HTTP/1.0\r\n\r\n");
+    assert_eq!((code, body.as_str()), (200, ""));
+    stop_daemon(daemon);
+    // The port is free again once the daemon is gone.
+    assert!(
+        TcpStream::connect(("127.0.0.1", port)).is_err(),
+        "the endpoint outlived the daemon"
+    );
+}
+
+#[test]
+fn a_metrics_address_that_cannot_be_had_refuses_the_start_in_one_sentence() {
+    let dir = Scratch::new("metrics-busy");
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let o = Command::new(K7D)
+        .args(["--socket"])
+        .arg(dir.0.join("k7d.sock"))
+        .arg("daemon")
+        .arg("--state-dir")
+        .arg(dir.0.join("state"))
+        .args(["--metrics-listen", &addr])
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert!(!o.status.success(), "the daemon started on a taken metrics address");
+    assert!(
+        err.contains(&format!("cannot listen for metrics scrapes on {addr}")),
+        "{err}"
+    );
+    assert!(!dir.0.join("k7d.sock").exists(), "the API socket was left");
+}

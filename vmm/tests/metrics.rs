@@ -191,6 +191,16 @@ fn stop_daemon(mut d: Child) {
     }
 }
 
+/// Kills the VM processes under its directory when dropped (a test that
+/// panics half-way leaves none running).
+struct Reaper(std::path::PathBuf);
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        common::kill_vm_processes_under(&self.0);
+    }
+}
+
 /// The metric names of a scrape's samples (`_bucket`, `_sum`, `_count`
 /// kept as written).
 fn sample_names(scrape: &str) -> std::collections::BTreeSet<String> {
@@ -214,6 +224,8 @@ fn a_real_prometheus_scrapes_vm_counts_fork_histograms_and_forgets_deleted_vms()
         return;
     }
     let dir = Scratch::new("metrics-prom");
+    // VM processes outlive their daemon: a failed assertion must not leave them.
+    let _reaper = Reaper(dir.0.clone());
     let (daemon, port) = start_daemon(&dir.0, true, "2000000600");
     let (mut prom, pport) = start_prometheus(&dir.0, port);
     let d = &dir.0;

@@ -384,7 +384,8 @@ EOF
 { cat /etc/k7d/shim.toml; echo 'pod_start = "fork"'; } >/etc/k7d/fork.toml
 : >"$DLOG"
 # Appending (O_APPEND): the CLI calls below append their logs to it too.
-"$LAB_BIN" daemon --jail "$JAIL" --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
+# --metrics-listen: the policy hook reads the datapath's drops in a scrape too.
+"$LAB_BIN" daemon --jail "$JAIL" --state-dir "$STATE" --socket "$SOCK" --metrics-listen 127.0.0.1:9477 >>"$DLOG" 2>&1 &
 dpid=$!
 i=0
 until [ -S "$SOCK" ]; do
@@ -465,7 +466,12 @@ case \$1 in
   drops)
     out=\$("$LAB_BIN" net drops "\$vm") || exit 1
     printf '%s\\n' "\$out" | grep -q 'pod-policy-default-deny' || { echo "no default-deny drops on \$vm: \$out"; exit 1; }
-    printf '%s' "\$out" | tr '\\n' ' ' ;;
+    # The same drops in the daemon's Prometheus scrape (docs/observability.md).
+    m=\$(busybox wget -q -O - http://127.0.0.1:9477/metrics) || { echo "cannot scrape the daemon's metrics"; exit 1; }
+    scraped=\$(printf '%s\\n' "\$m" | grep "^k7d_datapath_drops_total{vm=\"\$vm\",reason=\"pod-policy-default-deny\"")
+    printf '%s\\n' "\$scraped" | grep -qE '} [1-9][0-9]*\$' || { echo "no default-deny drops of \$vm in the scrape: \$(printf '%s' "\$m" | grep datapath_drops | tr '\\n' ' ')"; exit 1; }
+    printf '%s' "\$out" | tr '\\n' ' '
+    printf '; scraped: %s' "\$scraped" | tr '\\n' ' ' ;;
   *) exit 2 ;;
 esac
 EOF

@@ -16,6 +16,7 @@ pub mod demo;
 pub mod diag;
 #[cfg(feature = "escape-drill")]
 pub mod drill;
+pub mod eventscli;
 pub mod jail;
 pub mod netcli;
 pub mod seccomp;

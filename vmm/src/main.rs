@@ -463,6 +463,21 @@ enum Cmd {
     Api(ApiCmd),
     /// Report whether this host can run k7d.
     Check,
+    /// The daemon's event log, oldest first: every create, fork (with its
+    /// children and timings), pause, snapshot, restore, stop (with why),
+    /// delete and re-attach, across daemon restarts (docs/observability.md).
+    Events {
+        /// The daemon's state directory (the log is its events.jsonl).
+        #[arg(long, env = "K7D_STATE_DIR", default_value = DEFAULT_STATE_DIR)]
+        state_dir: PathBuf,
+        /// Only the events of this VM or cluster: its own, the fork that made
+        /// it, the clusters it joined.
+        #[arg(long)]
+        vm: Option<String>,
+        /// Keep printing events as they are written, until interrupted.
+        #[arg(long)]
+        follow: bool,
+    },
     /// Pod policy and drop counters of a VM's datapath NICs.
     Net {
         #[command(subcommand)]
@@ -949,6 +964,10 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
                 );
             }
             Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Events { state_dir, vm, follow } => {
+            init_logs("warn");
+            k7d_vmm::eventscli::run(&state_dir, vm.as_deref(), follow, cli.json)
         }
         Cmd::Check => {
             init_logs("warn");

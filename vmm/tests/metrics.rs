@@ -166,19 +166,38 @@ fn start_prometheus(dir: &Path, target: u16) -> (Child, u16) {
     }
 }
 
+/// A daemon this test started: killed when dropped unless stopped (a test
+/// that panics half-way leaves no daemon behind).
+struct Running(Option<Child>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// A daemon with VM processes (no cgroup) and the metrics endpoint on a
 /// free port.
-fn start_daemon(dir: &Path, jail: bool, id_base: &str) -> (Child, u16) {
+fn start_daemon(dir: &Path, jail: bool, id_base: &str) -> (Running, u16) {
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let mut args = vec!["--metrics-listen", addr.as_str()];
     if jail {
         args.extend_from_slice(&["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", id_base]);
     }
-    (common::start_daemon(Path::new(K7D), dir, &args, true), port)
+    (
+        Running(Some(common::start_daemon(Path::new(K7D), dir, &args, true))),
+        port,
+    )
 }
 
-fn stop_daemon(mut d: Child) {
+fn stop_daemon(mut running: Running) {
+    let Some(mut d) = running.0.take() else {
+        return;
+    };
     // SAFETY: plain kill(2) of the daemon this test started.
     unsafe { libc::kill(d.id() as i32, libc::SIGTERM) };
     let t = Instant::now();

@@ -9,6 +9,7 @@
 pub mod api;
 pub mod client;
 mod clusters;
+pub mod events;
 pub mod metrics;
 pub mod metrics_http;
 mod periodic;
@@ -381,6 +382,9 @@ impl Daemon {
                 match processes::Remote::attach(r, &store) {
                     Ok(remote) => {
                         tracing::info!(vm = %id, pid = remote.record().pid, "re-attached to the VM's process");
+                        let mut f = serde_json::Map::new();
+                        f.insert("pid".into(), serde_json::json!(remote.record().pid));
+                        store.events().record("reattach", Some(("vm", &id)), f);
                         if let Err(e) = store.update(&id, |r| r.daemon_pid = std::process::id()) {
                             tracing::warn!(vm = %id, error = %e, "cannot record this daemon as the VM's owner");
                         }
@@ -561,8 +565,22 @@ impl Daemon {
                     Request::Fork(a) => Some((self.is_cluster(&a.id), a.count)),
                     _ => None,
                 };
+                // What the event log needs of a request that changes something.
+                let logged = (!matches!(
+                    req,
+                    Request::Info(_)
+                        | Request::List
+                        | Request::Version
+                        | Request::Peek(_)
+                        | Request::ClusterInfo(_)
+                        | Request::ClusterList
+                ))
+                .then(|| req.clone());
                 let res = self.handle(req);
                 self.metrics.observe(op, fork, t.elapsed(), &res);
+                if let (Some(req), Ok(reply)) = (&logged, &res) {
+                    self.store.events().request(req, reply, ms(t.elapsed()));
+                }
                 res
             }
             Err(e) => {

@@ -1654,6 +1654,7 @@ fn watch(id: &str, pid: u32, pidfd: &OwnedFd, ended: &Mutex<Option<StopReason>>,
     tracing::warn!(vm = %id, "{reason}");
     *e = Some(reason.clone());
     drop(e);
+    store.events().stopped(id, &reason);
     if let Err(err) = store.update(id, |r| r.state = VmState::Stopped { reason }) {
         tracing::error!(vm = %id, error = %err, "cannot record the VM process's end");
     }

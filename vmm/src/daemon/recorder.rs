@@ -70,6 +70,7 @@ fn run(store: &RecordStore, rx: &Receiver<Job>) {
         }) {
             tracing::error!(vm = %job.vm_id, error = %e, "cannot record the VM's stop");
         }
+        store.events().stopped(&job.vm_id, &job.reason);
         let _ = job.done.send(());
     }
 }

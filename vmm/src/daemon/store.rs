@@ -152,6 +152,8 @@ pub(super) fn write_json_atomic(
 pub struct RecordStore {
     dir: PathBuf,
     seq: AtomicU64,
+    /// `<state_dir>/events.jsonl` (`events.rs`).
+    events: super::events::EventLog,
 }
 
 impl RecordStore {
@@ -167,7 +169,13 @@ impl RecordStore {
         Ok(Self {
             dir,
             seq: AtomicU64::new(0),
+            events: super::events::EventLog::new(state_dir),
         })
+    }
+
+    /// The state directory's event log.
+    pub fn events(&self) -> &super::events::EventLog {
+        &self.events
     }
 
     fn json(&self, id: &str) -> PathBuf {

@@ -124,7 +124,10 @@ fn a_forked_vms_history_survives_its_daemons_death_and_a_crash_is_logged_with_wh
             let why = stop["reason"].as_str().unwrap();
             // (An earlier daemon started it: this one cannot learn how it
             // ended, only that it did.)
-            assert!(why.contains(&format!("vm a-f2: VM process {pid} ")), "a-f2's stop: {why}");
+            assert!(
+                why.contains(&format!("vm a-f2: VM process {pid} ")),
+                "a-f2's stop: {why}"
+            );
             break;
         }
         assert!(t.elapsed() < Duration::from_secs(10), "no stop of a-f2 logged: {f2:?}");

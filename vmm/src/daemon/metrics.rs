@@ -80,6 +80,12 @@ struct VmLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ExitLabels {
+    vm: String,
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VmStateLabels {
     vm: String,
     state: &'static str,
@@ -299,6 +305,8 @@ struct VmSample {
     memory_mib: u64,
     /// Live counters; `None` while the VM is busy with a request.
     exits: Option<u64>,
+    /// vCPU exits by kind (empty: a VM process of an earlier k7d).
+    exits_by_reason: Vec<(String, u64)>,
     rebases: Option<u64>,
     parent: Option<String>,
     guest: String,
@@ -347,6 +355,7 @@ impl Daemon {
                         vcpus: g.config().vcpus,
                         memory_mib: g.config().memory_mib,
                         exits: Some(u64::from(g.control().exit_count())),
+                        exits_by_reason: g.exits_by_reason(),
                         rebases: Some(g.rebases()),
                         guest: g.config().guest.describe(),
                         pid: None,
@@ -368,6 +377,7 @@ impl Daemon {
                             vcpus: c.vcpus,
                             memory_mib: c.memory_mib,
                             exits: Some(u64::from(status.exits)),
+                            exits_by_reason: status.exits_by_reason.clone(),
                             rebases: Some(status.rebases),
                             guest: c.guest.describe(),
                             datapath: c.devices.nics.iter().any(|n| n.datapath.is_some()),
@@ -396,6 +406,7 @@ impl Daemon {
             vcpus: rec.config.vcpus,
             memory_mib: rec.config.memory_mib,
             exits: None,
+            exits_by_reason: Vec::new(),
             rebases: None,
             guest: rec.config.guest.describe(),
             pid: rec.vm_process.as_ref().map(|p| p.pid),
@@ -425,10 +436,10 @@ impl Daemon {
         state.register("vm_vcpus", "A VM's vCPUs.", vcpus.clone());
         let ram = Family::<VmLabels, Gauge>::default();
         state.register_with_unit("vm_guest_memory", "A VM's guest RAM.", Unit::Bytes, ram.clone());
-        let exits = Family::<VmLabels, Counter>::default();
+        let exits = Family::<ExitLabels, Counter>::default();
         state.register(
             "vm_exits",
-            "A VM's vCPU exits to the VMM since it started (all vCPUs, all reasons).",
+            "A VM's vCPU exits to the VMM since it started, all vCPUs, by reason (io_in, io_out, mmio_read, mmio_write, hlt, intr, eintr, ...; unknown: a VM process of an earlier k7d, its total).",
             exits.clone(),
         );
         let rebases = Family::<VmLabels, Counter>::default();
@@ -509,8 +520,26 @@ impl Daemon {
             vcpus.get_or_create(&vm).set(i64::from(s.vcpus));
             ram.get_or_create(&vm)
                 .set(i64::try_from(s.memory_mib.saturating_mul(1 << 20)).unwrap_or(i64::MAX));
-            if let Some(n) = s.exits {
-                exits.get_or_create(&vm).inc_by(n);
+            match (s.exits, s.exits_by_reason.is_empty()) {
+                (_, false) => {
+                    for (reason, n) in &s.exits_by_reason {
+                        exits
+                            .get_or_create(&ExitLabels {
+                                vm: s.id.clone(),
+                                reason: reason.clone(),
+                            })
+                            .inc_by(*n);
+                    }
+                }
+                (Some(n), true) if n > 0 => {
+                    exits
+                        .get_or_create(&ExitLabels {
+                            vm: s.id.clone(),
+                            reason: "unknown".into(),
+                        })
+                        .inc_by(n);
+                }
+                _ => {}
             }
             if let Some(n) = s.rebases {
                 rebases.get_or_create(&vm).inc_by(n);

@@ -2230,6 +2230,7 @@ impl super::Daemon {
             rng_reseed,
             vmgenid,
             rebases,
+            exits_by_reason: _,
         } = g.status();
         let mut devices = devices;
         let p = g.record();

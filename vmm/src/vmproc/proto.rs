@@ -261,6 +261,10 @@ pub struct VmStatus {
     /// Re-bases so far.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub rebases: u64,
+    /// vCPU exits by kind (`Vm::exits_by_reason`); a VM process of an
+    /// earlier k7d sends none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exits_by_reason: Vec<(String, u64)>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -279,6 +283,7 @@ impl VmStatus {
             rng_reseed: None,
             vmgenid: None,
             rebases: 0,
+            exits_by_reason: Vec::new(),
         }
     }
 }

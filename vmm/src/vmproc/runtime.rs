@@ -484,6 +484,7 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
                 rng_reseed: Some(v.rng_reseed()),
                 vmgenid: v.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
                 rebases: v.rebases(),
+                exits_by_reason: v.exits_by_reason(),
             }))
         }
         Request::Stop => {

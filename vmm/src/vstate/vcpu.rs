@@ -198,25 +198,30 @@ pub enum ExitKind {
 }
 
 impl ExitKind {
+    /// How many kinds there are.
+    pub const COUNT: usize = 14;
+
     fn from_u8(v: u8) -> Self {
-        const ALL: [ExitKind; 14] = [
-            ExitKind::None,
-            ExitKind::IoIn,
-            ExitKind::IoOut,
-            ExitKind::MmioRead,
-            ExitKind::MmioWrite,
-            ExitKind::Hlt,
-            ExitKind::Shutdown,
-            ExitKind::FailEntry,
-            ExitKind::InternalError,
-            ExitKind::SystemEvent,
-            ExitKind::Intr,
-            ExitKind::Interrupted,
-            ExitKind::Other,
-            ExitKind::RunFailed,
-        ];
-        ALL.get(usize::from(v)).copied().unwrap_or(ExitKind::Other)
+        Self::ALL.get(usize::from(v)).copied().unwrap_or(ExitKind::Other)
     }
+
+    /// Every kind, in order of its number.
+    pub const ALL: [ExitKind; Self::COUNT] = [
+        ExitKind::None,
+        ExitKind::IoIn,
+        ExitKind::IoOut,
+        ExitKind::MmioRead,
+        ExitKind::MmioWrite,
+        ExitKind::Hlt,
+        ExitKind::Shutdown,
+        ExitKind::FailEntry,
+        ExitKind::InternalError,
+        ExitKind::SystemEvent,
+        ExitKind::Intr,
+        ExitKind::Interrupted,
+        ExitKind::Other,
+        ExitKind::RunFailed,
+    ];
 
     /// The word the dump prints, and the name of the recorded value.
     pub fn words(self) -> (&'static str, Option<&'static str>) {
@@ -250,6 +255,8 @@ pub struct VcpuDiag {
     last_value: AtomicU64,
     last_exit_ns: AtomicU64,
     parked_since_ns: AtomicU64,
+    /// Exits by kind (`ExitKind as usize`), for the metrics.
+    by_kind: [AtomicU64; ExitKind::COUNT],
 }
 
 /// A [`VcpuDiag`] as read.
@@ -281,7 +288,15 @@ impl VcpuDiag {
         self.last_kind.store(kind as u8, Ordering::Relaxed);
         self.last_value.store(value, Ordering::Relaxed);
         self.exits.fetch_add(1, Ordering::Relaxed);
+        if let Some(c) = self.by_kind.get(kind as usize) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
         self.set(VcpuRunState::Vmm);
+    }
+
+    /// Exits so far by kind (`ExitKind as usize`).
+    pub fn exits_by_kind(&self) -> [u64; ExitKind::COUNT] {
+        std::array::from_fn(|i| self.by_kind[i].load(Ordering::Relaxed))
     }
 
     /// The state now.
@@ -360,6 +375,7 @@ pub(crate) fn run_loop(
         last_value: AtomicU64::new(0),
         last_exit_ns: AtomicU64::new(0),
         parked_since_ns: AtomicU64::new(0),
+        by_kind: [const { AtomicU64::new(0) }; ExitKind::COUNT],
     };
     let diag = usize::try_from(index)
         .ok()

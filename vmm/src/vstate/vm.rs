@@ -263,6 +263,23 @@ impl Vm {
         self.disks.iter().find_map(|d| d.children_budget_used()).unwrap_or(0)
     }
 
+    /// vCPU exits to the VMM so far, all vCPUs, by kind (`ExitKind::words`'
+    /// name); kinds with none left out.
+    pub fn exits_by_reason(&self) -> Vec<(String, u64)> {
+        let mut sum = [0u64; vcpu::ExitKind::COUNT];
+        for d in self.vcpu_diag.iter() {
+            for (s, n) in sum.iter_mut().zip(d.exits_by_kind()) {
+                *s += n;
+            }
+        }
+        vcpu::ExitKind::ALL
+            .iter()
+            .zip(sum)
+            .filter(|(_, n)| *n > 0)
+            .map(|(k, n)| (k.words().0.to_string(), n))
+            .collect()
+    }
+
     /// Re-bases so far (on request or by the daemon's threshold).
     pub fn rebases(&self) -> u64 {
         self.rebases.load(std::sync::atomic::Ordering::Relaxed)

@@ -17,7 +17,7 @@
 //! Run as root: `cargo build --release --bin k7d && K7D_BIN=target/release/k7d cargo bench -p k7d-benches --bench metrics`
 //! (`K7D_BENCH_RUNS` sets the run count, default 21).
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k7d_benches::{env_num, is_root, k7d_bin, median};
+use k7d_benches::{env_num, is_root, k7d_bin, kill_vm_processes_under, median};
 
 struct Daemon {
     child: Child,
@@ -70,15 +70,7 @@ impl Daemon {
     }
 
     fn call(&self, op: &str, args: serde_json::Value) -> Result<serde_json::Value> {
-        let mut s = UnixStream::connect(&self.sock)?;
-        writeln!(s, "{}", serde_json::json!({"v": 1, "op": op, "args": args}))?;
-        let mut back = String::new();
-        BufReader::new(s).read_line(&mut back)?;
-        let v: serde_json::Value = serde_json::from_str(&back)?;
-        if v["ok"] != true {
-            bail!("{op}: {}", v["error"]);
-        }
-        Ok(v["result"].clone())
+        k7d_benches::api_call(&self.sock, op, args)
     }
 
     fn create(&self, id: &str, guest: &str, mib: u64) -> Result<()> {
@@ -146,21 +138,6 @@ fn one_round(d: &Daemon) -> Result<(f64, f64)> {
     let start = ms(t.elapsed());
     d.call("delete", serde_json::json!({"id": "fresh"}))?;
     Ok((fork, start))
-}
-
-fn kill_vm_processes_under(dir: &Path) {
-    let dir = dir.to_string_lossy().into_owned();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
-        };
-        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        if String::from_utf8_lossy(&cmdline).contains("vm-process") && String::from_utf8_lossy(&cmdline).contains(&dir)
-        {
-            // SAFETY: kill takes integers; a VM process this bench's daemon started.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
-    }
 }
 
 fn main() -> Result<()> {

@@ -19,14 +19,13 @@
 //! (`K7D_BENCH_RUNS` sets the run count, default 21; `K7D_BENCH_SPARES`
 //! each daemon's `--jail-spares`, default 2).
 
-use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k7d_benches::{env_num, is_root, k7d_bin, median};
+use k7d_benches::{env_num, is_root, k7d_bin, kill_vm_processes_under, median};
 
 const MIB: u64 = 256;
 /// The dirtied area starts at 2 MiB.
@@ -75,15 +74,7 @@ impl Daemon {
 
     /// One request line; the result, or the error as an error.
     fn call(&self, op: &str, args: serde_json::Value) -> Result<serde_json::Value> {
-        let mut s = UnixStream::connect(&self.sock)?;
-        writeln!(s, "{}", serde_json::json!({"v": 1, "op": op, "args": args}))?;
-        let mut back = String::new();
-        BufReader::new(s).read_line(&mut back)?;
-        let v: serde_json::Value = serde_json::from_str(&back)?;
-        if v["ok"] != true {
-            bail!("{op}: {}", v["error"]);
-        }
-        Ok(v["result"].clone())
+        k7d_benches::api_call(&self.sock, op, args)
     }
 }
 
@@ -93,23 +84,6 @@ impl Drop for Daemon {
         let _ = self.call("cluster_delete", serde_json::json!({"id": "cl"}));
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// Kills every VM process whose jail is under `dir`: they outlive their
-/// daemon by design, so a bench that stops half-way must not leave them.
-fn kill_vm_processes_under(dir: &Path) {
-    let dir = dir.to_string_lossy().into_owned();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
-            continue;
-        };
-        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline);
-        if cmdline.contains("vm-process") && cmdline.contains(&dir) {
-            // SAFETY: kill takes integers; a VM process this bench's daemon started.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
-        }
     }
 }
 

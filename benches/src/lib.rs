@@ -118,3 +118,35 @@ pub fn idle_vm(id: &str, mib: u64) -> Result<k7d_vmm::Vm> {
     vm.start()?;
     Ok(vm)
 }
+
+/// One API request line to the daemon at `sock`; its result, or its error
+/// as an error.
+pub fn api_call(sock: &std::path::Path, op: &str, args: serde_json::Value) -> Result<serde_json::Value> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(sock)?;
+    writeln!(s, "{}", serde_json::json!({"v": 1, "op": op, "args": args}))?;
+    let mut back = String::new();
+    BufReader::new(s).read_line(&mut back)?;
+    let v: serde_json::Value = serde_json::from_str(&back)?;
+    if v["ok"] != true {
+        bail!("{op}: {}", v["error"]);
+    }
+    Ok(v["result"].clone())
+}
+
+/// Kills every VM process whose jail is under `dir`: they outlive their
+/// daemon by design, so a bench that stops half-way must not leave them.
+pub fn kill_vm_processes_under(dir: &std::path::Path) {
+    let dir = dir.to_string_lossy().into_owned();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains("vm-process") && cmdline.contains(&dir) {
+            // SAFETY: kill takes integers; a VM process this bench's daemon started.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+}

@@ -334,7 +334,7 @@ impl Daemon {
         &self.metrics
     }
 
-    fn vm_samples(&self) -> Vec<VmSample> {
+    fn vm_samples(&self, parents: &std::collections::HashMap<String, super::Parent>) -> Vec<VmSample> {
         let slots: Vec<(String, Held)> = self
             .vms()
             .iter()
@@ -344,7 +344,6 @@ impl Daemon {
                 Slot::Reserved | Slot::Deleting => None,
             })
             .collect();
-        let parents = self.parents().clone();
         let mut out = Vec::with_capacity(slots.len());
         for (id, slot) in slots {
             let parent = parents.get(&id).filter(|p| !p.deleted).map(|p| p.id.clone());
@@ -486,11 +485,12 @@ impl Daemon {
             );
             spares.set(p.spares_ready() as i64);
         }
-        let samples = self.vm_samples();
+        // The snapshot tree once, for parents and children alike.
+        let tree = self.parents().clone();
+        let samples = self.vm_samples(&tree);
         for s in STATES {
             vms.get_or_create(&StateLabels { state: s }).set(0);
         }
-        let tree = self.parents().clone();
         let datapath = samples
             .iter()
             .any(|s| s.datapath)

@@ -48,6 +48,9 @@ pub struct PodNic {
     pub mode: String,
     /// The pod UID (the datapath's policy identity).
     pub pod_uid: Option<String>,
+    /// The pod's namespace and name (labels of the daemon's metrics).
+    pub pod_namespace: Option<String>,
+    pub pod_name: Option<String>,
 }
 
 /// A pod VM forked from a template (`crate::template`).

@@ -44,6 +44,9 @@ pub use k7d_agent::proto::CONTAINER_TYPE;
 pub const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
 /// The annotation carrying a CRI sandbox's pod UID.
 pub const SANDBOX_UID: &str = "io.kubernetes.cri.sandbox-uid";
+/// The pod's namespace and name, as containerd's CRI plugin annotates its sandbox.
+pub const SANDBOX_NAMESPACE: &str = "io.kubernetes.cri.sandbox-namespace";
+pub const SANDBOX_NAME: &str = "io.kubernetes.cri.sandbox-name";
 
 /// The task service of one shim (one pod VM).
 #[derive(Clone)]
@@ -833,6 +836,8 @@ impl Inner {
                 pod_if: podnet::POD_IF.into(),
                 mode: cfg.datapath.clone(),
                 pod_uid: ann.get(SANDBOX_UID).cloned(),
+                pod_namespace: ann.get(SANDBOX_NAMESPACE).cloned(),
+                pod_name: ann.get(SANDBOX_NAME).cloned(),
             }),
             bare_nic: false,
             vsock_cid: 3,

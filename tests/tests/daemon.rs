@@ -787,6 +787,8 @@ fn a_fork_names_its_one_child_and_refuses_what_does_not_fit() {
         netns: netns.into(),
         pod_if: "eth0".into(),
         pod_uid: None,
+        pod_namespace: None,
+        pod_name: None,
     };
     for (args, code, want) in [
         (

@@ -56,6 +56,8 @@ fn nic(mode: &str, netns: &str) -> DatapathNicConfig {
         netns: netns.into(),
         pod_if: "eth0".into(),
         pod_uid: None,
+        pod_namespace: None,
+        pod_name: None,
     }
 }
 

@@ -146,6 +146,39 @@ pub struct DatapathNicConfig {
     /// The pod UID (policy identity).
     #[serde(default)]
     pub pod_uid: Option<String>,
+    /// The pod's Kubernetes namespace (the metrics' `k7d_vm_pod_info`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    /// The pod's name (the metrics' `k7d_vm_pod_info`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+}
+
+/// The longest pod name Kubernetes allows (a DNS-1123 subdomain).
+const MAX_POD_NAME: usize = 253;
+/// The longest namespace Kubernetes allows (a DNS-1123 label).
+const MAX_POD_NAMESPACE: usize = 63;
+
+/// A Kubernetes namespace name: a DNS-1123 label.
+pub fn valid_pod_namespace(s: &str) -> bool {
+    dns_1123(s, MAX_POD_NAMESPACE, false)
+}
+
+/// A Kubernetes pod name: a DNS-1123 subdomain.
+pub fn valid_pod_name(s: &str) -> bool {
+    dns_1123(s, MAX_POD_NAME, true)
+}
+
+/// `s` is a DNS-1123 name of at most `max` bytes: lower-case letters,
+/// digits, `-` (and `.` where `dots`), starting and ending alphanumeric.
+fn dns_1123(s: &str, max: usize, dots: bool) -> bool {
+    let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    !s.is_empty()
+        && s.len() <= max
+        && edge(s.chars().next())
+        && edge(s.chars().last())
+        && s.chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || (dots && c == '.'))
 }
 
 impl DatapathNicConfig {
@@ -161,6 +194,22 @@ impl DatapathNicConfig {
             return Err(format!(
                 "the pod network namespace {} is not an absolute path",
                 self.netns.display()
+            ));
+        }
+        if let Some(ns) = &self.pod_namespace
+            && !valid_pod_namespace(ns)
+        {
+            return Err(format!(
+                "the pod namespace `{}` is not a Kubernetes namespace name (lower-case letters, digits and -, at most {MAX_POD_NAMESPACE})",
+                ns.escape_debug()
+            ));
+        }
+        if let Some(name) = &self.pod_name
+            && !valid_pod_name(name)
+        {
+            return Err(format!(
+                "the pod name `{}` is not a Kubernetes pod name (lower-case letters, digits, - and ., at most {MAX_POD_NAME})",
+                name.escape_debug()
             ));
         }
         Ok(())
@@ -771,12 +820,48 @@ mod tests {
     }
 
     #[test]
+    fn pod_names_and_namespaces_must_be_kubernetes_names() {
+        for ok in ["default", "k7d-lab", "a", "kube-system", &"a".repeat(63)] {
+            assert!(valid_pod_namespace(ok), "{ok}");
+        }
+        for bad in ["", "Default", "-a", "a-", "a.b", "a_b", "a b", "a\n", &"a".repeat(64)] {
+            assert!(!valid_pod_namespace(bad), "{bad:?}");
+        }
+        for ok in ["web-0", "net-k7d-server", "a.b-c.d", &"a".repeat(253)] {
+            assert!(valid_pod_name(ok), "{ok}");
+        }
+        for bad in ["", "Web", ".a", "a.", "a/b", "a\"b", "a}", &"a".repeat(254)] {
+            assert!(!valid_pod_name(bad), "{bad:?}");
+        }
+        let d = DatapathNicConfig {
+            mode: "direct".into(),
+            netns: "/run/netns/p".into(),
+            pod_if: "eth0".into(),
+            pod_uid: None,
+            pod_namespace: Some("k7d-lab".into()),
+            pod_name: Some("web\"} 1\nk7d_vms 9".into()),
+        };
+        assert_eq!(
+            d.check(),
+            Err("the pod name `web\\\"} 1\\nk7d_vms 9` is not a Kubernetes pod name (lower-case letters, digits, - and ., at most 253)".into())
+        );
+        let d = DatapathNicConfig {
+            pod_namespace: Some("Kube".into()),
+            pod_name: None,
+            ..d
+        };
+        assert!(d.check().unwrap_err().starts_with("the pod namespace `Kube` is not"));
+    }
+
+    #[test]
     fn a_pod_netns_must_be_an_absolute_path_wherever_a_nic_names_one() {
         let d = |netns: &str| DatapathNicConfig {
             mode: "direct".into(),
             netns: netns.into(),
             pod_if: "eth0".into(),
             pod_uid: None,
+            pod_namespace: None,
+            pod_name: None,
         };
         assert_eq!(d("/run/netns/p").check(), Ok(()));
         assert_eq!(

@@ -228,12 +228,15 @@ fn parse_kv(flag: &str, s: &str) -> Result<Vec<(String, String)>> {
 fn parse_nic(s: &str) -> Result<NicConfig> {
     let mut n = NicConfig::default();
     let (mut mode, mut netns, mut pod_if, mut pod_uid) = (None, None, None, None);
+    let (mut pod_namespace, mut pod_name) = (None, None);
     for (k, v) in parse_kv("nic", s)? {
         match k.as_str() {
             "datapath" => mode = Some(v),
             "netns" => netns = Some(PathBuf::from(v)),
             "pod-if" => pod_if = Some(v),
             "pod-uid" => pod_uid = Some(v),
+            "pod-namespace" => pod_namespace = Some(v),
+            "pod-name" => pod_name = Some(v),
             "tap" => n.tap = Some(v),
             "queues" => {
                 n.queues = Some(
@@ -250,7 +253,7 @@ fn parse_nic(s: &str) -> Result<NicConfig> {
             }
             "mac" => n.mac = Some(v),
             _ => anyhow::bail!(
-                "--nic {s}: unknown key `{k}` (known: tap, queues, vhost, mac, datapath, netns, pod-if, pod-uid)"
+                "--nic {s}: unknown key `{k}` (known: tap, queues, vhost, mac, datapath, netns, pod-if, pod-uid, pod-namespace, pod-name)"
             ),
         }
     }
@@ -260,9 +263,14 @@ fn parse_nic(s: &str) -> Result<NicConfig> {
             netns: netns.ok_or_else(|| anyhow!("--nic {s}: datapath= needs netns=PATH (the pod's netns)"))?,
             pod_if: pod_if.ok_or_else(|| anyhow!("--nic {s}: datapath= needs pod-if=NAME (the pod's veth)"))?,
             pod_uid,
+            pod_namespace,
+            pod_name,
         });
-    } else if netns.is_some() || pod_if.is_some() || pod_uid.is_some() {
-        anyhow::bail!("--nic {s}: netns/pod-if/pod-uid only make sense with datapath=direct|bridge|auto");
+    } else if netns.is_some() || pod_if.is_some() || pod_uid.is_some() || pod_namespace.is_some() || pod_name.is_some()
+    {
+        anyhow::bail!(
+            "--nic {s}: netns/pod-if/pod-uid/pod-namespace/pod-name only make sense with datapath=direct|bridge|auto"
+        );
     }
     Ok(n)
 }
@@ -705,6 +713,12 @@ enum ApiCmd {
         /// The pod UID (its policy identity).
         #[arg(long)]
         pod_uid: Option<String>,
+        /// The pod's Kubernetes namespace (a label of the daemon's metrics).
+        #[arg(long)]
+        pod_namespace: Option<String>,
+        /// The pod's name (a label of the daemon's metrics).
+        #[arg(long)]
+        pod_name: Option<String>,
     },
     /// List VMs.
     List,
@@ -1075,6 +1089,8 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             pod_if,
             mode,
             pod_uid,
+            pod_namespace,
+            pod_name,
         } => Request::NicAttach(k7d_vmm::daemon::api::NicAttachArgs {
             id,
             nic,
@@ -1083,6 +1099,8 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
                 netns: std::path::absolute(&netns).unwrap_or(netns),
                 pod_if,
                 pod_uid,
+                pod_namespace,
+                pod_name,
             },
         }),
         ApiCmd::List => Request::List,

@@ -99,6 +99,20 @@ fn datapath(n: &PodNic) -> DatapathNicConfig {
         netns: n.netns.clone(),
         pod_if: n.pod_if.clone(),
         pod_uid: n.pod_uid.clone(),
+        // Labels only: a name Kubernetes would not have made is left out
+        // (with a warning) rather than failing the pod.
+        pod_namespace: label(&n.pod_namespace, crate::config::valid_pod_namespace, "namespace"),
+        pod_name: label(&n.pod_name, crate::config::valid_pod_name, "name"),
+    }
+}
+
+fn label(v: &Option<String>, valid: fn(&str) -> bool, what: &str) -> Option<String> {
+    let v = v.as_deref()?;
+    if valid(v) {
+        Some(v.to_string())
+    } else {
+        tracing::warn!(value = %v.escape_debug(), "the pod {what} is not a Kubernetes name: left out of the VM's metrics labels");
+        None
     }
 }
 

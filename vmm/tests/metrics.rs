@@ -324,6 +324,12 @@ fn a_real_prometheus_scrapes_vm_counts_fork_histograms_and_forgets_deleted_vms()
     until_empty(pport, "{vm=\"a-f1\"}");
     until_value(pport, "k7d_vms{state=\"paused\"}", 0.0);
     until_value(pport, "k7d_vm_fork_children{vm=\"a\"}", 3.0);
+    // A stopped VM says why (only it); nothing was denied.
+    cli(d, &["stop", "a-f2"]);
+    until_value(pport, "k7d_vms{state=\"stopped\"}", 1.0);
+    until_value(pport, "k7d_vm_stop_reason{vm=\"a-f2\",reason=\"requested\"}", 1.0);
+    until_value(pport, "sum(k7d_vm_stop_reason)", 1.0);
+    until_value(pport, "sum(k7d_seccomp_denials_total)", 0.0);
 
     // promtool has nothing to say about a scrape.
     let body = scrape(port);
@@ -372,6 +378,8 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
         &["create", "--id", "a", "--builtin", "idle", "--memory", "16", "--start"],
     );
     cli(d, &["fork", "a"]);
+    // A stopped VM, for the stop reason's series.
+    cli(d, &["stop", "a-f1"]);
     let samples = sample_names(&scrape(port));
     // A histogram's family name counts too (its samples add suffixes).
     let mut names = samples.clone();
@@ -405,10 +413,12 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
     let docs = std::fs::read_to_string(root.join("docs/observability.md")).unwrap();
     // Every k7d_ name the dashboard's queries and the docs use is a sample
     // name of a scrape (a family whose series all went still shows: the
-    // scrape above made one of each but the datapath's and the VM
-    // processes' own, which the docs mark).
+    // scrape above made one of each but the datapath's, the VM
+    // processes' own, which the docs mark, and a pod VM's, which the lab's
+    // k7d-cri checks in its scrape).
     let optional = [
         "k7d_datapath_drops_total",
+        "k7d_vm_pod_info",
         "k7d_vm_process_resident_memory_bytes",
         "k7d_vm_process_pss_bytes",
         "k7d_vm_process_spares_ready",

@@ -90,4 +90,7 @@ fn a_device_worker_making_a_denied_call_gets_eperm_and_stops_its_vm() {
         other => panic!("the VM stopped for another reason: {other:?}"),
     }
     assert!(!reason.is_clean());
+    assert_eq!(reason.kind(), "seccomp_denied");
+    // The daemon's scrape counts it (`k7d_seccomp_denials_total`), by kind.
+    assert_eq!(seccomp::denials(), [("control", 0), ("vcpu", 0), ("worker", 1)]);
 }

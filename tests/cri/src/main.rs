@@ -39,6 +39,7 @@ use tower::service_fn;
 
 mod many;
 mod net;
+mod stats;
 
 type Client = RuntimeServiceClient<Channel>;
 
@@ -108,6 +109,11 @@ struct PodArgs {
     /// none: the shim config's choice.
     #[arg(long)]
     pod_start: Option<String>,
+    /// Also check the kubelet's stats calls: B writes 64 MiB, which its
+    /// `ContainerStats` must show (the pod gets a node cgroup, as the
+    /// kubelet gives it one, where cgroup v2 is mounted).
+    #[arg(long)]
+    stats: bool,
 }
 
 fn main() -> ExitCode {
@@ -178,7 +184,7 @@ where
     Ok((out, took))
 }
 
-fn sandbox_config(args: &PodArgs, uid: &str, log_dir: &Path) -> PodSandboxConfig {
+fn sandbox_config(args: &PodArgs, uid: &str, log_dir: &Path, cgroup_parent: Option<&str>) -> PodSandboxConfig {
     PodSandboxConfig {
         metadata: Some(PodSandboxMetadata {
             name: args.name.clone(),
@@ -205,6 +211,7 @@ fn sandbox_config(args: &PodArgs, uid: &str, log_dir: &Path) -> PodSandboxConfig
                 namespace_options: Some(namespaces()),
                 ..Default::default()
             }),
+            cgroup_parent: cgroup_parent.unwrap_or_default().to_string(),
             ..Default::default()
         }),
         ..Default::default()
@@ -363,8 +370,19 @@ async fn stop_and_remove(client: &mut Client, id: &str, limit: Duration) -> Resu
 }
 
 async fn pod(client: &mut Client, args: &PodArgs) -> Result<()> {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let uid = format!("{}-{}-{nanos}", args.name, std::process::id());
+    // The stats check needs the pod's node cgroup (containerd reads it).
+    let cgroup = if args.stats {
+        stats::PodCgroup::make(&uid)?
+    } else {
+        None
+    };
+    if args.stats && cgroup.is_none() {
+        bail!("--stats needs cgroup v2 at /sys/fs/cgroup: containerd reads a pod's stats from its node cgroup");
+    }
     let mut sandbox = None;
-    let result = pod_steps(client, args, &mut sandbox).await;
+    let mut result = pod_steps(client, args, &uid, nanos, cgroup.as_ref(), &mut sandbox).await;
     if let (Err(_), Some(id)) = (&result, sandbox) {
         // Leave no pod behind a failed check; the failure itself is what counts.
         let limit = Duration::from_secs(args.timeout_s);
@@ -373,21 +391,32 @@ async fn pod(client: &mut Client, args: &PodArgs) -> Result<()> {
             Err(e) => println!("cri: after the failure: pod sandbox {id} not removed: {e:#}"),
         }
     }
+    if let Some(cg) = cgroup {
+        let removed = cg.remove();
+        if result.is_ok() {
+            result = removed;
+        }
+    }
     result
 }
 
 /// The pod's steps; `sandbox` holds its id from RunPodSandbox until
 /// RemovePodSandbox succeeded.
-async fn pod_steps(client: &mut Client, args: &PodArgs, sandbox: &mut Option<String>) -> Result<()> {
+async fn pod_steps(
+    client: &mut Client,
+    args: &PodArgs,
+    uid: &str,
+    nanos: u128,
+    cgroup: Option<&stats::PodCgroup>,
+    sandbox: &mut Option<String>,
+) -> Result<()> {
     let limit = Duration::from_secs(args.timeout_s);
     let log_dir = std::path::absolute(&args.log_dir)
         .with_context(|| format!("the log directory {} has no absolute path", args.log_dir.display()))?;
     tokio::fs::create_dir_all(&log_dir)
         .await
         .with_context(|| format!("cannot create the log directory {}", log_dir.display()))?;
-    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    let uid = format!("{}-{}-{nanos}", args.name, std::process::id());
-    let config = sandbox_config(args, &uid, &log_dir);
+    let config = sandbox_config(args, uid, &log_dir, cgroup.map(|c| c.parent.as_str()));
 
     let (v, _) = step("version", limit, async {
         client
@@ -509,6 +538,10 @@ async fn pod_steps(client: &mut Client, args: &PodArgs, sandbox: &mut Option<Str
         Ok(())
     })
     .await?;
+
+    if args.stats {
+        step("stats", limit, stats::check(client, &id, &a, &b, limit)).await?;
+    }
 
     step("log_lines", limit, async {
         // A logs on (a tick after its first line); B's first line is there.

@@ -59,6 +59,7 @@ pub async fn many(client: &mut Client, args: &ManyArgs) -> Result<()> {
                 .context("the log directory has no absolute path")?,
             timeout_s: args.timeout_s,
             pod_start: mode.clone(),
+            stats: false,
         };
         let mut c = client.clone();
         set.spawn(async move {
@@ -168,7 +169,7 @@ async fn one(client: &mut Client, p: &PodArgs) -> Result<(String, Duration)> {
         .await
         .with_context(|| format!("cannot create {}", p.log_dir.display()))?;
     let uid = format!("{}-{}", p.name, std::process::id());
-    let config = sandbox_config(p, &uid, &p.log_dir);
+    let config = sandbox_config(p, &uid, &p.log_dir, None);
     let id = client
         .run_pod_sandbox(RunPodSandboxRequest {
             config: Some(config.clone()),

@@ -7,6 +7,13 @@
 //! client's ping to the server pod, `CMD drops SANDBOX` must succeed (the
 //! hook checks the drop counters), and after `CMD clear SANDBOX` the ping
 //! passes again. The hook is run with `sh -c`.
+//!
+//! Each pod gets a node cgroup (where cgroup v2 is mounted), as the kubelet
+//! gives it one, and the pods' network counters (`PodSandboxStats`, read
+//! by containerd from `eth0` in each pod's netns) must move with the 4 MiB:
+//! the client's received bytes always, the server's sent bytes with
+//! `--expect-tx` (runc, k7d's bridge datapath; the direct datapath's
+//! `bpf_redirect_peer` skips `eth0`'s transmit, `docs/datapath.md`).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -14,6 +21,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use k8s_cri::v1::{ExecSyncRequest, PodSandboxStatusRequest, RunPodSandboxRequest};
 
+use crate::stats::{PodCgroup, net_bytes, pod_stats};
 use crate::{
     Client, PodArgs, await_lines, container_config, create, exec, rpc, sandbox_config, start, step, stop_and_remove,
 };
@@ -49,16 +57,26 @@ pub struct NetArgs {
     /// server's and the client's, comma-separated (`fork,pool`).
     #[arg(long, value_delimiter = ',')]
     pod_start: Vec<String>,
+    /// The server pod's `eth0` must count the 4 MiB it sent.
+    #[arg(long)]
+    expect_tx: bool,
 }
 
 /// Runs the check; the pods are stopped and removed whatever happened.
 pub async fn net(client: &mut Client, args: &NetArgs) -> Result<()> {
     let mut pods = Vec::new();
-    let r = steps(client, args, &mut pods).await;
+    let mut cgroups = Vec::new();
+    let mut r = steps(client, args, &mut pods, &mut cgroups).await;
     let limit = Duration::from_secs(args.timeout_s);
     for id in pods {
         if let Err(e) = stop_and_remove(client, &id, limit).await {
             println!("cri: net: pod sandbox {id} not removed: {e:#}");
+        }
+    }
+    for cg in cgroups {
+        let removed = cg.remove();
+        if r.is_ok() {
+            r = removed;
         }
     }
     r
@@ -73,6 +91,7 @@ async fn pod(
     role: &str,
     script: &str,
     pods: &mut Vec<String>,
+    cgroups: &mut Vec<PodCgroup>,
 ) -> Result<(String, String)> {
     let limit = Duration::from_secs(args.timeout_s);
     let p = PodArgs {
@@ -87,12 +106,15 @@ async fn pod(
             ("client", [.., last]) => Some(last.clone()),
             (_, [first, ..]) => Some(first.clone()),
         },
+        stats: false,
     };
     tokio::fs::create_dir_all(&p.log_dir)
         .await
         .with_context(|| format!("cannot create {}", p.log_dir.display()))?;
     let uid = format!("{}-{}", p.name, std::process::id());
-    let config = sandbox_config(&p, &uid, &p.log_dir);
+    let cgroup = PodCgroup::make(&uid)?;
+    let config = sandbox_config(&p, &uid, &p.log_dir, cgroup.as_ref().map(|c| c.parent.as_str()));
+    cgroups.extend(cgroup);
     let (id, _) = step(&format!("net_run_pod_sandbox_{role}"), limit, async {
         Ok(client
             .run_pod_sandbox(RunPodSandboxRequest {
@@ -139,10 +161,16 @@ async fn pod(
     Ok((ip, c))
 }
 
-async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> Result<()> {
+async fn steps(
+    client: &mut Client,
+    args: &NetArgs,
+    pods: &mut Vec<String>,
+    cgroups: &mut Vec<PodCgroup>,
+) -> Result<()> {
     let limit = Duration::from_secs(args.timeout_s);
-    let (server_ip, server) = pod(client, args, "server", SERVER, pods).await?;
-    let (client_ip, client_c) = pod(client, args, "client", CLIENT, pods).await?;
+    let (server_ip, server) = pod(client, args, "server", SERVER, pods, cgroups).await?;
+    let (client_ip, client_c) = pod(client, args, "client", CLIENT, pods, cgroups).await?;
+    let counted = !cgroups.is_empty();
     // Every VM runtime gives each pod a kernel of its own.
     let own_kernels = args.runtime_handler != "runc";
     // Every call is bounded here too, not only by containerd's ExecSync
@@ -179,6 +207,11 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
         exec(client, &server, &["cat", "/www/sum"], limit),
     )
     .await?;
+    let before = if counted {
+        Some(step("net_stats_before", limit, net_counters(client, pods)).await?.0)
+    } else {
+        None
+    };
     let t = Instant::now();
     let url = format!("http://{server_ip}:8080/data");
     let fetch = format!("wget -q -O - {url} | md5sum | cut -d' ' -f1");
@@ -196,9 +229,47 @@ async fn steps(client: &mut Client, args: &NetArgs, pods: &mut Vec<String>) -> R
         t.elapsed().as_secs_f64(),
         4.0 / took.as_secs_f64().max(1e-3)
     );
+    if let Some(before) = before {
+        let (after, _) = step("net_stats_after", limit, net_counters(client, pods)).await?;
+        moved(&before, &after, args.expect_tx)?;
+    }
     if let Some(hook) = &args.hook {
         let server_pod = pods.first().cloned().context("the server pod has no sandbox id")?;
         policy(client, hook, &server_pod, &client_c, &server_ip, limit).await?;
+    }
+    Ok(())
+}
+
+/// Each pod's `eth0` counters from `PodSandboxStats`: (rx, tx) for the
+/// server, then the client.
+async fn net_counters(client: &mut Client, pods: &[String]) -> Result<[(u64, u64); 2]> {
+    let [server, client_pod] = pods else {
+        bail!("expected the server's and the client's pod sandboxes, have {pods:?}");
+    };
+    let s = net_bytes(&pod_stats(client, server).await?).context("the server pod's network counters")?;
+    let c = net_bytes(&pod_stats(client, client_pod).await?).context("the client pod's network counters")?;
+    Ok([s, c])
+}
+
+/// The 4 MiB fetch shows in the pods' counters: the client received it
+/// (and the server sent it, with `expect_tx`).
+fn moved(before: &[(u64, u64); 2], after: &[(u64, u64); 2], expect_tx: bool) -> Result<()> {
+    const DATA: u64 = 4 << 20;
+    let d = |i: usize| {
+        (
+            after[i].0.saturating_sub(before[i].0),
+            after[i].1.saturating_sub(before[i].1),
+        )
+    };
+    let ((s_rx, s_tx), (c_rx, c_tx)) = (d(0), d(1));
+    println!(
+        "cri: net stats: during the 4 MiB: server eth0 rx +{s_rx} B, tx +{s_tx} B; client eth0 rx +{c_rx} B, tx +{c_tx} B (PodSandboxStats)"
+    );
+    if c_rx < DATA {
+        bail!("the client pod fetched 4 MiB but its eth0 counted {c_rx} bytes received (PodSandboxStats)");
+    }
+    if expect_tx && s_tx < DATA {
+        bail!("the server pod sent 4 MiB but its eth0 counted {s_tx} bytes sent (PodSandboxStats)");
     }
     Ok(())
 }
@@ -316,4 +387,23 @@ async fn policy(
     }
     println!("cri: net policy: cleared, the ping passes again");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fetch_must_show_in_the_client_rx_and_where_expected_the_server_tx() {
+        let before = [(100, 200), (300, 400)];
+        let full = [(5_000, 200 + (4 << 20)), (300 + (4 << 20), 5_000)];
+        assert!(moved(&before, &full, true).is_ok());
+        // The direct datapath: the server's eth0 never transmitted.
+        let direct = [(5_000, 270), (300 + (4 << 20), 400)];
+        assert!(moved(&before, &direct, false).is_ok());
+        assert!(moved(&before, &direct, true).is_err());
+        // Counters that did not move fail either way (and never underflow).
+        assert!(moved(&before, &before, false).is_err());
+        assert!(moved(&full, &before, false).is_err());
+    }
 }

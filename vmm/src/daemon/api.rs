@@ -905,6 +905,8 @@ mod tests {
                             netns: "/run/netns/pod".into(),
                             pod_if: "eth0".into(),
                             pod_uid: Some("uid-1".into()),
+                            pod_namespace: None,
+                            pod_name: None,
                         }),
                         ..Default::default()
                     },
@@ -1001,6 +1003,8 @@ mod tests {
                     netns: "/var/run/netns/cni-1".into(),
                     pod_if: "eth0".into(),
                     pod_uid: Some("0b6f8a1e-6a55-4f7b-9d8c-1f2e3d4c5b6a".into()),
+                    pod_namespace: None,
+                    pod_name: None,
                 },
             }),
         ];

@@ -80,6 +80,17 @@ struct VmLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ThreadLabels {
+    thread: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StopLabels {
+    vm: String,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ExitLabels {
     vm: String,
     reason: String,
@@ -97,6 +108,14 @@ struct VmInfoLabels {
     parent: String,
     guest: String,
     process: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PodLabels {
+    vm: String,
+    namespace: String,
+    name: String,
+    uid: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -137,6 +156,14 @@ fn state_label(s: &VmState) -> &'static str {
         VmState::Running => "running",
         VmState::Paused => "paused",
         VmState::Stopped { .. } => "stopped",
+    }
+}
+
+/// Why a stopped VM stopped (its reason's kind); none while it is not.
+fn stop_kind(s: &VmState) -> Option<&'static str> {
+    match s {
+        VmState::Stopped { reason } => Some(reason.kind()),
+        _ => None,
     }
 }
 
@@ -301,6 +328,8 @@ enum Held {
 struct VmSample {
     id: String,
     state: &'static str,
+    /// Why it stopped, once it has.
+    stop: Option<&'static str>,
     vcpus: u8,
     memory_mib: u64,
     /// Live counters; `None` while the VM is busy with a request.
@@ -313,6 +342,22 @@ struct VmSample {
     /// Its VM process (`--jail on`).
     pid: Option<u32>,
     datapath: bool,
+    /// The pod it serves: (namespace, name, uid), from its NICs' attachment.
+    pod: Option<(String, String, String)>,
+}
+
+/// The pod a VM serves, as the shim named it when it attached the VM's NIC
+/// to the pod's network (`DatapathNicConfig`); none for a VM with no pod NIC.
+fn pod_of(c: &crate::config::VmConfig) -> Option<(String, String, String)> {
+    c.devices.nics.iter().filter_map(|n| n.datapath.as_ref()).find_map(|d| {
+        (d.pod_uid.is_some() || d.pod_name.is_some()).then(|| {
+            (
+                d.pod_namespace.clone().unwrap_or_default(),
+                d.pod_name.clone().unwrap_or_default(),
+                d.pod_uid.clone().unwrap_or_default(),
+            )
+        })
+    })
 }
 
 /// `Rss` and `Pss` of `/proc/<pid>/smaps_rollup`, in bytes.
@@ -351,6 +396,7 @@ impl Daemon {
                 Held::Here(vm) => match vm.try_lock() {
                     Ok(g) => VmSample {
                         state: state_label(&g.state()),
+                        stop: stop_kind(&g.state()),
                         vcpus: g.config().vcpus,
                         memory_mib: g.config().memory_mib,
                         exits: Some(u64::from(g.control().exit_count())),
@@ -359,6 +405,7 @@ impl Daemon {
                         guest: g.config().guest.describe(),
                         pid: None,
                         datapath: g.config().devices.nics.iter().any(|n| n.datapath.is_some()),
+                        pod: pod_of(g.config()),
                         parent,
                         id,
                     },
@@ -373,6 +420,7 @@ impl Daemon {
                         let c = g.config();
                         VmSample {
                             state: state_label(&status.state),
+                            stop: stop_kind(&status.state),
                             vcpus: c.vcpus,
                             memory_mib: c.memory_mib,
                             exits: Some(u64::from(status.exits)),
@@ -380,6 +428,7 @@ impl Daemon {
                             rebases: Some(status.rebases),
                             guest: c.guest.describe(),
                             datapath: c.devices.nics.iter().any(|n| n.datapath.is_some()),
+                            pod: pod_of(c),
                             pid: (!matches!(status.state, VmState::Stopped { .. })).then(|| g.record().pid),
                             parent,
                             id,
@@ -402,6 +451,7 @@ impl Daemon {
         let rec = self.store.load(&id).ok().flatten()?;
         Some(VmSample {
             state: state_label(&rec.state),
+            stop: stop_kind(&rec.state),
             vcpus: rec.config.vcpus,
             memory_mib: rec.config.memory_mib,
             exits: None,
@@ -410,6 +460,7 @@ impl Daemon {
             guest: rec.config.guest.describe(),
             pid: rec.vm_process.as_ref().map(|p| p.pid),
             datapath: rec.config.devices.nics.iter().any(|n| n.datapath.is_some()),
+            pod: pod_of(&rec.config),
             parent,
             id,
         })
@@ -430,6 +481,27 @@ impl Daemon {
             "vm_info",
             "A VM's fork parent (empty: none alive), guest and whether it runs in a VM process of its own (always 1).",
             vm_info.clone(),
+        );
+        let stop_reason = Family::<StopLabels, Gauge>::default();
+        state.register(
+            "vm_stop_reason",
+            "Why a stopped VM stopped (requested, guest_poweroff, guest_reset, vcpu_error, seccomp_denied, process_ended): always 1.",
+            stop_reason.clone(),
+        );
+        let denials = Family::<ThreadLabels, Counter>::default();
+        state.register(
+            "seccomp_denials",
+            "System calls the daemon process's seccomp filters denied, by thread kind (each stops the VM whose thread made it; a VM process's own show as its k7d_vm_stop_reason seccomp_denied).",
+            denials.clone(),
+        );
+        for (thread, n) in crate::seccomp::denials() {
+            denials.get_or_create(&ThreadLabels { thread }).inc_by(n);
+        }
+        let pod_info = Family::<PodLabels, Gauge>::default();
+        state.register(
+            "vm_pod_info",
+            "The Kubernetes pod a VM serves (namespace, name, uid, as its containerd shim attached it to the pod's network): always 1; join on vm.",
+            pod_info.clone(),
         );
         let vcpus = Family::<VmLabels, Gauge>::default();
         state.register("vm_vcpus", "A VM's vCPUs.", vcpus.clone());
@@ -517,6 +589,24 @@ impl Daemon {
                     },
                 })
                 .set(1);
+            if let Some(reason) = s.stop {
+                stop_reason
+                    .get_or_create(&StopLabels {
+                        vm: s.id.clone(),
+                        reason,
+                    })
+                    .set(1);
+            }
+            if let Some((namespace, name, uid)) = &s.pod {
+                pod_info
+                    .get_or_create(&PodLabels {
+                        vm: s.id.clone(),
+                        namespace: namespace.clone(),
+                        name: name.clone(),
+                        uid: uid.clone(),
+                    })
+                    .set(1);
+            }
             vcpus.get_or_create(&vm).set(i64::from(s.vcpus));
             ram.get_or_create(&vm)
                 .set(i64::try_from(s.memory_mib.saturating_mul(1 << 20)).unwrap_or(i64::MAX));
@@ -598,6 +688,34 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vm_serves_the_pod_its_pod_nic_names() {
+        use crate::config::{DatapathNicConfig, NicConfig, VmConfig};
+        let mut c = VmConfig::default();
+        assert_eq!(pod_of(&c), None);
+        c.devices.nics.push(NicConfig::default());
+        assert_eq!(pod_of(&c), None, "a bare tap serves no pod");
+        let dp = DatapathNicConfig {
+            mode: "direct".into(),
+            netns: "/run/netns/p".into(),
+            pod_if: "eth0".into(),
+            pod_uid: None,
+            pod_namespace: Some("ns".into()),
+            pod_name: None,
+        };
+        c.devices.nics.push(NicConfig {
+            datapath: Some(dp.clone()),
+            ..Default::default()
+        });
+        assert_eq!(pod_of(&c), None, "a namespace alone names no pod");
+        c.devices.nics[1].datapath = Some(DatapathNicConfig {
+            pod_uid: Some("u-1".into()),
+            pod_name: Some("web".into()),
+            ..dp
+        });
+        assert_eq!(pod_of(&c), Some(("ns".into(), "web".into(), "u-1".into())));
+    }
 
     #[test]
     fn fork_kinds_and_codes_are_the_documented_labels() {

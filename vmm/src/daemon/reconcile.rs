@@ -105,6 +105,8 @@ mod tests {
                 netns: netns.into(),
                 pod_if: "eth0".into(),
                 pod_uid: None,
+                pod_namespace: None,
+                pod_name: None,
             }),
             ..Default::default()
         }

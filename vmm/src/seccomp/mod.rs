@@ -25,7 +25,7 @@ mod tree;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
-use std::sync::atomic::{AtomicI32, AtomicU8, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompRule};
@@ -56,7 +56,27 @@ pub enum ThreadKind {
     Worker = 3,
 }
 
+/// Denied calls reported in this process, by thread kind (index: the
+/// kind's `u8`; 0 unused).
+static DENIED: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+
+/// The system calls this process's filters denied so far, by thread kind
+/// (`control`, `vcpu`, `worker`): the metrics' `k7d_seccomp_denials_total`.
+pub fn denials() -> [(&'static str, u64); 3] {
+    [ThreadKind::Control, ThreadKind::Vcpu, ThreadKind::Worker]
+        .map(|k| (k.label(), DENIED[k as usize].load(Ordering::Relaxed)))
+}
+
 impl ThreadKind {
+    /// As a metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Control => "control",
+            Self::Vcpu => "vcpu",
+            Self::Worker => "worker",
+        }
+    }
+
     fn from_u8(v: u8) -> Option<Self> {
         match v {
             1 => Some(Self::Control),
@@ -511,6 +531,7 @@ fn report_loop(mut rx: File) {
 }
 
 fn report(tid: i32, seq: u32, syscall: i32, kind: ThreadKind) {
+    DENIED[kind as usize].fetch_add(1, Ordering::Relaxed);
     let entry = REGISTRY
         .lock()
         .unwrap_or_else(|p| p.into_inner())

@@ -64,6 +64,18 @@ impl std::fmt::Display for StopReason {
 }
 
 impl StopReason {
+    /// Its kind, as its serialized `kind` tag names it (a metrics label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::GuestReset => "guest_reset",
+            Self::GuestPoweroff => "guest_poweroff",
+            Self::Requested => "requested",
+            Self::VcpuError { .. } => "vcpu_error",
+            Self::SeccompDenied { .. } => "seccomp_denied",
+            Self::ProcessEnded { .. } => "process_ended",
+        }
+    }
+
     /// Whether the guest ended on its own terms (exit status 0 for `k7d run`).
     pub fn is_clean(&self) -> bool {
         !matches!(

@@ -800,6 +800,8 @@ mod tests {
                 netns: "/run/netns/pod".into(),
                 pod_if: "eth0".into(),
                 pod_uid: None,
+                pod_namespace: None,
+                pod_name: None,
             }),
             ..Default::default()
         }

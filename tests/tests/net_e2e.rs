@@ -591,6 +591,18 @@ fn multiqueue_tx_rx_through_a_real_tap() {
         "2 malformed RX chains"
     );
     assert!(m.irqs(1) >= 1 && m.irqs(3) >= 1, "RX queues interrupted");
+    // The daemon's metrics read the same counters through the transport
+    // (`VirtioDevice::counters`: summed over pairs, the guest's side).
+    let sum = |f: fn(&k7d_devices::virtio::net::QueuePairStats) -> &std::sync::atomic::AtomicU64| {
+        stats.pairs.iter().map(|p| f(p).load(Ordering::Relaxed)).sum::<u64>()
+    };
+    let counters: BTreeMap<&str, u64> = m.dev.lock().unwrap().counters().into_iter().collect();
+    assert_eq!(counters["rx_frames"], per_queue.iter().sum::<u64>());
+    assert_eq!(counters["tx_frames"], u64::from(PAIRS), "one TX frame per pair");
+    assert_eq!(counters["rx_bytes"], sum(|p| &p.rx_bytes));
+    assert!(counters["rx_bytes"] > 0 && counters["tx_bytes"] > 0, "{counters:?}");
+    assert_eq!(counters["tx_bytes"], sum(|p| &p.tx_bytes));
+    assert_eq!(counters["interrupts"], sum(|p| &p.interrupts));
 
     // Dirty bitmap: exactly the RX data pages written and the two RX used-ring pages.
     let mut want_dirty = data_pages.clone();

@@ -414,11 +414,16 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
     // Every k7d_ name the dashboard's queries and the docs use is a sample
     // name of a scrape (a family whose series all went still shows: the
     // scrape above made one of each but the datapath's, the VM
-    // processes' own, which the docs mark, and a pod VM's, which the lab's
-    // k7d-cri checks in its scrape).
+    // processes' own, which the docs mark, and a pod VM's and a Linux
+    // guest's NIC's (the built-in guests have no PCI devices), which the
+    // lab's k7d-cri checks in its scrape).
     let optional = [
         "k7d_datapath_drops_total",
         "k7d_vm_pod_info",
+        "k7d_vm_net_bytes_total",
+        "k7d_vm_net_frames_total",
+        "k7d_vm_net_dropped_total",
+        "k7d_vm_device_interrupts_total",
         "k7d_vm_process_resident_memory_bytes",
         "k7d_vm_process_pss_bytes",
         "k7d_vm_process_spares_ready",

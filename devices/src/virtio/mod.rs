@@ -446,6 +446,14 @@ pub trait VirtioDevice: Send {
         Vec::new()
     }
 
+    /// The device's monotonic counters for the daemon's metrics, as
+    /// `(name, value)` (the names each device documents). Called with the
+    /// function's lock held: read atomics only, never block. A device
+    /// with none (or whose data plane counts nothing here) returns none.
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        Vec::new()
+    }
+
     /// Replaces the device's medium (a drive's image) while the VM runs,
     /// and tells an active driver through a configuration-change interrupt.
     fn change_medium(&mut self, _medium: Arc<k7d_disk::DiskImage>) -> Result<(), VirtioError> {

@@ -486,7 +486,11 @@ case \$1 in
     # The VM is labelled with its pod (the shim's sandbox annotations).
     pod=\$(printf '%s\\n' "\$m" | grep "^k7d_vm_pod_info{vm=\"\$vm\",namespace=\"k7d-lab\",name=\"net-k7d-server\",uid=\"net-k7d-server-[0-9]*\"} 1\$") ||
       { echo "the scrape does not name \$vm's pod: \$(printf '%s' "\$m" | grep '^k7d_vm_pod_info' | tr '\\n' ' ')"; exit 1; }
-    scraped="\$scraped \$pod"
+    # The 4 MiB it sent, in its NIC's own counters (which eth0's sent bytes
+    # miss on the direct datapath: docs/observability.md).
+    tx=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_vm_net_bytes_total{vm=\"\$vm\",device=\"net0\",direction=\"tx\"} \\([0-9]*\\)\$/\\1/p")
+    [ "\${tx:-0}" -ge 4194304 ] || { echo "the scrape shows \$vm sending \${tx:-no} bytes, under the 4 MiB it served: \$(printf '%s' "\$m" | grep '^k7d_vm_net' | tr '\\n' ' ')"; exit 1; }
+    scraped="\$scraped \$pod; net0 sent \$tx bytes"
     printf '%s' "\$out" | tr '\\n' ' '
     printf '; scraped: %s' "\$scraped" | tr '\\n' ' ' ;;
   *) exit 2 ;;

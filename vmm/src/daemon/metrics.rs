@@ -80,6 +80,19 @@ struct VmLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NetLabels {
+    vm: String,
+    device: String,
+    direction: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabels {
+    vm: String,
+    device: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ThreadLabels {
     thread: &'static str,
 }
@@ -336,6 +349,8 @@ struct VmSample {
     exits: Option<u64>,
     /// vCPU exits by kind (empty: a VM process of an earlier k7d).
     exits_by_reason: Vec<(String, u64)>,
+    /// Its devices' counters (`Vm::device_counters`).
+    device_counters: Vec<(String, Vec<(String, u64)>)>,
     rebases: Option<u64>,
     parent: Option<String>,
     guest: String,
@@ -401,6 +416,7 @@ impl Daemon {
                         memory_mib: g.config().memory_mib,
                         exits: Some(u64::from(g.control().exit_count())),
                         exits_by_reason: g.exits_by_reason(),
+                        device_counters: g.device_counters(),
                         rebases: Some(g.rebases()),
                         guest: g.config().guest.describe(),
                         pid: None,
@@ -425,6 +441,7 @@ impl Daemon {
                             memory_mib: c.memory_mib,
                             exits: Some(u64::from(status.exits)),
                             exits_by_reason: status.exits_by_reason.clone(),
+                            device_counters: status.device_counters.clone(),
                             rebases: Some(status.rebases),
                             guest: c.guest.describe(),
                             datapath: c.devices.nics.iter().any(|n| n.datapath.is_some()),
@@ -456,6 +473,7 @@ impl Daemon {
             memory_mib: rec.config.memory_mib,
             exits: None,
             exits_by_reason: Vec::new(),
+            device_counters: Vec::new(),
             rebases: None,
             guest: rec.config.guest.describe(),
             pid: rec.vm_process.as_ref().map(|p| p.pid),
@@ -481,6 +499,31 @@ impl Daemon {
             "vm_info",
             "A VM's fork parent (empty: none alive), guest and whether it runs in a VM process of its own (always 1).",
             vm_info.clone(),
+        );
+        let net_bytes = Family::<NetLabels, Counter>::default();
+        state.register_with_unit(
+            "vm_net",
+            "Bytes a VM's virtio-net NIC moved, from the guest's side (rx: delivered to it, tx: sent by it; virtio-net header included); userspace data plane only (vhost-net NICs have none).",
+            Unit::Bytes,
+            net_bytes.clone(),
+        );
+        let net_frames = Family::<NetLabels, Counter>::default();
+        state.register(
+            "vm_net_frames",
+            "Frames a VM's virtio-net NIC moved, from the guest's side (userspace data plane only).",
+            net_frames.clone(),
+        );
+        let net_dropped = Family::<NetLabels, Counter>::default();
+        state.register(
+            "vm_net_dropped",
+            "Frames a VM's virtio-net NIC dropped (rx: too big for the guest's buffer or runt; tx: malformed or refused by the tap).",
+            net_dropped.clone(),
+        );
+        let interrupts = Family::<DeviceLabels, Counter>::default();
+        state.register(
+            "vm_device_interrupts",
+            "Interrupts a VM's virtio device raised for its queues (userspace data planes).",
+            interrupts.clone(),
         );
         let stop_reason = Family::<StopLabels, Gauge>::default();
         state.register(
@@ -589,6 +632,35 @@ impl Daemon {
                     },
                 })
                 .set(1);
+            for (device, counters) in &s.device_counters {
+                for (name, n) in counters {
+                    let (family, direction) = match name.as_str() {
+                        "rx_bytes" => (&net_bytes, "rx"),
+                        "tx_bytes" => (&net_bytes, "tx"),
+                        "rx_frames" => (&net_frames, "rx"),
+                        "tx_frames" => (&net_frames, "tx"),
+                        "rx_dropped" => (&net_dropped, "rx"),
+                        "tx_dropped" => (&net_dropped, "tx"),
+                        "interrupts" => {
+                            interrupts
+                                .get_or_create(&DeviceLabels {
+                                    vm: s.id.clone(),
+                                    device: device.clone(),
+                                })
+                                .inc_by(*n);
+                            continue;
+                        }
+                        _ => continue,
+                    };
+                    family
+                        .get_or_create(&NetLabels {
+                            vm: s.id.clone(),
+                            device: device.clone(),
+                            direction,
+                        })
+                        .inc_by(*n);
+                }
+            }
             if let Some(reason) = s.stop {
                 stop_reason
                     .get_or_create(&StopLabels {

@@ -2231,6 +2231,7 @@ impl super::Daemon {
             vmgenid,
             rebases,
             exits_by_reason: _,
+            device_counters: _,
         } = g.status();
         let mut devices = devices;
         let p = g.record();

@@ -265,6 +265,10 @@ pub struct VmStatus {
     /// earlier k7d sends none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub exits_by_reason: Vec<(String, u64)>,
+    /// Its devices' counters (`Vm::device_counters`); a VM process of an
+    /// earlier k7d sends none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_counters: Vec<(String, Vec<(String, u64)>)>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -284,6 +288,7 @@ impl VmStatus {
             vmgenid: None,
             rebases: 0,
             exits_by_reason: Vec::new(),
+            device_counters: Vec::new(),
         }
     }
 }

@@ -485,6 +485,7 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
                 vmgenid: v.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
                 rebases: v.rebases(),
                 exits_by_reason: v.exits_by_reason(),
+                device_counters: v.device_counters(),
             }))
         }
         Request::Stop => {

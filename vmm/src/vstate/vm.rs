@@ -263,6 +263,28 @@ impl Vm {
         self.disks.iter().find_map(|d| d.children_budget_used()).unwrap_or(0)
     }
 
+    /// Each virtio device's counters (`VirtioDevice::counters`), named by
+    /// kind and index among its kind (`net0`, `net1`, ...); devices with
+    /// none left out.
+    pub fn device_counters(&self) -> Vec<(String, Vec<(String, u64)>)> {
+        let mut seen: Vec<&'static str> = Vec::new();
+        let mut out = Vec::new();
+        for d in &self.virtio {
+            let d = d.lock().unwrap_or_else(|p| p.into_inner());
+            let kind = d.device_name();
+            let index = seen.iter().filter(|k| **k == kind).count();
+            seen.push(kind);
+            let counters = d.counters();
+            if !counters.is_empty() {
+                out.push((
+                    format!("{kind}{index}"),
+                    counters.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                ));
+            }
+        }
+        out
+    }
+
     /// vCPU exits to the VMM so far, all vCPUs, by kind (`ExitKind::words`'
     /// name); kinds with none left out.
     pub fn exits_by_reason(&self) -> Vec<(String, u64)> {

@@ -615,6 +615,32 @@ impl VirtioDevice for Net {
     }
 
     /// One line for the device, one per queue pair (its worker's counters).
+    /// The userspace data plane's frames, bytes and drops, summed over the
+    /// queue pairs, from the guest's side: `rx_*` delivered to the guest,
+    /// `tx_*` sent by it; and the interrupts raised. None with vhost-net
+    /// (the kernel moves the frames and counts nothing here).
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        if self.vhost.is_some() {
+            return Vec::new();
+        }
+        let sum = |f: fn(&QueuePairStats) -> &AtomicU64| {
+            self.stats
+                .pairs
+                .iter()
+                .map(|p| f(p).load(Ordering::Relaxed))
+                .fold(0u64, u64::wrapping_add)
+        };
+        vec![
+            ("rx_frames", sum(|p| &p.rx_frames)),
+            ("rx_bytes", sum(|p| &p.rx_bytes)),
+            ("rx_dropped", sum(|p| &p.rx_dropped)),
+            ("tx_frames", sum(|p| &p.tx_frames)),
+            ("tx_bytes", sum(|p| &p.tx_bytes)),
+            ("tx_dropped", sum(|p| &p.tx_dropped)),
+            ("interrupts", sum(|p| &p.interrupts)),
+        ]
+    }
+
     fn debug_state(&self) -> Vec<String> {
         let st = &self.stats;
         let r = |a: &AtomicU64| a.load(Ordering::Relaxed);

@@ -350,6 +350,11 @@ impl VirtioPciDevice {
         self.device.name()
     }
 
+    /// The device's counters (`VirtioDevice::counters`).
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        self.device.counters()
+    }
+
     /// A new medium for the device's drive (`VirtioDevice::change_medium`).
     pub fn change_medium(&mut self, medium: std::sync::Arc<k7d_disk::DiskImage>) -> Result<(), VirtioError> {
         self.device.change_medium(medium)

@@ -356,6 +356,8 @@ struct VmSample {
     guest: String,
     /// Its VM process (`--jail on`).
     pid: Option<u32>,
+    /// Its VM process's RSS and PSS (bytes).
+    mem: Option<(u64, u64)>,
     datapath: bool,
     /// The pod it serves: (namespace, name, uid), from its NICs' attachment.
     pod: Option<(String, String, String)>,
@@ -374,6 +376,11 @@ fn pod_of(c: &crate::config::VmConfig) -> Option<(String, String, String)> {
         })
     })
 }
+
+/// A scrape samples VMs in up to this many threads ...
+const SAMPLE_THREADS: usize = 4;
+/// ... one per this many VMs.
+const SAMPLES_PER_THREAD: usize = 16;
 
 /// `Rss` and `Pss` of `/proc/<pid>/smaps_rollup`, in bytes.
 fn rss_pss(pid: u32) -> Option<(u64, u64)> {
@@ -404,63 +411,86 @@ impl Daemon {
                 Slot::Reserved | Slot::Deleting => None,
             })
             .collect();
-        let mut out = Vec::with_capacity(slots.len());
-        for (id, slot) in slots {
-            let parent = parents.get(&id).filter(|p| !p.deleted).map(|p| p.id.clone());
-            let sample = match slot {
-                Held::Here(vm) => match vm.try_lock() {
-                    Ok(g) => VmSample {
-                        state: state_label(&g.state()),
-                        stop: stop_kind(&g.state()),
-                        vcpus: g.config().vcpus,
-                        memory_mib: g.config().memory_mib,
-                        exits: Some(u64::from(g.control().exit_count())),
-                        exits_by_reason: g.exits_by_reason(),
-                        device_counters: g.device_counters(),
-                        rebases: Some(g.rebases()),
-                        guest: g.config().guest.describe(),
-                        pid: None,
-                        datapath: g.config().devices.nics.iter().any(|n| n.datapath.is_some()),
-                        pod: pod_of(g.config()),
-                        parent,
-                        id,
-                    },
-                    Err(_) => match self.sample_from_record(id, parent) {
-                        Some(s) => s,
-                        None => continue,
-                    },
-                },
-                Held::Process(r) => match r.try_lock() {
-                    Ok(mut g) => {
-                        let status = g.status();
-                        let c = g.config();
-                        VmSample {
-                            state: state_label(&status.state),
-                            stop: stop_kind(&status.state),
-                            vcpus: c.vcpus,
-                            memory_mib: c.memory_mib,
-                            exits: Some(u64::from(status.exits)),
-                            exits_by_reason: status.exits_by_reason.clone(),
-                            device_counters: status.device_counters.clone(),
-                            rebases: Some(status.rebases),
-                            guest: c.guest.describe(),
-                            datapath: c.devices.nics.iter().any(|n| n.datapath.is_some()),
-                            pod: pod_of(c),
-                            pid: (!matches!(status.state, VmState::Stopped { .. })).then(|| g.record().pid),
-                            parent,
-                            id,
-                        }
-                    }
-                    Err(_) => match self.sample_from_record(id, parent) {
-                        Some(s) => s,
-                        None => continue,
-                    },
-                },
-            };
-            out.push(sample);
-        }
+        // In a few threads: a VM process's sample is a round trip on its
+        // channel and a read of its smaps_rollup, mostly waiting.
+        let threads = slots.len().div_ceil(SAMPLES_PER_THREAD).clamp(1, SAMPLE_THREADS);
+        let mut out: Vec<VmSample> = std::thread::scope(|scope| {
+            let slots = &slots;
+            let workers: Vec<_> = (0..threads)
+                .map(|t| {
+                    scope.spawn(move || {
+                        slots
+                            .iter()
+                            .skip(t)
+                            .step_by(threads)
+                            .filter_map(|(id, slot)| self.sample(id, slot, parents))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            workers.into_iter().flat_map(|w| w.join().unwrap_or_default()).collect()
+        });
         out.sort_by(|a, b| a.id.cmp(&b.id));
         out
+    }
+
+    /// One VM's sample, with its VM process's memory (none: it went away).
+    fn sample(
+        &self,
+        id: &str,
+        slot: &Held,
+        parents: &std::collections::HashMap<String, super::Parent>,
+    ) -> Option<VmSample> {
+        let id = id.to_string();
+        let parent = parents.get(&id).filter(|p| !p.deleted).map(|p| p.id.clone());
+        let mut sample = match slot {
+            Held::Here(vm) => match vm.try_lock() {
+                Ok(g) => VmSample {
+                    state: state_label(&g.state()),
+                    stop: stop_kind(&g.state()),
+                    vcpus: g.config().vcpus,
+                    memory_mib: g.config().memory_mib,
+                    exits: Some(u64::from(g.control().exit_count())),
+                    exits_by_reason: g.exits_by_reason(),
+                    device_counters: g.device_counters(),
+                    rebases: Some(g.rebases()),
+                    guest: g.config().guest.describe(),
+                    pid: None,
+                    mem: None,
+                    datapath: g.config().devices.nics.iter().any(|n| n.datapath.is_some()),
+                    pod: pod_of(g.config()),
+                    parent,
+                    id,
+                },
+                Err(_) => self.sample_from_record(id, parent)?,
+            },
+            Held::Process(r) => match r.try_lock() {
+                Ok(mut g) => {
+                    let status = g.status();
+                    let c = g.config();
+                    VmSample {
+                        state: state_label(&status.state),
+                        stop: stop_kind(&status.state),
+                        vcpus: c.vcpus,
+                        memory_mib: c.memory_mib,
+                        exits: Some(u64::from(status.exits)),
+                        exits_by_reason: status.exits_by_reason.clone(),
+                        device_counters: status.device_counters.clone(),
+                        rebases: Some(status.rebases),
+                        guest: c.guest.describe(),
+                        datapath: c.devices.nics.iter().any(|n| n.datapath.is_some()),
+                        pod: pod_of(c),
+                        pid: (!matches!(status.state, VmState::Stopped { .. })).then(|| g.record().pid),
+                        mem: None,
+                        parent,
+                        id,
+                    }
+                }
+                Err(_) => self.sample_from_record(id, parent)?,
+            },
+        };
+        sample.mem = sample.pid.and_then(rss_pss);
+        Some(sample)
     }
 
     /// A VM busy with a request, as its record says (no live counters).
@@ -477,6 +507,7 @@ impl Daemon {
             rebases: None,
             guest: rec.config.guest.describe(),
             pid: rec.vm_process.as_ref().map(|p| p.pid),
+            mem: None,
             datapath: rec.config.devices.nics.iter().any(|n| n.datapath.is_some()),
             pod: pod_of(&rec.config),
             parent,
@@ -708,7 +739,7 @@ impl Daemon {
             }
             let kids = super::children_in(&tree, &s.id).len();
             children.get_or_create(&vm).set(kids as i64);
-            if let Some((r, p)) = s.pid.and_then(rss_pss) {
+            if let Some((r, p)) = s.mem {
                 rss.get_or_create(&vm).set(i64::try_from(r).unwrap_or(i64::MAX));
                 pss.get_or_create(&vm).set(i64::try_from(p).unwrap_or(i64::MAX));
             }

@@ -378,8 +378,22 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
         &["create", "--id", "a", "--builtin", "idle", "--memory", "16", "--start"],
     );
     cli(d, &["fork", "a"]);
-    // A stopped VM, for the stop reason's series.
+    // A stopped VM, for the stop reason's series; a VM named as a warm
+    // pool's member, for the pool's.
     cli(d, &["stop", "a-f1"]);
+    cli(
+        d,
+        &[
+            "create",
+            "--id",
+            "pool-0123456789abcdef-1",
+            "--builtin",
+            "idle",
+            "--memory",
+            "16",
+            "--start",
+        ],
+    );
     let samples = sample_names(&scrape(port));
     // A histogram's family name counts too (its samples add suffixes).
     let mut names = samples.clone();

@@ -515,7 +515,12 @@ t0=$(lab_now)
 _fill=$(timeout -s KILL 300 "$LAB_BIN" pool-fill 2>>"$DLOG") || fail "k7d pool-fill failed: $(tail -n 3 "$DLOG" | tr '\n' ' ')"
 case $_fill in *": 1 member(s) booted, 1 ready") ;; *) fail "k7d pool-fill: '$_fill', expected one member booted and ready" ;; esac
 lab_metric pool.fill_s "$(lab_sub "$(lab_now)" "$t0")" s
-lab_note "warm pool: $_fill"
+# The daemon's scrape counts the member ready (docs/observability.md).
+_pm=$(busybox wget -q -O - http://127.0.0.1:9477/metrics | grep '^k7d_pool_members{') ||
+  fail "warm pool: the daemon's scrape has no k7d_pool_members"
+printf '%s\n' "$_pm" | grep -qE '^k7d_pool_members\{pool="[0-9a-f]{16}",state="ready"\} 1$' ||
+  fail "warm pool: the scrape does not count one member ready: $(printf '%s' "$_pm" | tr '\n' ' ')"
+lab_note "warm pool: $_fill; scraped: $_pm"
 # refills: the pids of the k7d pool-fill processes that shims started
 # (L1 has no pkill).
 refills() {

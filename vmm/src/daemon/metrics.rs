@@ -93,6 +93,12 @@ struct DeviceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolLabels {
+    pool: String,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ThreadLabels {
     thread: &'static str,
 }
@@ -169,6 +175,30 @@ fn state_label(s: &VmState) -> &'static str {
         VmState::Running => "running",
         VmState::Paused => "paused",
         VmState::Stopped { .. } => "stopped",
+    }
+}
+
+/// The warm pool a VM belongs to: the `<hex>` of a containerd shim's pool
+/// member id, `pool-<16 hex>-<n>` (`shim/src/pool.rs`); none for others.
+fn pool_of(id: &str) -> Option<&str> {
+    let (hex, n) = id.strip_prefix("pool-")?.split_once('-')?;
+    (hex.len() == 16
+        && hex.bytes().all(|b| b.is_ascii_hexdigit())
+        && !n.is_empty()
+        && n.len() <= 20
+        && n.bytes().all(|b| b.is_ascii_digit()))
+    .then_some(hex)
+}
+
+/// A pool member's state: `claimed` once a pod's NIC is attached to it,
+/// else `ready` while paused (the shim pauses a member once its agent
+/// answered), `booting` while it runs, `stopped`.
+fn pool_state(state: &'static str, has_pod: bool) -> &'static str {
+    match (has_pod, state) {
+        (true, _) => "claimed",
+        (false, "paused") => "ready",
+        (false, "stopped") => "stopped",
+        (false, _) => "booting",
     }
 }
 
@@ -556,6 +586,12 @@ impl Daemon {
             "Interrupts a VM's virtio device raised for its queues (userspace data planes).",
             interrupts.clone(),
         );
+        let pools = Family::<PoolLabels, Gauge>::default();
+        state.register(
+            "pool_members",
+            "Warm pool members (the containerd shim's pool-<pool>-<n> VMs) by pool and state: ready (paused, unclaimed), claimed (a pod's NIC attached), booting, stopped.",
+            pools.clone(),
+        );
         let stop_reason = Family::<StopLabels, Gauge>::default();
         state.register(
             "vm_stop_reason",
@@ -692,6 +728,14 @@ impl Daemon {
                         .inc_by(*n);
                 }
             }
+            if let Some(pool) = pool_of(&s.id) {
+                pools
+                    .get_or_create(&PoolLabels {
+                        pool: pool.to_string(),
+                        state: pool_state(s.state, s.pod.is_some()),
+                    })
+                    .inc();
+            }
             if let Some(reason) = s.stop {
                 stop_reason
                     .get_or_create(&StopLabels {
@@ -791,6 +835,28 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_members_are_known_by_the_shims_ids_and_their_state() {
+        assert_eq!(pool_of("pool-0123456789abcdef-7"), Some("0123456789abcdef"));
+        for not in [
+            "pool-0123456789abcdef-",
+            "pool-0123456789abcdeg-1",
+            "pool-0123456789abcde-1",
+            "pool-0123456789abcdef-1x",
+            "pod-0123456789abcdef",
+            "pool-0123456789abcdef",
+            "web",
+        ] {
+            assert_eq!(pool_of(not), None, "{not}");
+        }
+        assert_eq!(pool_state("paused", false), "ready");
+        assert_eq!(pool_state("running", false), "booting");
+        assert_eq!(pool_state("created", false), "booting");
+        assert_eq!(pool_state("running", true), "claimed");
+        assert_eq!(pool_state("paused", true), "claimed");
+        assert_eq!(pool_state("stopped", false), "stopped");
+    }
 
     #[test]
     fn a_vm_serves_the_pod_its_pod_nic_names() {

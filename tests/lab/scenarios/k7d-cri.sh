@@ -487,8 +487,16 @@ case \$1 in
     pod=\$(printf '%s\\n' "\$m" | grep "^k7d_vm_pod_info{vm=\"\$vm\",namespace=\"k7d-lab\",name=\"net-k7d-server\",uid=\"net-k7d-server-[0-9]*\"} 1\$") ||
       { echo "the scrape does not name \$vm's pod: \$(printf '%s' "\$m" | grep '^k7d_vm_pod_info' | tr '\\n' ' ')"; exit 1; }
     # The 4 MiB it sent, in its NIC's own counters (which eth0's sent bytes
-    # miss on the direct datapath: docs/observability.md).
-    tx=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_vm_net_bytes_total{vm=\"\$vm\",device=\"net0\",direction=\"tx\"} \\([0-9]*\\)\$/\\1/p")
+    # miss on the direct datapath: docs/observability.md). A scrape never
+    # waits on a VM busy with a request (this scenario's poller asks each
+    # VM's info every second): that VM's live counters are missing from
+    # that scrape, so up to 10 scrapes are read until one has them.
+    for _try in 1 2 3 4 5 6 7 8 9 10; do
+      tx=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_vm_net_bytes_total{vm=\"\$vm\",device=\"net0\",direction=\"tx\"} \\([0-9]*\\)\$/\\1/p")
+      [ -z "\$tx" ] || break
+      sleep 0.3
+      m=\$(busybox wget -q -O - http://127.0.0.1:9477/metrics) || { echo "cannot scrape the daemon's metrics"; exit 1; }
+    done
     [ "\${tx:-0}" -ge 4194304 ] || { echo "the scrape shows \$vm sending \${tx:-no} bytes, under the 4 MiB it served: \$(printf '%s' "\$m" | grep '^k7d_vm_net' | tr '\\n' ' ')"; exit 1; }
     scraped="\$scraped \$pod; net0 sent \$tx bytes"
     printf '%s' "\$out" | tr '\\n' ' '

@@ -20,6 +20,7 @@ mod recorder;
 pub mod server;
 mod shells;
 pub mod store;
+mod vm_samples;
 
 pub use processes::{IdRange, PROCESS_LOG, VmProcesses};
 pub use rebaser::{REBASE_PERIOD, Rebaser};

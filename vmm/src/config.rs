@@ -169,6 +169,16 @@ pub fn valid_pod_name(s: &str) -> bool {
     dns_1123(s, MAX_POD_NAME, true)
 }
 
+/// A client's name as an error shows it: escaped, and cut at 64
+/// characters (`…` after).
+fn shown(s: &str) -> String {
+    let mut out: String = s.chars().take(64).flat_map(char::escape_debug).collect();
+    if s.chars().nth(64).is_some() {
+        out.push('…');
+    }
+    out
+}
+
 /// `s` is a DNS-1123 name of at most `max` bytes: lower-case letters,
 /// digits, `-` (and `.` where `dots`), starting and ending alphanumeric.
 fn dns_1123(s: &str, max: usize, dots: bool) -> bool {
@@ -201,7 +211,7 @@ impl DatapathNicConfig {
         {
             return Err(format!(
                 "the pod namespace `{}` is not a Kubernetes namespace name (lower-case letters, digits and -, at most {MAX_POD_NAMESPACE})",
-                ns.escape_debug()
+                shown(ns)
             ));
         }
         if let Some(name) = &self.pod_name
@@ -209,7 +219,7 @@ impl DatapathNicConfig {
         {
             return Err(format!(
                 "the pod name `{}` is not a Kubernetes pod name (lower-case letters, digits, - and ., at most {MAX_POD_NAME})",
-                name.escape_debug()
+                shown(name)
             ));
         }
         Ok(())
@@ -851,6 +861,13 @@ mod tests {
             ..d
         };
         assert!(d.check().unwrap_err().starts_with("the pod namespace `Kube` is not"));
+        // A long one is cut in the sentence.
+        let d = DatapathNicConfig {
+            pod_namespace: Some("X".repeat(100_000)),
+            ..d
+        };
+        let e = d.check().unwrap_err();
+        assert!(e.len() < 300 && e.contains(&format!("`{}…`", "X".repeat(64))), "{e}");
     }
 
     #[test]

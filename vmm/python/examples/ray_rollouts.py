@@ -91,6 +91,9 @@ class NodeOwner:
         fork_ms = (time.monotonic() - t) * 1000
         children = [c["id"] for c in forked["children"]]
         action = dict(zip(children, actions))
+        # The source has nothing to do until it is deleted after the step:
+        # it stops spinning, leaving the CPUs to the children.
+        self.k.pause(source)
         # Held first, then each let run for exactly its action from its
         # own resume: what a child observes follows its action, not the
         # order in which the calls reached it.
@@ -150,8 +153,11 @@ def run(nodes: Dict[str, str], workdir: Path, steps: int = 3, children: int = 4)
     records: List[Dict[str, Any]] = []
     for step in range(steps):
         # Each child's action: how long it runs, twice the last one's (its
-        # count follows it even when the children share a few CPUs unevenly).
-        actions = [0.1 * 2**i for i in range(children)]
+        # count follows it even when the children share a few CPUs unevenly;
+        # from 0.25 s, so that pause and resume calls slowed by a loaded
+        # host do not swamp the shortest: a CI run whose fork took 0.3 s
+        # saw 0.1 s children count more than 0.4 s ones).
+        actions = [0.25 * 2**i for i in range(children)]
         done = ray.get([owners[n].rollout.remote(sources[n], actions) for n in names])
         for r in done:
             r["step"] = step

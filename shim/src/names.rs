@@ -93,15 +93,20 @@ impl PodNames {
 
 /// Whether `id` is a warm pool member's VM id (`crate::pool`).
 fn is_pool_member(id: &str) -> bool {
-    id.strip_prefix("pool-")
-        .and_then(|r| r.split_once('-'))
-        .is_some_and(|(hex, n)| {
-            hex.len() == 16
-                && hex.bytes().all(|b| b.is_ascii_hexdigit())
-                && !n.is_empty()
-                && n.len() <= 20
-                && n.bytes().all(|b| b.is_ascii_digit())
-        })
+    pool_of(id).is_some()
+}
+
+/// The pool a warm pool member's VM id (`pool-<16 hex>-<n>`, `crate::pool`)
+/// names, its 16 hex digits; none for any other id (the daemon's metrics
+/// count members by it).
+pub fn pool_of(id: &str) -> Option<&str> {
+    let (hex, n) = id.strip_prefix("pool-")?.split_once('-')?;
+    (hex.len() == 16
+        && hex.bytes().all(|b| b.is_ascii_hexdigit())
+        && !n.is_empty()
+        && n.len() <= 20
+        && n.bytes().all(|b| b.is_ascii_digit()))
+    .then_some(hex)
 }
 
 /// Whether `p` is the root of a mount (a bind of a directory on the same

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use k8s_cri::v1::{
-    ContainerStats, ContainerStatsFilter, ContainerStatsRequest, ListContainerStatsRequest, PodSandboxStats,
-    PodSandboxStatsRequest,
+    ContainerStats, ContainerStatsFilter, ContainerStatsRequest, CpuUsage, ListContainerStatsRequest, MemoryUsage,
+    PodSandboxStats, PodSandboxStatsRequest,
 };
 
 use crate::{Client, exec, rpc};
@@ -74,19 +74,18 @@ impl PodCgroup {
     }
 }
 
-/// A container's CPU time (ns) and memory working set (bytes).
-fn usage(s: &ContainerStats) -> (u64, u64) {
-    let cpu = s
-        .cpu
-        .as_ref()
+/// CPU time (ns) and memory working set (bytes), 0 where missing.
+fn cpu_and_ws(cpu: Option<&CpuUsage>, memory: Option<&MemoryUsage>) -> (u64, u64) {
+    let cpu = cpu
         .and_then(|c| c.usage_core_nano_seconds.as_ref())
         .map_or(0, |v| v.value);
-    let ws = s
-        .memory
-        .as_ref()
-        .and_then(|m| m.working_set_bytes.as_ref())
-        .map_or(0, |v| v.value);
+    let ws = memory.and_then(|m| m.working_set_bytes.as_ref()).map_or(0, |v| v.value);
     (cpu, ws)
+}
+
+/// A container's CPU time (ns) and memory working set (bytes).
+fn usage(s: &ContainerStats) -> (u64, u64) {
+    cpu_and_ws(s.cpu.as_ref(), s.memory.as_ref())
 }
 
 fn id_of(s: &ContainerStats) -> &str {
@@ -224,16 +223,7 @@ pub async fn check(client: &mut Client, sandbox: &str, a: &str, b: &str, limit: 
     if procs < 2 {
         bail!("PodSandboxStats counts {procs} processes in the pod's two running containers");
     }
-    let pod_cpu = linux
-        .cpu
-        .as_ref()
-        .and_then(|c| c.usage_core_nano_seconds.as_ref())
-        .map_or(0, |v| v.value);
-    let pod_ws = linux
-        .memory
-        .as_ref()
-        .and_then(|m| m.working_set_bytes.as_ref())
-        .map_or(0, |v| v.value);
+    let (pod_cpu, pod_ws) = cpu_and_ws(linux.cpu.as_ref(), linux.memory.as_ref());
     let (rx, tx) = net_bytes(&pod)?;
     println!(
         "cri: stats: pod: {procs} processes; its node cgroup: cpu {:.3} s, working set {} KiB; eth0 rx {rx} B, tx {tx} B",

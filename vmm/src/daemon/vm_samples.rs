@@ -20,16 +20,17 @@ pub(super) fn state_label(s: &VmState) -> &'static str {
     }
 }
 
-/// The warm pool a VM belongs to: the `<hex>` of a containerd shim's pool
-/// member id, `pool-<16 hex>-<n>` (`shim/src/pool.rs`); none for others.
+/// The warm pool a VM belongs to: the containerd shim's own reading of
+/// its pool member ids (`k7d_shim::names::pool_of`); none for others, and
+/// for every VM in a build without the shim.
 pub(super) fn pool_of(id: &str) -> Option<&str> {
-    let (hex, n) = id.strip_prefix("pool-")?.split_once('-')?;
-    (hex.len() == 16
-        && hex.bytes().all(|b| b.is_ascii_hexdigit())
-        && !n.is_empty()
-        && n.len() <= 20
-        && n.bytes().all(|b| b.is_ascii_digit()))
-    .then_some(hex)
+    #[cfg(feature = "shim")]
+    return k7d_shim::names::pool_of(id);
+    #[cfg(not(feature = "shim"))]
+    {
+        let _ = id;
+        None
+    }
 }
 
 /// A pool member's state: `claimed` once a pod's NIC is attached to it,
@@ -240,6 +241,7 @@ mod tests {
 
     #[test]
     fn pool_members_are_known_by_the_shims_ids_and_their_state() {
+        #[cfg(feature = "shim")]
         assert_eq!(pool_of("pool-0123456789abcdef-7"), Some("0123456789abcdef"));
         for not in [
             "pool-0123456789abcdef-",

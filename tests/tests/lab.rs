@@ -17,8 +17,17 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
+/// This package's directory in the checkout under test: cargo's
+/// `CARGO_MANIFEST_DIR` at run time. The compile-time one names the
+/// checkout the binary was built in, and cargo does not rebuild a crate
+/// when only its checkout moved (a CI clone reusing another clone's build
+/// products ran that clone's lab scenarios: CHALLENGES.md).
+fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 fn lab_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("lab")
+    manifest_dir().join("lab")
 }
 
 /// The cargo target directory this test binary was built into

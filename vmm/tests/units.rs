@@ -18,9 +18,18 @@ use common::{K7D, Scratch, text};
 /// Where the units install k7d.
 const INSTALLED: &str = "/usr/local/bin/k7d";
 
+/// This package's directory in the checkout under test: cargo's
+/// `CARGO_MANIFEST_DIR` at run time. The compile-time one names the
+/// checkout the binary was built in, and cargo does not rebuild a crate
+/// when only its checkout moved (a CI clone reusing another clone's build
+/// products ran that clone's lab scenarios: CHALLENGES.md).
+fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 /// The shipped unit files, by name.
 fn units() -> Vec<(String, String)> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shim/systemd");
+    let dir = manifest_dir().join("../shim/systemd");
     let mut v: Vec<(String, String)> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .flatten()

@@ -9,6 +9,7 @@ mod binds;
 pub mod config;
 pub mod daemon;
 mod image;
+mod limits;
 mod metrics;
 pub mod names;
 mod podnet;

@@ -569,7 +569,11 @@ impl Inner {
             })
             .map_err(|e| err(Code::FAILED_PRECONDITION, format!("{e:#}")))?;
         let bundle = PathBuf::from(&req.bundle);
-        let spec = read_spec(&bundle).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
+        let mut spec = read_spec(&bundle).map_err(|e| err(Code::INVALID_ARGUMENT, format!("{e:#}")))?;
+        // The rlimits runc would give it (crate::limits).
+        crate::limits::Node::get()
+            .fill_spec(&mut spec)
+            .map_err(|e| err(Code::INVALID_ARGUMENT, e))?;
         let ann = annotations(&spec);
         if ann.get(CONTAINER_TYPE).map(String::as_str) == Some("container") {
             return self.create_in_pod(&cfg, &bundle, spec, &ann, req, deadline);
@@ -937,6 +941,7 @@ impl Inner {
                     b.disk.sectors = sectors.get(1).copied();
                     b
                 }),
+                node: Some(crate::limits::Node::get().sysctls.clone()),
             }))
             .map_err(from_call)?;
             let relays = stdio::start(&agent, &pref(&req.id, ""), &paths).map_err(internal)?;
@@ -1328,12 +1333,15 @@ impl Task for Service {
                 format!("{:?} is not an exec id", req.exec_id),
             ));
         }
-        let spec: serde_json::Value = serde_json::from_slice(&req.spec.value).map_err(|e| {
+        let mut spec: serde_json::Value = serde_json::from_slice(&req.spec.value).map_err(|e| {
             err(
                 Code::INVALID_ARGUMENT,
                 format!("the exec's process spec is not OCI JSON: {e}"),
             )
         })?;
+        crate::limits::Node::get()
+            .fill_rlimits(&mut spec)
+            .map_err(|e| err(Code::INVALID_ARGUMENT, format!("the exec's process spec: {e}")))?;
         {
             let st = self.inner.lock();
             let t = st

@@ -11,7 +11,7 @@ use crate::binds::{self, BindMounts};
 use crate::disk::{self, RootfsMounts};
 use crate::reaper::Reaper;
 use crate::stdio::{Attach, ChildStdio, ProcStdio};
-use crate::{cgroup, lock, spec, sys};
+use crate::{cgroup, lock, spec, sys, sysctl};
 use k7d_agent::proto::{
     self, CONTAINER_TYPE, CgroupStats, CreateContainer, Exec, Exited, ProcessRef, ProcessState, Status, StdioSpec,
     Stream,
@@ -57,6 +57,9 @@ pub struct Config {
     /// How long one runc command may take before it is killed (the pod
     /// VM's `k7d.runc_timeout_s`, `proto::runc_timeout`).
     pub runc_timeout: Duration,
+    /// Where the kernel's sysctls are (`/proc/sys`; a plain directory in
+    /// tests): the node's limits are written there.
+    pub proc_sys: PathBuf,
     /// Set the VM's hostname from a spec's `hostname` (PID 1 only: a
     /// host-side test must not rename the host).
     pub set_hostname: bool,
@@ -77,6 +80,7 @@ impl Config {
             sysfs: dir.join("sys"),
             dev: dir.join("dev"),
             cgroup_root: dir.join("cg"),
+            proc_sys: dir.join("proc-sys"),
             no_pivot: false,
             disk_timeout,
             runc_timeout: Duration::from_secs(k7d_agent::proto::DEFAULT_RUNC_TIMEOUT_S),
@@ -95,6 +99,7 @@ impl Config {
             sysfs: "/sys".into(),
             dev: "/dev".into(),
             cgroup_root: "/sys/fs/cgroup".into(),
+            proc_sys: "/proc/sys".into(),
             no_pivot: false,
             disk_timeout: Duration::from_secs(10),
             runc_timeout: Duration::from_secs(k7d_agent::proto::DEFAULT_RUNC_TIMEOUT_S),
@@ -495,6 +500,7 @@ impl Containers {
             rootfs,
             stdio,
             binds,
+            node,
         } = req;
         check_id(&id, "container")?;
         if !disk::valid_serial(&rootfs.serial) {
@@ -509,6 +515,13 @@ impl Containers {
                 .and_then(Value::as_array)
                 .map_or(&[][..], Vec::as_slice);
             binds::check(b, spec_mounts).map_err(|e| fail(format!("container {id}: {e}")))?;
+        }
+        if let Some(node) = &node {
+            let written = sysctl::apply(&self.cfg.proc_sys, node)
+                .map_err(|e| fail(format!("container {id}: the node's limits: {e}")))?;
+            if !written.is_empty() {
+                crate::log!("container {id}: the node's {} set in the VM", written.join(", "));
+            }
         }
         {
             let mut t = lock(&self.table);
@@ -1280,6 +1293,7 @@ mod tests {
             },
             stdio: StdioSpec::default(),
             binds: None,
+            node: None,
         };
         let mut tty = req.clone();
         tty.id = "tty".into();
@@ -1345,12 +1359,32 @@ mod tests {
         );
         assert!(a.state(&pref("sb", None)).unwrap_err().not_found);
 
+        // The node's limits are written before the container is made; a
+        // limit the agent may not set fails the create and makes nothing.
+        let threads_max = dir.join("proc-sys/kernel/threads-max");
+        std::fs::create_dir_all(threads_max.parent().unwrap()).unwrap();
+        std::fs::write(&threads_max, "1610\n").unwrap();
+        let node = |name: &str, v: u64| proto::NodeLimits {
+            sysctls: [(name.to_string(), v)].into(),
+        };
+        let bad = CreateContainer {
+            id: "sb3".into(),
+            node: Some(node("kernel.modprobe", 1)),
+            ..req.clone()
+        };
+        let e = a.create(bad).unwrap_err().message;
+        assert!(e.contains("the node's limits") && e.contains("kernel.modprobe"), "{e}");
+        assert!(a.state(&pref("sb3", None)).unwrap_err().not_found);
+        assert!(!dir.join("state/c/sb3").exists());
+
         // One never started is deleted at once, with nothing to wait for.
         a.create(CreateContainer {
             id: "sb2".into(),
+            node: Some(node("kernel.threads-max", 21970)),
             ..req
         })
         .unwrap();
+        assert_eq!(std::fs::read_to_string(&threads_max).unwrap(), "21970\n");
         let t = Instant::now();
         a.delete("sb2").unwrap();
         assert!(t.elapsed() < DELETE_WAIT, "no wait for a process that never ran");
@@ -1372,6 +1406,7 @@ mod tests {
             },
             stdio: StdioSpec::default(),
             binds: None,
+            node: None,
         };
         let mut bad = req.clone();
         bad.rootfs.fstype = "erofs,ro".into();

@@ -36,6 +36,7 @@ mod server;
 mod spec;
 mod stdio;
 mod sys;
+mod sysctl;
 
 /// Held by every test that has child processes: a reaper thread's
 /// `waitpid(-1)` collects any child of the test binary.

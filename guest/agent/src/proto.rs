@@ -150,6 +150,56 @@ pub struct CreateContainer {
     /// The spec's host bind mounts whose content the shim carried in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub binds: Option<Binds>,
+    /// The node's kernel limits a container under runc would read
+    /// ([`NodeLimits`]): the agent sets them in the VM before the container
+    /// is made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<NodeLimits>,
+}
+
+/// The node's values of the kernel limits a container reads
+/// ([`NODE_SYSCTLS`]). A pod VM's kernel derives several from its small
+/// RAM (`threads-max`, and from it the first process's `RLIMIT_NPROC`;
+/// `file-max`; inotify watches), so a container under k7d would see far
+/// lower limits than the same container under runc on the same node; the
+/// agent writes the node's values instead. (The rlimits themselves travel
+/// in the spec's `process.rlimits`, filled by the shim.)
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeLimits {
+    /// sysctl name (`kernel.pid_max`) → value; names from [`NODE_SYSCTLS`] only.
+    pub sysctls: std::collections::BTreeMap<String, u64>,
+}
+
+/// The sysctls [`NodeLimits`] may carry, with the values the kernel takes.
+pub const NODE_SYSCTLS: &[(&str, std::ops::RangeInclusive<u64>)] = &[
+    // fs.nr_open first: an RLIMIT_NOFILE above the VM's default needs it.
+    ("fs.nr_open", 64..=2_147_483_584),
+    ("fs.file-max", 1..=i64::MAX as u64),
+    ("fs.inotify.max_user_instances", 1..=i32::MAX as u64),
+    ("fs.inotify.max_user_watches", 1..=i32::MAX as u64),
+    ("kernel.pid_max", 301..=4_194_304),
+    ("kernel.threads-max", 20..=0x3fff_ffff),
+];
+
+impl NodeLimits {
+    /// Checks every entry against [`NODE_SYSCTLS`]; the first bad one's reason.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, value) in &self.sysctls {
+            match NODE_SYSCTLS.iter().find(|(n, _)| n == name) {
+                None => return Err(format!("the sysctl {name:.64} is not one a node limit may set")),
+                Some((_, range)) if !range.contains(value) => {
+                    return Err(format!(
+                        "{name} = {value} is outside {}..={}",
+                        range.start(),
+                        range.end()
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `network`'s arguments: the pod's IPv4 configuration, as the CNI set it
@@ -565,6 +615,34 @@ mod tests {
             read_frame::<_, Request>(&mut buf.as_slice()),
             Err(FrameError::Json(_))
         ));
+    }
+
+    #[test]
+    fn node_limits_take_only_known_sysctls_within_the_kernels_bounds() {
+        let ok = NodeLimits {
+            sysctls: [
+                ("kernel.pid_max".to_string(), 4_194_304),
+                ("fs.nr_open".to_string(), 1 << 20),
+            ]
+            .into(),
+        };
+        assert_eq!(ok.check(), Ok(()));
+        let unknown = NodeLimits {
+            sysctls: [("kernel.core_pattern".to_string(), 1)].into(),
+        };
+        assert!(unknown.check().unwrap_err().contains("kernel.core_pattern"));
+        let high = NodeLimits {
+            sysctls: [("kernel.pid_max".to_string(), 4_194_305)].into(),
+        };
+        assert!(high.check().unwrap_err().contains("outside 301..=4194304"));
+        let low = NodeLimits {
+            sysctls: [("kernel.threads-max".to_string(), 19)].into(),
+        };
+        assert!(low.check().is_err());
+        // An older shim sends none: the field is optional.
+        let json = r#"{"id":"c","spec":{},"rootfs":{"serial":"s","fstype":"erofs"},"stdio":{}}"#;
+        let c: CreateContainer = serde_json::from_str(json).unwrap();
+        assert_eq!(c.node, None);
     }
 
     #[test]

@@ -202,6 +202,7 @@ impl Inner {
                     },
                     mounts: c.mounts,
                 }),
+                node: Some(crate::limits::Node::get().sysctls.clone()),
             }))
             .map_err(from_call)?;
             let relays = stdio::start(agent, &pref(&req.id, ""), &paths).map_err(internal)?;

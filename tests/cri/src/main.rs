@@ -28,7 +28,7 @@ use hyper_util::rt::TokioIo;
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, ContainerState, ContainerStatusRequest, CreateContainerRequest, DnsConfig,
-    ExecSyncRequest, ImageSpec, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
+    ExecSyncRequest, ImageSpec, Int64Value, LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
     LinuxSandboxSecurityContext, ListContainersRequest, ListPodSandboxRequest, NamespaceMode, NamespaceOption,
     PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
     StopPodSandboxRequest, VersionRequest,
@@ -37,6 +37,7 @@ use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 use tower::service_fn;
 
+mod limits;
 mod many;
 mod net;
 mod stats;
@@ -114,6 +115,20 @@ struct PodArgs {
     /// kubelet gives it one, where cgroup v2 is mounted).
     #[arg(long)]
     stats: bool,
+    /// Container B runs as a non-root user (65534) and writes the limits
+    /// it sees (`ulimit -a`, the kernel's process and file limits) to FILE,
+    /// then starts 1 000 processes.
+    #[arg(long, value_name = "FILE")]
+    limits_out: Option<PathBuf>,
+    /// As --limits-out, and the limits B sees must equal FILE's line by line.
+    #[arg(long, value_name = "FILE")]
+    limits_like: Option<PathBuf>,
+}
+
+impl PodArgs {
+    fn limits(&self) -> bool {
+        self.limits_out.is_some() || self.limits_like.is_some()
+    }
 }
 
 fn main() -> ExitCode {
@@ -461,7 +476,16 @@ async fn pod_steps(
     let (b, _) = step(
         "create_container_b",
         limit,
-        create(client, &id, &config, container_config("b", &args.image, SCRIPT_B)),
+        create(client, &id, &config, {
+            let mut b = container_config("b", &args.image, SCRIPT_B);
+            if args.limits() {
+                // A non-root container, for the process limit.
+                if let Some(sc) = b.linux.as_mut().and_then(|l| l.security_context.as_mut()) {
+                    sc.run_as_user = Some(Int64Value { value: limits::USER });
+                }
+            }
+            b
+        }),
     )
     .await?;
     step("start_container_a", limit, start(client, &a)).await?;
@@ -539,6 +563,10 @@ async fn pod_steps(
     })
     .await?;
 
+    if args.limits() {
+        let (out, like) = (args.limits_out.as_deref(), args.limits_like.as_deref());
+        step("limits", limit, limits::check(client, &b, limit, out, like)).await?;
+    }
     if args.stats {
         step("stats", limit, stats::check(client, &id, &a, &b, limit)).await?;
     }

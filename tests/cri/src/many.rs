@@ -60,6 +60,8 @@ pub async fn many(client: &mut Client, args: &ManyArgs) -> Result<()> {
             timeout_s: args.timeout_s,
             pod_start: mode.clone(),
             stats: false,
+            limits_out: None,
+            limits_like: None,
         };
         let mut c = client.clone();
         set.spawn(async move {

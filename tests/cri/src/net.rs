@@ -107,6 +107,8 @@ async fn pod(
             (_, [first, ..]) => Some(first.clone()),
         },
         stats: false,
+        limits_out: None,
+        limits_like: None,
     };
     tokio::fs::create_dir_all(&p.log_dir)
         .await

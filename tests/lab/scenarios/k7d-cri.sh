@@ -213,9 +213,18 @@ lab_note "containerd $(ctr version 2>/dev/null | sed -n 's/^ *Version: *//p' | t
 # --stats: container B writes 64 MiB, its ContainerStats working set must
 # show it, from the pod VM's guest cgroup; the same check passes under runc,
 # left out of CI for time: 4.5 s of L1).
+# Limits as under runc (issue 38): in the runc pod and the cold k7d pod,
+# container B runs as uid 65534 and reports ulimit -a and the kernel's
+# process and file limits it reads (k7d-cri pod --limits-out under runc,
+# --limits-like under k7d: equal line by line), then starts 1 000 processes.
 cri_pod() {
   _l=$1 _h=$2 _k=$3 _ps=${4:-}
   case $_l in k7d) _st=--stats ;; *) _st= ;; esac
+  case $_l in
+    runc) _lim="--limits-out /tmp/limits.runc" ;;
+    k7d) _lim="--limits-like /tmp/limits.runc" ;;
+    *) _lim= ;;
+  esac
   echo "lab: $_l: k7d-cri pod --runtime-handler $_h${_ps:+ --pod-start $_ps}"
   rm -f /tmp/vms.max /tmp/forked.seen "/tmp/ids-$_l.seen"
   _clines=$(wc -l <"$CLOG")
@@ -238,7 +247,7 @@ cri_pod() {
     _vpoll=$!
   fi
   cri_live "$_l" "/tmp/cri-$_l.out" timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" pod --runtime-handler "$_h" --image "$IMG" --name "$_l" \
-    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"} $_st
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"} $_st $_lim
   _rc=$?
   [ -z "${_vpoll:-}" ] || { kill "$_vpoll"; wait "$_vpoll" 2>/dev/null; _vpoll=; }
   VMS_MAX=$(cat /tmp/vms.max 2>/dev/null || echo 0)
@@ -263,6 +272,11 @@ cri_pod() {
     _stats=$(sed -n 's/^cri: stats: //p' "/tmp/cri-$_l.out" | tr '\n' ';')
     [ -n "$_stats" ] || fail "$_l: k7d-cri pod --stats printed no stats"
     lab_note "$_l: the kubelet's stats calls (B wrote 64 MiB): $_stats"
+  fi
+  if [ -n "$_lim" ]; then
+    _np=$(sed -n 's/^cri: limits: uid 65534 ran \([0-9]*\) processes at once.*/\1/p' "/tmp/cri-$_l.out")
+    [ -n "$_np" ] || fail "$_l: k7d-cri pod printed no process count"
+    lab_note "$_l: B (uid 65534): $(sed -n 's/^cri: limits: \(.*\(process\|files\|threads-max\).*\)/\1/p' "/tmp/cri-$_l.out" | tr -s ' ' | tr '\n' ';')$(grep -q '^cri: limits: all [0-9]* lines as in' "/tmp/cri-$_l.out" && echo '; every line equal to runc'\''s')"
   fi
   lab_note "$_l (handler $_h): pod sandbox, 2 containers started, A's first log line, ExecSync (the image's marker; uname -r $_got; A and B in IPC namespace $_ipc), both RUNNING, the logs, stopped and removed: pod start ${_start} s, pod delete ${_del} s"
   # Where a k7d pod's sandbox create went (the shim's phase lines).

@@ -11,6 +11,7 @@
 //! DISCARD segments) and validates, so a rejected chain leaves RAM untouched
 //! apart from the status byte the caller writes.
 
+use smallvec::SmallVec;
 use thiserror::Error;
 use virtio_bindings::virtio_blk as b;
 use virtio_queue::desc::split::Descriptor;
@@ -31,6 +32,11 @@ pub struct Segment {
     /// Length in bytes (non-zero).
     pub len: u32,
 }
+
+/// A request's buffers: a driver's request has a few (Linux: the header,
+/// one per data page run, the status), so they live inline and parsing a
+/// request allocates nothing.
+pub type Segments = SmallVec<[Segment; 4]>;
 
 /// The request types this device knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,7 +75,7 @@ pub struct Request {
     pub sector: u64,
     /// Data buffers: device-writable for IN and GET_ID, device-readable for
     /// OUT. Every one lies inside guest memory.
-    pub data: Vec<Segment>,
+    pub data: Segments,
     /// Total bytes in `data`.
     pub data_len: u64,
     /// Ranges of a DISCARD / WRITE_ZEROES.
@@ -188,8 +194,8 @@ fn no_status(error: RequestError) -> Rejected {
 }
 
 /// Splits the byte stream `segs` at `at`: the bytes before and after.
-fn split_at(segs: &[Segment], mut at: u64) -> (Vec<Segment>, Vec<Segment>) {
-    let (mut head, mut tail) = (Vec::new(), Vec::new());
+fn split_at(segs: &[Segment], mut at: u64) -> (Segments, Segments) {
+    let (mut head, mut tail) = (Segments::new(), Segments::new());
     for s in segs {
         let len = u64::from(s.len);
         if at >= len {
@@ -258,8 +264,8 @@ pub fn parse(descs: &[Descriptor], mem: &GuestMemoryTracked, limits: &Limits) ->
     let ioerr = |error: RequestError| fail(status::IOERR, error);
 
     // 2. Readable stream, then writable stream (minus the status byte).
-    let mut readable = Vec::new();
-    let mut writable = Vec::new();
+    let mut readable = Segments::new();
+    let mut writable = Segments::new();
     let n = descs.len();
     for (i, d) in descs.iter().enumerate() {
         let len = if i + 1 == n { d.len() - 1 } else { d.len() };
@@ -310,7 +316,7 @@ pub fn parse(descs: &[Descriptor], mem: &GuestMemoryTracked, limits: &Limits) ->
     let mut req = Request {
         kind,
         sector: 0,
-        data: Vec::new(),
+        data: Segments::new(),
         data_len: 0,
         ranges: Vec::new(),
         status: status_addr,
@@ -452,8 +458,8 @@ mod tests {
         .unwrap();
         assert_eq!(r.kind, RequestType::Out);
         assert_eq!(
-            r.data,
-            vec![Segment {
+            r.data.as_slice(),
+            [Segment {
                 addr: GuestAddress(0x3010),
                 len: 512
             }]

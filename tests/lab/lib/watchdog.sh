@@ -166,6 +166,8 @@ l1_watchdog() {
   # only evidence that buys a failed attempt its retry (tests/tests/lab.rs).
   local rescue_s=${K7D_LAB_RESCUE_S:-20} rescue_max=${K7D_LAB_RESCUE_MAX:-3} rescues=0 rescue_t=-100 rescued_hb=''
   local nudge_s=${K7D_LAB_NUDGE_S:-7} probe_t=-100 lost='' probe=''
+  local boot_s=${K7D_LAB_BOOT_S:-60}
+  [[ $boot_s =~ ^[0-9]+$ ]] || boot_s=60
   [[ $nudge_s =~ ^[0-9]+$ ]] || nudge_s=7
   [[ $rescue_max =~ ^[0-9]+$ ]] || rescue_max=3
   cat "$out/work/mon.out" >"$out/work/monitor.log" 2>/dev/null &
@@ -224,10 +226,16 @@ l1_watchdog() {
     fi
     s=$(($(stat -c %s "$out/l1.log" 2>/dev/null || echo 0) + $(stat -c %s "$out/l2.log" 2>/dev/null || echo 0)))
     [[ $s == "$io" ]] || { io=$s io_t=$SECONDS; }
-    if ((SECONDS - hb_t >= hb_limit)); then
+    # Before the first heartbeat, L1 is still booting (firmware, the
+    # initramfs, the kernel: 12-17 s on a loaded host, where the self-test's
+    # 15 s limit once fired on a healthy boot, CHALLENGES.md): the limit is
+    # then at least boot_s.
+    local limit=$hb_limit
+    ((hb > 0 || limit >= boot_s)) || limit=$boot_s
+    if ((SECONDS - hb_t >= limit)); then
       kind=l1-froze after=$((SECONDS - hb_t))
       why="L1 froze: no heartbeat from it for $((SECONDS - hb_t)) s"
-      ((hb > 0)) || why="L1 never started its heartbeat within $hb_limit s"
+      ((hb > 0)) || why="L1 never started its heartbeat within $limit s"
     elif ((SECONDS - io_t >= silent_limit)); then
       kind=silent after=$((SECONDS - io_t))
       why="the scenario went silent: no L1 console or L2 serial output for $((SECONDS - io_t)) s while L1's heartbeat went on"

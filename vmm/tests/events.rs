@@ -1,7 +1,8 @@
 //! The event log (issue 39, item 3): a forked VM's history, read with
 //! `k7d events` after its daemon was killed and a new one re-attached to
-//! it; a VM process's crash logged with why; `--follow` prints events as
-//! they are written; refusals in one sentence.
+//! it; a VM process's crash logged with why; a guest's own stop in a VM
+//! process logged and recorded, its process gone; `--follow` prints events
+//! as they are written; refusals in one sentence.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -147,6 +148,71 @@ fn a_forked_vms_history_survives_its_daemons_death_and_a_crash_is_logged_with_wh
     );
     cli(d, &["delete", "a-f2"]);
     cli(d, &["delete", "a"]);
+}
+
+#[test]
+fn a_guest_that_stops_itself_in_a_vm_process_is_logged_and_recorded_and_its_process_ends() {
+    let name = "a_guest_that_stops_itself_in_a_vm_process_is_logged_and_recorded_and_its_process_ends";
+    if !root_or_skip(name) {
+        return;
+    }
+    let dir = Scratch::new("events-selfstop");
+    let d = &dir.0;
+    let mut reaper = Reaper(d.clone(), Vec::new());
+    reaper.1.push(daemon(d));
+    // `hello` prints its text and resets the machine at once.
+    // The create's own answer may come after the stop: it says why too,
+    // not that the process went silent.
+    let o = cli(
+        d,
+        &[
+            "--json",
+            "create",
+            "--id",
+            "h",
+            "--builtin",
+            "hello",
+            "--memory",
+            "8",
+            "--start",
+        ],
+    );
+    let created: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let status = created["status"].as_str().unwrap_or_default();
+    assert!(status == "running" || status == "stopped (guest reboot)", "{created}");
+    let t = Instant::now();
+    let stop = loop {
+        let h = events(d, Some("h"));
+        if let Some(stop) = h.iter().find(|e| e["event"] == "stopped") {
+            break stop.clone();
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "no stop of h logged: {h:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(stop["reason"], "guest reboot", "{stop}");
+    let info =
+        |d: &Path| serde_json::from_slice::<serde_json::Value>(&cli(d, &["--json", "info", "h"]).stdout).unwrap();
+    let i = info(d);
+    assert_eq!(i["status"], "stopped (guest reboot)", "{i}");
+    // Its VM process went with its guest (its RAM and KVM state freed).
+    let pid = i["vm_process"]["pid"].as_u64().unwrap();
+    let t = Instant::now();
+    while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "VM process {pid} outlived its guest"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Its record on disk says so too (what a re-attach reads).
+    let rec: serde_json::Value = serde_json::from_slice(&std::fs::read(d.join("state/vms/h.json")).unwrap()).unwrap();
+    assert_eq!(rec["state"], "stopped", "{rec}");
+    assert_eq!(rec["reason"]["kind"], "guest_reset", "{rec}");
+    let stops = events(d, Some("h")).iter().filter(|e| e["event"] == "stopped").count();
+    assert_eq!(stops, 1, "h's stop was logged {stops} times");
+    cli(d, &["delete", "h"]);
+    let left: Vec<_> = std::fs::read_dir(d.join("state/vms")).unwrap().flatten().collect();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
 
 #[test]

@@ -41,6 +41,10 @@ use crate::vstate::vm::VmState;
 
 /// How long a stopped VM process may take to exit before it is killed.
 const EXIT_WAIT: Duration = Duration::from_secs(5);
+
+/// How long a call that found its VM process gone waits for the watcher
+/// to record why (it takes moments: the process has ended).
+const ENDED_WAIT: Duration = Duration::from_secs(1);
 /// How many fork children are built at once, at most (bounded by the
 /// host's CPUs too): each build waits mostly on its VM process.
 const MAX_PARALLEL_BUILDS: usize = 8;
@@ -997,6 +1001,20 @@ impl Remote {
         lock(&self.ended).clone()
     }
 
+    /// [`Remote::ended`], waiting up to [`ENDED_WAIT`] for the watcher of a
+    /// process that is ending to record why.
+    fn ended_soon(&self) -> Option<StopReason> {
+        let until = Instant::now() + ENDED_WAIT;
+        loop {
+            let e = self.ended();
+            let watching = self.watcher.as_ref().is_some_and(|w| !w.is_finished());
+            if e.is_some() || !watching || Instant::now() >= until {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
     /// One request; its error reply as a sentence naming the VM.
     pub(super) fn call(&mut self, req: &Request) -> Result<Reply, ApiError> {
         self.call_fds(req, &[]).map(|(r, _)| r)
@@ -1320,9 +1338,10 @@ impl Remote {
         }
         match self.call(&Request::Status) {
             Ok(Reply::Status(status)) => status,
-            // The process died under the call: the watcher is recording why.
+            // The process died under the call (a guest that stopped ends
+            // it): the watcher is recording why, within moments.
             _ => {
-                let reason = self.ended().unwrap_or_else(|| StopReason::ProcessEnded {
+                let reason = self.ended_soon().unwrap_or_else(|| StopReason::ProcessEnded {
                     message: format!("vm {}: VM process {} does not answer", self.id, self.rec.pid),
                 });
                 VmStatus::stopped(reason)
@@ -1631,9 +1650,16 @@ fn end_and_reap(pidfd: &OwnedFd, pid: u32) {
 }
 
 /// The watcher: waits for the process to end, and when nobody asked it
-/// to, records why (one sentence) as the VM's stop.
+/// to, records why as the VM's stop: the guest's own stop, which ends its
+/// VM process with a status of its own (`vmproc::exit_code_of`), or one
+/// sentence on how the process ended.
 fn watch(id: &str, pid: u32, pidfd: &OwnedFd, ended: &Mutex<Option<StopReason>>, store: &RecordStore) {
-    let how = match crate::sys::pidfd_wait(pidfd) {
+    let status = crate::sys::pidfd_wait(pidfd);
+    let guest = match &status {
+        Ok(Some(Ok(code))) => crate::vmproc::reason_of_exit(*code, id, pid),
+        _ => None,
+    };
+    let how = match status {
         Ok(Some(Ok(0))) => format!("VM process {pid} exited"),
         Ok(Some(Ok(crate::vmproc::PANIC_EXIT))) => {
             format!("VM process {pid} panicked and ended itself (its log has the panic)")
@@ -1648,9 +1674,9 @@ fn watch(id: &str, pid: u32, pidfd: &OwnedFd, ended: &Mutex<Option<StopReason>>,
         tracing::debug!(vm = %id, "{how}");
         return;
     }
-    let reason = StopReason::ProcessEnded {
+    let reason = guest.unwrap_or_else(|| StopReason::ProcessEnded {
         message: format!("vm {id}: {how}"),
-    };
+    });
     tracing::warn!(vm = %id, "{reason}");
     *e = Some(reason.clone());
     drop(e);

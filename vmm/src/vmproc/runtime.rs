@@ -4,20 +4,32 @@
 //! channel closes: a daemon that crashed or was upgraded), the VM runs on
 //! and, if the process was handed a listening socket, the next caller that
 //! connects to it re-attaches; without one, the VM stops with its caller.
+//!
+//! When the guest stops by itself (a reset, a poweroff, a vCPU error), the
+//! process ends with the status `exit_code_of` gives, once any request it
+//! is serving has its reply: its daemon's watcher records the stop, an
+//! event and the VM's record, from the process's end, as it would a crash.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Mutex;
+use std::sync::mpsc::{Receiver, Sender};
 use std::time::Duration;
 
 use vm_memory::{Bytes, GuestAddress};
 
 use super::proto::{Reply, Request, UNKNOWN_REQUEST, VERSION};
 use super::wire::Channel;
+use crate::vstate::control::StopReason;
 use crate::vstate::handed::{FileRole, HandedFiles, HostFiles};
 use crate::{Vm, VmOptions};
 
 /// Most words one `peek` reads.
 pub const MAX_PEEK_WORDS: u32 = 1024;
+
+/// Held while a request is served, from its arrival to its reply: a guest
+/// stop ends the process only between requests.
+static SERVING: Mutex<()> = Mutex::new(());
 
 /// How a caller's session ended.
 enum Ended {
@@ -33,6 +45,14 @@ enum Ended {
 /// process when there is no listener.
 pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), String> {
     let mut vm: Option<Vm> = None;
+    // Told of the guest's own stop by the last vCPU thread to leave (which
+    // makes no call but a futex's to tell it), it ends the process.
+    let (stopped, stop_rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("k7d-guest-stop".into())
+        .spawn(move || end_on_guest_stop(stop_rx))
+        .map_err(|e| format!("cannot start the thread that ends the process with its guest: {e}"))?;
+    let mut armed = false;
     // A VM process spawned ahead (a spare) gets its listening socket with
     // the request that builds its VM.
     let mut listener = listener;
@@ -52,7 +72,7 @@ pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), 
                 None => break,
             },
         };
-        match session(conn, &mut vm, &mut listener) {
+        match session(conn, &mut vm, &mut listener, &mut armed, &stopped) {
             Ok(Ended::Stop) => return Ok(()),
             Ok(Ended::Closed) => {}
             Err(e) if listener.is_none() => return Err(e),
@@ -64,6 +84,42 @@ pub fn serve(channel: UnixStream, listener: Option<UnixListener>) -> Result<(), 
         v.stop();
     }
     Ok(())
+}
+
+/// Waits for a stop reason from [`arm`] and ends the process with its
+/// status, once no request is being served (a channel that closes ends
+/// the wait with the process, which then ends as it would anyway).
+fn end_on_guest_stop(stops: Receiver<StopReason>) {
+    let Ok(reason) = stops.recv() else {
+        return;
+    };
+    let Some(code) = super::exit_code_of(&reason) else {
+        return;
+    };
+    let _serving = SERVING.lock().unwrap_or_else(|p| p.into_inner());
+    tracing::warn!(%reason, code, "the guest stopped the VM: the VM process ends");
+    crate::sys::exit_now(code);
+}
+
+/// Has `vm`'s own stop (not a requested one) sent to [`end_on_guest_stop`],
+/// once per process: the callback runs when its last vCPU leaves, and a
+/// VM that stopped before it was armed is sent at once.
+fn arm(vm: &Vm, armed: &mut bool, stopped: &Sender<StopReason>) {
+    if *armed {
+        return;
+    }
+    *armed = true;
+    let tx = stopped.clone();
+    vm.control().set_on_stopped(Box::new(move |reason| {
+        if super::exit_code_of(reason).is_some() {
+            let _ = tx.send(reason.clone());
+        }
+    }));
+    if let crate::vstate::vm::VmState::Stopped { reason } = vm.state()
+        && super::exit_code_of(&reason).is_some()
+    {
+        let _ = stopped.send(reason);
+    }
 }
 
 /// Sends `r` with `fds`.
@@ -86,7 +142,13 @@ fn refuse(chan: &Channel, message: String) -> Result<Ended, String> {
 }
 
 /// One caller: hello, then requests until it closes or asks to stop.
-fn session(channel: UnixStream, vm: &mut Option<Vm>, listener: &mut Option<UnixListener>) -> Result<Ended, String> {
+fn session(
+    channel: UnixStream,
+    vm: &mut Option<Vm>,
+    listener: &mut Option<UnixListener>,
+    armed: &mut bool,
+    stopped: &Sender<StopReason>,
+) -> Result<Ended, String> {
     let mut chan = Channel::new(channel);
     let first = match chan.recv() {
         Ok(Some((l, _))) => l,
@@ -117,6 +179,7 @@ fn session(channel: UnixStream, vm: &mut Option<Vm>, listener: &mut Option<UnixL
             Ok(Some(m)) => m,
             _ => break,
         };
+        let _serving = SERVING.lock().unwrap_or_else(|p| p.into_inner());
         let req = match serde_json::from_str::<Request>(&line) {
             Ok(r) => r,
             Err(e) => {
@@ -133,6 +196,9 @@ fn session(channel: UnixStream, vm: &mut Option<Vm>, listener: &mut Option<UnixL
         let stop = matches!(req, Request::Stop);
         let (reply, out) =
             handle(vm, listener, req, fds).unwrap_or_else(|message| (Reply::Error { message }, Vec::new()));
+        if let Some(v) = vm.as_ref() {
+            arm(v, armed, stopped);
+        }
         let raw: Vec<_> = out.iter().map(|f| f.as_raw_fd()).collect();
         // A caller gone before its reply: the next one will ask again.
         if send(&chan, &reply, &raw).is_err() && !stop {

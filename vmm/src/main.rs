@@ -1445,6 +1445,23 @@ fn print_vm(vm: &VmInfo) {
         ),
         None => out!("  vm process: none (runs inside the daemon: --jail off)"),
     }
+    if let Some(r) = &vm.guest_ram {
+        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+        let shared = match r.resident {
+            0 => String::new(),
+            n => format!(
+                " ({:.0} % shared with its fork base)",
+                r.shared() as f64 * 100.0 / n as f64
+            ),
+        };
+        out!(
+            "  guest RAM on the host: {:.1} MiB resident, {:.1} MiB of them its own copies{}, PSS {:.1} MiB",
+            mib(r.resident),
+            mib(r.copied),
+            if vm.parent.is_some() { shared } else { String::new() },
+            mib(r.pss)
+        );
+    }
 }
 
 /// The daemon's VM processes (`--jail on`): the spawner started and this

@@ -554,3 +554,110 @@ fn a_metrics_address_that_cannot_be_had_refuses_the_start_in_one_sentence() {
     );
     assert!(!dir.0.join("k7d.sock").exists(), "the API socket was left");
 }
+
+/// `k7d info` shows what a VM's guest RAM costs the host (issue 38, item
+/// 1: density measured honestly), inside the daemon and in a VM process:
+/// a fork child of a guest that wrote 1 MiB and then only counts maps only
+/// the few pages it touched, its copies among them, and pages read from
+/// its base count as shared (resident, not copied, PSS below resident); a
+/// VM that is no fork child has no copies.
+#[test]
+fn info_shows_how_much_of_a_fork_childs_guest_ram_is_shared_with_its_base() {
+    if !root_or_skip("info_shows_how_much_of_a_fork_childs_guest_ram_is_shared_with_its_base") {
+        return;
+    }
+    const PAGES: u64 = 256;
+    for jail in [false, true] {
+        let dir = Scratch::new(if jail { "ram-usage-jail" } else { "ram-usage" });
+        let d = &dir.0;
+        let _reaper = Reaper(d.clone());
+        let (daemon, _) = start_daemon(d, jail, "2000000880");
+        let pages = PAGES.to_string();
+        // ARG2 0: the pattern once, then only the loop counter.
+        cli(
+            d,
+            &[
+                "create",
+                "--id",
+                "m",
+                "--builtin",
+                "memwriter",
+                "--memory",
+                "16",
+                "--arg",
+                &pages,
+                "--arg",
+                "2097152",
+                "--arg",
+                "0",
+                "--start",
+            ],
+        );
+        let ram = |id: &str| {
+            let v: serde_json::Value = serde_json::from_slice(&cli(d, &["--json", "info", id]).stdout).unwrap();
+            let r = &v["guest_ram"];
+            let n = |k: &str| {
+                r[k].as_u64()
+                    .unwrap_or_else(|| panic!("jail {jail}: {id}'s info has no guest_ram.{k}: {v}"))
+            };
+            (
+                n("resident"),
+                n("copied"),
+                n("pss"),
+                v["serial_log"].as_str().unwrap().to_string(),
+            )
+        };
+        let log = ram("m").3;
+        let t = Instant::now();
+        while !std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("memwriter: pattern done")
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "jail {jail}: m never finished its pattern"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let (resident, copied, _, _) = ram("m");
+        assert!(resident >= PAGES * 4096, "jail {jail}: m: {resident} bytes resident");
+        assert_eq!(copied, 0, "jail {jail}: m is no fork child, yet has copies");
+        cli(d, &["fork", "m", "--count", "1"]);
+        std::thread::sleep(Duration::from_millis(300));
+        // The child maps only what it touched: its counter's pages, which
+        // it wrote (copies), not the MiB its source wrote before the fork.
+        let (r0, c0, p0, _) = ram("m-f1");
+        assert!(
+            r0 <= 32 * 4096,
+            "jail {jail}: m-f1 maps {r0} bytes, more than it touched"
+        );
+        assert!(
+            c0 >= 4096 && c0 <= r0 && p0 <= r0,
+            "jail {jail}: m-f1: {r0} resident, {c0} copied, {p0} PSS"
+        );
+        // Reading 16 pages of the pattern maps them from the base, shared
+        // (with the source, which wrote them: each counts in part).
+        for i in 0..16u64 {
+            let addr = format!("{:#x}", 0x20_0000 + i * 4096);
+            cli(d, &["peek", "m-f1", &addr, "--count", "4"]);
+        }
+        let (resident, copied, pss, _) = ram("m-f1");
+        assert!(
+            resident >= r0 + 16 * 4096,
+            "jail {jail}: m-f1: {resident} bytes resident after reading 16 pages"
+        );
+        assert!(
+            copied <= c0 + 4 * 4096,
+            "jail {jail}: reading copied pages: {c0} -> {copied}"
+        );
+        assert!(
+            pss < resident,
+            "jail {jail}: m-f1's PSS {pss} is not below its resident {resident}"
+        );
+        let text = String::from_utf8(cli(d, &["info", "m-f1"]).stdout).unwrap();
+        assert!(text.contains("% shared with its fork base"), "{text}");
+        cli(d, &["delete", "m-f1"]);
+        cli(d, &["delete", "m"]);
+        stop_daemon(daemon);
+    }
+}

@@ -507,6 +507,9 @@ pub struct VmInfo {
     /// The VM process it runs in (absent: inside the daemon, `--jail off`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_process: Option<VmProcessInfo>,
+    /// What its guest RAM costs the host (`info` only: read from smaps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub guest_ram: Option<super::ram_usage::GuestRamUsage>,
 }
 
 /// A VM's own process (`k7d daemon --jail on`).
@@ -1294,6 +1297,7 @@ mod tests {
                 gid: 2_000_000_000,
                 cgroup: Some("/sys/fs/cgroup/k7d/vm-2000000000".into()),
             }),
+            guest_ram: None,
         }
     }
 

@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod metrics_http;
 mod periodic;
 mod processes;
+pub mod ram_usage;
 mod rebaser;
 mod reconcile;
 mod recorder;
@@ -615,7 +616,15 @@ impl Daemon {
             Request::Info(id) => {
                 let vm = self.get(&id)?;
                 let g = lock_vm(&vm);
-                Reply::Vm(Box::new(self.info_of(&g)))
+                let mut info = self.info_of(&g);
+                let ranges: Vec<(u64, u64)> = {
+                    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+                    g.ram().memory().iter().map(|r| (r.as_ptr() as u64, r.len())).collect()
+                };
+                info.guest_ram = ram_usage::in_this_process(&ranges)
+                    .inspect_err(|e| tracing::debug!(vm = %id, error = %e, "cannot read this process's smaps"))
+                    .ok();
+                Reply::Vm(Box::new(info))
             }
             Request::Snapshot(a) => match self.process(&a.id) {
                 Some(r) => {
@@ -806,6 +815,7 @@ impl Daemon {
             rng_reseed: Some(vm.rng_reseed()),
             vmgenid: vm.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
             vm_process: None,
+            guest_ram: None,
         }
     }
 

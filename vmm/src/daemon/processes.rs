@@ -1767,7 +1767,12 @@ impl super::Daemon {
             _ => Ok(()),
         };
         Some(done.and_then(|()| {
-            let info = self.process_info(&mut g);
+            let mut info = self.process_info(&mut g);
+            if matches!(req, Api::Info(_)) && !matches!(info.state, VmState::Stopped { .. }) {
+                info.guest_ram = super::ram_usage::in_vm_process(g.record().pid)
+                    .inspect_err(|e| tracing::debug!(vm = %id, error = %e, "cannot read the VM process's smaps"))
+                    .ok();
+            }
             if !matches!(req, Api::Info(_)) {
                 let state = info.state.clone();
                 self.store
@@ -2307,6 +2312,7 @@ impl super::Daemon {
                 gid: p.gid,
                 cgroup: p.cgroup.clone(),
             }),
+            guest_ram: None,
         }
     }
 }

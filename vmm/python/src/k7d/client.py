@@ -128,6 +128,9 @@ class VmInfo(TypedDict, total=False):
     rebases: int
     serial_log: str
     vm_process: Dict[str, Any]
+    # `info` only: bytes of guest RAM resident on the host, its own copies
+    # (a fork child's pages written since its fork) and PSS.
+    guest_ram: Dict[str, int]
 
 
 class ForkedChild(TypedDict, total=False):

@@ -673,6 +673,9 @@ enum ApiCmd {
     /// while it runs, paused for the last round only): its next forks copy
     /// only what it writes from now on.
     Rebase { id: String },
+    /// What a VM's guest RAM costs the host: resident, its own copies
+    /// (pages written since a fork), PSS.
+    GuestRam { id: String },
     /// Read u32 words of a VM's guest RAM (debugging).
     Peek {
         id: String,
@@ -1072,6 +1075,7 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             id,
         }),
         ApiCmd::Peek { id, addr, count } => Request::Peek(PeekArgs { id, addr, count }),
+        ApiCmd::GuestRam { id } => Request::GuestRam(id),
         ApiCmd::Medium { id, disk, path } => Request::Medium(MediumArgs {
             id,
             disk,
@@ -1222,6 +1226,16 @@ fn print_reply(reply: &Reply) {
         Reply::Peek(p) => {
             let words: Vec<String> = p.words.iter().map(|w| w.to_string()).collect();
             out!("{}", words.join(" "));
+        }
+        Reply::GuestRam(r) => {
+            let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+            out!(
+                "vm {}'s guest RAM on the host: {:.1} MiB resident, {:.1} MiB of them its own copies (pages written since a fork), PSS {:.1} MiB",
+                r.id,
+                mib(r.resident),
+                mib(r.copied),
+                mib(r.pss)
+            );
         }
         Reply::List(l) => print_list(l),
         Reply::Rebased(r) => out!(
@@ -1444,23 +1458,6 @@ fn print_vm(vm: &VmInfo) {
             )
         ),
         None => out!("  vm process: none (runs inside the daemon: --jail off)"),
-    }
-    if let Some(r) = &vm.guest_ram {
-        let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
-        let shared = match r.resident {
-            0 => String::new(),
-            n => format!(
-                " ({:.0} % shared with its fork base)",
-                r.shared() as f64 * 100.0 / n as f64
-            ),
-        };
-        out!(
-            "  guest RAM on the host: {:.1} MiB resident, {:.1} MiB of them its own copies{}, PSS {:.1} MiB",
-            mib(r.resident),
-            mib(r.copied),
-            if vm.parent.is_some() { shared } else { String::new() },
-            mib(r.pss)
-        );
     }
 }
 

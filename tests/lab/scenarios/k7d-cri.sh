@@ -246,9 +246,9 @@ cri_pod() {
         # the pod's start (A ticking, B asleep), before anything else.
         if [ ! -s "/tmp/ram-$_l.seen" ] && grep -q '^cri: exec uname -r' "/tmp/cri-$_l.out" 2>/dev/null; then
           for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | awk '$1 !~ /^tmpl-/ {print $1}'); do
-            "$LAB_BIN" --socket "$SOCK" --json info "$_v" >/tmp/ram-info.json 2>/dev/null || continue
-            grep -q "\"pod_name\": *\"$_l\"" /tmp/ram-info.json || continue
-            echo "$_v $(for _k in resident copied pss; do sed -n "s/.*\"$_k\": *\([0-9]*\).*/\1/p" /tmp/ram-info.json | head -n1; done | tr '\n' ' ')" >"/tmp/ram-$_l.seen"
+            "$LAB_BIN" --socket "$SOCK" --json info "$_v" 2>/dev/null | grep -q "\"pod_name\": *\"$_l\"" || continue
+            "$LAB_BIN" --socket "$SOCK" --json guest-ram "$_v" >/tmp/ram.json 2>/dev/null || continue
+            echo "$_v $(for _k in resident copied pss; do sed -n "s/.*\"$_k\": *\([0-9]*\).*/\1/p" /tmp/ram.json | head -n1; done | tr '\n' ' ')" >"/tmp/ram-$_l.seen"
           done
         fi
         sleep 1
@@ -299,14 +299,14 @@ cri_pod() {
 }
 
 # guest_ram LABEL: what the idle pod VM's guest RAM cost L1 (issue 38,
-# density; k7d info's guest_ram, from the daemon's smaps): resident, its
+# density; k7d guest-ram, from the daemon's smaps): resident, its
 # own copies (a fork-started pod's pages written since the fork; the rest
 # of what it maps is shared with its template) and PSS, in MiB; sets
 # RAMPSS_<label> (MiB). The VMM's own per-VM memory (threads, device
 # buffers) is not in it: the cold pod's daemon growth in k7d-shim has both.
 guest_ram() {
   read -r _rv _rr _rc _rp <"/tmp/ram-$1.seen" 2>/dev/null
-  [ -n "${_rp:-}" ] || fail "$1: no guest RAM figures of its pod VM while the pod lived (k7d --json info: guest_ram)"
+  [ -n "${_rp:-}" ] || fail "$1: no guest RAM figures of its pod VM while the pod lived (k7d --json guest-ram)"
   _mib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1048576}'; }
   lab_metric "$1.guest_ram_resident_mib" "$(_mib "$_rr")" MiB
   lab_metric "$1.guest_ram_copied_mib" "$(_mib "$_rc")" MiB

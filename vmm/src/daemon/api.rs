@@ -58,6 +58,10 @@ pub enum Request {
     Fork(ForkArgs),
     /// Read `count` little-endian u32 words of guest RAM at `addr` (debugging, tests).
     Peek(PeekArgs),
+    /// What a VM's guest RAM costs the host: resident, its own copies, PSS
+    /// (read from smaps when asked, so not part of `info`, which the
+    /// containerd shim polls).
+    GuestRam(#[serde(with = "id_args")] String),
     /// Every VM.
     List,
     /// Daemon and API version.
@@ -239,7 +243,7 @@ mod id_args {
 
 impl Request {
     /// Every op, as named on the wire.
-    pub const OPS: [&'static str; 21] = [
+    pub const OPS: [&'static str; 22] = [
         "create",
         "start",
         "pause",
@@ -261,6 +265,7 @@ impl Request {
         "rebase",
         "medium",
         "nic_attach",
+        "guest_ram",
     ];
 
     /// This request's op, as named on the wire.
@@ -277,6 +282,7 @@ impl Request {
             Self::Restore(_) => "restore",
             Self::Fork(_) => "fork",
             Self::Peek(_) => "peek",
+            Self::GuestRam(_) => "guest_ram",
             Self::List => "list",
             Self::Version => "version",
             Self::ClusterCreate(_) => "cluster_create",
@@ -321,6 +327,7 @@ impl Request {
             | Self::Stop(v)
             | Self::Delete(v)
             | Self::Info(v)
+            | Self::GuestRam(v)
             | Self::Rebase(v) => id(v),
             Self::Snapshot(a) => id(&a.id),
             Self::Medium(a) => {
@@ -507,9 +514,6 @@ pub struct VmInfo {
     /// The VM process it runs in (absent: inside the daemon, `--jail off`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vm_process: Option<VmProcessInfo>,
-    /// What its guest RAM costs the host (`info` only: read from smaps).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub guest_ram: Option<super::ram_usage::GuestRamUsage>,
 }
 
 /// A VM's own process (`k7d daemon --jail on`).
@@ -688,6 +692,8 @@ pub enum Reply {
     Forked(Forked),
     /// `peek`.
     Peek(Peeked),
+    /// `guest_ram`.
+    GuestRam(super::ram_usage::GuestRamUsage),
     /// `list`.
     List(VmList),
     /// `version`.
@@ -722,6 +728,7 @@ impl Reply {
             Request::Snapshot(_) => Self::Snapshot(from_value(result)?),
             Request::Fork(_) => Self::Forked(from_value(result)?),
             Request::Peek(_) => Self::Peek(from_value(result)?),
+            Request::GuestRam(_) => Self::GuestRam(from_value(result)?),
             Request::List => Self::List(from_value(result)?),
             Request::Version => Self::Version(from_value(result)?),
             Request::Rebase(_) => Self::Rebased(from_value(result)?),
@@ -1010,6 +1017,8 @@ mod tests {
                     pod_name: None,
                 },
             }),
+            // Newer still: what a VM's guest RAM costs the host.
+            Request::GuestRam("web".into()),
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {
@@ -1025,6 +1034,7 @@ mod tests {
                 | Request::Restore(_)
                 | Request::Fork(_)
                 | Request::Peek(_)
+                | Request::GuestRam(_)
                 | Request::List
                 | Request::Version
                 | Request::ClusterCreate(_)
@@ -1134,12 +1144,12 @@ mod tests {
         (
             r#"{"v":1,"op":"explode"}"#,
             ErrorCode::BadRequest,
-            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach)",
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram)",
         ),
         (
             r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
             ErrorCode::BadRequest,
-            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach)",
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram)",
         ),
         (
             r#"{"v":2,"op":"list"}"#,
@@ -1297,7 +1307,6 @@ mod tests {
                 gid: 2_000_000_000,
                 cgroup: Some("/sys/fs/cgroup/k7d/vm-2000000000".into()),
             }),
-            guest_ram: None,
         }
     }
 
@@ -1370,6 +1379,12 @@ mod tests {
                 id: "web".into(),
                 addr: 1536,
                 words: vec![0, 7, u32::MAX],
+            }),
+            Request::GuestRam(_) => Reply::GuestRam(crate::daemon::ram_usage::GuestRamUsage {
+                id: "web".into(),
+                resident: 9 << 20,
+                copied: 1 << 20,
+                pss: 5 << 20,
             }),
             Request::List => Reply::List(VmList {
                 vms: vec![VmSummary {

@@ -574,6 +574,7 @@ impl Daemon {
                         | Request::List
                         | Request::Version
                         | Request::Peek(_)
+                        | Request::GuestRam(_)
                         | Request::ClusterInfo(_)
                         | Request::ClusterList
                 ))
@@ -616,15 +617,25 @@ impl Daemon {
             Request::Info(id) => {
                 let vm = self.get(&id)?;
                 let g = lock_vm(&vm);
-                let mut info = self.info_of(&g);
+                Reply::Vm(Box::new(self.info_of(&g)))
+            }
+            Request::GuestRam(id) => {
+                let vm = self.get(&id)?;
+                let g = lock_vm(&vm);
                 let ranges: Vec<(u64, u64)> = {
                     use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
                     g.ram().memory().iter().map(|r| (r.as_ptr() as u64, r.len())).collect()
                 };
-                info.guest_ram = ram_usage::in_this_process(&ranges)
-                    .inspect_err(|e| tracing::debug!(vm = %id, error = %e, "cannot read this process's smaps"))
-                    .ok();
-                Reply::Vm(Box::new(info))
+                let usage = ram_usage::in_this_process(&ranges).map_err(|e| {
+                    ApiError::new(
+                        ErrorCode::Internal,
+                        format!("vm {id}: cannot read this process's smaps: {e}"),
+                    )
+                })?;
+                Reply::GuestRam(ram_usage::GuestRamUsage {
+                    id: id.clone(),
+                    ..usage
+                })
             }
             Request::Snapshot(a) => match self.process(&a.id) {
                 Some(r) => {
@@ -815,7 +826,6 @@ impl Daemon {
             rng_reseed: Some(vm.rng_reseed()),
             vmgenid: vm.generation_id().map(|g| crate::arch::x86_64::vmgenid::hex(&g)),
             vm_process: None,
-            guest_ram: None,
         }
     }
 
@@ -1221,7 +1231,7 @@ mod tests {
     const V1_ANSWERS: [(&str, &str); 6] = [
         (
             r#"{"v":1,"op":"explode"}"#,
-            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach)"}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram)"}}"#,
         ),
         (
             r#"{"v":2,"op":"list"}"#,

@@ -1710,6 +1710,7 @@ impl super::Daemon {
         let id = match req {
             Api::Start(id) | Api::Pause(id) | Api::Resume(id) | Api::Stop(id) | Api::Info(id) => id,
             Api::Peek(a) => &a.id,
+            Api::GuestRam(id) => id,
             Api::Medium(a) => &a.id,
             Api::Rebase(id) => id,
             _ => return None,
@@ -1717,6 +1718,19 @@ impl super::Daemon {
         let r = self.process(id)?;
         let mut g = lock(&r);
         let done = match req {
+            // Read here, from the process's smaps: no call on its channel
+            // but the status.
+            Api::GuestRam(_) => {
+                return Some(match g.status().state {
+                    s @ VmState::Stopped { .. } => Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!("vm {id} is {s}: its VM process holds no guest RAM"),
+                    )),
+                    _ => super::ram_usage::in_vm_process(g.record().pid)
+                        .map(|u| ApiReply::GuestRam(super::ram_usage::GuestRamUsage { id: id.clone(), ..u }))
+                        .map_err(|e| internal(&format!("vm {id}: cannot read its VM process's smaps"), e)),
+                });
+            }
             Api::Start(_) => g.call(&Request::Start).map(drop),
             Api::Pause(_) => g.call(&Request::Pause).map(drop),
             Api::Resume(_) => g.call(&Request::Resume).map(drop),
@@ -1767,12 +1781,7 @@ impl super::Daemon {
             _ => Ok(()),
         };
         Some(done.and_then(|()| {
-            let mut info = self.process_info(&mut g);
-            if matches!(req, Api::Info(_)) && !matches!(info.state, VmState::Stopped { .. }) {
-                info.guest_ram = super::ram_usage::in_vm_process(g.record().pid)
-                    .inspect_err(|e| tracing::debug!(vm = %id, error = %e, "cannot read the VM process's smaps"))
-                    .ok();
-            }
+            let info = self.process_info(&mut g);
             if !matches!(req, Api::Info(_)) {
                 let state = info.state.clone();
                 self.store
@@ -2312,7 +2321,6 @@ impl super::Daemon {
                 gid: p.gid,
                 cgroup: p.cgroup.clone(),
             }),
-            guest_ram: None,
         }
     }
 }

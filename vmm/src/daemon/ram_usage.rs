@@ -1,4 +1,6 @@
-//! What a VM's guest RAM costs the host, as `k7d info` shows it: the pages
+//! What a VM's guest RAM costs the host, as `k7d guest-ram` shows it (the
+//! API's `guest_ram`; not in `info`, which the containerd shim polls every
+//! 200 ms per pod: an smaps read walks every mapping of the process): the pages
 //! of its RAM mapping that are resident, those of them that are its own
 //! copies (written since its fork, or copied in from its source's diverged
 //! pages: anonymous pages over a private mapping of the fork base), and
@@ -9,10 +11,12 @@
 
 use serde::{Deserialize, Serialize};
 
-/// A VM's guest RAM as the host holds it (bytes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// A VM's guest RAM as the host holds it (bytes): `guest_ram`'s answer.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct GuestRamUsage {
+    /// The VM.
+    pub id: String,
     /// Resident pages of its RAM mapping.
     pub resident: u64,
     /// Of those, its own copies: pages it wrote since its fork (for a VM
@@ -123,6 +127,7 @@ Anonymous:             0 kB
         assert_eq!(
             by_name,
             GuestRamUsage {
+                id: String::new(),
                 resident: 1536 * 1024,
                 copied: 200 * 1024,
                 pss: 1112 * 1024,

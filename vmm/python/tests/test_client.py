@@ -110,6 +110,8 @@ def test_forks_equal_their_source_and_go_with_their_block(daemon: Client) -> Non
                 assert grows(k, c), f"{c} does not run"
             # Each child went on from the source's RAM at the fork.
             assert k.info("src")["children"] == ids
+            ram = k.guest_ram("src-f1")
+            assert ram["id"] == "src-f1" and 0 < ram["copied"] <= ram["resident"], ram
             with k.forked("src-f1", name="grandchild") as g:
                 assert [c["id"] for c in g["children"]] == ["grandchild"]
                 assert k.info("grandchild")["parent"] == "src-f1"

@@ -128,9 +128,15 @@ class VmInfo(TypedDict, total=False):
     rebases: int
     serial_log: str
     vm_process: Dict[str, Any]
-    # `info` only: bytes of guest RAM resident on the host, its own copies
-    # (a fork child's pages written since its fork) and PSS.
-    guest_ram: Dict[str, int]
+
+
+class GuestRam(TypedDict):
+    """`guest_ram`'s result (bytes)."""
+
+    id: str
+    resident: int
+    copied: int
+    pss: int
 
 
 class ForkedChild(TypedDict, total=False):
@@ -325,6 +331,12 @@ class Client:
     def peek(self, id: str, addr: int, count: int = 1) -> List[int]:
         """`count` little-endian 32-bit words of guest RAM at `addr`."""
         return self.call("peek", {"id": id, "addr": addr, "count": count})["words"]
+
+    def guest_ram(self, id: str) -> GuestRam:
+        """What VM `id`'s guest RAM costs the host, in bytes: `resident`,
+        `copied` (a fork child's own pages, written since its fork) and
+        `pss` (docs/observability.md)."""
+        return self.call("guest_ram", {"id": id})
 
     # -- clusters ---------------------------------------------------------
 

@@ -700,8 +700,11 @@ steps_side_by_side runc k7d k7d-pool k7d-fork
 # Density (issue 38): the fork-started pod's guest RAM PSS against the cold
 # pod's and the pool member's (a cold-booted VM with the same pod in it),
 # each taken idle, right after the exec. Goal <= 0.25x (Kata's templating:
-# 0.28x); printed, the bound comes when the goal holds. The template's own
-# pages that no VM maps are in no PSS (they stay in its memfd).
+# 0.28x); printed, not yet met. Bounded at 0.9x of the cold pod's (measured
+# 0.58-0.62x): a fork-started pod that copied most of its RAM fails. The
+# template's own pages that no VM maps are in no PSS (they stay in its memfd).
+awk -v f="$RAMPSS_k7d_fork" -v c="$RAMPSS_k7d" 'BEGIN {exit !(c > 0 && f / c <= 0.9)}' ||
+  fail "k7d-fork: its idle pod VM's guest RAM PSS ($RAMPSS_k7d_fork MiB) is not below 0.9x the cold pod's ($RAMPSS_k7d MiB): the fork-started pod copied most of its RAM"
 lab_metric k7d_fork.guest_ram_pss_vs_cold "$(awk -v f="$RAMPSS_k7d_fork" -v p="$RAMPSS_k7d" 'BEGIN {printf "%.2f", (p > 0 ? f / p : 0)}')" x
 lab_metric k7d_fork.guest_ram_pss_vs_pool "$(awk -v f="$RAMPSS_k7d_fork" -v p="$RAMPSS_k7d_pool" 'BEGIN {printf "%.2f", (p > 0 ? f / p : 0)}')" x
 lab_note "idle pod VMs' guest RAM PSS (MiB): cold $RAMPSS_k7d, warm pool $RAMPSS_k7d_pool, fork-started $RAMPSS_k7d_fork; fork-started over cold $(awk -v f="$RAMPSS_k7d_fork" -v p="$RAMPSS_k7d" 'BEGIN {printf "%.2f", (p > 0 ? f / p : 0)}')x, over pool $(awk -v f="$RAMPSS_k7d_fork" -v p="$RAMPSS_k7d_pool" 'BEGIN {printf "%.2f", (p > 0 ? f / p : 0)}')x (goal <= 0.25x)"

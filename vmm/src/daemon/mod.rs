@@ -621,9 +621,10 @@ impl Daemon {
             }
             Request::GuestRam(id) => {
                 let vm = self.get(&id)?;
-                let g = lock_vm(&vm);
+                // The VM's lock only for its ranges, not for the smaps read.
                 let ranges: Vec<(u64, u64)> = {
                     use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+                    let g = lock_vm(&vm);
                     g.ram().memory().iter().map(|r| (r.as_ptr() as u64, r.len())).collect()
                 };
                 let usage = ram_usage::in_this_process(&ranges).map_err(|e| {

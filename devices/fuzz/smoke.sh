@@ -30,10 +30,34 @@ if [ "$secs" -eq 0 ]; then
 fi
 
 fuzz_dir="${K7D_FUZZ_DIR:-$(dirname "$0")}"
+
+# One path for every clone. The fuzz crate is a workspace of its own, and
+# cargo names a path dependency outside the building workspace (k7d-devices,
+# k7d-vmm and theirs) by its absolute path in the build products' hash: each
+# fresh clone at a new path rebuilt them all, sanitized (2.5 minutes of CI
+# for k7d-vmm alone), and left another copy in the target dir. As root, the
+# smoke reruns itself in a mount namespace of its own, where the repository
+# is bound at K7D_FUZZ_SRC (default /var/cache/k7d-fuzz-src, an empty folder
+# outside it); the bind ends with the namespace. Where that cannot be done
+# it runs in place, said once.
+if [ -z "${K7D_FUZZ_BOUND:-}" ] && [ "$(id -u)" -eq 0 ] &&
+    top=$(git -C "$fuzz_dir" rev-parse --show-toplevel 2>/dev/null); then
+    src="${K7D_FUZZ_SRC:-/var/cache/k7d-fuzz-src}"
+    rel=$(realpath --relative-to="$top" "$fuzz_dir")
+    self=$(realpath --relative-to="$top" "$0")
+    if mkdir -p "$src" && unshare --mount --propagation private true 2>/dev/null; then
+        K7D_FUZZ_BOUND=1 K7D_FUZZ_SHOWN="$top/$rel" K7D_FUZZ_DIR="$src/$rel" exec unshare --mount --propagation private \
+            bash -c 'mount --bind "$1" "$2" && exec "$2/$3" "$4"' bind "$top" "$src" "$self" "$secs"
+    fi
+    echo "fuzz smoke: cannot bind the repository at $src in a mount namespace of its own: building in place (path dependencies rebuild when the clone's path is new)"
+fi
+
 cd "$fuzz_dir" || {
     echo "fuzz smoke: cannot enter the fuzz crate $fuzz_dir" >&2
     exit 1
 }
+# Where the fuzz crate is for the person reading the messages (not the bind).
+shown="${K7D_FUZZ_SHOWN:-$PWD}"
 target_dir="${FUZZ_TARGET_DIR:-/var/cache/k7d-fuzz-target}"
 mkdir -p "$target_dir" || {
     echo "fuzz smoke: cannot create FUZZ_TARGET_DIR $target_dir; set FUZZ_TARGET_DIR to a writable folder" >&2
@@ -69,11 +93,11 @@ list_err=$(mktemp)
 trap 'rm -f "$list_err"' EXIT
 list=$("${cargo_fuzz[@]}" list 2>"$list_err") || {
     # One line: the error and its causes, without anyhow's backtrace.
-    echo "fuzz smoke: cargo fuzz list failed in $PWD: $(sed '/^Stack backtrace:/,$d' "$list_err" | tr -s '\n ' ' ')" >&2
+    echo "fuzz smoke: cargo fuzz list failed in $shown: $(sed '/^Stack backtrace:/,$d' "$list_err" | tr -s '\n ' ' ')" >&2
     exit 1
 }
 if [ -z "${list//[[:space:]]/}" ]; then
-    echo "fuzz smoke: cargo fuzz list found no targets in $PWD/Cargo.toml" >&2
+    echo "fuzz smoke: cargo fuzz list found no targets in $shown/Cargo.toml" >&2
     exit 1
 fi
 
@@ -86,7 +110,7 @@ for t in $list; do
     [ ! -d "seeds/$t" ] || dirs+=("seeds/$t")
     if ! "${cargo_fuzz[@]}" run "$t" --target-dir "$target_dir" "${dirs[@]}" -- \
         -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1; then
-        echo "fuzz smoke: $t failed (build error, or a crash, leak, timeout or OOM: see $PWD/artifacts/$t/)" >&2
+        echo "fuzz smoke: $t failed (build error, or a crash, leak, timeout or OOM: see $shown/artifacts/$t/)" >&2
         exit 1
     fi
     ran=$((ran + 1))

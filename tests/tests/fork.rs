@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use k7d_guest::{RESULTS_ADDR, result};
-use k7d_tests::{TempDir, boot_churning, builtin, read_u32, wait_for};
+use k7d_tests::{Reaper, TempDir, boot_churning, builtin, read_u32, wait_for};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 
@@ -118,6 +118,8 @@ fn a_thousand_forks_are_byte_identical_to_the_source_at_the_fork_instant() {
     let mut src = churning(&dir, SIZE / MIB);
     let t = Instant::now();
     let mut differing = 0usize;
+    // The children are dropped on threads of their own (`Reaper`).
+    let mut reaper = Reaper::default();
     for i in 0..forks {
         // Let the guest dirty pages between forks.
         std::thread::sleep(Duration::from_micros(500));
@@ -130,9 +132,10 @@ fn a_thousand_forks_are_byte_identical_to_the_source_at_the_fork_instant() {
             .zip(got.chunks(4096))
             .filter(|(a, b)| a != b)
             .count();
-        drop(child);
+        reaper.reap(child);
         src.resume().unwrap();
     }
+    reaper.finish();
     let c = read_u32(&src, RESULTS_ADDR + result::LOOP_COUNTER);
     src.stop();
     eprintln!("{forks} forks in {:?}; source loop counter {c}", t.elapsed());

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use k7d_guest::{RESULTS_ADDR, result};
 use k7d_tests::blk_driver::{BLOCK, BlkDriver, Layout};
-use k7d_tests::{TempDir, boot, builtin, read_u32, wait_for};
+use k7d_tests::{Reaper, TempDir, boot, builtin, read_u32, wait_for};
 use k7d_vmm::config::{DiskConfig, VmConfig};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
@@ -84,6 +84,8 @@ fn every_fork_equals_its_source_while_blk_reads_land_in_guest_ram() {
         let (mut with_blk_writes, mut checked_pages) = (0u32, 0usize);
         let mut prev = ram(&src);
         let mut prev_done = drv.done.load(Ordering::SeqCst);
+        // The children are dropped on threads of their own (`Reaper`).
+        let mut reaper = Reaper::default();
         for i in 0..forks {
             // The guest's driver stops posting (the gate), then the VM
             // pauses: vCPUs parked, the blk worker drained and parked.
@@ -106,7 +108,7 @@ fn every_fork_equals_its_source_while_blk_reads_land_in_guest_ram() {
                 diff, 0,
                 "fork {i}: {diff} pages of the child differ from the source at the fork instant"
             );
-            drop(child);
+            reaper.reap(child);
             src.resume().unwrap();
             drop(g);
             prev = at_fork;
@@ -272,6 +274,8 @@ fn every_grandchild_equals_its_parent_while_the_parents_blk_reads_land() {
         );
         let (mut with_blk_writes, mut prev) = (0usize, ram(&child));
         let data = LAYOUT.data as usize..(LAYOUT.data + LAYOUT.data_pages * BLOCK) as usize;
+        // The children are dropped on threads of their own (`Reaper`).
+        let mut reaper = Reaper::default();
         for i in 0..rounds {
             let g = cdrv.gate();
             child.pause(Duration::from_secs(2)).unwrap();
@@ -287,7 +291,7 @@ fn every_grandchild_equals_its_parent_while_the_parents_blk_reads_land() {
                 diff, 0,
                 "fork {i} of the child: {diff} pages of the grandchild differ from the child at the fork instant"
             );
-            drop(grandchild);
+            reaper.reap(grandchild);
             child.resume().unwrap();
             drop(g);
             prev = at_fork;

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use k7d_guest::{RESULTS_ADDR, result};
-use k7d_tests::{TempDir, boot, builtin, read_u32, wait_for};
+use k7d_tests::{Reaper, TempDir, boot, builtin, read_u32, wait_for};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::vstate::cluster::ClusterPause;
 use k7d_vmm::{Vm, VmOptions, VmState};
@@ -46,10 +46,18 @@ fn cluster_forks_equal_their_sources_at_the_instant_with_one_pause_per_batch() {
     const PER_BATCH: usize = 4;
     let dir = TempDir::new("fork-cluster");
     let mut members: Vec<Vm> = ["a", "b", "c"].iter().map(|n| churning(&dir, n)).collect();
+    // The members keep churning between the batches (asserted at the end).
+    let counters_at_start: Vec<u32> = members
+        .iter()
+        .map(|m| read_u32(m, RESULTS_ADDR + result::LOOP_COUNTER))
+        .collect();
     let opts = |id: &str| VmOptions {
         serial_log: Some(dir.0.join(format!("{id}.log"))),
         ..Default::default()
     };
+    // Each batch's 12 children are dropped on threads of their own: their
+    // KVM teardowns overlap (`Reaper`).
+    let mut reaper = Reaper::default();
     let mut differing = 0usize;
     let mut children_checked = 0usize;
     let mut rebased = 0usize;
@@ -96,7 +104,9 @@ fn cluster_forks_equal_their_sources_at_the_instant_with_one_pause_per_batch() {
             refs.iter().all(|m| m.state() == VmState::Running),
             "the members run again"
         );
+        children.vms.into_iter().flatten().for_each(|c| reaper.reap(c));
     }
+    reaper.finish();
     let counters: Vec<u32> = members
         .iter()
         .map(|m| read_u32(m, RESULTS_ADDR + result::LOOP_COUNTER))
@@ -113,6 +123,12 @@ fn cluster_forks_equal_their_sources_at_the_instant_with_one_pause_per_batch() {
         "the batches after the VMM's writes re-base their 3 members, the others (memwriter's 64 pages) do not"
     );
     assert_eq!(children_checked, batches * PER_BATCH * 3);
+    for (m, (a, z)) in counters_at_start.iter().zip(&counters).enumerate() {
+        assert!(
+            z.wrapping_sub(*a) as usize > batches * 100,
+            "member {m} barely ran between the batches ({a} -> {z}): the forks did not meet a churning source"
+        );
+    }
     assert_eq!(
         differing, 0,
         "{differing} pages differed between children and their sources"

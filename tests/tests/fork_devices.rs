@@ -12,7 +12,7 @@ use k7d_guest::{RESULTS_ADDR, result};
 use k7d_test_skip::skip;
 use k7d_tests::net_driver::{BUF, Layout, NetDriver};
 use k7d_tests::wire::Wire;
-use k7d_tests::{TempDir, boot, builtin, read_u32, wait_for};
+use k7d_tests::{Reaper, TempDir, boot, builtin, read_u32, wait_for};
 use k7d_vmm::config::{NicConfig, VsockConfig};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
@@ -327,6 +327,8 @@ fn every_fork_equals_its_source_while_frames_land(id: &str, vhost: bool) {
         let (mut with_net_writes, mut checked_pages) = (0usize, 0usize);
         let data = NET_LAYOUT.data as usize..(NET_LAYOUT.data + NET_LAYOUT.data_pages * BUF) as usize;
         let mut prev = whole_ram(&src);
+        // The children are dropped on threads of their own (`Reaper`).
+        let mut reaper = Reaper::default();
         for i in 0..forks {
             let g = drv.gate();
             src.pause(Duration::from_secs(5)).unwrap();
@@ -344,7 +346,7 @@ fn every_fork_equals_its_source_while_frames_land(id: &str, vhost: bool) {
                 diff, 0,
                 "fork {i}: {diff} pages of the child differ from the source at the fork instant ({plane})"
             );
-            drop(child);
+            reaper.reap(child);
             src.resume().unwrap();
             drop(g);
             prev = at_fork;

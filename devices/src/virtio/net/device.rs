@@ -9,8 +9,8 @@ use k7d_sys::tap::Tap;
 use tracing::{error, info};
 use virtio_bindings::virtio_net::{
     VIRTIO_NET_F_CSUM, VIRTIO_NET_F_CTRL_VQ, VIRTIO_NET_F_GUEST_CSUM, VIRTIO_NET_F_GUEST_TSO4, VIRTIO_NET_F_GUEST_TSO6,
-    VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ, VIRTIO_NET_F_STATUS,
-    VIRTIO_NET_S_LINK_UP,
+    VIRTIO_NET_F_HOST_TSO4, VIRTIO_NET_F_HOST_TSO6, VIRTIO_NET_F_MAC, VIRTIO_NET_F_MQ, VIRTIO_NET_F_MRG_RXBUF,
+    VIRTIO_NET_F_STATUS, VIRTIO_NET_S_LINK_UP,
 };
 use virtio_queue::Queue;
 
@@ -390,6 +390,7 @@ impl Net {
             | bit(VIRTIO_NET_F_HOST_TSO4)
             | bit(VIRTIO_NET_F_HOST_TSO6)
             | bit(VIRTIO_NET_F_MAC)
+            | bit(VIRTIO_NET_F_MRG_RXBUF)
             | bit(VIRTIO_NET_F_STATUS)
             | bit(VIRTIO_NET_F_CTRL_VQ);
         if self.pairs > 1 {
@@ -520,7 +521,8 @@ impl VirtioDevice for Net {
                 self.tap.clone(),
                 ctx.interrupt.clone(),
                 self.stats.clone(),
-            );
+            )
+            .mergeable(acked & bit(VIRTIO_NET_F_MRG_RXBUF) != 0);
             match Self::spawn_worker(Some(k), Worker::Pair(Box::new(worker))) {
                 Ok(slot) => workers.push(slot),
                 Err(e) => {

@@ -8,7 +8,11 @@
 //! need no dirty tracking). RX: read one frame into a bounce buffer, pop an
 //! RX chain, copy the frame in with vm-memory's `write_slice` (the device's
 //! bitmap records every byte written). A frame read while no RX buffer is
-//! posted waits in the bounce buffer until the guest posts one. Used
+//! posted waits in the bounce buffer until the guest posts one. With
+//! `VIRTIO_NET_F_MRG_RXBUF` a frame spans as many RX chains as it needs
+//! (`num_buffers` in its header says how many), so a guest posts buffers of
+//! a page or two instead of one of 64 KiB per frame (Linux's "big packets"
+//! with TSO offered: 18 pages per buffer, 18 MiB for a ring of 256). Used
 //! entries are added as they complete; the guest is signalled once per batch
 //! (at most [`BATCH`] frames) and only when the event index asks for it.
 
@@ -20,7 +24,7 @@ use std::sync::atomic::Ordering;
 
 use k7d_sys::tap::Tap;
 use tracing::{debug, error, warn};
-use virtio_queue::{DescriptorChain, QueueT};
+use virtio_queue::{DescriptorChain, QueueOwnedT, QueueT};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use vmm_sys_util::epoll::EventSet;
 
@@ -63,6 +67,8 @@ pub(super) struct PairWorker {
     /// Queues that broke (the guest put garbage in the rings): served no more
     /// until reset.
     broken: [bool; 3],
+    /// `VIRTIO_NET_F_MRG_RXBUF` acked: a frame may span several RX chains.
+    mergeable: bool,
 }
 
 // SAFETY: `iov` only ever holds pointers while `process_tx` builds and sends
@@ -177,7 +183,14 @@ impl PairWorker {
             pending: None,
             iov: Vec::with_capacity(64),
             broken: [false; 3],
+            mergeable: false,
         }
+    }
+
+    /// With `VIRTIO_NET_F_MRG_RXBUF` acked: frames may span RX chains.
+    pub(super) fn mergeable(mut self, on: bool) -> Self {
+        self.mergeable = on;
+        self
     }
 
     fn fd(&self) -> &OwnedFd {
@@ -373,6 +386,23 @@ impl PairWorker {
                 },
             };
             self.pending = Some(len);
+            if self.mergeable {
+                match self.place_merged(mem, len) {
+                    Merged::Placed(n) => {
+                        let before = done;
+                        done += n;
+                        if done / BATCH != before / BATCH {
+                            self.signal(0);
+                        }
+                        continue;
+                    }
+                    Merged::Dropped => continue,
+                    // The ring ran dry before the frame was placed (the
+                    // chains taken were given back, the guest's next buffer
+                    // kicks this worker), or it broke.
+                    Merged::NoBuffer | Merged::Broken => break,
+                }
+            }
             let Some(chain) = self.rx.queue.pop_descriptor_chain(mem) else {
                 match self.rx.queue.enable_notification(mem) {
                     Ok(true) if ring_unpoppable(&mut self.rx.queue, mem) => {
@@ -472,6 +502,128 @@ impl PairWorker {
                 }
             }
         }
+    }
+
+    /// `MRG_RXBUF`: places the frame in `bounce[..len]` across as many RX
+    /// chains as it needs, each checked before anything is written, with
+    /// their count in the header's `num_buffers`. Chains are taken only
+    /// when the frame fits: when the ring runs dry first they are given back
+    /// (`NoBuffer`, the frame stays pending, notifications on). A malformed chain ends the
+    /// attempt: every chain taken goes back used with length 0 (the guest
+    /// drops them) and the frame waits for the next. A frame that the
+    /// whole ring could not hold is dropped.
+    fn place_merged(&mut self, mem: &GuestMemoryTracked, len: usize) -> Merged {
+        let mut taken: Vec<(u16, Vec<(GuestAddress, usize)>)> = Vec::new();
+        let mut cap = 0usize;
+        let mut malformed = None;
+        while cap < len {
+            if taken.len() >= usize::from(self.rx.queue.size()) {
+                // Even the whole ring is too small: give it back, drop the frame.
+                for _ in 0..taken.len() {
+                    self.rx.queue.go_to_previous_position();
+                }
+                self.pending = None;
+                if let Some(s) = self.pair_stats() {
+                    s.rx_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                debug!(
+                    pair = self.pair,
+                    len, "RX frame larger than the guest's whole ring; dropped"
+                );
+                return Merged::Dropped;
+            }
+            let Some(chain) = self.rx.queue.pop_descriptor_chain(mem) else {
+                // Notifications on while the chains taken still count as
+                // seen: with EVENT_IDX the avail event then asks for a kick
+                // at the guest's next buffer, not at these (given back below).
+                match self.rx.queue.enable_notification(mem) {
+                    Ok(true) if ring_unpoppable(&mut self.rx.queue, mem) => {
+                        self.mark_broken(0, &"the driver's avail ring cannot be read");
+                        return Merged::Broken;
+                    }
+                    // A buffer arrived meanwhile: take it.
+                    Ok(true) => {
+                        if let Err(e) = self.rx.queue.disable_notification(mem) {
+                            self.mark_broken(0, &e);
+                            return Merged::Broken;
+                        }
+                        continue;
+                    }
+                    Ok(false) => {
+                        for _ in 0..taken.len() {
+                            self.rx.queue.go_to_previous_position();
+                        }
+                        if let Some(s) = self.pair_stats() {
+                            s.rx_no_buffer.fetch_add(1, Ordering::Relaxed);
+                        }
+                        return Merged::NoBuffer;
+                    }
+                    Err(e) => {
+                        self.mark_broken(0, &e);
+                        return Merged::Broken;
+                    }
+                }
+            };
+            let head = chain.head_index();
+            let mut bufs = Vec::new();
+            let mut chain_cap = 0usize;
+            for d in chain {
+                if !d.is_write_only() {
+                    malformed = Some("device-readable descriptor in an RX chain");
+                } else if !GuestMemoryBackend::check_range(mem, d.addr(), d.len() as usize) {
+                    malformed = Some("RX buffer outside guest memory");
+                }
+                bufs.push((d.addr(), d.len() as usize));
+                chain_cap = chain_cap.saturating_add(d.len() as usize);
+            }
+            if taken.is_empty() && chain_cap < VNET_HDR_LEN {
+                malformed = malformed.or(Some("RX chain shorter than the virtio-net header"));
+            }
+            taken.push((head, bufs));
+            if malformed.is_some() {
+                break;
+            }
+            cap = cap.saturating_add(chain_cap);
+        }
+        if let Some(why) = malformed {
+            self.count_malformed("rx", why);
+            for (head, _) in &taken {
+                if let Err(e) = self.rx.queue.add_used(mem, *head, 0) {
+                    self.mark_broken(0, &e);
+                    return Merged::Broken;
+                }
+            }
+            return Merged::Placed(taken.len());
+        }
+        let count = u16::try_from(taken.len()).unwrap_or(u16::MAX);
+        self.bounce[NUM_BUFFERS_OFF..NUM_BUFFERS_OFF + 2].copy_from_slice(&count.to_le_bytes());
+        let mut off = 0usize;
+        for (head, bufs) in &taken {
+            let start = off;
+            for &(addr, blen) in bufs {
+                let take = blen.min(len - off);
+                if take == 0 {
+                    break;
+                }
+                // Through vm-memory: the device's dirty bitmap records these pages.
+                if mem.write_slice(&self.bounce[off..off + take], addr).is_err() {
+                    // Checked above: only a guest memory change could fail it.
+                    self.mark_broken(0, &"an RX buffer write failed");
+                    return Merged::Broken;
+                }
+                off += take;
+            }
+            if let Err(e) = self.rx.queue.add_used(mem, *head, (off - start) as u32) {
+                self.mark_broken(0, &e);
+                return Merged::Broken;
+            }
+        }
+        self.pending = None;
+        if let Some(s) = self.pair_stats() {
+            s.rx_frames.fetch_add(1, Ordering::Relaxed);
+            s.rx_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        }
+        Merged::Placed(taken.len())
     }
 
     /// Copies the frame in `bounce[..len]` into an RX chain; returns the bytes
@@ -759,4 +911,16 @@ impl Worker {
 enum RxReject {
     TooSmall,
     Malformed(&'static str),
+}
+
+/// What became of one frame with `MRG_RXBUF` ([`PairWorker::place_merged`]).
+enum Merged {
+    /// Used entries added (chains that took the frame, or malformed ones given back).
+    Placed(usize),
+    /// The frame was larger than the guest's whole ring.
+    Dropped,
+    /// The ring ran dry first: nothing taken, the frame waits.
+    NoBuffer,
+    /// The used ring could not be written: the queue is marked broken.
+    Broken,
 }

@@ -79,6 +79,12 @@ impl PairHarness {
         Ok(Self { worker, stats })
     }
 
+    /// As if the driver acked `VIRTIO_NET_F_MRG_RXBUF` (or not).
+    pub fn mergeable(mut self, on: bool) -> Self {
+        self.worker = self.worker.mergeable(on);
+        self
+    }
+
     /// One TX wakeup: pop, check, `writev` every chain, used ring, signal.
     pub fn tx(&mut self) {
         self.worker.process_tx();

@@ -911,13 +911,24 @@ impl Inner {
                     set_mac: booted.then(|| pod_mac(&names.vm_id)),
                 }));
             }
-            let call_all = |conn: &mut crate::agent::Conn| setup.iter().try_for_each(|r| conn.call(r).map(drop));
+            // Each call's time, for the phase line ("identity N ms, network N ms").
+            let took = std::cell::RefCell::new(Vec::new());
+            let call_all = |conn: &mut crate::agent::Conn| {
+                setup.iter().try_for_each(|r| {
+                    let t = Instant::now();
+                    conn.call(r)?;
+                    took.borrow_mut()
+                        .push(format!("{} {} ms", setup_name(r), t.elapsed().as_millis()));
+                    Ok(())
+                })
+            };
             match call_all(&mut conn) {
                 Err(CallError::Lost(e)) if start == PodStart::Fork => {
                     tracing::info!(
                         "{}: the agent connection was lost once after the fork ({e}); again",
                         req.id
                     );
+                    took.borrow_mut().push("the connection lost and made again".into());
                     conn = agent
                         .connect(agent.limits().call)
                         .map_err(|e| err(Code::UNAVAILABLE, format!("{e:#}")))?;
@@ -949,13 +960,14 @@ impl Inner {
             let ms = |a: Instant, b: Instant| b.duration_since(a).as_millis();
             let t_end = Instant::now();
             tracing::info!(
-                "pod VM of {} created ({}): prepare {} ms, vm {} ms, agent {} ms, setup {} ms, container {} ms",
+                "pod VM of {} created ({}): prepare {} ms, vm {} ms, agent {} ms, setup {} ms ({}), container {} ms",
                 req.id,
                 start.name(),
                 ms(t0, vm_started),
                 ms(vm_started, t_vm),
                 ms(t_vm, t_agent),
                 ms(t_agent, t_setup),
+                took.borrow().join(", "),
                 ms(t_setup, t_end)
             );
             if deadline.is_some_and(|d| Instant::now() > d) {
@@ -1067,6 +1079,16 @@ impl Drop for RefillOnDrop {
 
 /// A fork child's own identity: host entropy, the host's clock, a fresh
 /// machine-id.
+/// A setup call's name in the pod start phase line.
+fn setup_name(r: &Request) -> &'static str {
+    match r {
+        Request::Identity(_) => "identity",
+        Request::Network(n) if n.set_mac.is_some() => "network with the MAC",
+        Request::Network(_) => "network",
+        _ => "call",
+    }
+}
+
 fn new_identity() -> anyhow::Result<Identity> {
     use std::io::Read;
     let mut bytes = [0u8; 64 + 16];

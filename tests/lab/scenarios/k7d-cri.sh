@@ -254,11 +254,30 @@ cri_pod() {
         sleep 1
       done ) &
     _vpoll=$!
+    # LAB_CRI_RAM_TIMELINE=1 (by hand): a fork-started pod's copies over
+    # its start (issue 38: where the copy-on-write storm comes from): its
+    # VM's guest RAM copied, every ~0.2 s, with the last CRI step done at
+    # that moment. By hand only: each sample is a k7d process and an smaps
+    # walk of the daemon on L1's emulated CPU, which slows the very start
+    # it watches (k7d_fork.pod_start_vs_cold 1.24 with it, against 0.5-0.9).
+    if [ "$_l" = k7d-fork ] && [ "${LAB_CRI_RAM_TIMELINE:-}" = 1 ]; then
+      rm -f "/tmp/ramtl-$_l"
+      ( while :; do
+          for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | awk '$1 ~ /^pod-/ {print $1}'); do
+            _c=$("$LAB_BIN" --socket "$SOCK" --json guest-ram "$_v" 2>/dev/null | sed -n 's/.*"copied": *\([0-9]*\).*/\1/p' | head -n1)
+            [ -n "$_c" ] || continue
+            echo "$(cut -d' ' -f1 /proc/uptime) $_c $(grep '^cri: step ' "/tmp/cri-$_l.out" 2>/dev/null | tail -n1 | cut -d' ' -f3)" >>"/tmp/ramtl-$_l"
+          done
+          sleep 0.2
+        done ) &
+      _rpoll=$!
+    fi
   fi
   cri_live "$_l" "/tmp/cri-$_l.out" timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" pod --runtime-handler "$_h" --image "$IMG" --name "$_l" \
     --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"} $_st $_lim
   _rc=$?
   [ -z "${_vpoll:-}" ] || { kill "$_vpoll"; wait "$_vpoll" 2>/dev/null; _vpoll=; }
+  [ -z "${_rpoll:-}" ] || { kill "$_rpoll"; wait "$_rpoll" 2>/dev/null; _rpoll=; }
   VMS_MAX=$(cat /tmp/vms.max 2>/dev/null || echo 0)
   [ "$_rc" = 0 ] || fail "$_l: k7d-cri pod (handler $_h) exited $_rc: $(grep -v '^cri: step ' "/tmp/cri-$_l.out" | tail -n 2 | tr '\n' ' ')"
   _got=$(sed -n 's/^cri: exec uname -r: //p' "/tmp/cri-$_l.out")
@@ -296,6 +315,9 @@ cri_pod() {
   [ -z "$_ph" ] || lab_note "$_l: its app containers' creates: $_ph"
   [ "${_h%%-*}" != k7d ] || stop_phases "$_l"
   [ "${_h%%-*}" != k7d ] || guest_ram "$_l"
+  # The copy timeline: seconds since the first sample, MiB copied, the
+  # last CRI step done by then (one entry per change of either).
+  [ ! -s "/tmp/ramtl-$_l" ] || lab_note "$_l: its pod VM's guest RAM copied over the pod's start (s since the VM's first sample: MiB copied, after the CRI step): $(awk 'NR == 1 {t0 = $1} {m = sprintf("%.1f", $2 / 1048576); k = m " " $3} k != last {printf "%.1f: %s MiB after %s; ", $1 - t0, m, ($3 == "" ? "-" : $3); last = k}' "/tmp/ramtl-$_l")"
 }
 
 # guest_ram LABEL: what the idle pod VM's guest RAM cost L1 (issue 38,

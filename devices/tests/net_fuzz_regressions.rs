@@ -1,7 +1,8 @@
 //! Inputs the `net_tx` fuzz target found (devices/fuzz), replayed through the
 //! same harness: each must finish (no spin) and leave the device serving.
 
-use std::os::fd::{FromRawFd, OwnedFd};
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -22,22 +23,6 @@ fn queue(mem: &GuestMemoryTracked, size: u16, i: u64, event_idx: bool) -> Queue 
     q
 }
 
-fn socketpair() -> (OwnedFd, OwnedFd) {
-    let mut fds = [0i32; 2];
-    // SAFETY: socketpair writes two descriptors into the live 2-int array.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    assert_eq!(rc, 0);
-    // SAFETY: two fresh descriptors nothing else owns.
-    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
-}
-
 /// Guest memory with `bytes` at GPA 0, the TX queue (size `size`) and a
 /// control queue, served once each, on a watchdog thread.
 fn serve(bytes: &[u8], size: u16, event_idx: bool, ctrl: bool) -> PairHarness {
@@ -46,7 +31,7 @@ fn serve(bytes: &[u8], size: u16, event_idx: bool, ctrl: bool) -> PairHarness {
     let tx = queue(&mem, size, 0, event_idx);
     let rx = queue(&mem, size, 2, event_idx);
     let c = ctrl.then(|| queue(&mem, 32, 1, event_idx));
-    let (dev_end, host_end) = socketpair();
+    let (dev_end, host_end) = common::socketpair();
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut h = PairHarness::new(Arc::new(mem), rx, tx, c, 4, dev_end).expect("harness");

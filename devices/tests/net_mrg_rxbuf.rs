@@ -5,7 +5,9 @@
 //! malformed chain is given back empty. Driven through the worker's real
 //! code (`PairHarness`) over a datagram socket standing in for the tap.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+mod common;
+
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -35,22 +37,6 @@ fn queue(mem: &GuestMemoryTracked, avail: u64, desc: u64, used: u64, event_idx: 
     q
 }
 
-fn socketpair() -> (OwnedFd, OwnedFd) {
-    let mut fds = [0i32; 2];
-    // SAFETY: socketpair writes two descriptors into the live 2-int array.
-    let rc = unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            0,
-            fds.as_mut_ptr(),
-        )
-    };
-    assert_eq!(rc, 0);
-    // SAFETY: two fresh descriptors nothing else owns.
-    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
-}
-
 struct Rig {
     mem: Arc<GuestMemoryTracked>,
     h: PairHarness,
@@ -67,7 +53,7 @@ impl Rig {
         let mem = Arc::new(GuestMemoryTracked::from_ranges(&[(GuestAddress(0), 0x10000)]).expect("memory"));
         let rx = queue(&mem, AVAIL, DESC, USED, event_idx);
         let tx = queue(&mem, 0x100, 0x800, 0x1400, event_idx);
-        let (dev, host) = socketpair();
+        let (dev, host) = common::socketpair();
         let h = PairHarness::new(mem.clone(), rx, tx, None, 1, dev)
             .expect("harness")
             .mergeable(mergeable);

@@ -1,8 +1,10 @@
-//! Helpers shared by the device integration tests.
+//! Helpers shared by the device integration tests (each test binary uses
+//! some of them).
+#![allow(dead_code)]
 
 use std::ffi::CStr;
 use std::fs::File;
-use std::os::fd::FromRawFd;
+use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use k7d_devices::virtio::GuestMemoryTracked;
@@ -26,4 +28,22 @@ pub fn memfd_memory(size: usize, name: &CStr) -> Arc<GuestMemoryTracked> {
         .build()
         .unwrap();
     Arc::new(GuestMemoryTracked::from_regions(vec![GuestRegionMmap::new(region, GuestAddress(0)).unwrap()]).unwrap())
+}
+
+/// A non-blocking datagram socket pair: the first end stands in for a tap
+/// queue (frames written to it are read whole from the second, and back).
+pub fn socketpair() -> (OwnedFd, OwnedFd) {
+    let mut fds = [0i32; 2];
+    // SAFETY: socketpair writes two descriptors into the live 2-int array.
+    let rc = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_DGRAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "socketpair: {}", std::io::Error::last_os_error());
+    // SAFETY: two fresh descriptors nothing else owns.
+    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
 }

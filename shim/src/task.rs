@@ -1077,8 +1077,6 @@ impl Drop for RefillOnDrop {
     }
 }
 
-/// A fork child's own identity: host entropy, the host's clock, a fresh
-/// machine-id.
 /// A setup call's name in the pod start phase line.
 fn setup_name(r: &Request) -> &'static str {
     match r {
@@ -1089,6 +1087,8 @@ fn setup_name(r: &Request) -> &'static str {
     }
 }
 
+/// A fork child's own identity: host entropy, the host's clock, a fresh
+/// machine-id.
 fn new_identity() -> anyhow::Result<Identity> {
     use std::io::Read;
     let mut bytes = [0u8; 64 + 16];

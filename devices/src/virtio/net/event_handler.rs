@@ -69,6 +69,10 @@ pub(super) struct PairWorker {
     broken: [bool; 3],
     /// `VIRTIO_NET_F_MRG_RXBUF` acked: a frame may span several RX chains.
     mergeable: bool,
+    /// `place_merged`'s scratch, kept so a frame allocates nothing: the
+    /// chains taken (head, end of its buffers in `rx_bufs`) and their buffers.
+    rx_chains: Vec<(u16, usize)>,
+    rx_bufs: Vec<(GuestAddress, usize)>,
 }
 
 // SAFETY: `iov` only ever holds pointers while `process_tx` builds and sends
@@ -184,6 +188,8 @@ impl PairWorker {
             iov: Vec::with_capacity(64),
             broken: [false; 3],
             mergeable: false,
+            rx_chains: Vec::new(),
+            rx_bufs: Vec::new(),
         }
     }
 
@@ -513,7 +519,21 @@ impl PairWorker {
     /// drops them) and the frame waits for the next. A frame that the
     /// whole ring could not hold is dropped.
     fn place_merged(&mut self, mem: &GuestMemoryTracked, len: usize) -> Merged {
-        let mut taken: Vec<(u16, Vec<(GuestAddress, usize)>)> = Vec::new();
+        let (mut taken, mut bufs) = (std::mem::take(&mut self.rx_chains), std::mem::take(&mut self.rx_bufs));
+        taken.clear();
+        bufs.clear();
+        let r = self.place_merged_into(mem, len, &mut taken, &mut bufs);
+        (self.rx_chains, self.rx_bufs) = (taken, bufs);
+        r
+    }
+
+    fn place_merged_into(
+        &mut self,
+        mem: &GuestMemoryTracked,
+        len: usize,
+        taken: &mut Vec<(u16, usize)>,
+        bufs: &mut Vec<(GuestAddress, usize)>,
+    ) -> Merged {
         let mut cap = 0usize;
         let mut malformed = None;
         while cap < len {
@@ -565,7 +585,6 @@ impl PairWorker {
                 }
             };
             let head = chain.head_index();
-            let mut bufs = Vec::new();
             let mut chain_cap = 0usize;
             for d in chain {
                 if !d.is_write_only() {
@@ -579,7 +598,7 @@ impl PairWorker {
             if taken.is_empty() && chain_cap < VNET_HDR_LEN {
                 malformed = malformed.or(Some("RX chain shorter than the virtio-net header"));
             }
-            taken.push((head, bufs));
+            taken.push((head, bufs.len()));
             if malformed.is_some() {
                 break;
             }
@@ -587,8 +606,8 @@ impl PairWorker {
         }
         if let Some(why) = malformed {
             self.count_malformed("rx", why);
-            for (head, _) in &taken {
-                if let Err(e) = self.rx.queue.add_used(mem, *head, 0) {
+            for &(head, _) in taken.iter() {
+                if let Err(e) = self.rx.queue.add_used(mem, head, 0) {
                     self.mark_broken(0, &e);
                     return Merged::Broken;
                 }
@@ -598,9 +617,10 @@ impl PairWorker {
         let count = u16::try_from(taken.len()).unwrap_or(u16::MAX);
         self.bounce[NUM_BUFFERS_OFF..NUM_BUFFERS_OFF + 2].copy_from_slice(&count.to_le_bytes());
         let mut off = 0usize;
-        for (head, bufs) in &taken {
+        let mut from = 0usize;
+        for &(head, end) in taken.iter() {
             let start = off;
-            for &(addr, blen) in bufs {
+            for &(addr, blen) in &bufs[from..end] {
                 let take = blen.min(len - off);
                 if take == 0 {
                     break;
@@ -613,7 +633,8 @@ impl PairWorker {
                 }
                 off += take;
             }
-            if let Err(e) = self.rx.queue.add_used(mem, *head, (off - start) as u32) {
+            from = end;
+            if let Err(e) = self.rx.queue.add_used(mem, head, (off - start) as u32) {
                 self.mark_broken(0, &e);
                 return Merged::Broken;
             }

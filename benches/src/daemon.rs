@@ -17,7 +17,8 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    /// Starts `k7d <global...> daemon` under a temp dir named after `tag`
+    /// Starts `k7d <global...> daemon --jail off` (every VM inside it)
+    /// under a temp dir named after `tag`
     /// and waits (10 s at most) until its API answers.
     pub fn start(k7d: &Path, tag: &str, global: &[&str]) -> Result<Self> {
         let dir = std::env::temp_dir().join(format!("k7d-bench-{tag}-{}", std::process::id()));
@@ -26,7 +27,7 @@ impl Daemon {
         let socket = dir.join("k7d.sock");
         let child = Command::new(k7d)
             .args(global)
-            .args(["daemon", "--state-dir"])
+            .args(["daemon", "--jail", "off", "--state-dir"])
             .arg(dir.join("state"))
             .arg("--socket")
             .arg(&socket)

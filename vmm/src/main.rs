@@ -536,10 +536,11 @@ enum Cmd {
 /// Where the daemon runs its VMs (`docs/security.md`, "The jail").
 #[derive(Args, Clone)]
 struct DaemonJail {
-    /// `on`: every VM the daemon creates runs in a jailed VM process of its
-    /// own, which outlives the daemon (no fork of a VM with a read-write
-    /// disk so far); `off`: inside the daemon.
-    #[arg(long, value_enum, default_value_t = JailMode::Off)]
+    /// `on` (the default; needs root): every VM the daemon creates runs in
+    /// a jailed VM process of its own, which outlives the daemon; `off`:
+    /// every VM inside the daemon, unjailed (for development, or a host
+    /// that cannot jail; `k7d info` and `k7d check` say so).
+    #[arg(long, value_enum, default_value_t = JailMode::On)]
     jail: JailMode,
     /// The first uid (and gid) of the range VM processes take, one each.
     #[arg(long, default_value_t = 2_000_000_000, value_parser = clap::value_parser!(u32).range(1..))]
@@ -1464,6 +1465,20 @@ fn print_vm(vm: &VmInfo) {
 /// The daemon's VM processes (`--jail on`): the spawner started and this
 /// process a child subreaper.
 fn vm_processes(jail: &DaemonJail) -> Result<k7d_vmm::daemon::VmProcesses> {
+    // What the spawner must hand its VM processes before their jail: a
+    // daemon without it would start and then fail every VM it builds.
+    let caps = k7d_vmm::sys::permitted_capabilities().context("cannot read this process's capabilities")?;
+    let missing: Vec<&str> = k7d_vmm::vmproc::spawner::JAIL_CAPS
+        .iter()
+        .filter(|&&(c, _)| caps & (1u64 << c) == 0)
+        .map(|&(_, what)| what.split(':').next().unwrap_or(what))
+        .collect();
+    if !missing.is_empty() {
+        anyhow::bail!(
+            "--jail on (the default) runs each VM in a jailed process of its own and needs root, and this daemon lacks {}: run it as root, or pass --jail off to run every VM inside the daemon without a jail (for development)",
+            missing.join(", ")
+        );
+    }
     // The cgroup first: a daemon that cannot have it starts nothing.
     let cgroup = match jail.jail_cgroup.as_str() {
         "off" => {

@@ -39,7 +39,7 @@ impl DaemonProc {
     /// Spawns `k7d daemon` on `dir`'s state dir and socket with `extra` flags.
     fn spawn(dir: &Path, extra: &[&str]) -> Child {
         Command::new(K7D)
-            .arg("daemon")
+            .args(["daemon", "--jail", "off"])
             .arg("--state-dir")
             .arg(dir.join("state"))
             .arg("--socket")
@@ -779,7 +779,7 @@ fn only_a_stale_socket_is_replaced() {
     // and the first one goes on serving.
     let other = scratch("sockpath-other");
     let mut c = Command::new(K7D)
-        .arg("daemon")
+        .args(["daemon", "--jail", "off"])
         .arg("--state-dir")
         .arg(other.0.join("state"))
         .arg("--socket")
@@ -858,7 +858,7 @@ fn a_restart_right_after_kill_9_waits_for_the_state_dir() {
     std::fs::write(&lock_path, format!("{}\n", std::process::id())).unwrap();
     let t = Instant::now();
     let o = Command::new(K7D)
-        .arg("daemon")
+        .args(["daemon", "--jail", "off"])
         .arg("--state-dir")
         .arg(dir.0.join("state"))
         .arg("--socket")

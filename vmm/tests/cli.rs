@@ -155,7 +155,7 @@ struct DaemonProc {
 
 impl DaemonProc {
     fn start(dir: &Path) -> (Self, String) {
-        let child = common::start_daemon(Path::new(K7D), dir, &[], false);
+        let child = common::start_daemon(Path::new(K7D), dir, &["--jail", "off"], false);
         // Reconcile messages are printed before the socket appears.
         let err = String::new();
         (Self { child }, err)

@@ -21,9 +21,10 @@ fn start_daemon(dir: &Path) -> Child {
     start_jailed_daemon(dir, "2000000200", &[])
 }
 
-/// A daemon with `--jail on`, no cgroup, ids from `id_base`, and `extra`.
+/// A daemon with VM processes (the default: no `--jail`), no cgroup, ids
+/// from `id_base`, and `extra`.
 fn start_jailed_daemon(dir: &Path, id_base: &str, extra: &[&str]) -> Child {
-    let mut args = vec!["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", id_base];
+    let mut args = vec!["--jail-cgroup", "off", "--jail-id-base", id_base];
     args.extend_from_slice(extra);
     common::start_daemon(Path::new(K7D), dir, &args, false)
 }
@@ -1273,12 +1274,13 @@ fn a_daemon_that_cannot_give_vm_processes_a_cgroup_refuses_to_start() {
     for (cg, says) in [
         (
             not_cgroup.to_str().unwrap(),
-            "is not a cgroup v2 directory (no cgroup.controllers: No such file or directory (os error 2)) (--jail-cgroup off runs VM processes without memory or CPU limits)",
+            "is not a cgroup v2 directory (no cgroup.controllers: No such file or directory (os error 2)) (--jail-cgroup off runs VM processes without memory or CPU limits, --jail off every VM inside the daemon)",
         ),
         ("k7d", "give an absolute cgroup v2 directory, or off"),
     ] {
         let mut child = Command::new(K7D)
-            .args(["daemon", "--jail", "on", "--jail-cgroup", cg, "--state-dir"])
+            // No --jail: VM processes are the default.
+            .args(["daemon", "--jail-cgroup", cg, "--state-dir"])
             .arg(dir.join("state"))
             .arg("--socket")
             .arg(dir.join("k7d.sock"))
@@ -1302,6 +1304,41 @@ fn a_daemon_that_cannot_give_vm_processes_a_cgroup_refuses_to_start() {
         assert!(!dir.join("k7d.sock").exists(), "a refused daemon made its socket");
     }
     assert!(!not_cgroup.exists(), "a refused daemon made its cgroup");
+}
+
+/// VM processes are the default, and they need root: a daemon run as
+/// another user with no `--jail` refuses to start in one sentence that
+/// names `--jail off`, before it makes its socket or starts a spawner,
+/// instead of starting and then failing every VM it builds.
+#[test]
+fn a_daemon_without_root_refuses_vm_processes_and_names_jail_off() {
+    use std::os::unix::process::CommandExt;
+    let name = "a_daemon_without_root_refuses_vm_processes_and_names_jail_off";
+    if !root_or_skip(name) {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc-nonroot");
+    let dir = scratch.0.as_path();
+    let o = Command::new(K7D)
+        .args(["daemon", "--jail-cgroup", "off", "--state-dir"])
+        .arg(dir.join("state"))
+        .arg("--socket")
+        .arg(dir.join("k7d.sock"))
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{:?}", text(&o));
+    let err = text(&o).1;
+    let last = err.trim().lines().last().unwrap_or_default().to_string();
+    assert!(
+        last.contains("--jail on (the default)")
+            && last.contains("lacks CAP_SETGID, CAP_SETUID, CAP_SETPCAP, CAP_SYS_CHROOT, CAP_SYS_ADMIN")
+            && last.contains("pass --jail off"),
+        "{err}"
+    );
+    assert!(!dir.join("k7d.sock").exists(), "a refused daemon made its socket");
+    assert!(!dir.join("state").exists(), "a refused daemon made its state directory");
 }
 
 /// Whether process `pid` holds an open file at `path`.

@@ -206,7 +206,7 @@ fn ticks(dir: &Path, id: &str) -> u32 {
 fn sigusr1_dumps_every_daemon_vm_and_their_clocks_tick_on() {
     let dir = Scratch::new("diag-daemon");
     let mut d = Command::new(K7D)
-        .args(["daemon", "--state-dir"])
+        .args(["daemon", "--jail", "off", "--state-dir"])
         .arg(dir.0.join("state"))
         .arg("--socket")
         .arg(dir.0.join("k7d.sock"))

@@ -186,7 +186,9 @@ fn start_daemon(dir: &Path, jail: bool, id_base: &str) -> (Running, u16) {
     let addr = format!("127.0.0.1:{port}");
     let mut args = vec!["--metrics-listen", addr.as_str()];
     if jail {
-        args.extend_from_slice(&["--jail", "on", "--jail-cgroup", "off", "--jail-id-base", id_base]);
+        args.extend_from_slice(&["--jail-cgroup", "off", "--jail-id-base", id_base]);
+    } else {
+        args.extend_from_slice(&["--jail", "off"]);
     }
     (
         Running(Some(common::start_daemon(Path::new(K7D), dir, &args, true))),
@@ -543,7 +545,7 @@ fn a_metrics_address_that_cannot_be_had_refuses_the_start_in_one_sentence() {
         .arg("daemon")
         .arg("--state-dir")
         .arg(dir.0.join("state"))
-        .args(["--metrics-listen", &addr])
+        .args(["--metrics-listen", &addr, "--jail", "off"])
         .output()
         .unwrap();
     let (_, err) = text(&o);

@@ -34,7 +34,7 @@ impl Daemon {
         let dir = Scratch::new(tag);
         let child = Command::new(K7D)
             .args(extra)
-            .arg("daemon")
+            .args(["daemon", "--jail", "off"])
             .arg("--state-dir")
             .arg(dir.0.join("state"))
             .arg("--socket")

@@ -155,15 +155,15 @@ lab_alive() { [ -e "/proc/$1" ] && [ "$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/nu
 # lab_daemon_start STATE_DIR SOCKET LOG: starts "$LAB_BIN daemon" in the
 # background (its stderr to LOG), sets dpid, and waits up to 30 s for its
 # API to answer. Calls the scenario's fail (which must exist) if the daemon
-# exits or does not answer. LAB_JAIL=on (by hand; CI runs the default,
-# off) runs it with --jail on: every VM in a jailed VM process of its own
-# (issue 36), in a cgroup v2 leaf (cgroup2 mounted here for it).
+# exits or does not answer. LAB_JAIL (default on, k7d's default) is the
+# daemon's --jail: on, every VM in a jailed VM process of its own (issue
+# 36), in a cgroup v2 leaf (cgroup2 mounted here for it); off (by hand),
+# every VM inside the daemon.
 lab_daemon_start() {
-  if [ "${LAB_JAIL:-off}" = on ]; then
-    grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
-      fail "LAB_JAIL=on: cannot mount cgroup2 at /sys/fs/cgroup"
+  if [ "${LAB_JAIL:-on}" = on ]; then
+    lab_cgroup2
   fi
-  "$LAB_BIN" daemon --jail "${LAB_JAIL:-off}" --state-dir "$1" --socket "$2" 2>"$3" &
+  "$LAB_BIN" daemon --jail "${LAB_JAIL:-on}" --state-dir "$1" --socket "$2" 2>"$3" &
   dpid=$!
   local deadline=$(( $(date +%s) + 30 ))
   while ! timeout -s KILL 10 "$LAB_BIN" --socket "$2" list >/dev/null 2>&1; do
@@ -171,6 +171,14 @@ lab_daemon_start() {
     lab_alive "$dpid" || fail "the k7d daemon exited at start: $(tail -n3 "$3")"
     sleep 0.1
   done
+}
+
+# lab_cgroup2: cgroup v2 at /sys/fs/cgroup (L1 boots with none mounted),
+# where a daemon with --jail on gives each VM process its leaf; the
+# scenario fails if it cannot be mounted.
+lab_cgroup2() {
+  grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
+    lab_fail "cannot mount cgroup2 at /sys/fs/cgroup (a daemon with --jail on needs it)"
 }
 
 # lab_where SOCKET VM...: sets `where` to where the VMs run: with
@@ -181,7 +189,7 @@ lab_daemon_start() {
 lab_where() {
   local sock=$1 v pid
   shift
-  if [ "${LAB_JAIL:-off}" != on ]; then
+  if [ "${LAB_JAIL:-on}" != on ]; then
     where="in the daemon"
     return
   fi

@@ -30,8 +30,11 @@ grep -q "LAB-GUEST rebooting" /tmp/l2-k7d-reboot.log || lab_fail "reboot run: th
 grep -q "stopped (guest reboot)" /tmp/l2-k7d-reboot.log || lab_fail "reboot run: k7d did not report the guest reboot"
 lab_note "reboot -f: k7d exited 0, stopped (guest reboot)"
 
-# The same boot through the daemon: the record on disk says why it stopped.
+# The same boot through the daemon (its default: the VM in a jailed VM
+# process of its own, in a cgroup v2 leaf): the record on disk says why it
+# stopped.
 st=/tmp/k7d-state sock=/tmp/k7d.sock
+lab_cgroup2
 "$LAB_BIN" daemon --state-dir "$st" --socket "$sock" 2>/tmp/daemon.log &
 dpid=$!
 i=0

@@ -62,10 +62,10 @@ SOCK=/run/k7d/k7d.sock STATE=/run/k7d/state
 CLOG=/tmp/containerd.log DLOG=/tmp/k7d-daemon.log
 STEP_LIMIT=${LAB_CRI_STEP_TIMEOUT:-120}  # per CRI step, seconds
 HANDLERS=${LAB_CRI_HANDLERS:-runc k7d}
-# LAB_CRI_JAIL=on runs the k7d daemon with --jail on: every pod VM (cold,
-# pool, fork-started) and the template in a jailed VM process of its own
-# (issue 36; passed by hand, not in CI: CI runs the default, --jail off).
-JAIL=${LAB_CRI_JAIL:-off}
+# LAB_CRI_JAIL is the k7d daemon's --jail: on (the default, k7d's), every
+# pod VM (cold, pool, fork-started) and the template in a jailed VM process
+# of its own (issue 36); off (by hand), every pod VM inside the daemon.
+JAIL=${LAB_CRI_JAIL:-on}
 CRI=$LAB_CRI_BIN
 
 # cri_live LABEL OUT CMD...: runs CMD with its output kept in OUT and

@@ -17,7 +17,7 @@
 # Reported: the VMM's part beyond the daemon alone, for 1 VM and per VM
 # averaged over the 20 (the first included). Not counted: KVM's kernel memory per VM (vCPU state, shadow or nested
 # page tables, the memslot's dirty bitmap), which PSS does not show.
-# With LAB_JAIL=on (by hand) the daemon's child processes are summed with
+# With LAB_JAIL=on (the default) the daemon's child processes are summed with
 # it (its VM processes, spares and spawner): what a VM in a VM process of
 # its own costs beyond its guest (issue 36's goal: <= 2.5 MiB).
 # By hand: tests/lab/run.sh --bin target/release/k7d k7d-memory
@@ -68,7 +68,7 @@ sleep 1
 read -r p0 r0 <<EOF2
 $(pss)
 EOF2
-lab_note "0. the daemon alone (--jail ${LAB_JAIL:-off}; with on, its spares and spawner too): PSS $(mib "$p0") MiB"
+lab_note "0. the daemon alone (--jail ${LAB_JAIL:-on}; with on, its spares and spawner too): PSS $(mib "$p0") MiB"
 
 create m1
 up m1

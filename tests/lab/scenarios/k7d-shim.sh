@@ -22,10 +22,11 @@
 #      and written, their writes reaching L1 under runc and never under k7d;
 #   3. cat: "in" on stdin comes back, and stdin's end ends it.
 # Metrics: the time from ctr run to the container's first output line.
-# k7d only: its pod VM's agent left the initramfs (runc pivots); a guest
-# crash and a killed daemon stop tasks with 137 (the crash within 2 s of
-# the VM's stop); concurrent creates; an idle pod's PSS. Then the daemon
-# with --jail on (each VM in a jailed process of its own): killed under a
+# k7d only, with the daemon's every VM inside it (--jail off, by flag: what
+# that mode promises): its pod VM's agent left the initramfs (runc pivots);
+# a guest crash and a killed daemon stop tasks with 137 (the crash within
+# 2 s of the VM's stop); concurrent creates; an idle pod's PSS. Then the
+# daemon's default, --jail on (each VM in a jailed process of its own): killed under a
 # running task, the task stays RUNNING and takes execs, with no daemon and
 # after the next daemon re-attached.
 # Afterwards: no task, no container, no shim process, no k7d VM.
@@ -382,7 +383,7 @@ daemon_socket = "$SOCK"
 vcpus = 1
 memory_mib = 256
 EOF
-"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >"$DLOG" 2>&1 &
+"$LAB_BIN" daemon --jail off --state-dir "$STATE" --socket "$SOCK" >"$DLOG" 2>&1 &
 dpid=$!
 i=0
 until [ -S "$SOCK" ]; do
@@ -534,7 +535,7 @@ deleted_with victim 137
 timeout -s KILL 30 /usr/bin/ctr containers rm victim >/dev/null || fail "k7d: ctr containers rm victim failed"
 lab_metric k7d.daemon_kill_to_stopped "$kill_s" s
 lab_note "k7d: the daemon killed -9 under a running task: STOPPED $kill_s s later, status 137"
-"$LAB_BIN" daemon --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
+"$LAB_BIN" daemon --jail off --state-dir "$STATE" --socket "$SOCK" >>"$DLOG" 2>&1 &
 dpid=$!
 i=0
 until "$LAB_BIN" --socket "$SOCK" list >/dev/null 2>&1; do

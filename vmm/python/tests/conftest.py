@@ -29,9 +29,12 @@ def k7d_bin() -> Path:
 
 
 @contextlib.contextmanager
-def running_daemon(dir: Path) -> Iterator[Client]:
+def running_daemon(dir: Path, id_base: int = 2000001200) -> Iterator[Client]:
     """A daemon with its state and socket in `dir`; at the end it must be
-    empty, exit 0 on SIGTERM."""
+    empty, exit 0 on SIGTERM. It runs k7d's default: each VM in a jailed
+    VM process of its own, with uids from `id_base` (two daemons at once
+    take ranges apart), without a cgroup (this host may have cgroup v1:
+    the limits are the lab's to prove)."""
     binary = k7d_bin()
     if not binary.is_file():
         pytest.fail(f"no k7d binary at {binary} (build it, or set K7D_BIN)")
@@ -41,7 +44,20 @@ def running_daemon(dir: Path) -> Iterator[Client]:
     sock = dir / "k7d.sock"
     log = open(dir / "daemon.log", "wb")
     proc = subprocess.Popen(
-        [str(binary), "daemon", "--state-dir", str(dir / "state"), "--socket", str(sock)],
+        [
+            str(binary),
+            "daemon",
+            "--jail-cgroup",
+            "off",
+            "--jail-id-base",
+            str(id_base),
+            "--jail-id-count",
+            "1000",
+            "--state-dir",
+            str(dir / "state"),
+            "--socket",
+            str(sock),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )

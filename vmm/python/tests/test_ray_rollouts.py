@@ -34,7 +34,7 @@ def test_rollouts_run_on_the_node_that_owns_their_source(tmp_path: Path) -> None
     ex = load_example()
     with contextlib.ExitStack() as stack:
         a = stack.enter_context(running_daemon(tmp_path / "a"))
-        b = stack.enter_context(running_daemon(tmp_path / "b"))
+        b = stack.enter_context(running_daemon(tmp_path / "b", id_base=2000002200))
         daemons = {"a": a, "b": b}
         pids = {n: d.version()["pid"] for n, d in daemons.items()}
         cluster = Cluster(

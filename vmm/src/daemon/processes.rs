@@ -102,6 +102,9 @@ pub struct VmProcesses {
     spare_dir: std::sync::OnceLock<std::path::PathBuf>,
     /// Where each VM process's cgroup leaf goes (none: `--jail-cgroup off`).
     cgroup: Option<CgroupRoot>,
+    /// Whether the last spare could not be made: logged once when it
+    /// starts failing and once when it recovers, not at every try.
+    spares_failing: std::sync::atomic::AtomicBool,
 }
 
 impl VmProcesses {
@@ -119,6 +122,7 @@ impl VmProcesses {
             spare_target: spares,
             spare_dir: std::sync::OnceLock::new(),
             cgroup,
+            spares_failing: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -171,10 +175,18 @@ impl VmProcesses {
     /// take, once it has waited [`SURPLUS_AGE`].
     pub(super) fn top_up(&self) {
         while lock(&self.spares).len() < self.spare_target {
+            use std::sync::atomic::Ordering;
             match self.make_spare() {
-                Ok(s) => lock(&self.spares).push(s),
+                Ok(s) => {
+                    lock(&self.spares).push(s);
+                    if self.spares_failing.swap(false, Ordering::Relaxed) {
+                        tracing::info!("spare VM processes are made again");
+                    }
+                }
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot make a spare VM process; trying again later");
+                    if !self.spares_failing.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(error = %e, "cannot make a spare VM process; trying again, quietly, until one is made");
+                    }
                     return;
                 }
             }

@@ -43,7 +43,8 @@ impl CgroupRoot {
     /// refuses, with a sentence, a parent that is not cgroup v2 or lacks
     /// either controller.
     pub fn prepare(dir: &Path) -> Result<Self, String> {
-        let off = "(--jail-cgroup off runs VM processes without memory or CPU limits)";
+        let off =
+            "(--jail-cgroup off runs VM processes without memory or CPU limits, --jail off every VM inside the daemon)";
         let parent = dir.parent().filter(|p| !p.as_os_str().is_empty()).ok_or_else(|| {
             format!(
                 "the VM processes' cgroup {} has no parent directory {off}",

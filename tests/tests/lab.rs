@@ -526,6 +526,7 @@ const TYPICAL_L1_S: &[(&str, u32)] = &[
     ("lab-stall", 35),
     ("host-tests-l1", 25),
     ("k7d-policy", 25),
+    ("k7d-exec", 90),
     ("l1-net", 10),
 ];
 
@@ -1154,6 +1155,26 @@ fn lab_k7d_fork_stall_is_seen() {
         log.contains("LAB-STALL fork: no guest printed for 10 s"),
         "no stall line in l1.log"
     );
+}
+
+/// `k7d exec` (issue 37): commands run by the guest agent in a plain VM
+/// under the daemon's default (a VM process), in two fork children and in
+/// a restored VM: output, stdout and stderr apart, exit and signal status,
+/// stdin, env/cwd/user, a timeout, refusals (all asserted in the scenario).
+#[test]
+#[ignore = "nested lab: slow; run with --ignored (CI does)"]
+fn lab_k7d_exec_in_vms_forks_and_restores() {
+    if pending("k7d-exec") {
+        return;
+    }
+    let bin = k7d_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let agent = k7d_agent_binary().unwrap_or_else(|e| panic!("{e:#}"));
+    let r = run_scenario_with("k7d-exec", Some(&bin), &[("--agent", &agent)]).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(r["status"], "pass", "{r:#}");
+    for m in ["k7d_exec.first_ms", "k7d_exec.ms", "k7d_exec.child_ms"] {
+        let v = metric(&r, m);
+        assert!(v > 0.0 && v < 60_000.0, "{m} = {v} ms");
+    }
 }
 
 /// containerd 1.6 in L1 runs the same three `ctr run` containers with runc

@@ -17,6 +17,8 @@ pub mod diag;
 #[cfg(feature = "escape-drill")]
 pub mod drill;
 pub mod eventscli;
+#[cfg(feature = "shim")]
+pub mod execcli;
 pub mod jail;
 pub mod netcli;
 pub mod seccomp;

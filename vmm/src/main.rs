@@ -469,6 +469,13 @@ enum Cmd {
     },
     #[command(flatten)]
     Api(ApiCmd),
+    /// Run a command in a VM through its guest agent (k7d-agent; a fork
+    /// child or a restored VM alike): stdin forwarded, stdout and stderr
+    /// apart, the command's exit status as k7d's own (docs/exec.md).
+    ///
+    /// Example: `k7d exec web --env A=1 --cwd /tmp -- sh -c 'echo $A'`.
+    #[cfg(feature = "shim")]
+    Exec(k7d_vmm::execcli::ExecArgs),
     /// Report whether this host can run k7d.
     Check,
     /// The daemon's event log, oldest first: every create, fork (with its
@@ -1015,6 +1022,26 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             } else {
                 ExitCode::SUCCESS
             })
+        }
+        #[cfg(feature = "shim")]
+        Cmd::Exec(a) => {
+            init_logs("warn");
+            let mut client = Client::connect_with_timeout(&cli.socket, Duration::from_secs_f64(cli.timeout))
+                .map_err(|e: ApiError| anyhow!("{e}"))?;
+            let req = Request::Info(a.vm.clone());
+            let result = client.call(&req).map_err(|e| anyhow!("{e}"))?;
+            let Reply::Vm(info) = Reply::from_result(&req, result)
+                .with_context(|| format!("the daemon's answer to `{}` is not its result", req.op()))?
+            else {
+                anyhow::bail!("the daemon's answer to `info` is not a VM");
+            };
+            let Some(vsock) = &info.config.devices.vsock else {
+                anyhow::bail!(
+                    "vm {} has no vsock device, through which k7d exec reaches its guest agent (create it with --vsock)",
+                    a.vm
+                );
+            };
+            k7d_vmm::execcli::run(&a.vm, vsock.uds.clone(), &a)
         }
         Cmd::Api(cmd) => {
             init_logs("warn");

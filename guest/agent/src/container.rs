@@ -259,6 +259,9 @@ struct Container {
     /// A CRI pod sandbox: no image, no runc; its init is the stand-in
     /// ([`Config::stand_in`]).
     stand_in: bool,
+    /// The VM itself ([`proto::THE_VM`]): no image, no runc, no init; its
+    /// execs run directly in the VM's root (`crate::vmexec`).
+    the_vm: bool,
     /// A pod sandbox's /dev/shm for its pod's containers (a tmpfs mounted
     /// at `<bundle>/shm`), when it could be made.
     shm: Option<PathBuf>,
@@ -284,6 +287,8 @@ pub struct Containers {
     reaper: Arc<Reaper>,
     table: Mutex<Table>,
     seq: AtomicU64,
+    /// The VM itself, for execs outside any container (`k7d exec`).
+    the_vm: Arc<Container>,
 }
 
 /// Whether `spec` is a CRI pod sandbox's (containerd's CRI plugin marks it).
@@ -372,14 +377,32 @@ impl Drop for ConsoleSocket {
 impl Containers {
     /// An empty registry; makes the state directories.
     pub fn new(cfg: Config, reaper: Arc<Reaper>) -> std::io::Result<Containers> {
-        for d in ["c", "log", "s"] {
+        for d in ["c", "log", "s", "vm"] {
             std::fs::create_dir_all(cfg.state_dir.join(d))?;
         }
+        let bundle = cfg.state_dir.join("vm");
+        let (stdio, _) = ProcStdio::new(StdioSpec::default())?;
+        let the_vm = Arc::new(Container {
+            id: proto::THE_VM.to_owned(),
+            mounts: RootfsMounts::under(&bundle),
+            bundle,
+            // None of its own: its execs are the VM's.
+            cgroup: cfg.cgroup_root.clone(),
+            binds: BindMounts::default(),
+            init: Process::new("the VM itself".into(), stdio, None, 1),
+            execs: Mutex::new(HashMap::new()),
+            ops: Mutex::new(()),
+            stand_in: false,
+            the_vm: true,
+            shm: None,
+            ipc_ns: Mutex::new(None),
+        });
         Ok(Containers {
             cfg,
             reaper,
             table: Mutex::new(Table::default()),
             seq: AtomicU64::new(0),
+            the_vm,
         })
     }
 
@@ -469,6 +492,9 @@ impl Containers {
     }
 
     fn container(&self, id: &str) -> Result<Arc<Container>> {
+        if id == proto::THE_VM {
+            return Ok(Arc::clone(&self.the_vm));
+        }
         check_id(id, "container")?;
         lock(&self.table)
             .live
@@ -601,6 +627,7 @@ impl Containers {
             execs: Mutex::new(HashMap::new()),
             ops: Mutex::new(()),
             stand_in: true,
+            the_vm: false,
             shm,
             ipc_ns: Mutex::new(None),
         }))
@@ -794,6 +821,7 @@ impl Containers {
             execs: Mutex::new(HashMap::new()),
             ops: Mutex::new(()),
             stand_in: false,
+            the_vm: false,
             shm: None,
             ipc_ns: Mutex::new(None),
         }))
@@ -813,6 +841,8 @@ impl Containers {
             }
         }
         match &r.exec_id {
+            None if c.the_vm => Err(fail("the VM itself has no init process to start: exec in it")),
+            Some(eid) if c.the_vm => self.start_vm_exec(&c, &p, eid).inspect_err(|e| p.set_gone(e.clone())),
             None if c.stand_in => self.start_stand_in(&c, &p).inspect_err(|e| p.set_gone(e.clone())),
             None => {
                 self.runc(&["start".into(), c.id.clone().into()], None)
@@ -867,6 +897,43 @@ impl Containers {
         Ok(pid)
     }
 
+    /// Starts an exec in the VM itself: its process spec checked again (the
+    /// VM may have changed since the exec was registered) and run directly.
+    fn start_vm_exec(&self, c: &Container, p: &Arc<Process>, eid: &str) -> Result<u32> {
+        let ctx = |what: String| fail(format!("{}: {what}", p.label));
+        let path = c.bundle.join(format!("exec-{eid}.json"));
+        let spec: Value = std::fs::read(&path)
+            .map_err(|e| e.to_string())
+            .and_then(|b| serde_json::from_slice(&b).map_err(|e| e.to_string()))
+            .map_err(|e| ctx(format!("reading {} failed: {e}", path.display())))?;
+        let plan = crate::vmexec::plan(&spec, crate::init::PATH).map_err(ctx)?;
+        let child = lock(&p.child)
+            .take()
+            .ok_or_else(|| ctx("it was already started".into()))?;
+        let mut cmd = crate::vmexec::command(&plan);
+        child.apply(&mut cmd);
+        let pid = self.reaper.spawn(&mut cmd);
+        // The agent's copies of the child's stdio ends close here.
+        drop(cmd);
+        let pid = pid
+            .map_err(|e| ctx(format!("starting {} failed: {e}", plan.program.display())))?
+            .unsigned_abs();
+        {
+            let mut st = lock(&p.state);
+            st.pid = pid;
+            st.status = Status::Running;
+        }
+        self.watch(p, pid, &c.cgroup);
+        crate::log!(
+            "{}: {} as {}:{}, pid {pid}",
+            p.label,
+            plan.program.display(),
+            plan.uid,
+            plan.gid
+        );
+        Ok(pid)
+    }
+
     /// `Exec`: registers an exec (started by [`Containers::start`]).
     pub fn exec(&self, req: Exec) -> Result<()> {
         let Exec {
@@ -885,7 +952,19 @@ impl Containers {
                 c.id
             )));
         }
-        let label = format!("exec {eid} of container {}", c.id);
+        let label = if c.the_vm {
+            format!("exec {eid} in the VM")
+        } else {
+            format!("exec {eid} of container {}", c.id)
+        };
+        if c.the_vm {
+            if stdio.terminal {
+                return Err(fail(format!("{label}: an exec in the VM itself takes no terminal yet")));
+            }
+            // Refused now rather than at its start: a bad spec or a
+            // program the VM lacks is this request's error.
+            crate::vmexec::plan(&spec, crate::init::PATH).map_err(|e| fail(format!("{label}: {e}")))?;
+        }
         let obj = spec
             .as_object_mut()
             .ok_or_else(|| fail(format!("{label}: the process spec is not a JSON object")))?;
@@ -921,7 +1000,7 @@ impl Containers {
             return Err(fail(format!("signal {signal} is not in 1..=64")));
         }
         let (c, p) = self.process(r)?;
-        if all && !c.stand_in {
+        if all && !c.stand_in && !c.the_vm {
             return self
                 .runc(
                     &[
@@ -1029,9 +1108,9 @@ impl Containers {
         if !resources.is_object() {
             return Err(fail(format!("container {id}: the resources are not a JSON object")));
         }
-        if c.stand_in {
+        if c.stand_in || c.the_vm {
             return Err(fail(format!(
-                "container {id} is a pod sandbox: its resources are the VM's"
+                "container {id:?} is a pod sandbox or the VM itself: its resources are the VM's"
             )));
         }
         let _ops = lock(&c.ops);
@@ -1271,6 +1350,104 @@ mod tests {
         assert!(a.delete("gone").unwrap_err().not_found);
         assert!(!a.signal(&pref("c", None), 0, false).unwrap_err().not_found);
         assert!(!a.signal(&pref("c", None), 65, false).unwrap_err().not_found);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Runs `args` in the VM itself (as `user` when the test runs as root)
+    /// and returns its exit status, stdout and stderr.
+    fn run_in_the_vm(a: &Containers, eid: &str, spec: Value) -> (u32, String, String) {
+        let r = pref(proto::THE_VM, Some(eid));
+        a.exec(Exec {
+            process: r.clone(),
+            spec,
+            stdio: StdioSpec {
+                terminal: false,
+                stdin: false,
+                stdout: true,
+                stderr: true,
+            },
+        })
+        .unwrap();
+        let read = |stream| {
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+            let att = a.attach(&r, stream).unwrap();
+            let relay = std::thread::spawn(move || att.relay(theirs));
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                std::io::Read::read_to_string(&mut &ours, &mut s).unwrap();
+                relay.join().unwrap();
+                s
+            })
+        };
+        let (out, err) = (read(Stream::Stdout), read(Stream::Stderr));
+        let pid = a.start(&r).unwrap();
+        let raw = sys::wait_pid(pid as i32).unwrap();
+        a.reaper.record(pid as i32, crate::reaper::decode_status(raw));
+        let status = a.wait(&r).unwrap().exit_status;
+        let (out, err) = (out.join().unwrap(), err.join().unwrap());
+        a.delete_exec(&r).unwrap();
+        assert!(a.state(&r).unwrap_err().not_found, "a deleted exec is gone");
+        (status, out, err)
+    }
+
+    #[test]
+    fn an_exec_in_the_vm_itself_runs_without_a_container_or_runc() {
+        let _children = crate::test_children();
+        let (a, dir) = agent("thevm");
+        let (status, out, err) = run_in_the_vm(
+            &a,
+            "e1",
+            serde_json::json!({"args": ["sh", "-c", "echo out; echo \"$A\" >&2; pwd; exit 7"], "env": ["A=from-env"], "cwd": "/tmp"}),
+        );
+        assert_eq!((status, out.as_str(), err.as_str()), (7, "out\n/tmp\n", "from-env\n"));
+        // A signal is 128 + its number.
+        let (status, _, _) = run_in_the_vm(&a, "e2", serde_json::json!({"args": ["sh", "-c", "kill -TERM $$"]}));
+        assert_eq!(status, 143);
+        if sys::is_root() {
+            let (status, out, _) = run_in_the_vm(
+                &a,
+                "e3",
+                serde_json::json!({"args": ["sh", "-c", "id -u; id -g; id -G"], "user": {"uid": 65534, "gid": 65533}}),
+            );
+            assert_eq!(
+                (status, out.as_str()),
+                (0, "65534\n65533\n65533\n"),
+                "its user, no other group"
+            );
+        }
+        // Refused when added, not when started: what the VM cannot run.
+        let exec = |eid: &str, spec: Value, terminal: bool| {
+            a.exec(Exec {
+                process: pref(proto::THE_VM, Some(eid)),
+                spec,
+                stdio: StdioSpec {
+                    terminal,
+                    ..StdioSpec::default()
+                },
+            })
+        };
+        let e = exec("x1", serde_json::json!({"args": ["no-such-program-k7d"]}), false).unwrap_err();
+        assert!(
+            e.message.contains("exec x1 in the VM: no-such-program-k7d: not found"),
+            "{e:?}"
+        );
+        let e = exec("x2", serde_json::json!({"args": ["sh"]}), true).unwrap_err();
+        assert!(e.message.contains("no terminal"), "{e:?}");
+        let e = exec("x3", serde_json::json!({"args": ["sh"], "capabilities": {}}), false).unwrap_err();
+        assert!(e.message.contains("not capabilities"), "{e:?}");
+        assert!(
+            a.state(&pref(proto::THE_VM, Some("x1"))).unwrap_err().not_found,
+            "a refused exec is not kept"
+        );
+        // The VM itself is no container: nothing to start, delete or update.
+        assert!(
+            a.start(&pref(proto::THE_VM, None))
+                .unwrap_err()
+                .message
+                .contains("no init process")
+        );
+        assert!(a.delete(proto::THE_VM).is_err());
+        assert!(a.update(proto::THE_VM, &serde_json::json!({})).is_err());
         std::fs::remove_dir_all(dir).unwrap();
     }
 

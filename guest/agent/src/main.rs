@@ -37,6 +37,7 @@ mod spec;
 mod stdio;
 mod sys;
 mod sysctl;
+mod vmexec;
 
 /// Held by every test that has child processes: a reaper thread's
 /// `waitpid(-1)` collects any child of the test binary.

@@ -29,6 +29,10 @@ pub const VERSION: u32 = 1;
 pub const PORT: u32 = 1024;
 /// The largest frame either side reads (an OCI spec is a few KiB).
 pub const MAX_FRAME: usize = 1 << 20;
+/// The container id that names the VM itself (`k7d exec`): an exec in it
+/// runs directly in the VM's own root and namespaces, not in a container
+/// and not through the OCI runtime. Empty, which no containerd id is.
+pub const THE_VM: &str = "";
 /// The annotation containerd's CRI plugin sets on every container of a
 /// pod: `sandbox` or `container`. The shim routes by it, and the agent runs
 /// a `sandbox` as a stand-in (no image, no runc).

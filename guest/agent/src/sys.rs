@@ -75,6 +75,34 @@ pub fn in_new_ipc_namespace(cmd: &mut std::process::Command) {
     }
 }
 
+/// Whether this process runs as root (effective uid 0).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Runs `cmd` in a session of its own, as `uid`:`gid` with no
+/// supplementary groups (an exec in the VM itself, `crate::vmexec`). An
+/// agent that is not root (a host-side test) keeps its own ids.
+pub fn as_user_in_new_session(cmd: &mut std::process::Command, uid: u32, gid: u32) {
+    use std::os::unix::process::CommandExt;
+    let root = is_root();
+    // SAFETY: the hook runs in the forked child before exec and only makes
+    // async-signal-safe system calls on integers; it touches no memory of
+    // the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            check(libc::setsid())?;
+            if root {
+                check(libc::setgroups(0, std::ptr::null()))?;
+                check(libc::setgid(gid))?;
+                check(libc::setuid(uid))?;
+            }
+            Ok(())
+        });
+    }
+}
+
 /// `mknod(2)` of a node with `mode` (type and permissions) and `rdev`.
 pub fn mknod(path: &Path, mode: u32, rdev: u64) -> io::Result<()> {
     let p = cpath(path)?;

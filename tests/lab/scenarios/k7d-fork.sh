@@ -69,7 +69,8 @@ fail() {
     for _want in "LAB-DIAG fork: VMM pid $dpid" "LAB-DIAG fork: thread " "LAB-DIAG fork: kvm counters t0+2s:" "LAB-DIAG fork: the guest's last lines:"; do
       grep -qF "$_want" "$W/diag.txt" || lab_fail "the stall was seen but the evidence lacks '$_want'"
     done
-    lab_pass "a stopped daemon was seen as a stall after ${LAB_STALL_S}s of silent guests, with the evidence; then: $*"
+    [ -z "${STALL_VPID:-}" ] || kill -KILL "$STALL_VPID" 2>/dev/null
+    lab_pass "a stopped daemon${STALL_VPID:+ and VM process} was seen as a stall after ${LAB_STALL_S}s of silent guests, with the evidence; then: $*"
   fi
   if [ -e "$W/stall" ]; then
     set -- "stalled: $(cat "$W/stall") (evidence: LAB-DIAG lines in l1.log); then: $*"
@@ -228,8 +229,15 @@ done
   fail "source: the guest's /dev/vda is not 131072 sectors (64 MiB): $(grep 'vda-sectors' "$SRC_LOG")"
 
 # k7d-fork-stall (the watchdog's self-test): the daemon stops, and with it
-# every vCPU; the fork call below hangs until the watchdog kills the daemon.
-[ -z "${FORK_STALL_SELFTEST:-}" ] || kill -STOP "$dpid"
+# every vCPU (with VM processes, the daemon's default, the source's VM
+# process is stopped too: stopping the daemon alone stops no guest); the
+# fork call below hangs until the watchdog kills the daemon.
+STALL_VPID=
+if [ -n "${FORK_STALL_SELFTEST:-}" ]; then
+  STALL_VPID=$(tr -d ' \n' <"$W/src-info.json" | sed -n 's/.*"vm_process":{[^}]*"pid":\([0-9]*\).*/\1/p')
+  kill -STOP "$dpid"
+  [ -z "$STALL_VPID" ] || kill -STOP "$STALL_VPID"
+fi
 
 # --- 1. the fork ----------------------------------------------------------------
 n_before=$(last_n "$SRC_LOG")

@@ -118,6 +118,29 @@ fn three_vm_processes_are_each_jailed_with_only_their_own_memory() {
     }
     ok(&mut procs[0], Request::Resume);
     assert!(grows(&mut procs[0]));
+    // What its guest RAM costs, read by the VM process from its own smaps
+    // (the daemon may not read a process of another uid's): the guest has
+    // touched some of it, all its own (no fork).
+    match procs[0].call(&Request::GuestRam).unwrap() {
+        Reply::GuestRam {
+            resident,
+            copied,
+            pss,
+            process_rss,
+            process_pss,
+        } => {
+            assert!(
+                resident > 0 && pss > 0 && pss <= resident,
+                "resident {resident} pss {pss}"
+            );
+            assert_eq!(copied, 0, "a VM that was never forked copied nothing");
+            assert!(
+                process_rss > resident && process_pss > pss,
+                "the whole process ({process_rss}, PSS {process_pss}) is more than its guest RAM"
+            );
+        }
+        other => panic!("guest RAM: {other:?}"),
+    }
 
     // kill -9 of one VM process stops only that VM.
     let victim = procs[1].pid;

@@ -226,7 +226,7 @@ cri_pod() {
     *) _lim= ;;
   esac
   echo "lab: $_l: k7d-cri pod --runtime-handler $_h${_ps:+ --pod-start $_ps}"
-  rm -f /tmp/vms.max /tmp/forked.seen "/tmp/ids-$_l.seen" "/tmp/ram-$_l.seen"
+  rm -f /tmp/vms.max /tmp/forked.seen "/tmp/ids-$_l.seen" "/tmp/ram-$_l.seen" "/tmp/ram-$_l.why"
   _clines=$(wc -l <"$CLOG")
   if [ "${_h%%-*}" = k7d ]; then
     ( _m=0
@@ -245,14 +245,14 @@ cri_pod() {
         # The pod VM's guest RAM once, idle: after the exec that follows
         # the pod's start (A ticking, B asleep), before anything else.
         if [ ! -s "/tmp/ram-$_l.seen" ] && grep -q '^cri: exec uname -r' "/tmp/cri-$_l.out" 2>/dev/null; then
-          # (Why not, from a poll that saw VMs: kept for the failure.)
-          echo "no VM of the daemon's list named pod $_l in its info:" >/tmp/ram.why
+          # (Each poll's answers, for the failure: bounded by the pod's life.)
           for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | awk '$1 !~ /^tmpl-/ {print $1}'); do
             "$LAB_BIN" --socket "$SOCK" --json info "$_v" >/tmp/ram-info.json 2>&1 ||
-              { echo " $_v: info failed: $(head -c 300 /tmp/ram-info.json | tr '\n' ' ')" >>/tmp/ram.why; mv /tmp/ram.why "/tmp/ram-$_l.why"; continue; }
+              { echo " $_v: info failed: $(head -c 200 /tmp/ram-info.json | tr '\n' ' ')" >>"/tmp/ram-$_l.why"; continue; }
             grep -q "\"pod_name\": *\"$_l\"" /tmp/ram-info.json ||
-              { echo " $_v: $(grep -o '"pod_[a-z]*": *[^,]*' /tmp/ram-info.json | tr '\n' ' ')" >>/tmp/ram.why; mv /tmp/ram.why "/tmp/ram-$_l.why"; continue; }
-            "$LAB_BIN" --socket "$SOCK" --json guest-ram "$_v" >/tmp/ram.json 2>"/tmp/ram-$_l.why" || continue
+              { echo " $_v: $(grep -o '"pod_[a-z]*": *[^,]*' /tmp/ram-info.json | tr '\n' ' ')" >>"/tmp/ram-$_l.why"; continue; }
+            "$LAB_BIN" --socket "$SOCK" --json guest-ram "$_v" >/tmp/ram.json 2>&1 ||
+              { echo " $_v: guest-ram failed: $(head -c 200 /tmp/ram.json | tr '\n' ' ')" >>"/tmp/ram-$_l.why"; continue; }
             echo "$_v $(for _k in resident copied pss; do sed -n "s/.*\"$_k\": *\([0-9]*\).*/\1/p" /tmp/ram.json | head -n1; done | tr '\n' ' ')" >"/tmp/ram-$_l.seen"
           done
         fi
@@ -333,7 +333,7 @@ cri_pod() {
 # buffers) is not in it: the cold pod's daemon growth in k7d-shim has both.
 guest_ram() {
   read -r _rv _rr _rc _rp <"/tmp/ram-$1.seen" 2>/dev/null
-  [ -n "${_rp:-}" ] || fail "$1: no guest RAM figures of its pod VM while the pod lived (k7d --json guest-ram): $(cat "/tmp/ram-$1.why" 2>/dev/null)"
+  [ -n "${_rp:-}" ] || fail "$1: no guest RAM figures of its pod VM while the pod lived (k7d --json guest-ram): $(head -n 5 "/tmp/ram-$1.why" 2>/dev/null | tr '\n' '|') ($(cat "/tmp/ram-$1.seen" 2>/dev/null))"
   _mib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1048576}'; }
   lab_metric "$1.guest_ram_resident_mib" "$(_mib "$_rr")" MiB
   lab_metric "$1.guest_ram_copied_mib" "$(_mib "$_rc")" MiB

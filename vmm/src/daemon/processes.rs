@@ -1730,17 +1730,36 @@ impl super::Daemon {
         let r = self.process(id)?;
         let mut g = lock(&r);
         let done = match req {
-            // Read here, from the process's smaps: no call on its channel
-            // but the status.
+            // Read by the VM process from its own smaps: the daemon may not
+            // read a process of another uid's (it lacks CAP_SYS_PTRACE by
+            // design). A VM process of an earlier k7d that does not know
+            // the request: read here, where this host allows it.
             Api::GuestRam(_) => {
+                let usage = |resident, copied, pss| {
+                    ApiReply::GuestRam(super::ram_usage::GuestRamUsage {
+                        id: id.clone(),
+                        resident,
+                        copied,
+                        pss,
+                    })
+                };
                 return Some(match g.status().state {
                     s @ VmState::Stopped { .. } => Err(ApiError::new(
                         ErrorCode::Conflict,
                         format!("vm {id} is {s}: its VM process holds no guest RAM"),
                     )),
-                    _ => super::ram_usage::in_vm_process(g.record().pid)
-                        .map(|u| ApiReply::GuestRam(super::ram_usage::GuestRamUsage { id: id.clone(), ..u }))
-                        .map_err(|e| internal(&format!("vm {id}: cannot read its VM process's smaps"), e)),
+                    _ => match g.call(&Request::GuestRam) {
+                        Ok(Reply::GuestRam {
+                            resident, copied, pss, ..
+                        }) => Ok(usage(resident, copied, pss)),
+                        Ok(other) => Err(internal(&format!("vm {id}: guest RAM"), format!("{other:?}"))),
+                        Err(e) if e.message.contains(UNKNOWN_REQUEST) => {
+                            super::ram_usage::in_vm_process(g.record().pid)
+                                .map(|u| usage(u.resident, u.copied, u.pss))
+                                .map_err(|e| internal(&format!("vm {id}: cannot read its VM process's smaps"), e))
+                        }
+                        Err(e) => Err(e),
+                    },
                 });
             }
             Api::Start(_) => g.call(&Request::Start).map(drop),

@@ -96,7 +96,19 @@ pub fn in_this_process(ranges: &[(u64, u64)]) -> std::io::Result<GuestRamUsage> 
 /// mappings).
 pub fn in_vm_process(pid: u32) -> std::io::Result<GuestRamUsage> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps"))?;
-    Ok(sum(&text, |_, _, path| path.starts_with(RAM_MEMFD)))
+    Ok(of_vm_process_smaps(&text))
+}
+
+/// Every mapping of a process's `smaps` text summed: its resident set and
+/// PSS (`copied`: its anonymous pages).
+pub fn of_whole_smaps(text: &str) -> GuestRamUsage {
+    sum(text, |_, _, _| true)
+}
+
+/// What a VM process's guest RAM costs, from the text of its `smaps`
+/// (read by the VM process itself: `vmproc::runtime`, `GuestRam`).
+pub fn of_vm_process_smaps(text: &str) -> GuestRamUsage {
+    sum(text, |_, _, path| path.starts_with(RAM_MEMFD))
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use super::{Daemon, Slot};
+use crate::vmproc::proto::{Reply, Request};
 use crate::vstate::vm::VmState;
 
 /// A VM state as its label says (a stop's reason is the VM's `info`'s).
@@ -186,6 +187,22 @@ impl Daemon {
             Held::Process(r) => match r.try_lock() {
                 Ok(mut g) => {
                     let status = g.status();
+                    let live = !matches!(status.state, VmState::Stopped { .. });
+                    let pid = live.then(|| g.record().pid);
+                    // Its memory from /proc where this daemon may read it,
+                    // else as the VM process reads its own (a process of
+                    // another uid's is closed to a daemon without
+                    // CAP_SYS_PTRACE).
+                    let mem = pid
+                        .and_then(rss_pss)
+                        .or_else(|| match live.then(|| g.call(&Request::GuestRam)) {
+                            Some(Ok(Reply::GuestRam {
+                                process_rss,
+                                process_pss,
+                                ..
+                            })) if process_rss > 0 => Some((process_rss, process_pss)),
+                            _ => None,
+                        });
                     let c = g.config();
                     VmSample {
                         state: state_label(&status.state),
@@ -199,8 +216,8 @@ impl Daemon {
                         guest: c.guest.describe(),
                         datapath: c.devices.nics.iter().any(|n| n.datapath.is_some()),
                         pod: pod_of(c),
-                        pid: (!matches!(status.state, VmState::Stopped { .. })).then(|| g.record().pid),
-                        mem: None,
+                        pid,
+                        mem,
                         parent,
                         id,
                     }
@@ -208,7 +225,9 @@ impl Daemon {
                 Err(_) => self.sample_from_record(id, parent)?,
             },
         };
-        sample.mem = sample.pid.and_then(rss_pss);
+        if sample.mem.is_none() {
+            sample.mem = sample.pid.and_then(rss_pss);
+        }
         Some(sample)
     }
 

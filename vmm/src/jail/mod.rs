@@ -100,6 +100,15 @@ impl JailConfig {
     }
 }
 
+/// The jailed process's own `/proc/self/smaps`, opened before its root
+/// changed ([`enter`]); none outside a jail or when it could not be opened.
+static OWN_SMAPS: std::sync::OnceLock<std::fs::File> = std::sync::OnceLock::new();
+
+/// This jailed process's own `smaps` (module docs of [`enter`]).
+pub fn own_smaps() -> Option<&'static std::fs::File> {
+    OWN_SMAPS.get()
+}
+
 /// Puts the calling process in the jail `cfg` describes (module docs). The
 /// process must have one thread; on [`Entered::Outside`] the caller exits.
 pub fn enter(cfg: &JailConfig) -> Result<Entered, JailError> {
@@ -127,6 +136,16 @@ fn confine(cfg: &JailConfig) -> Result<(), JailError> {
     let mut keep: Vec<i32> = vec![0, 1, 2];
     keep.extend(&cfg.keep_fds);
     sys::close_fds_except(&keep).map_err(step("close the descriptors it was not given"))?;
+    // Its own smaps, opened while /proc is still reachable and the process
+    // still root: read through this descriptor later, it tells what its
+    // guest RAM costs (`own_smaps`). The daemon cannot read it from outside
+    // once the process has its own uid: it lacks CAP_SYS_PTRACE by design.
+    match std::fs::File::open("/proc/self/smaps") {
+        Ok(f) => {
+            let _ = OWN_SMAPS.set(f);
+        }
+        Err(e) => tracing::warn!(error = %e, "cannot open its own smaps: its guest RAM figures will be missing"),
+    }
     sys::make_mounts_private().map_err(step("make every mount private"))?;
     if sys::pivot_into(root).map_err(step("make the empty root the process's /"))? == sys::RootChange::MovedAndChrooted
     {

@@ -157,6 +157,9 @@ pub enum Request {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         path: Option<PathBuf>,
     },
+    /// What its guest RAM costs (from its own smaps: the daemon cannot
+    /// read a VM process's): [`Reply::GuestRam`].
+    GuestRam,
     /// The VM's state.
     Status,
     /// Stop the VM; the process exits after the reply.
@@ -218,6 +221,21 @@ pub enum Reply {
     Divergence {
         /// The pages (4 KiB).
         pages: Option<u64>,
+    },
+    /// To [`Request::GuestRam`], in bytes.
+    GuestRam {
+        /// Resident pages of its guest RAM.
+        resident: u64,
+        /// Of those, its own copies (written since its fork).
+        copied: u64,
+        /// Its proportional share.
+        pss: u64,
+        /// The whole process's resident set (guest RAM included).
+        #[serde(default)]
+        process_rss: u64,
+        /// The whole process's proportional share.
+        #[serde(default)]
+        process_pss: u64,
     },
     /// Words read.
     Peeked {

@@ -212,6 +212,36 @@ fn session(
 }
 
 /// The VM, or the sentence for a request that needs one before `build`.
+/// The most of its own smaps it reads (a VM process maps a few hundred
+/// ranges: tens of KiB).
+const MAX_SMAPS: usize = 16 << 20;
+
+/// This process's smaps, through the descriptor its jail kept open
+/// (`jail::own_smaps`): read from the start each time, it is the current
+/// text.
+fn read_own_smaps() -> Result<String, String> {
+    use std::os::unix::fs::FileExt;
+    let f = crate::jail::own_smaps().ok_or("this VM process has no smaps of its own open (it was not jailed)")?;
+    let mut buf = vec![0u8; 256 << 10];
+    let mut len = 0;
+    loop {
+        if len == buf.len() {
+            if buf.len() >= MAX_SMAPS {
+                return Err(format!("its smaps is over {} MiB", MAX_SMAPS >> 20));
+            }
+            buf.resize(buf.len() * 2, 0);
+        }
+        match f.read_at(&mut buf[len..], len as u64) {
+            Ok(0) => break,
+            Ok(n) => len += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("cannot read its own smaps: {e}")),
+        }
+    }
+    buf.truncate(len);
+    String::from_utf8(buf).map_err(|_| "its smaps is not text".to_string())
+}
+
 fn built(vm: &mut Option<Vm>) -> Result<&mut Vm, String> {
     vm.as_mut()
         .ok_or_else(|| "there is no VM in this process yet: build it first".to_string())
@@ -534,6 +564,19 @@ fn handle_plain(vm: &mut Option<Vm>, req: Request) -> Result<Reply, String> {
                 })
                 .collect::<Result<_, String>>()?;
             Ok(Reply::Peeked { words })
+        }
+        Request::GuestRam => {
+            built(vm)?;
+            let text = read_own_smaps()?;
+            let u = crate::daemon::ram_usage::of_vm_process_smaps(&text);
+            let all = crate::daemon::ram_usage::of_whole_smaps(&text);
+            Ok(Reply::GuestRam {
+                resident: u.resident,
+                copied: u.copied,
+                pss: u.pss,
+                process_rss: all.resident,
+                process_pss: all.pss,
+            })
         }
         Request::Status => {
             let v = built(vm)?;

@@ -87,6 +87,11 @@ fn refused(what: &str, e: k7d_shim::agent::CallError) -> anyhow::Error {
     anyhow!("{what}: {e}")
 }
 
+/// One line on stderr; never panics (unlike `eprintln!`, when stderr is closed).
+fn say(line: std::fmt::Arguments<'_>) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 /// Copies `from` to `to` until EOF; what it copied.
 fn pump(mut from: impl Read, mut to: impl Write) -> u64 {
     let mut buf = vec![0u8; 64 << 10];
@@ -180,7 +185,7 @@ fn attach_and_run(
         Err(e) => {
             // The program was checked when the exec was added; what is
             // left is the start itself (as a shell says: 126/127).
-            eprintln!("k7d exec: vm {vm}: {e}");
+            say(format_args!("k7d exec: vm {vm}: {e}"));
             return Ok(ExitCode::from(127));
         }
     }
@@ -203,10 +208,10 @@ fn attach_and_run(
                     all: false,
                 })
                 .map_err(|e| refused(&format!("vm {vm}: killing the command past its --timeout"), e))?;
-                eprintln!(
+                say(format_args!(
                     "k7d exec: the command ran past --timeout {} s and was killed",
                     t.as_secs_f64()
-                );
+                ));
                 done_rx
                     .recv()
                     .map_err(|_| anyhow!("vm {vm}: the wait for the command ended unanswered"))?

@@ -21,6 +21,8 @@ use serde_json::json;
 
 /// How long connecting to the agent may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the agent may take to report a command killed past `--timeout`.
+const KILL_WAIT: Duration = Duration::from_secs(10);
 /// How long the command's output streams may stay open after it exited (a
 /// background process it left may hold them).
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
@@ -212,9 +214,14 @@ fn attach_and_run(
                     "k7d exec: the command ran past --timeout {} s and was killed",
                     t.as_secs_f64()
                 ));
-                done_rx
-                    .recv()
-                    .map_err(|_| anyhow!("vm {vm}: the wait for the command ended unanswered"))?
+                // Bounded: an agent that never reports the kill must not
+                // hang k7d exec past its own --timeout.
+                done_rx.recv_timeout(KILL_WAIT).map_err(|_| {
+                    anyhow!(
+                        "vm {vm}: the guest agent did not report the killed command's end within {} s",
+                        KILL_WAIT.as_secs()
+                    )
+                })?
             }
         },
     };

@@ -973,6 +973,20 @@ impl Containers {
         if execs.contains_key(&eid) {
             return Err(fail(format!("{label} already exists")));
         }
+        // An exec in the VM itself whose client went away before deleting
+        // it (a `k7d exec` killed) is nobody's to delete: once it exited,
+        // it makes room instead of filling the table for good.
+        if c.the_vm && execs.len() >= MAX_EXECS {
+            let gone: Vec<String> = execs
+                .iter()
+                .filter(|(_, p)| lock(&p.state).status == Status::Stopped)
+                .map(|(e, _)| e.clone())
+                .collect();
+            for e in gone {
+                execs.remove(&e);
+                let _ = std::fs::remove_file(c.bundle.join(format!("exec-{e}.json")));
+            }
+        }
         if execs.len() >= MAX_EXECS {
             return Err(fail(format!(
                 "container {} has {MAX_EXECS} execs; delete some first",
@@ -1439,6 +1453,28 @@ mod tests {
             a.state(&pref(proto::THE_VM, Some("x1"))).unwrap_err().not_found,
             "a refused exec is not kept"
         );
+        // Execs whose client never deleted them: a full table of exited
+        // ones makes room; of running (or never started) ones, it refuses.
+        let full = |status: Option<u32>| {
+            let mut execs = lock(&a.the_vm.execs);
+            execs.clear();
+            for i in 0..MAX_EXECS {
+                let (stdio, _) = ProcStdio::new(StdioSpec::default()).unwrap();
+                let p = Process::new(format!("leaked {i}"), stdio, None, 0);
+                if let Some(s) = status {
+                    p.exited(s, false);
+                }
+                execs.insert(format!("leaked{i}"), p);
+            }
+        };
+        let spec = || serde_json::json!({"args": ["true"]});
+        full(None);
+        let e = exec("y1", spec(), false).unwrap_err();
+        assert!(e.message.contains("1024 execs"), "{e:?}");
+        full(Some(0));
+        exec("y2", spec(), false).unwrap();
+        assert_eq!(lock(&a.the_vm.execs).len(), 1, "the exited ones made room");
+        lock(&a.the_vm.execs).clear();
         // The VM itself is no container: nothing to start, delete or update.
         assert!(
             a.start(&pref(proto::THE_VM, None))

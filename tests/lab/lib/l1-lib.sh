@@ -174,11 +174,11 @@ lab_daemon_start() {
 }
 
 # lab_cgroup2: cgroup v2 at /sys/fs/cgroup (L1 boots with none mounted),
-# where a daemon with --jail on gives each VM process its leaf; the
-# scenario fails if it cannot be mounted.
+# where runc keeps its containers and a daemon with --jail on gives each VM
+# process its leaf; the scenario fails if it cannot be mounted.
 lab_cgroup2() {
   grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
-    lab_fail "cannot mount cgroup2 at /sys/fs/cgroup (a daemon with --jail on needs it)"
+    lab_fail "cannot mount cgroup2 at /sys/fs/cgroup (runc and a k7d daemon with --jail on need it)"
 }
 
 # lab_where SOCKET VM...: sets `where` to where the VMs run: with

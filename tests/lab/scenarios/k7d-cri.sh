@@ -109,8 +109,7 @@ for _p in bridge host-local loopback; do
 done
 
 # --- containerd with CRI --------------------------------------------------------
-grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
-  fail "cannot mount cgroup2 at /sys/fs/cgroup"
+lab_cgroup2
 mkdir -p /etc/containerd /var/lib/containerd /run/containerd /usr/local/bin /etc/k7d /run/k7d /etc/cni/net.d /var/log/pods
 # containerd copies the node's /etc/hosts into each pod; the initramfs has none.
 [ -e /etc/hosts ] || printf '127.0.0.1 localhost\n' >/etc/hosts

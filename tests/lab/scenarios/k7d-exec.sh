@@ -47,7 +47,7 @@ fail() {
   [ -z "$dpid" ] || kill -9 "$dpid" 2>/dev/null
   lab_fail "$*"
 }
-ms_now() { awk '{ printf "%d", $1 * 1000 }' /proc/uptime; }  # (busybox date has no %N)
+ms_now() { awk -v t="$(lab_now)" 'BEGIN { printf "%d", t * 1000 }'; }
 
 # The guest's initramfs: busybox first, the agent's archive over it.
 cat "$LAB_INITRD" "$LAB_POD_INITRD" >"$W/initrd.cpio"

@@ -62,8 +62,7 @@ fail() {
 
 # --- containerd -----------------------------------------------------------------
 # runc's cgroup v2 manager needs the unified hierarchy.
-grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts || mount -t cgroup2 cgroup2 /sys/fs/cgroup ||
-  fail "cannot mount cgroup2 at /sys/fs/cgroup"
+lab_cgroup2
 mkdir -p /etc/containerd /var/lib/containerd /run/containerd /usr/local/bin /etc/k7d /run/k7d
 # containerd's root stays on L1's root, the initramfs: a rootfs that is a
 # tmpfs, where overlayfs takes upper layers (checked below: the snapshotter is ok).

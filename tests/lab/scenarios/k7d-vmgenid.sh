@@ -17,8 +17,8 @@
 #  1. `src` (the device on by default) has the driver bound in the guest
 #     (vmgenid-driver=bound) and `k7d info` says rng_reseed vmgenid with a
 #     32-hex-digit ID; `off` (`create --no-vmgenid`) says off, no ID.
-#  2. 20 times: right after one of src's draws, `fork src --count 8` (a
-#     batch: one capture); each child's first draw n is one src also made,
+#  2. 20 times: right after one of src's draws, src paused, `fork src
+#     --count 8` (a batch: one capture), src resumed; each child's first draw n is one src also made,
 #     the child's kernel logged one more reseed than src had at that draw
 #     (it reseeded before its first draw), and the 9 draws (8 children, src)
 #     are all different; the 8 children's IDs differ from each other and from
@@ -125,24 +125,19 @@ new_ids() {
 
 # judge LABEL RESEED VM:SOURCE...: each VM's first draw against the draw its
 # SOURCE made at the same n. RESEED=yes: each VM's kernel logged one more
-# reseed than SOURCE had at that draw. A VM's first line may be one that
-# was in progress at the fork instant: the fork is timed right after a
-# draw of src only, r1's and r2's draws are not in step with it, and the
-# capture itself lands anywhere within the fork command (with the daemon's
-# default, VM processes, a batch of 8 first starts its children's processes:
-# 3.5-8.6 s in L1, so even a fork timed after src's draw can capture src
-# inside its next line; CI saw src-f1 at n=27 with forks=0 as src and a new
-# draw, where in-process forks, 1.1-2.8 s, never did). Its
+# reseed than SOURCE had at that draw. A SOURCE listed in $UNSYNCED was not
+# timed (its draws are not in step with the one the fork followed): a VM's
+# first line may then be one that was in progress at the fork instant. Its
 # count was taken before the fork, so it equals SOURCE's; its bytes are
 # SOURCE's if the draw too came before the fork (or before the reseed), and
 # new ones if the reseed landed between the count and the draw (CI saw
 # that: r2-f1 and r2-f2 at n=76, forks=1 as r2, three different draws, and
 # forks=2 from n=77 on). Such a line proves nothing either way: it is set
 # aside and the VM's next draw, made wholly after the fork, is judged
-# instead (which must then show the reseed: a child that never reseeds
-# still fails). Sets REPEATS to the number of draws that repeat among all
-# those judged and their sources' at the same n, SHARED to the lines set
-# aside, and keeps the lines in $W/draws-LABEL.
+# instead. Sets REPEATS to the number of
+# draws that repeat among all those judged and their sources' at the same n,
+# SHARED to the lines set aside, and keeps the lines in $W/draws-LABEL.
+UNSYNCED=
 judge() {
   _label=$1 _reseed=$2; shift 2
   : >"$W/draws-$_label"
@@ -159,21 +154,23 @@ EOF
     read -r _sf _sd <<EOF
 $(rng_at "$(log_of "$_s")" "$_n")
 EOF
-    # (Without a reseed to look for, the first line is the repeat the
-    # check wants: kept.)
-    if [ "$_reseed" = yes ] && [ "$_f" = "$_sf" ]; then
-      SHARED=$((SHARED + 1))
-      echo "$_v n=$_n forks=$_f $_d (source $_sd)" >>"$W/aside-$_label"
-      _n=$((_n + 1))
-      wait_at "$(log_of "$_v")" "$_n" "$_label: $_v (its draw after one in progress at the fork)"
-      read -r _f _d <<EOF
+    case " $UNSYNCED " in
+      *" $_s "*)
+        if [ "$_f" = "$_sf" ]; then
+          SHARED=$((SHARED + 1))
+          echo "$_v n=$_n forks=$_f $_d (source $_sd)" >>"$W/aside-$_label"
+          _n=$((_n + 1))
+          wait_at "$(log_of "$_v")" "$_n" "$_label: $_v (its draw after one in progress at the fork)"
+          read -r _f _d <<EOF
 $(rng_at "$(log_of "$_v")" "$_n")
 EOF
-      wait_at "$(log_of "$_s")" "$_n" "$_label: $_v's source $_s"
-      read -r _sf _sd <<EOF
+          wait_at "$(log_of "$_s")" "$_n" "$_label: $_v's source $_s"
+          read -r _sf _sd <<EOF
 $(rng_at "$(log_of "$_s")" "$_n")
 EOF
-    fi
+        fi
+        ;;
+    esac
     if [ "$_reseed" = yes ] && [ "$_f" != $((_sf + 1)) ]; then
       fail "$_label: $_v's first draw n=$_n came with forks=$_f, its source $_s had forks=$_sf at n=$_n: the child's kernel had not reseeded before it drew (draws $_d / $_sd)"
     fi
@@ -215,14 +212,22 @@ echo "$G_SRC" | grep -qxE '[0-9a-f]{32}' || fail "k7d info src: vmgenid is '$G_S
 lab_note "1. src: driver bound, rng_reseed vmgenid, id $G_SRC; off: no device, rng_reseed off (both up at $(at) s)"
 
 # --- 2. 20 batches of 8 children ----------------------------------------------------
-ids_all="$G_SRC" aside_total=0
+ids_all="$G_SRC"
 fork_ms_list=
 r=1
 while [ "$r" -le "$ROUNDS" ]; do
   after_next_draw "$(log_of src)" "round $r: src"
+  # The fork instant pinned right after that draw: src is paused first.
+  # The capture lands anywhere within the fork command, and with VM
+  # processes (the daemon's default) a batch of 8 first starts its
+  # children's processes (3.2-8.6 s in L1): a running src could be
+  # captured inside its next line, counted before the fork and drawn
+  # after it (CI saw whole batches so, 8 of 8 children).
+  kc pause src >"$W/pause-$r.out" 2>&1 || fail "round $r: k7d pause src failed: $(cat "$W/pause-$r.out")"
   t_fork=$(lab_now)
   kct 180 --json fork src --count "$KIDS" >"$W/fork-$r.json" 2>"$W/fork-$r.err" ||
     fail "round $r: k7d fork src --count $KIDS failed: $(cat "$W/fork-$r.err" "$W/fork-$r.json" | tr '\n' ' ')"
+  kc resume src >"$W/resume-$r.out" 2>&1 || fail "round $r: k7d resume src failed: $(cat "$W/resume-$r.out")"
   kids=$(new_ids "$W/fork-$r.json" src)
   [ "$(echo "$kids" | wc -l)" = "$KIDS" ] || fail "round $r: not $KIDS child ids in the answer: $(tr '\n' ' ' <"$W/fork-$r.json")"
   ! grep -q '"warnings"' "$W/fork-$r.json" || fail "round $r: the fork of src warns: $(grep -A2 '"warnings"' "$W/fork-$r.json" | tr '\n' ' ')"
@@ -238,8 +243,7 @@ while [ "$r" -le "$ROUNDS" ]; do
   paused=$(sed -n 's/.*"source_paused_ms": *\([0-9.]*\).*/\1/p' "$W/fork-$r.json" | head -n1)
   fork_ms_list="$fork_ms_list $paused"
   # (progress on the console: the L1 watchdog wants output at least every 180 s)
-  aside_total=$((aside_total + SHARED))
-  echo "lab: k7d-vmgenid: round $r of $ROUNDS: $KIDS children reseeded, no repeat ($SHARED began with a line in progress at the fork, set aside; source paused $paused ms; fork $(lab_sub "$t_judge" "$t_fork") s, draws judged $(lab_sub "$(lab_now)" "$t_judge") s) at $(at) s"
+  echo "lab: k7d-vmgenid: round $r of $ROUNDS: $KIDS children reseeded, no repeat (source paused $paused ms; fork $(lab_sub "$t_judge" "$t_fork") s, draws judged $(lab_sub "$(lab_now)" "$t_judge") s) at $(at) s"
   [ "$r" -gt 1 ] || for k in $kids; do tr -d '\r' <"$(log_of "$k")" >"$W/logs/round1-$k.log"; done
   # shellcheck disable=SC2086  # $kids: one word per child
   delete_all "round $r" $kids
@@ -247,7 +251,7 @@ while [ "$r" -le "$ROUNDS" ]; do
 done
 [ "$(echo "$ids_all" | tr ' ' '\n' | grep -c .)" = "$(echo "$ids_all" | tr ' ' '\n' | grep . | sort -u | wc -l)" ] ||
   fail "a VM Generation ID repeats across the $ROUNDS batches"
-lab_note "2. $ROUNDS forks of src --count $KIDS: every child reseeded before its first draw, no draw repeated in any round ($((ROUNDS * KIDS)) children, all IDs different; $aside_total began with a line in progress at the fork, set aside and their next draw judged); source paused (ms):$fork_ms_list (at $(at) s)"
+lab_note "2. $ROUNDS forks of src --count $KIDS: every child reseeded before its first draw, no draw repeated in any round ($((ROUNDS * KIDS)) children, all IDs different); source paused (ms):$fork_ms_list (at $(at) s)"
 lab_note "   round 1's draws: $(tr '\n' ';' <"$W/draws-round1")"
 
 # --- 3. without the device the draws repeat (the check can fail) --------------------
@@ -306,10 +310,12 @@ for k in $kids; do
   case $p in src | r1 | r2) ;; *) fail "cluster child $k: parent '$p' is not a member of cl" ;; esac
   pairs="$pairs $k:$p"
 done
+# r1's and r2's draws are not in step with src's, after which the fork came.
+UNSYNCED="r1 r2"
 # shellcheck disable=SC2086
 judge cluster yes $pairs
 [ "$REPEATS" = 0 ] || fail "draws repeat across the cluster's members and its 6 children: $(tr '\n' ';' <"$W/draws-cluster")"
-lab_note "5. cluster fork of {src, r1, r2} --count 2: each child reseeded before its first draw, no draw repeated among 6 children and their members ($SHARED children began with a line in progress at the fork, set aside: $(tr '\n' ';' <"$W/aside-cluster")): $(tr '\n' ';' <"$W/draws-cluster")"
+lab_note "5. cluster fork of {src, r1, r2} --count 2: each child reseeded before its first draw, no draw repeated among 6 children and their members ($SHARED children of r1/r2 began with a line in progress at the fork, set aside: $(tr '\n' ';' <"$W/aside-cluster")): $(tr '\n' ';' <"$W/draws-cluster")"
 
 # --- 6. cleanup -----------------------------------------------------------------------
 for c in $(grep -o '"cl-f[0-9]*"' "$W/fork-cl.json" | tr -d '"' | sort -u); do

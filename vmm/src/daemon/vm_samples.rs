@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use super::{Daemon, Slot};
-use crate::vmproc::proto::{Reply, Request};
+use crate::vmproc::proto::{Reply, Request, UNKNOWN_REQUEST};
 use crate::vstate::vm::VmState;
 
 /// A VM state as its label says (a stop's reason is the VM's `info`'s).
@@ -163,7 +163,7 @@ impl Daemon {
     ) -> Option<VmSample> {
         let id = id.to_string();
         let parent = parents.get(&id).filter(|p| !p.deleted).map(|p| p.id.clone());
-        let mut sample = match slot {
+        let sample = match slot {
             Held::Here(vm) => match vm.try_lock() {
                 Ok(g) => VmSample {
                     state: state_label(&g.state()),
@@ -189,20 +189,19 @@ impl Daemon {
                     let status = g.status();
                     let live = !matches!(status.state, VmState::Stopped { .. });
                     let pid = live.then(|| g.record().pid);
-                    // Its memory from /proc where this daemon may read it,
-                    // else as the VM process reads its own (a process of
-                    // another uid's is closed to a daemon without
-                    // CAP_SYS_PTRACE).
-                    let mem = pid
-                        .and_then(rss_pss)
-                        .or_else(|| match live.then(|| g.call(&Request::GuestRam)) {
-                            Some(Ok(Reply::GuestRam {
-                                process_rss,
-                                process_pss,
-                                ..
-                            })) if process_rss > 0 => Some((process_rss, process_pss)),
-                            _ => None,
-                        });
+                    // Its memory as the VM process reads its own: a process
+                    // of another uid's is closed to a daemon without
+                    // CAP_SYS_PTRACE. /proc only for a VM process of an
+                    // earlier k7d, which does not know the request.
+                    let mem = match live.then(|| g.call(&Request::GuestRam)) {
+                        Some(Ok(Reply::GuestRam {
+                            process_rss,
+                            process_pss,
+                            ..
+                        })) if process_rss > 0 => Some((process_rss, process_pss)),
+                        Some(Err(e)) if e.message.contains(UNKNOWN_REQUEST) => pid.and_then(rss_pss),
+                        _ => None,
+                    };
                     let c = g.config();
                     VmSample {
                         state: state_label(&status.state),
@@ -225,9 +224,6 @@ impl Daemon {
                 Err(_) => self.sample_from_record(id, parent)?,
             },
         };
-        if sample.mem.is_none() {
-            sample.mem = sample.pid.and_then(rss_pss);
-        }
         Some(sample)
     }
 
@@ -245,7 +241,8 @@ impl Daemon {
             rebases: None,
             guest: rec.config.guest.describe(),
             pid: rec.vm_process.as_ref().map(|p| p.pid),
-            mem: None,
+            // (Busy with a request: /proc, where this host lets the daemon read it.)
+            mem: rec.vm_process.as_ref().and_then(|p| rss_pss(p.pid)),
             datapath: rec.config.devices.nics.iter().any(|n| n.datapath.is_some()),
             pod: pod_of(&rec.config),
             parent,

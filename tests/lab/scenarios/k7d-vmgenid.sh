@@ -7,9 +7,10 @@
 #
 # Issue 40, "Must show". The L2 guest is Debian's generic kernel (it has
 # CONFIG_VMGENID=y; the cloud kernel the other scenarios boot does not), one
-# vCPU, and k7d-vmgenid.guest.sh: every 3 s of uptime it counts the kernel's
-# "crng reseeded due to virtual machine fork" messages, then draws 16 bytes
-# from /dev/urandom and prints "LAB-GUEST rng n=N forks=F draw=HEX end".
+# vCPU, and k7d-vmgenid.guest.sh: it sleeps 3 s, prints "LAB-GUEST wake
+# n=N", counts the kernel's "crng reseeded due to virtual machine fork"
+# messages, then draws 16 bytes from /dev/urandom and prints "LAB-GUEST rng
+# n=N forks=F draw=HEX end", over and over.
 # With one vCPU and no reseed, a fork child's kernel RNG is its source's:
 # the same n draws the same bytes (issue 40's report).
 #
@@ -17,8 +18,9 @@
 #  1. `src` (the device on by default) has the driver bound in the guest
 #     (vmgenid-driver=bound) and `k7d info` says rng_reseed vmgenid with a
 #     32-hex-digit ID; `off` (`create --no-vmgenid`) says off, no ID.
-#  2. 20 times: right after one of src's draws, src paused, `fork src
-#     --count 8` (a batch: one capture), src resumed; each child's first draw n is one src also made,
+#  2. 20 times: src paused asleep (after a draw line, before its next
+#     wake: see pin_asleep), `fork src --count 8` (a batch: one capture),
+#     src resumed; each child's first draw n is one src also made,
 #     the child's kernel logged one more reseed than src had at that draw
 #     (it reseeded before its first draw), and the 9 draws (8 children, src)
 #     are all different; the 8 children's IDs differ from each other and from
@@ -34,10 +36,11 @@
 #     each child reseeded.
 #  6. cleanup: every cluster and VM deleted, nothing left in the state dir,
 #     the daemon exits 0 on SIGTERM with no ERROR in its log.
-# A draw in progress at the fork instant would be shared by definition: the
-# forks are timed right after a draw of the source (3 s between draws), so
-# each child's first draw starts after its kernel has run the reseed (a few
-# ms of guest time); the forks= count shows it did.
+# A draw in progress at the fork instant would be shared by definition: src
+# is forked (and snapshotted) only while paused asleep, so each child's
+# first count and draw come wholly after the fork, 0.2 s of guest time after
+# its first wake line, and its kernel must have reseeded by then (the
+# driver's notify takes a few ms); the forks= count shows it did.
 # By hand: tests/lab/run.sh --bin target/release/k7d k7d-vmgenid
 # shellcheck disable=SC2015  # "A && B || fail ...": fail exits
 . /lab/lib.sh
@@ -103,6 +106,32 @@ after_next_draw() {
     _i=$((_i + 1)); [ "$_i" -lt 200 ] || fail "$2: no new draw within 20 s (last n=$_n0)"
     sleep 0.1
   done
+}
+# pin_asleep VM WHAT: VM paused while asleep: right after one of its draw
+# lines, `k7d pause`, and its log checked for a wake after that line (a
+# count begun before the pause landed). Such a pause is undone and the next
+# draw waited for, 5 tries. CI saw a pause land inside the next line: the
+# guest's count and draw take seconds in L2, and a busy L1 (a batch of 8 VM
+# processes just deleted) delayed the pause past the next wake.
+asleep() {
+  _last=$(tr -d '\r' <"$1" | grep -E 'wake n=[0-9]+|LAB-GUEST rng n=[0-9]+ forks=[0-9]+ draw=[0-9a-f]{32} end$' | tail -n1)
+  case $_last in *" end") return 0 ;; *) return 1 ;; esac
+}
+PINS=
+pin_asleep() {
+  _try=1
+  while :; do
+    after_next_draw "$(log_of "$1")" "$2: $1"
+    kc pause "$1" >"$W/pause.out" 2>&1 || fail "$2: k7d pause $1 failed: $(cat "$W/pause.out")"
+    asleep "$(log_of "$1")" && break
+    [ "$_try" -lt 5 ] || fail "$2: $1 was paused inside a draw $_try times in a row (its log ends: $(tr -d '\r' <"$(log_of "$1")" | tail -n2 | tr '\n' ' '))"
+    kc resume "$1" >"$W/resume.out" 2>&1 || fail "$2: k7d resume $1 failed: $(cat "$W/resume.out")"
+    _try=$((_try + 1))
+  done
+  PINS="$PINS $_try"
+}
+unpin() {
+  kc resume "$1" >"$W/resume.out" 2>&1 || fail "$2: k7d resume $1 failed: $(cat "$W/resume.out")"
 }
 # delete_all WHAT VM...: deletes the VMs at once (a round's children: one
 # at a time they cost a draw period of the round), each answer checked.
@@ -216,18 +245,16 @@ ids_all="$G_SRC"
 fork_ms_list=
 r=1
 while [ "$r" -le "$ROUNDS" ]; do
-  after_next_draw "$(log_of src)" "round $r: src"
-  # The fork instant pinned right after that draw: src is paused first.
-  # The capture lands anywhere within the fork command, and with VM
-  # processes (the daemon's default) a batch of 8 first starts its
-  # children's processes (3.2-8.6 s in L1): a running src could be
-  # captured inside its next line, counted before the fork and drawn
-  # after it (CI saw whole batches so, 8 of 8 children).
-  kc pause src >"$W/pause-$r.out" 2>&1 || fail "round $r: k7d pause src failed: $(cat "$W/pause-$r.out")"
+  # The fork instant pinned: the capture lands anywhere within the fork
+  # command, and with VM processes (the daemon's default) a batch of 8
+  # first starts its children's processes (3.2-8.6 s in L1): a running src
+  # could be captured inside its next line, counted before the fork and
+  # drawn after it (CI saw whole batches so, 8 of 8 children).
+  pin_asleep src "round $r"
   t_fork=$(lab_now)
   kct 180 --json fork src --count "$KIDS" >"$W/fork-$r.json" 2>"$W/fork-$r.err" ||
     fail "round $r: k7d fork src --count $KIDS failed: $(cat "$W/fork-$r.err" "$W/fork-$r.json" | tr '\n' ' ')"
-  kc resume src >"$W/resume-$r.out" 2>&1 || fail "round $r: k7d resume src failed: $(cat "$W/resume-$r.out")"
+  unpin src "round $r"
   kids=$(new_ids "$W/fork-$r.json" src)
   [ "$(echo "$kids" | wc -l)" = "$KIDS" ] || fail "round $r: not $KIDS child ids in the answer: $(tr '\n' ' ' <"$W/fork-$r.json")"
   ! grep -q '"warnings"' "$W/fork-$r.json" || fail "round $r: the fork of src warns: $(grep -A2 '"warnings"' "$W/fork-$r.json" | tr '\n' ' ')"
@@ -251,7 +278,7 @@ while [ "$r" -le "$ROUNDS" ]; do
 done
 [ "$(echo "$ids_all" | tr ' ' '\n' | grep -c .)" = "$(echo "$ids_all" | tr ' ' '\n' | grep . | sort -u | wc -l)" ] ||
   fail "a VM Generation ID repeats across the $ROUNDS batches"
-lab_note "2. $ROUNDS forks of src --count $KIDS: every child reseeded before its first draw, no draw repeated in any round ($((ROUNDS * KIDS)) children, all IDs different); source paused (ms):$fork_ms_list (at $(at) s)"
+lab_note "2. $ROUNDS forks of src --count $KIDS: every child reseeded before its first draw, no draw repeated in any round ($((ROUNDS * KIDS)) children, all IDs different); source paused (ms):$fork_ms_list; pauses it took to find src asleep, per round:$PINS (at $(at) s)"
 lab_note "   round 1's draws: $(tr '\n' ';' <"$W/draws-round1")"
 
 # --- 3. without the device the draws repeat (the check can fail) --------------------
@@ -283,8 +310,9 @@ lab_note "3. without the device: $off_repeats repeated draws in $OFF_ROUNDS fork
 kc delete off >"$W/delete.out" 2>&1 || fail "k7d delete off failed: $(cat "$W/delete.out")"
 
 # --- 4. two restores of one snapshot --------------------------------------------------
-after_next_draw "$(log_of src)" "snapshot: src"
+pin_asleep src snapshot
 kc snapshot src "$W/snap" >"$W/snap.out" 2>&1 || fail "k7d snapshot src failed: $(cat "$W/snap.out")"
+unpin src snapshot
 for v in r1 r2; do
   kc restore "$W/snap" --id "$v" >"$W/restore-$v.out" 2>&1 || fail "k7d restore --id $v failed: $(cat "$W/restore-$v.out")"
 done
@@ -298,9 +326,12 @@ lab_note "4. two restores of one snapshot of src: IDs $g1 and $g2, each reseeded
 
 # --- 5. a cluster fork of 3 members x 2 ------------------------------------------------
 kc cluster create cl src r1 r2 >"$W/cluster.out" 2>&1 || fail "k7d cluster create cl src r1 r2 failed: $(cat "$W/cluster.out")"
-after_next_draw "$(log_of src)" "cluster: src"
+# src paused asleep: the cluster fork pauses r1 and r2 and leaves src as
+# it found it.
+pin_asleep src cluster
 kct 180 --json fork cl --count 2 >"$W/fork-cl.json" 2>"$W/fork-cl.err" ||
   fail "k7d fork cl --count 2 failed: $(cat "$W/fork-cl.err" "$W/fork-cl.json" | tr '\n' ' ')"
+unpin src cluster
 kids=$(new_ids "$W/fork-cl.json" cl)
 [ "$(echo "$kids" | wc -l)" = 6 ] || fail "the cluster fork did not name 6 children: $(tr '\n' ' ' <"$W/fork-cl.json")"
 pairs=

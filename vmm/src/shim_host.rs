@@ -124,6 +124,8 @@ impl Daemon for ShimDaemon {
             name: Some(child.id.clone()),
             nics: child.nic.iter().map(|n| Some(datapath(n))).collect(),
             vsock_uds: Some(child.vsock_uds.clone()),
+            // Its agent is given the pod's identity (entropy included) next.
+            reseed_by_caller: true,
         });
         self.request(&req, CREATE)?;
         Ok(())

@@ -1091,6 +1091,15 @@ impl Containers {
         Ok(())
     }
 
+    /// `Reseed`: the entropy credited and the kernel's RNG reseeded, the
+    /// VM's own or a pod's alike (the kernel is the VM's).
+    pub fn reseed(&self, entropy: &[u8]) -> Result<()> {
+        crate::identity::check_entropy(entropy).map_err(fail)?;
+        crate::identity::reseed(entropy).map_err(fail)?;
+        crate::log!("reseed: entropy {} bytes", entropy.len());
+        Ok(())
+    }
+
     /// `Pids`: the container cgroup's processes.
     pub fn pids(&self, id: &str) -> Result<Vec<u32>> {
         Ok(cgroup::pids(&self.container(id)?.cgroup))

@@ -30,12 +30,7 @@ pub struct Plan {
 
 /// Checks `id`; each refusal is one sentence.
 pub fn plan(id: &Identity) -> Result<Plan, String> {
-    if !(MIN_ENTROPY..=MAX_ENTROPY).contains(&id.entropy.len()) {
-        return Err(format!(
-            "{} entropy bytes given: an identity carries {MIN_ENTROPY} to {MAX_ENTROPY}",
-            id.entropy.len()
-        ));
-    }
+    check_entropy(&id.entropy)?;
     let m = &id.machine_id;
     if m.len() != 32
         || !m.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
@@ -58,6 +53,17 @@ pub fn plan(id: &Identity) -> Result<Plan, String> {
     })
 }
 
+/// Refuses too few or too many entropy bytes, in one sentence.
+pub fn check_entropy(entropy: &[u8]) -> Result<(), String> {
+    if !(MIN_ENTROPY..=MAX_ENTROPY).contains(&entropy.len()) {
+        return Err(format!(
+            "{} entropy bytes given: a reseed takes {MIN_ENTROPY} to {MAX_ENTROPY}",
+            entropy.len()
+        ));
+    }
+    Ok(())
+}
+
 /// Writes the machine-id under `etc`; with `system` (the agent is the VM's
 /// PID 1) also mixes in the entropy, reseeds the RNG and steps the clock.
 pub fn apply(plan: &Plan, etc: &Path, system: bool) -> Result<(), String> {
@@ -72,7 +78,7 @@ pub fn apply(plan: &Plan, etc: &Path, system: bool) -> Result<(), String> {
 }
 
 /// Credits `entropy` to the kernel's pool and reseeds the CRNG from it.
-fn reseed(entropy: &[u8]) -> Result<(), String> {
+pub fn reseed(entropy: &[u8]) -> Result<(), String> {
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open("/dev/random")

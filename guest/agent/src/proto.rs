@@ -398,6 +398,14 @@ pub enum Request {
     /// mixed in and the kernel's RNG reseeded, the wall clock stepped to
     /// the host's, its own machine-id.
     Identity(Identity),
+    /// Host random bytes ([`MIN_ENTROPY`]..=[`MAX_ENTROPY`]) credited to the
+    /// kernel's pool and its RNG reseeded from them, nothing else: what the
+    /// daemon sends a fork child or a restored VM whose kernel has no
+    /// vmgenid driver, so that it draws other bytes than its siblings.
+    Reseed {
+        /// The entropy.
+        entropy: Vec<u8>,
+    },
     /// This connection becomes one stdio stream of the process.
     Attach {
         /// The process.

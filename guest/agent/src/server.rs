@@ -198,6 +198,7 @@ pub fn dispatch(agent: &Containers, req: Request) -> Response {
         Request::DeleteContainer { container } => agent.delete(&container).map(|()| Reply::Done),
         Request::Network(n) => agent.network(&n).map(|()| Reply::Done),
         Request::Identity(i) => agent.identity(&i).map(|()| Reply::Done),
+        Request::Reseed { entropy } => agent.reseed(&entropy).map(|()| Reply::Done),
     };
     match r {
         Ok(reply) => Response::Ok(reply),
@@ -290,6 +291,40 @@ mod tests {
             ),
             Response::Err { not_found: false, .. }
         ));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_reseed_is_checked_then_reaches_the_kernel() {
+        let (agent, dir) = agent();
+        let mut c = connect(&agent);
+        let hello = Request::Hello {
+            version: proto::VERSION,
+        };
+        assert!(matches!(call(&mut c, &hello), Response::Ok(Reply::Hello { .. })));
+        for n in [0, 31, 513] {
+            match call(&mut c, &Request::Reseed { entropy: vec![1; n] }) {
+                Response::Err { message, not_found } => {
+                    assert!(
+                        !not_found && message.contains(&format!("{n} entropy bytes")),
+                        "{message}"
+                    );
+                }
+                other => panic!("{n} bytes: {other:?}"),
+            }
+        }
+        // The credit and the reseed take CAP_SYS_ADMIN: as root they are
+        // done (the VM's agent runs as root), else refused with the reason.
+        let r = call(&mut c, &Request::Reseed { entropy: vec![7; 64] });
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } == 0 {
+            assert!(matches!(r, Response::Ok(Reply::Done)), "{r:?}");
+        } else {
+            assert!(
+                matches!(&r, Response::Err { message, .. } if message.contains("entropy") || message.contains("/dev/random")),
+                "{r:?}"
+            );
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 

@@ -21,8 +21,15 @@
 #     vsock; nothing of the exec is left in the agent (a second exec works);
 #  7. fork --count 2: exec works in each child at its own socket; a file
 #     one child writes is not in the other child nor in the source;
-#  8. snapshot, delete, restore: exec works in the restored VM and sees the
-#     file the source wrote before the snapshot.
+#  8. the agent reseeds (issue 40, item 2: this cloud kernel has no vmgenid
+#     driver): `k7d info x` says rng_reseed agent (x-f1 and x-f2 were
+#     reseeded through their agents, so x has one); $LAB_RESEED_ROUNDS
+#     times `fork x --count 8` answers with each child's rng_reseed agent
+#     and no shared-RNG warning, and a draw of 16 bytes from /dev/urandom
+#     through exec in each child and in x gives 9 different draws;
+#  9. snapshot, delete, restore: exec works in the restored VM and sees the
+#     file the source wrote before the snapshot, and it was reseeded
+#     (rng_reseed agent).
 # Metrics: k7d_exec.first_ms (`true`, connect to exit), k7d_exec.ms (median
 # of 5 `true`), k7d_exec.child_ms (the first exec in a fork child).
 # By hand: tests/lab/run.sh --bin target/release/k7d --agent target/release/k7d-agent k7d-exec
@@ -148,16 +155,46 @@ ex x-f1 -- busybox cat /tmp/mark
 [ "$(cat "$W/o")" = child-one ] || fail "x-f1 lost its own write: '$(cat "$W/o")'"
 lab_note "fork children: each exec'd at its own socket, a child's write in that child only"
 
-# 8. Snapshot, delete, restore.
 kc delete x-f1 >/dev/null && kc delete x-f2 >/dev/null || fail "deleting the children failed"
+
+# 8. The agent reseeds fork children whose kernel has no vmgenid driver.
+json_str() { sed -n "s/.*\"$1\": *\"\([^\"]*\)\".*/\1/p" "$2" | head -n1; }
+kc --json info x >"$W/info-x.json" 2>&1 || fail "k7d info x failed: $(cat "$W/info-x.json")"
+[ "$(json_str rng_reseed "$W/info-x.json")" = agent ] ||
+  fail "k7d info x: rng_reseed is '$(json_str rng_reseed "$W/info-x.json")', not agent (the cloud kernel has no vmgenid driver, the agent answers)"
+R=${LAB_RESEED_ROUNDS:-2} r=1
+while [ "$r" -le "$R" ]; do
+  timeout -s KILL 180 "$LAB_BIN" --socket "$sock" --json fork x --count 8 >"$W/fork-$r.json" 2>"$W/fork-$r.err" ||
+    fail "reseed round $r: fork x --count 8 failed: $(cat "$W/fork-$r.err" "$W/fork-$r.json" | tr '\n' ' ')"
+  ! grep -q '"warnings"' "$W/fork-$r.json" || fail "reseed round $r: the fork warns: $(grep -A2 '"warnings"' "$W/fork-$r.json" | tr '\n' ' ')"
+  [ "$(grep -c '"rng_reseed": *"agent"' "$W/fork-$r.json")" = 8 ] ||
+    fail "reseed round $r: not 8 children with rng_reseed agent: $(grep '"rng_reseed"' "$W/fork-$r.json" | tr '\n' ' ')"
+  kids=$(sed -n 's/.*"id": *"\(x-f[0-9]*\)".*/\1/p' "$W/fork-$r.json" | sort -u)
+  [ "$(echo "$kids" | wc -l)" = 8 ] || fail "reseed round $r: not 8 child ids: $(tr '\n' ' ' <"$W/fork-$r.json")"
+  : >"$W/draws"
+  for v in $kids x; do
+    ex "$v" -- busybox sh -c 'busybox od -An -tx1 -N16 /dev/urandom | busybox tr -d " \n"'
+    [ "$rc" = 0 ] && grep -qxE '[0-9a-f]{32}' "$W/o" || fail "reseed round $r: a draw in $v: rc $rc, '$(cat "$W/o")' ($(cat "$W/e"))"
+    echo "$v $(cat "$W/o")" >>"$W/draws"
+  done
+  [ "$(cut -d' ' -f2 "$W/draws" | sort -u | wc -l)" = 9 ] || fail "reseed round $r: draws repeat: $(tr '\n' ';' <"$W/draws")"
+  for v in $kids; do kc delete "$v" >/dev/null || fail "reseed round $r: delete $v failed"; done
+  [ "$r" -gt 1 ] || lab_note "reseed round 1's draws: $(tr '\n' ';' <"$W/draws")"
+  r=$((r + 1))
+done
+lab_note "the agent reseeded $((R * 8)) children of $R forks of 8 (info x: rng_reseed agent; no warning; 9 different draws per fork)"
+
+# 9. Snapshot, delete, restore.
 kc snapshot x "$W/snap" >"$W/snap.out" 2>&1 || fail "snapshot failed: $(cat "$W/snap.out")"
 kc delete x >/dev/null || fail "delete x failed"
 kc restore "$W/snap" --id r >"$W/restore.out" 2>&1 || fail "restore failed: $(cat "$W/restore.out")"
 ex r -- busybox cat /tmp/mark
 [ "$rc" = 0 ] && [ "$(cat "$W/o")" = before-fork ] || fail "the restored VM: rc $rc out '$(cat "$W/o")' ($(cat "$W/e"))"
-lab_note "restored VM: exec works and sees the source's file"
+kc --json info r >"$W/info-r.json" 2>&1 || fail "k7d info r failed: $(cat "$W/info-r.json")"
+[ "$(json_str rng_reseed "$W/info-r.json")" = agent ] || fail "the restored VM: rng_reseed is '$(json_str rng_reseed "$W/info-r.json")', not agent"
+lab_note "restored VM: exec works and sees the source's file; reseeded through its agent"
 kc delete r >/dev/null || fail "delete r failed"
 left=$(kc list | tail -n +2)
 [ -z "$left" ] || fail "VMs left: $left"
 lab_daemon_stop "$DLOG"
-lab_pass "k7d exec: output, streams, exit and signal status, stdin, env/cwd/user, timeout, refusals, fork children, a restored VM"
+lab_pass "k7d exec: output, streams, exit and signal status, stdin, env/cwd/user, timeout, refusals, fork children, a restored VM; the agent reseeds fork children and a restore"

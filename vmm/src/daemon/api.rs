@@ -157,6 +157,11 @@ pub struct ForkArgs {
     /// default: the source's path with `-<child id>` appended).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vsock_uds: Option<PathBuf>,
+    /// The caller gives the children their own kernel RNG state itself
+    /// (the shim's `Identity` for a fork-started pod): the daemon does not
+    /// reseed them through their agents (`docs/fork.md`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub reseed_by_caller: bool,
 }
 
 /// One child of nothing: set `id` (and what else the fork needs).
@@ -168,6 +173,7 @@ impl Default for ForkArgs {
             name: None,
             nics: Vec::new(),
             vsock_uds: None,
+            reseed_by_caller: false,
         }
     }
 }
@@ -1326,6 +1332,7 @@ mod tests {
             (crate::RngReseed::Vmgenid, "vmgenid"),
             (crate::RngReseed::NoDriver, "none"),
             (crate::RngReseed::Off, "none"),
+            (crate::RngReseed::Agent, "agent"),
         ] {
             assert!(r.describe().starts_with(word), "{r:?}: {}", r.describe());
         }

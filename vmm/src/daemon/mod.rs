@@ -6,6 +6,7 @@
 //! types the daemon and the CLI share; [`server`] carries them over a unix
 //! socket; [`client`] is the CLI side.
 
+mod agent_reseed;
 pub mod api;
 pub mod client;
 mod clusters;
@@ -113,6 +114,14 @@ fn not_served_in_a_process(id: &str) -> String {
     )
 }
 
+/// What `Daemon::handle` does with a reply before it answers.
+enum After {
+    Fork,
+    Restore,
+    Info,
+    Nothing,
+}
+
 /// The VM owner.
 pub struct Daemon {
     store: Arc<RecordStore>,
@@ -133,6 +142,8 @@ pub struct Daemon {
     reattached: Vec<String>,
     /// What a scrape reads (`metrics.rs`).
     metrics: Arc<metrics::Metrics>,
+    /// Fork children and restored VMs reseeded by their agents.
+    agent_reseeds: agent_reseed::AgentReseeds,
     _lock: crate::sys::FileLock,
 }
 
@@ -238,8 +249,8 @@ fn lock_vm(vm: &Arc<Mutex<Vm>>) -> MutexGuard<'_, Vm> {
 fn rng_warning(vm: &Vm) -> Option<String> {
     vm.first_unreseeded_fork().then(|| {
         let w = format!(
-            "vm {}'s fork children share its kernel RNG state: {}",
-            vm.id(),
+            "{}: {}",
+            agent_reseed::shared_rng_warning(vm.id()),
             vm.rng_reseed().describe()
         );
         tracing::warn!(vm = vm.id(), "{w}");
@@ -467,6 +478,7 @@ impl Daemon {
                 processes: None,
                 reattached: reattached_ids,
                 metrics: Arc::new(metrics::Metrics::new(false)),
+                agent_reseeds: agent_reseed::AgentReseeds::default(),
                 _lock: lock,
             },
             reconciled,
@@ -598,12 +610,32 @@ impl Daemon {
         resp.to_line()
     }
 
-    /// Executes a request; the reply is the type its op defines.
+    /// Executes a request; the reply is the type its op defines. A fork's
+    /// children and a restored VM whose kernels have no vmgenid driver are
+    /// reseeded through their agents before the answer (`agent_reseed.rs`).
     pub fn handle(&self, req: Request) -> Result<Reply, ApiError> {
         req.validate()?;
-        if let Some(reply) = self.handle_in_process(&req) {
-            return reply;
+        let after = match &req {
+            Request::Fork(a) if !a.reseed_by_caller => After::Fork,
+            Request::Restore(_) => After::Restore,
+            Request::Info(_) => After::Info,
+            _ => After::Nothing,
+        };
+        let mut reply = match self.handle_in_process(&req) {
+            Some(reply) => reply?,
+            None => self.handle_op(req)?,
+        };
+        match (after, &mut reply) {
+            (After::Fork, Reply::Forked(f)) => self.agent_reseeds.forked(f),
+            (After::Restore, Reply::Vm(info)) => self.agent_reseeds.restored(info),
+            (After::Info, Reply::Vm(info)) => self.agent_reseeds.show(info),
+            (_, Reply::Deleted(d)) => self.agent_reseeds.forget(&d.id),
+            _ => {}
         }
+        Ok(reply)
+    }
+
+    fn handle_op(&self, req: Request) -> Result<Reply, ApiError> {
         Ok(match req {
             Request::Create(a) if self.processes.is_some() => {
                 Reply::Vm(Box::new(self.create_process(a.config, a.start)?))

@@ -1092,8 +1092,8 @@ impl Remote {
             return None;
         }
         Some(format!(
-            "vm {}'s fork children share its kernel RNG state: {}",
-            self.id,
+            "{}: {}",
+            super::agent_reseed::shared_rng_warning(&self.id),
             reseed.describe()
         ))
     }

@@ -226,6 +226,10 @@ pub enum RngReseed {
     NoDriver,
     /// The VM has no VM Generation ID device.
     Off,
+    /// Its guest has no vmgenid driver but k7d-agent answers in it: the
+    /// daemon reseeds a fork child's or a restored VM's kernel RNG through
+    /// the agent before it answers (the daemon's word, never a VM's own).
+    Agent,
 }
 
 impl RngReseed {
@@ -240,6 +244,9 @@ impl RngReseed {
             }
             RngReseed::Off => {
                 "none: the VM has no VM Generation ID device, so fork children draw the same random numbers until their kernels reseed on their own"
+            }
+            RngReseed::Agent => {
+                "agent: k7d-agent in the guest reseeds a fork child's or a restored VM's kernel RNG with host entropy before the fork or restore answers"
             }
         }
     }

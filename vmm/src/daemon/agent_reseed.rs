@@ -1,0 +1,319 @@
+//! The kernel RNG of a fork child or a restored VM whose guest has no
+//! vmgenid driver (Debian's cloud kernel), reseeded by k7d-agent in it
+//! (issue 40, item 2): right after the fork or the restore, before the
+//! daemon answers, the daemon connects to each such VM's agent through its
+//! vsock socket and sends host entropy (`Request::Reseed`), which the agent
+//! credits to the kernel's pool and reseeds its RNG from. Children of one
+//! source then draw different bytes from their first draw after the
+//! answer. A VM without vsock, or without an agent listening, is left as it
+//! was (the fork's once-per-source warning says so).
+//!
+//! `info` says `rng_reseed: agent` for a VM whose agent has reseeded it or
+//! a child of it (remembered until the VM is deleted). `info` itself asks
+//! no agent: it is the call `k7d exec` and the shim make before each use.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use super::api::{Forked, VmInfo};
+use crate::RngReseed;
+
+/// Entropy bytes sent to each VM (the agent takes 32 to 512).
+#[cfg(feature = "shim")]
+const ENTROPY: usize = 64;
+/// How long a reseed's connect, `Hello` and `Reseed` may each take: an
+/// agent answers in milliseconds on a host, in a second in the nested lab.
+#[cfg(feature = "shim")]
+const RESEED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// VMs whose agent has answered: `info` says `agent` for them.
+#[derive(Default)]
+pub(super) struct AgentReseeds {
+    known: Mutex<HashSet<String>>,
+}
+
+/// The vsock socket of a VM whose children would share its kernel RNG
+/// without the agent: no vmgenid driver (or no device), and a vsock device.
+fn wants_agent(info: &VmInfo) -> Option<PathBuf> {
+    match info.rng_reseed? {
+        RngReseed::NoDriver | RngReseed::Off | RngReseed::Agent => {}
+        RngReseed::Vmgenid => return None,
+    }
+    info.config.devices.vsock.as_ref().map(|v| v.uds.clone())
+}
+
+/// The start of the once-per-source warning a fork of `source` carries
+/// when its children share its kernel RNG (`rng_warning`).
+pub(super) fn shared_rng_warning(source: &str) -> String {
+    format!("vm {source}'s fork children share its kernel RNG state")
+}
+
+impl AgentReseeds {
+    fn known(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `info`'s `rng_reseed` is `agent` where an agent reseeded the VM or
+    /// a child of it.
+    pub(super) fn show(&self, info: &mut VmInfo) {
+        if wants_agent(info).is_some() && self.known().contains(&info.id) {
+            info.rng_reseed = Some(RngReseed::Agent);
+        }
+    }
+
+    /// A restored VM whose kernel would not reseed on its own: its agent
+    /// reseeds it (logged if it cannot).
+    pub(super) fn restored(&self, info: &mut VmInfo) {
+        let Some(uds) = wants_agent(info) else {
+            return;
+        };
+        match reseed(&uds) {
+            Ok(()) => {
+                self.known().insert(info.id.clone());
+                info.rng_reseed = Some(RngReseed::Agent);
+            }
+            Err(e) => {
+                tracing::warn!(vm = %info.id, "a restored VM's kernel RNG was not reseeded through its agent: {e}")
+            }
+        }
+    }
+
+    /// A fork's children whose kernels would not reseed on their own: each
+    /// one's agent reseeds it, all at once. A source all of whose children
+    /// were reseeded so loses its shared-RNG warning; a child whose agent
+    /// failed where its source's had answered gets a warning of its own.
+    pub(super) fn forked(&self, forked: &mut Forked) {
+        let targets: Vec<(usize, PathBuf)> = forked
+            .children
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| wants_agent(&c.info).map(|u| (i, u)))
+            .collect();
+        if targets.is_empty() {
+            return;
+        }
+        let results: Vec<(usize, Result<(), String>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = targets
+                .iter()
+                .map(|(i, uds)| (*i, s.spawn(move || reseed(uds))))
+                .collect();
+            handles
+                .into_iter()
+                .map(|(i, h)| (i, h.join().unwrap_or_else(|_| Err("the reseed thread panicked".into()))))
+                .collect()
+        });
+        // Per source: whether every child of it that wanted the agent got it.
+        let mut sources: Vec<(String, bool)> = Vec::new();
+        let mut warnings = Vec::new();
+        for (i, r) in results {
+            let child = &mut forked.children[i];
+            let source = child.info.parent.clone().unwrap_or_else(|| forked.id.clone());
+            let ok = r.is_ok();
+            match r {
+                Ok(()) => {
+                    child.info.rng_reseed = Some(RngReseed::Agent);
+                    let mut known = self.known();
+                    known.insert(child.info.id.clone());
+                    known.insert(source.clone());
+                }
+                Err(e) => {
+                    tracing::debug!(vm = %child.info.id, "no reseed through the agent: {e}");
+                    if self.known().contains(&source) {
+                        let w = format!(
+                            "vm {}'s kernel RNG was not reseeded through its agent, so it may draw what its siblings draw: {e}",
+                            child.info.id
+                        );
+                        tracing::warn!(vm = %child.info.id, "{w}");
+                        warnings.push(w);
+                    }
+                }
+            }
+            match sources.iter_mut().find(|(s, _)| *s == source) {
+                Some((_, all)) => *all &= ok,
+                None => sources.push((source, ok)),
+            }
+        }
+        for (source, all) in sources {
+            if all {
+                let w = shared_rng_warning(&source);
+                forked.warnings.retain(|x| !x.starts_with(&w));
+            }
+        }
+        forked.warnings.extend(warnings);
+    }
+
+    /// `id` is deleted: a new VM of that id is asked again.
+    pub(super) fn forget(&self, id: &str) {
+        self.known().remove(id);
+    }
+}
+
+/// Host entropy through the agent behind `uds`: credited, and the guest
+/// kernel's RNG reseeded from it.
+#[cfg(feature = "shim")]
+fn reseed(uds: &std::path::Path) -> Result<(), String> {
+    use k7d_agent::proto::{Reply, Request};
+    let mut entropy = vec![0u8; ENTROPY];
+    k7d_sys::random::fill(&mut entropy).map_err(|e| format!("cannot draw host entropy: {e}"))?;
+    let mut conn = k7d_shim::agent::Agent::new(uds)
+        .connect(RESEED_TIMEOUT)
+        .map_err(|e| format!("{e:#}"))?;
+    match conn.call(&Request::Reseed { entropy }) {
+        Ok(Reply::Done) => Ok(()),
+        Ok(other) => Err(format!("the guest agent answered the reseed with {other:?}")),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+#[cfg(not(feature = "shim"))]
+fn reseed(_: &std::path::Path) -> Result<(), String> {
+    Err("this k7d is built without the agent's client".into())
+}
+
+#[cfg(all(test, feature = "shim"))]
+mod tests {
+    use super::*;
+    use crate::daemon::api::ForkedChild;
+    use k7d_agent::proto::{self, Reply, Request, Response};
+    use std::io::{BufRead, Write};
+    use std::os::unix::net::UnixListener;
+    use std::sync::mpsc;
+
+    /// A VM's vsock socket with an agent behind it, as the VMM and the
+    /// agent answer: `OK <port>`, `Hello`, then `Reseed` (its entropy sent
+    /// to `got`) answered `Done`, or refused when `refuse`.
+    fn agent(dir: &std::path::Path, name: &str, refuse: bool, got: mpsc::Sender<Vec<u8>>) -> PathBuf {
+        let uds = dir.join(name);
+        let l = UnixListener::bind(&uds).unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let mut s = s.unwrap();
+                let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+                let mut line = String::new();
+                r.read_line(&mut line).unwrap();
+                assert_eq!(line, format!("CONNECT {}\n", proto::PORT));
+                s.write_all(b"OK 1073741824\n").unwrap();
+                while let Ok(req) = proto::read_frame::<_, Request>(&mut s) {
+                    let resp = match req {
+                        Request::Hello { version } => Response::Ok(Reply::Hello {
+                            version,
+                            kernel: "6.1.0-57-cloud-amd64".into(),
+                        }),
+                        Request::Reseed { entropy } if !refuse => {
+                            got.send(entropy).unwrap();
+                            Response::Ok(Reply::Done)
+                        }
+                        other => Response::Err {
+                            message: format!("not this one: {other:?}"),
+                            not_found: false,
+                        },
+                    };
+                    proto::write_frame(&mut s, &resp).unwrap();
+                }
+            }
+        });
+        uds
+    }
+
+    fn child(id: &str, parent: &str, reseed: RngReseed, uds: Option<PathBuf>) -> ForkedChild {
+        let mut config = crate::VmConfig::default();
+        config.devices.vsock = uds.map(|uds| crate::config::VsockConfig { cid: 3, uds });
+        let info: VmInfo = serde_json::from_value(serde_json::json!({
+            "id": id, "status": "running", "state": crate::VmState::Running,
+            "config": config, "devices": [], "serial_log": null, "daemon_pid": 1,
+            "created_unix": null, "ms_since_start": null, "first_exit_us_after_start": null,
+            "exits": 0, "parent": parent, "rng_reseed": reseed,
+        }))
+        .unwrap();
+        ForkedChild {
+            info,
+            fork_ms: 1.0,
+            shell: false,
+        }
+    }
+
+    fn forked(children: Vec<ForkedChild>, warnings: &[&str]) -> Forked {
+        Forked {
+            id: "src".into(),
+            children,
+            pause_ms: 1.0,
+            source_paused_ms: 2.0,
+            clusters: Vec::new(),
+            rebased: Vec::new(),
+            warnings: warnings.iter().map(|w| w.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn children_without_a_vmgenid_driver_are_reseeded_through_their_agents() {
+        let dir = std::env::temp_dir().join(format!("k7d-agent-reseed-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let a1 = agent(&dir, "a1", false, tx.clone());
+        let a2 = agent(&dir, "a2", false, tx.clone());
+        let shared = format!("{}: none: ...", shared_rng_warning("src"));
+        let reseeds = AgentReseeds::default();
+        let mut f = forked(
+            vec![
+                child("src-f1", "src", RngReseed::NoDriver, Some(a1)),
+                child("src-f2", "src", RngReseed::Off, Some(a2)),
+                // Its kernel reseeds itself: its agent is not asked.
+                child("src-f3", "src", RngReseed::Vmgenid, Some(dir.join("nobody"))),
+            ],
+            &[&shared],
+        );
+        reseeds.forked(&mut f);
+        let (e1, e2) = (rx.recv().unwrap(), rx.recv().unwrap());
+        assert!(rx.try_recv().is_err(), "one reseed per child that wanted it");
+        assert_eq!((e1.len(), e2.len()), (ENTROPY, ENTROPY));
+        assert_ne!(e1, e2, "each child its own host entropy");
+        let said: Vec<_> = f.children.iter().map(|c| c.info.rng_reseed).collect();
+        assert_eq!(
+            said,
+            [Some(RngReseed::Agent), Some(RngReseed::Agent), Some(RngReseed::Vmgenid)]
+        );
+        assert!(
+            f.warnings.is_empty(),
+            "every child reseeded: no shared-RNG warning: {:?}",
+            f.warnings
+        );
+        // `info` says agent for the source and the children from now on.
+        let mut src = child("src", "", RngReseed::NoDriver, Some(dir.join("nobody"))).info;
+        reseeds.show(&mut src);
+        assert_eq!(src.rng_reseed, Some(RngReseed::Agent));
+
+        // A child whose agent refuses, of a source whose agent answered
+        // before: warned by name; a child without vsock keeps the shared
+        // warning of its source (which has no agent known).
+        let a3 = agent(&dir, "a3", true, tx.clone());
+        let mut f = forked(
+            vec![
+                child("src-f4", "src", RngReseed::NoDriver, Some(a3)),
+                child("other-f1", "other", RngReseed::NoDriver, Some(dir.join("nobody"))),
+            ],
+            &[&format!("{}: none: ...", shared_rng_warning("other"))],
+        );
+        reseeds.forked(&mut f);
+        assert_eq!(f.children[0].info.rng_reseed, Some(RngReseed::NoDriver));
+        assert_eq!(f.warnings.len(), 2, "{:?}", f.warnings);
+        assert!(
+            f.warnings[0].starts_with(&shared_rng_warning("other")),
+            "{:?}",
+            f.warnings
+        );
+        assert!(
+            f.warnings[1].starts_with("vm src-f4's kernel RNG was not reseeded through its agent")
+                && f.warnings[1].contains("not this one"),
+            "{:?}",
+            f.warnings
+        );
+        // Deleted, and a VM of that id is asked again (nobody answers).
+        reseeds.forget("src");
+        let mut src = child("src", "", RngReseed::NoDriver, Some(dir.join("nobody"))).info;
+        reseeds.show(&mut src);
+        assert_eq!(src.rng_reseed, Some(RngReseed::NoDriver));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

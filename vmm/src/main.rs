@@ -676,6 +676,11 @@ enum ApiCmd {
         /// Number of children.
         #[arg(long, default_value_t = 1)]
         count: u32,
+        /// Leave the children's kernel RNGs as the source's where their
+        /// guest has no vmgenid driver: the caller reseeds them itself (as
+        /// the containerd shim does), else siblings draw the same bytes.
+        #[arg(long)]
+        no_agent_reseed: bool,
     },
     /// Give a forked VM a new base holding its RAM as it is now (built
     /// while it runs, paused for the last round only): its next forks copy
@@ -1109,9 +1114,14 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             disk,
             path: path.map(|p| std::path::absolute(&p).unwrap_or(p)),
         }),
-        ApiCmd::Fork { id, count } => Request::Fork(ForkArgs {
+        ApiCmd::Fork {
             id,
             count,
+            no_agent_reseed,
+        } => Request::Fork(ForkArgs {
+            id,
+            count,
+            reseed_by_caller: no_agent_reseed,
             ..Default::default()
         }),
         ApiCmd::NicAttach {

@@ -417,10 +417,13 @@ const LAB_BOUNDS: &[Bound] = &[
         max: 0.8,
     },
     // k7d's own part of StopPodSandbox (the sandbox's SIGKILL to its shim gone), each kind of pod.
+    // A cold pod's includes its VM process's exit, which frees ~92 MiB of
+    // guest RAM in L1 (0.53-1.81 s since VM processes became the default,
+    // against 0.07-0.32 s inside the daemon; LATENCY_BUDGETS.md).
     Bound {
         scenario: "k7d-cri",
         figure: "k7d.pod_vm_stop",
-        max: 1.0,
+        max: 2.0,
     },
     Bound {
         scenario: "k7d-cri",

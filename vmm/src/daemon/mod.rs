@@ -629,7 +629,6 @@ impl Daemon {
             (After::Fork, Reply::Forked(f)) => self.agent_reseeds.forked(f),
             (After::Restore, Reply::Vm(info)) => self.agent_reseeds.restored(info),
             (After::Info, Reply::Vm(info)) => self.agent_reseeds.show(info),
-            (_, Reply::Deleted(d)) => self.agent_reseeds.forget(&d.id),
             _ => {}
         }
         Ok(reply)
@@ -1182,6 +1181,9 @@ impl Daemon {
     }
 
     fn delete(&self, id: &str) -> Result<Deleted, ApiError> {
+        // A new VM of this id has its agent's reseed to earn again (a
+        // cluster's delete comes here for each member too).
+        self.agent_reseeds.forget(id);
         if let Some(r) = self.process(id) {
             return self.delete_process(id, &r);
         }

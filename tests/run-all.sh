@@ -31,9 +31,12 @@ fi
 
 # The lab tests' output folder (as tests/tests/lab.rs picks it); each
 # scenario adds a line to summary.tsv, emptied first so no earlier run's
-# table is ever shown.
+# table is ever shown. A retried scenario's first attempt is kept in
+# <scenario>.attempt1: an earlier run's are removed too, or the summary
+# would list their rescues as this run's (a CI run of 2026-12-07 listed two).
 LAB_OUT=${K7D_LAB_OUT:-${CARGO_TARGET_DIR:-$(pwd)/target}/lab}
 rm -f "$LAB_OUT/summary.tsv"
+rm -rf "$LAB_OUT"/*.attempt1
 # Skipped test bodies are appended here (k7d-test-skip) and counted at the end.
 export K7D_SKIP_LOG
 K7D_SKIP_LOG=$(mktemp /tmp/k7d-skips.XXXXXX)
@@ -120,7 +123,10 @@ trap summary EXIT
 phase "host packages"
 # prometheus (and its promtool) scrapes the daemon in vmm/tests/metrics.rs;
 # the test starts its own on loopback, so the package's service is stopped.
-PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86 acpica-tools protobuf-compiler prometheus)
+# e2fsprogs, erofs-utils and fdisk (sfdisk) make the real filesystems and
+# partition tables k7d-agent reads for root=UUID=/PARTUUID=
+# (guest/agent/src/rootdev.rs).
+PKGS=(clang llvm libbpf-dev iproute2 iputils-ping procps qemu-system-x86 acpica-tools protobuf-compiler prometheus e2fsprogs erofs-utils fdisk)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

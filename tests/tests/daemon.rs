@@ -227,6 +227,7 @@ fn stale_records_are_reconciled_and_the_state_dir_is_exclusive() {
         created_unix: 0,
         vm_process: None,
         parent: None,
+        rng_agent: false,
     };
     store.save(&dead).unwrap();
     std::fs::write(store.runtime_dir("orphan").unwrap().join("serial.log"), b"old").unwrap();

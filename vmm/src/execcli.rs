@@ -5,7 +5,9 @@
 //! reaches a pod VM's (`k7d_shim::agent`). stdin is forwarded, stdout and
 //! stderr come back on streams of their own, and the command's exit
 //! status is `k7d exec`'s own (128 + N for a signal N; `--timeout` kills
-//! it with SIGKILL: 137).
+//! it with SIGKILL: 137). With `--tty` the command runs on a pty of the
+//! agent's (stdout and stderr both come through it) and k7d's own terminal,
+//! if stdin is one, is raw for the command's life and gives it its size.
 
 use std::io::{Read, Write};
 use std::path::PathBuf;
@@ -31,7 +33,21 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(2);
 #[derive(Clone, Debug, Args)]
 pub struct ExecArgs {
     /// The VM (a fork child or a restored VM alike).
-    pub vm: String,
+    #[arg(required_unless_present = "cluster", conflicts_with = "cluster")]
+    pub vm: Option<String>,
+    /// Run the command in every member of this cluster at once instead:
+    /// each line of output prefixed with its member's id, no stdin (the
+    /// command's is empty), and k7d exec's status the first non-zero
+    /// member's, in member order.
+    #[arg(long, value_name = "CLUSTER")]
+    pub cluster: Option<String>,
+    /// Run the command on a terminal in the guest (a pty, its controlling
+    /// terminal: an interactive shell, `top`, a password prompt). Its stdout
+    /// and stderr both come through it; k7d's own terminal, if its stdin is
+    /// one, is put in raw mode until the command ends and gives the pty its
+    /// size (not resized after).
+    #[arg(short = 't', long, conflicts_with = "cluster")]
+    pub tty: bool,
     /// An environment variable for the command, KEY=VALUE (repeatable);
     /// PATH is the agent's unless given.
     #[arg(long = "env", value_name = "KEY=VALUE")]
@@ -113,9 +129,204 @@ fn pump(mut from: impl Read, mut to: impl Write) -> u64 {
     }
 }
 
+/// The longest line a cluster member's output is held for before it is
+/// written out without its end.
+const MAX_LINE: usize = 64 << 10;
+
+/// Where a command's output goes, and what its stdin is (none: empty).
+pub(crate) struct Streams {
+    out: Box<dyn Write + Send>,
+    err: Box<dyn Write + Send>,
+    stdin: Option<Box<dyn Read + Send>>,
+}
+
+impl Streams {
+    /// k7d's own stdout and stderr, and its stdin forwarded.
+    fn own() -> Self {
+        Self {
+            out: Box::new(std::io::stdout()),
+            err: Box::new(std::io::stderr()),
+            stdin: Some(Box::new(std::io::stdin())),
+        }
+    }
+
+    /// One cluster member's: each line to k7d's stdout or stderr whole,
+    /// after `vm: `; no stdin.
+    fn member(vm: &str) -> Self {
+        Self {
+            out: Box::new(Prefixed::new(vm, false)),
+            err: Box::new(Prefixed::new(vm, true)),
+            stdin: None,
+        }
+    }
+
+    /// Streams of a caller's own (`k7d cp`'s pipes).
+    pub(crate) fn piped(
+        out: Box<dyn Write + Send>,
+        err: Box<dyn Write + Send>,
+        stdin: Option<Box<dyn Read + Send>>,
+    ) -> Self {
+        Self { out, err, stdin }
+    }
+}
+
+/// Where [`Prefixed`] writes each whole line, in one call.
+type LineSink = Box<dyn FnMut(&[u8]) -> std::io::Result<()> + Send>;
+
+/// A writer that writes whole lines, each after a prefix, in one call of
+/// `to` (k7d's stdout or stderr under its lock, so that the lines of
+/// members running at once do not mix); a last line without its end gets
+/// one when it is dropped.
+struct Prefixed {
+    prefix: Vec<u8>,
+    line: Vec<u8>,
+    to: LineSink,
+}
+
+impl Prefixed {
+    fn new(vm: &str, to_stderr: bool) -> Self {
+        let to: LineSink = if to_stderr {
+            Box::new(|b| std::io::stderr().lock().write_all(b))
+        } else {
+            Box::new(|b| {
+                let mut o = std::io::stdout().lock();
+                o.write_all(b).and_then(|()| o.flush())
+            })
+        };
+        Self::to(vm, to)
+    }
+
+    fn to(vm: &str, to: LineSink) -> Self {
+        Self {
+            prefix: format!("{vm}: ").into_bytes(),
+            line: Vec::new(),
+            to,
+        }
+    }
+
+    fn emit(&mut self) -> std::io::Result<()> {
+        let mut whole = Vec::with_capacity(self.prefix.len() + self.line.len() + 1);
+        whole.extend_from_slice(&self.prefix);
+        whole.append(&mut self.line);
+        if !whole.ends_with(b"\n") {
+            whole.push(b'\n');
+        }
+        (self.to)(&whole)
+    }
+}
+
+impl Write for Prefixed {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        for piece in buf.split_inclusive(|&b| b == b'\n') {
+            self.line.extend_from_slice(piece);
+            if piece.ends_with(b"\n") || self.line.len() >= MAX_LINE {
+                self.emit()?;
+            }
+        }
+        Ok(buf.len())
+    }
+
+    /// A part of a line waits for its end.
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for Prefixed {
+    fn drop(&mut self) {
+        if !self.line.is_empty() {
+            let _ = self.emit();
+        }
+    }
+}
+
 /// Runs the command in the VM whose vsock socket is `uds` (`vm` names it
 /// in messages); the exit code is the command's.
 pub fn run(vm: &str, uds: PathBuf, a: &ExecArgs) -> Result<ExitCode> {
+    // Restored when dropped, however the command ends.
+    let _raw = if a.tty { RawTerminal::enter() } else { None };
+    run_with(vm, uds, a, Streams::own()).map(ExitCode::from)
+}
+
+/// k7d's own terminal (its stdin) in raw mode: keys go to the guest's pty
+/// as typed (^C is the guest's to interpret), and the guest's pty does the
+/// echo and line endings. Put back as it was when dropped.
+struct RawTerminal {
+    saved: libc::termios,
+}
+
+impl RawTerminal {
+    /// Raw mode on stdin, if it is a terminal; none otherwise.
+    fn enter() -> Option<RawTerminal> {
+        // SAFETY: an all-zero termios is a valid value to be overwritten.
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: fd 0 and a valid pointer to a termios; fails (ENOTTY)
+        // when stdin is not a terminal.
+        if unsafe { libc::tcgetattr(0, &mut saved) } != 0 {
+            return None;
+        }
+        let mut raw = saved;
+        // SAFETY: `raw` is a valid termios.
+        unsafe { libc::cfmakeraw(&mut raw) };
+        // SAFETY: fd 0 and a valid termios.
+        if unsafe { libc::tcsetattr(0, libc::TCSANOW, &raw) } != 0 {
+            return None;
+        }
+        Some(RawTerminal { saved })
+    }
+}
+
+impl Drop for RawTerminal {
+    fn drop(&mut self) {
+        // SAFETY: fd 0 and the termios read from it.
+        unsafe { libc::tcsetattr(0, libc::TCSANOW, &self.saved) };
+    }
+}
+
+/// k7d's own terminal's size (columns, rows), if stdin or stdout is one.
+fn terminal_size() -> Option<(u32, u32)> {
+    [0, 1].into_iter().find_map(|fd| {
+        // SAFETY: an all-zero winsize is a valid value to be overwritten.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        // SAFETY: TIOCGWINSZ writes one winsize through the valid pointer.
+        let ok = unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } == 0;
+        (ok && ws.ws_col > 0 && ws.ws_row > 0).then(|| (u32::from(ws.ws_col), u32::from(ws.ws_row)))
+    })
+}
+
+/// Runs the command in every VM of `members` (id, vsock socket) at once
+/// (`k7d exec --cluster`): each one's lines after its id, no stdin. The
+/// exit code is the first non-zero status in member order (a member whose
+/// command could not run counts as 255, its sentence on stderr).
+pub fn run_cluster(members: &[(String, PathBuf)], a: &ExecArgs) -> ExitCode {
+    let statuses: Vec<u8> = std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .iter()
+            .map(|(vm, uds)| s.spawn(move || (vm, run_with(vm, uds.clone(), a, Streams::member(vm)))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok((_, Ok(status))) => status,
+                Ok((vm, Err(e))) => {
+                    say(format_args!("k7d exec: vm {vm}: {e:#}"));
+                    255
+                }
+                Err(_) => 255,
+            })
+            .collect()
+    });
+    for ((vm, _), st) in members.iter().zip(&statuses) {
+        if *st != 0 {
+            say(format_args!("k7d exec: vm {vm} exited {st}"));
+        }
+    }
+    ExitCode::from(statuses.into_iter().find(|s| *s != 0).unwrap_or(0))
+}
+
+/// Runs the command in the VM whose vsock socket is `uds` with `streams`;
+/// its exit status (128 + N for a signal N).
+pub(crate) fn run_with(vm: &str, uds: PathBuf, a: &ExecArgs, streams: Streams) -> Result<u8> {
     let agent = Agent::new(&uds);
     let connect = || {
         agent.connect(CONNECT_TIMEOUT).with_context(|| {
@@ -131,14 +342,25 @@ pub fn run(vm: &str, uds: PathBuf, a: &ExecArgs) -> Result<ExitCode> {
         process: process.clone(),
         spec: process_spec(a),
         stdio: StdioSpec {
-            terminal: false,
-            stdin: true,
+            terminal: a.tty,
+            stdin: streams.stdin.is_some(),
             stdout: true,
-            stderr: true,
+            // On a terminal, stderr is the pty too.
+            stderr: !a.tty,
         },
     }))
     .map_err(|e| refused(&format!("vm {vm} refused the exec"), e))?;
-    let result = attach_and_run(vm, &connect, &mut ctl, &process, a.timeout);
+    if a.tty
+        && let Some((width, height)) = terminal_size()
+        && let Err(e) = ctl.call(&Request::ResizePty {
+            process: process.clone(),
+            width,
+            height,
+        })
+    {
+        say(format_args!("k7d exec: vm {vm}: the terminal's size was not set: {e}"));
+    }
+    let result = attach_and_run(vm, &connect, &mut ctl, &process, a.timeout, a.tty, streams);
     // Forgotten whatever happened (a running one is killed first).
     if result.is_err() {
         let _ = ctl.call(&Request::Signal {
@@ -157,7 +379,9 @@ fn attach_and_run(
     ctl: &mut Conn,
     process: &ProcessRef,
     timeout: Option<Duration>,
-) -> Result<ExitCode> {
+    tty: bool,
+    streams: Streams,
+) -> Result<u8> {
     let attach = |stream: Stream| -> Result<std::os::unix::net::UnixStream> {
         let mut c = connect()?;
         c.call(&Request::Attach {
@@ -168,8 +392,12 @@ fn attach_and_run(
         c.into_stream()
     };
     let stdout = attach(Stream::Stdout)?;
-    let stderr = attach(Stream::Stderr)?;
-    let mut stdin = attach(Stream::Stdin)?;
+    // A command on a terminal has no stderr of its own (the pty is both).
+    let stderr = if tty { None } else { Some(attach(Stream::Stderr)?) };
+    let stdin = match streams.stdin {
+        Some(from) => Some((from, attach(Stream::Stdin)?)),
+        None => None,
+    };
     let mut waiter = connect()?;
     waiter.set_timeout(None)?;
     let (done_tx, done_rx) = mpsc::channel();
@@ -179,8 +407,13 @@ fn attach_and_run(
     });
     // Not locked for the stream's life: this thread's own messages go to
     // stderr too.
-    let out = std::thread::spawn(move || pump(stdout, std::io::stdout()));
-    let err = std::thread::spawn(move || pump(stderr, std::io::stderr()));
+    let Streams {
+        out: to_out,
+        err: to_err,
+        ..
+    } = streams;
+    let out = std::thread::spawn(move || pump(stdout, to_out));
+    let err = stderr.map(|s| std::thread::spawn(move || pump(s, to_err)));
     match ctl.call(&Request::Start(process.clone())) {
         Ok(Reply::Pid(_)) => {}
         Ok(other) => bail!("vm {vm}: the agent answered the start with {other:?}"),
@@ -188,15 +421,17 @@ fn attach_and_run(
             // The program was checked when the exec was added; what is
             // left is the start itself (as a shell says: 126/127).
             say(format_args!("k7d exec: vm {vm}: {e}"));
-            return Ok(ExitCode::from(127));
+            return Ok(127);
         }
     }
     // stdin: forwarded until its EOF, which closes the command's stdin.
     // Not joined: a terminal's stdin may never end.
-    std::thread::spawn(move || {
-        pump(std::io::stdin(), &mut stdin);
-        let _ = stdin.shutdown(std::net::Shutdown::Write);
-    });
+    if let Some((from, mut stdin)) = stdin {
+        std::thread::spawn(move || {
+            pump(from, &mut stdin);
+            let _ = stdin.shutdown(std::net::Shutdown::Write);
+        });
+    }
     let waited = match timeout {
         None => done_rx
             .recv()
@@ -211,7 +446,7 @@ fn attach_and_run(
                 })
                 .map_err(|e| refused(&format!("vm {vm}: killing the command past its --timeout"), e))?;
                 say(format_args!(
-                    "k7d exec: the command ran past --timeout {} s and was killed",
+                    "k7d exec: vm {vm}: the command ran past --timeout {} s and was killed",
                     t.as_secs_f64()
                 ));
                 // Bounded: an agent that never reports the kill must not
@@ -232,7 +467,7 @@ fn attach_and_run(
     };
     // Its output, to the end (bounded: a background process it left may
     // keep the streams open).
-    for h in [out, err] {
+    for h in std::iter::once(out).chain(err) {
         let deadline = std::time::Instant::now() + DRAIN_TIMEOUT;
         while !h.is_finished() && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -241,7 +476,7 @@ fn attach_and_run(
             let _ = h.join();
         }
     }
-    Ok(ExitCode::from(u8::try_from(status).unwrap_or(255)))
+    Ok(u8::try_from(status).unwrap_or(255))
 }
 
 #[cfg(test)]
@@ -263,7 +498,9 @@ mod tests {
     #[test]
     fn the_process_spec_carries_what_was_asked_and_nothing_else() {
         let a = ExecArgs {
-            vm: "v".into(),
+            vm: Some("v".into()),
+            cluster: None,
+            tty: false,
             env: vec!["A=1".into()],
             cwd: Some("/tmp".into()),
             user: Some((7, 8)),
@@ -275,5 +512,40 @@ mod tests {
             json!({"args": ["sh", "-c", "echo hi"], "env": ["A=1"], "cwd": "/tmp", "user": {"uid": 7, "gid": 8}})
         );
         assert!(exec_id().len() <= 76 && proto::valid_id(&exec_id()));
+    }
+
+    #[test]
+    fn a_members_output_comes_in_whole_lines_after_its_id() {
+        use std::sync::{Arc, Mutex};
+        let got = Arc::new(Mutex::new(Vec::<Vec<u8>>::new()));
+        let sink = got.clone();
+        let mut p = Prefixed::to(
+            "cl-f1-a",
+            Box::new(move |b| {
+                sink.lock().unwrap().push(b.to_vec());
+                Ok(())
+            }),
+        );
+        // Pieces as the agent's stream cuts them, flushed after each (as pump does).
+        for piece in [&b"one\ntw"[..], b"o", b"\nthree\nfou", b"r"] {
+            p.write_all(piece).unwrap();
+            p.flush().unwrap();
+        }
+        let long = vec![b'x'; MAX_LINE + 10];
+        p.write_all(&long).unwrap();
+        drop(p);
+        let got = got.lock().unwrap();
+        let text: Vec<String> = got.iter().map(|b| String::from_utf8_lossy(b).into_owned()).collect();
+        assert_eq!(
+            text[..3],
+            ["cl-f1-a: one\n", "cl-f1-a: two\n", "cl-f1-a: three\n"],
+            "each call one whole line"
+        );
+        assert_eq!(
+            text[3],
+            format!("cl-f1-a: four{}\n", "x".repeat(MAX_LINE + 10)),
+            "a line without its end is held up to MAX_LINE (one read past it), then written ended"
+        );
+        assert_eq!(text.len(), 4, "nothing held back at the drop");
     }
 }

@@ -11,6 +11,8 @@ pub mod arch;
 pub mod budgets;
 pub mod check;
 pub mod config;
+#[cfg(feature = "shim")]
+pub mod cpcli;
 pub mod daemon;
 pub mod demo;
 pub mod diag;

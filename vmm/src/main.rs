@@ -476,6 +476,14 @@ enum Cmd {
     /// Example: `k7d exec web --env A=1 --cwd /tmp -- sh -c 'echo $A'`.
     #[cfg(feature = "shim")]
     Exec(k7d_vmm::execcli::ExecArgs),
+    /// Copy a file or directory between the host and a VM (one side
+    /// VM:PATH) through its guest agent: a tar stream, with tar and sh in
+    /// the guest; modes, symbolic links and (as root) owners kept; a copy
+    /// from a VM is checked entry by entry and bounded (docs/exec.md).
+    ///
+    /// Example: `k7d cp ./policy web:/opt/` then `k7d cp web-f1:/tmp/obs ./obs-1`.
+    #[cfg(feature = "shim")]
+    Cp(k7d_vmm::cpcli::CpArgs),
     /// Report whether this host can run k7d.
     Check,
     /// The daemon's event log, oldest first: every create, fork (with its
@@ -801,11 +809,33 @@ fn confine(mode: k7d_vmm::seccomp::Mode) -> Result<()> {
     Ok(())
 }
 
+/// The vsock socket through which `k7d exec` reaches vm `id`'s guest agent
+/// (its `info`, so the API's access rules apply).
+#[cfg(feature = "shim")]
+fn exec_socket(client: &mut Client, id: &str) -> Result<std::path::PathBuf> {
+    let req = Request::Info(id.to_string());
+    let result = client.call(&req).map_err(|e| anyhow!("{e}"))?;
+    let Reply::Vm(info) = Reply::from_result(&req, result)
+        .with_context(|| format!("the daemon's answer to `{}` is not its result", req.op()))?
+    else {
+        anyhow::bail!("the daemon's answer to `info` is not a VM");
+    };
+    match &info.config.devices.vsock {
+        Some(v) => Ok(v.uds.clone()),
+        None => anyhow::bail!(
+            "vm {id} has no vsock device, through which k7d exec reaches its guest agent (create it with --vsock)"
+        ),
+    }
+}
+
 fn init_logs(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("K7D_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    // Colours for a terminal only: a log file or journald would keep the
+    // escape codes, and `grep 'ms=' daemon.log` would miss every field.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
 }
@@ -1029,24 +1059,38 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             })
         }
         #[cfg(feature = "shim")]
+        Cmd::Cp(a) => {
+            init_logs("warn");
+            let mut client = Client::connect_with_timeout(&cli.socket, Duration::from_secs_f64(cli.timeout))
+                .map_err(|e: ApiError| anyhow!("{e}"))?;
+            k7d_vmm::cpcli::run(&a, |vm| exec_socket(&mut client, vm))
+        }
+        #[cfg(feature = "shim")]
         Cmd::Exec(a) => {
             init_logs("warn");
             let mut client = Client::connect_with_timeout(&cli.socket, Duration::from_secs_f64(cli.timeout))
                 .map_err(|e: ApiError| anyhow!("{e}"))?;
-            let req = Request::Info(a.vm.clone());
-            let result = client.call(&req).map_err(|e| anyhow!("{e}"))?;
-            let Reply::Vm(info) = Reply::from_result(&req, result)
-                .with_context(|| format!("the daemon's answer to `{}` is not its result", req.op()))?
-            else {
-                anyhow::bail!("the daemon's answer to `info` is not a VM");
-            };
-            let Some(vsock) = &info.config.devices.vsock else {
-                anyhow::bail!(
-                    "vm {} has no vsock device, through which k7d exec reaches its guest agent (create it with --vsock)",
-                    a.vm
-                );
-            };
-            k7d_vmm::execcli::run(&a.vm, vsock.uds.clone(), &a)
+            if let Some(cl) = &a.cluster {
+                let req = Request::ClusterInfo(cl.clone());
+                let result = client.call(&req).map_err(|e| anyhow!("{e}"))?;
+                let Reply::Cluster(info) = Reply::from_result(&req, result)
+                    .with_context(|| format!("the daemon's answer to `{}` is not its result", req.op()))?
+                else {
+                    anyhow::bail!("the daemon's answer to `cluster info` is not a cluster");
+                };
+                if info.members.is_empty() {
+                    anyhow::bail!("cluster {cl} has no members to run the command in");
+                }
+                let members = info
+                    .members
+                    .iter()
+                    .map(|m| Ok((m.id.clone(), exec_socket(&mut client, &m.id)?)))
+                    .collect::<Result<Vec<_>>>()?;
+                return Ok(k7d_vmm::execcli::run_cluster(&members, &a));
+            }
+            let vm = a.vm.as_deref().context("k7d exec needs a VM or --cluster")?;
+            let uds = exec_socket(&mut client, vm)?;
+            k7d_vmm::execcli::run(vm, uds, &a)
         }
         Cmd::Api(cmd) => {
             init_logs("warn");

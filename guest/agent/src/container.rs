@@ -912,12 +912,37 @@ impl Containers {
             .ok_or_else(|| ctx("it was already started".into()))?;
         let mut cmd = crate::vmexec::command(&plan);
         child.apply(&mut cmd);
+        // With a terminal: a pty's peer is its stdin, stdout and stderr (and,
+        // after its setsid, its controlling terminal); the master goes to
+        // the process's relays, as runc's console does for a container.
+        let master = if plan.terminal {
+            let (master, peer) = sys::open_pty().map_err(|e| ctx(format!("opening a terminal failed: {e}")))?;
+            let dup = |f: &File| {
+                f.try_clone()
+                    .map(std::process::Stdio::from)
+                    .map_err(|e| ctx(format!("duplicating the terminal failed: {e}")))
+            };
+            cmd.stdin(dup(&peer)?)
+                .stdout(dup(&peer)?)
+                .stderr(std::process::Stdio::from(peer));
+            Some(master)
+        } else {
+            None
+        };
         let pid = self.reaper.spawn(&mut cmd);
-        // The agent's copies of the child's stdio ends close here.
+        // The agent's copies of the child's stdio ends close here (the pty's
+        // peer too: the master then sees EOF when the process is gone).
         drop(cmd);
         let pid = pid
             .map_err(|e| ctx(format!("starting {} failed: {e}", plan.program.display())))?
             .unsigned_abs();
+        if let Some(m) = master
+            && let Err(e) = p.stdio.set_pty(m)
+        {
+            // Its output cannot be relayed: the relays end rather than wait.
+            crate::log!("{}: handing its terminal to the relays failed: {e}", p.label);
+            p.stdio.abandon();
+        }
         {
             let mut st = lock(&p.state);
             st.pid = pid;
@@ -958,9 +983,6 @@ impl Containers {
             format!("exec {eid} of container {}", c.id)
         };
         if c.the_vm {
-            if stdio.terminal {
-                return Err(fail(format!("{label}: an exec in the VM itself takes no terminal yet")));
-            }
             // Refused now rather than at its start: a bad spec or a
             // program the VM lacks is this request's error.
             crate::vmexec::plan(&spec, crate::init::PATH).map_err(|e| fail(format!("{label}: {e}")))?;
@@ -1413,6 +1435,61 @@ mod tests {
         (status, out, err)
     }
 
+    /// Runs `spec` in the VM itself on a terminal (`k7d exec --tty`): its
+    /// exit status and what the pty's master read (stdout and stderr both).
+    fn run_in_the_vm_on_a_terminal(a: &Containers, eid: &str, spec: Value) -> (u32, String) {
+        let r = pref(proto::THE_VM, Some(eid));
+        a.exec(Exec {
+            process: r.clone(),
+            spec,
+            stdio: StdioSpec {
+                terminal: true,
+                stdin: false,
+                stdout: true,
+                stderr: false,
+            },
+        })
+        .unwrap();
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let att = a.attach(&r, Stream::Stdout).unwrap();
+        let relay = std::thread::spawn(move || att.relay(theirs));
+        let out = std::thread::spawn(move || {
+            let mut b = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut &ours, &mut b);
+            relay.join().unwrap();
+            String::from_utf8_lossy(&b).into_owned()
+        });
+        let pid = a.start(&r).unwrap();
+        let raw = sys::wait_pid(pid as i32).unwrap();
+        a.reaper.record(pid as i32, crate::reaper::decode_status(raw));
+        let status = a.wait(&r).unwrap().exit_status;
+        let out = out.join().unwrap();
+        a.delete_exec(&r).unwrap();
+        (status, out)
+    }
+
+    #[test]
+    fn an_exec_in_the_vm_itself_on_a_terminal_has_the_pty_as_its_controlling_terminal() {
+        let _children = crate::test_children();
+        let (a, dir) = agent("thevm-tty");
+        let (status, out) = run_in_the_vm_on_a_terminal(
+            &a,
+            "t1",
+            serde_json::json!({"args": ["sh", "-c",
+                "tty; [ -t 0 ] && [ -t 1 ] && [ -t 2 ] && echo all-three; echo err >&2; read -r _ _ _ _ _ _ t _ </proc/self/stat; echo tty_nr=$t; exit 4"]}),
+        );
+        assert_eq!(status, 4, "{out}");
+        let lines: Vec<&str> = out.split("\r\n").collect();
+        assert!(lines[0].starts_with("/dev/pts/"), "tty names a pty: {out:?}");
+        assert!(
+            lines.contains(&"all-three") && lines.contains(&"err"),
+            "stdin, stdout, stderr on it: {out:?}"
+        );
+        let nr = lines.iter().find_map(|l| l.strip_prefix("tty_nr=")).unwrap_or("0");
+        assert_ne!(nr, "0", "the pty is the session's controlling terminal: {out:?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
     #[test]
     fn an_exec_in_the_vm_itself_runs_without_a_container_or_runc() {
         let _children = crate::test_children();
@@ -1454,8 +1531,9 @@ mod tests {
             e.message.contains("exec x1 in the VM: no-such-program-k7d: not found"),
             "{e:?}"
         );
-        let e = exec("x2", serde_json::json!({"args": ["sh"]}), true).unwrap_err();
-        assert!(e.message.contains("no terminal"), "{e:?}");
+        // A terminal is served (`k7d exec --tty`), not refused.
+        exec("x2", serde_json::json!({"args": ["sh"]}), true).unwrap();
+        a.delete_exec(&pref(proto::THE_VM, Some("x2"))).unwrap();
         let e = exec("x3", serde_json::json!({"args": ["sh"], "capabilities": {}}), false).unwrap_err();
         assert!(e.message.contains("not capabilities"), "{e:?}");
         assert!(

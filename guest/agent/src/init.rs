@@ -9,7 +9,7 @@ use std::path::Path;
 /// The `PATH` children (runc, containers' hooks) get.
 pub const PATH: &str = "/usr/sbin:/usr/bin:/sbin:/bin";
 /// Where the initramfs keeps modules and their load order.
-const MODULES: &str = "/lib/modules-k7d";
+pub const MODULES: &str = "/lib/modules-k7d";
 /// The hostname until a container names the pod.
 const HOSTNAME: &str = "k7d-pod";
 
@@ -83,7 +83,7 @@ pub fn setup() {
 /// Makes fds 0, 1 and 2 the console when the kernel could not open it
 /// (an initramfs without /dev/console): otherwise the first files the agent
 /// opens would become its stdio.
-fn console() {
+pub fn console() {
     let open = (0..3).all(sys::fd_is_open);
     if open {
         return;

@@ -15,10 +15,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 /// Writes one log line to stderr; never panics (unlike `eprintln!`).
+/// The line goes to the console in one write: `writeln!` on the unbuffered
+/// stderr writes each piece of its format on its own, and another writer
+/// on the console (a guest's program) can land between them (the lab saw
+/// "k7d-agent: reseed: entropy LAB-GUEST wake n=3" and "64 bytes" apart).
 macro_rules! log {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stderr().lock(), "k7d-agent: {}", format_args!($($arg)*));
+        let line = format!("k7d-agent: {}\n", format_args!($($arg)*));
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }};
 }
 pub(crate) use log;
@@ -27,11 +32,13 @@ mod binds;
 mod cgroup;
 mod container;
 mod disk;
+mod handover;
 mod identity;
 mod init;
 mod net;
 mod newroot;
 mod reaper;
+mod rootdev;
 mod server;
 mod spec;
 mod stdio;
@@ -79,22 +86,103 @@ fn main() {
 
 /// PID 1: never returns (an exiting PID 1 panics the kernel).
 fn pid1() -> ! {
+    if let Some(h) = root_disk() {
+        match handover::enter(&h) {
+            Ok(()) => hand_over(&h),
+            Err(why) => {
+                log!("{why}: the agent serves from the initramfs instead");
+                handover::unmount_api_filesystems();
+            }
+        }
+    }
     let root = newroot::leave_initramfs();
     if root == newroot::Root::Tmpfs {
         log!("the root moved from the initramfs onto a tmpfs (runc can pivot_root)");
     }
     init::setup();
-    let result = std::panic::catch_unwind(|| -> Result<(), String> {
+    serve_vm(|cfg| {
+        cfg.no_pivot = root == newroot::Root::ChrootOnly || init::root_is_initramfs();
+        if cfg.no_pivot {
+            log!("the root is the initramfs: runc runs --no-pivot (containers confined by a chroot only)");
+        }
+    })
+}
+
+/// The root disk the kernel command line names (`root=`, `handover.rs`),
+/// with the filesystems and modules mounting it needs; none (and `/proc`
+/// unmounted again, so the initramfs is as the kernel left it) without
+/// `root=` or with one the agent cannot take (said on the console).
+fn root_disk() -> Option<handover::Handover> {
+    let proc_fs = std::path::Path::new("/proc");
+    let _ = std::fs::create_dir_all(proc_fs);
+    if let Err(e) = sys::mount(std::ffi::OsStr::new("proc"), proc_fs, "proc", 0, None) {
+        log!("mounting proc to read the kernel command line failed: {e}");
+    }
+    let wanted = std::fs::read_to_string("/proc/cmdline")
+        .map_err(|e| format!("cannot read /proc/cmdline: {e}"))
+        .and_then(|c| handover::wanted(&c));
+    match wanted {
+        Ok(Some(h)) => {
+            handover::mount_api_filesystems();
+            init::console();
+            init::load_modules(std::path::Path::new(init::MODULES));
+            return Some(h);
+        }
+        Ok(None) => {}
+        Err(e) => log!("{e}: the agent serves from the initramfs"),
+    }
+    // The pod VM's path copies the initramfs: nothing may be mounted in it.
+    if let Err(e) = sys::umount_detach(proc_fs) {
+        log!("unmounting /proc failed: {e}");
+    }
+    None
+}
+
+/// PID 1 in the root disk: the agent goes on in a child of its own, in a
+/// session of its own, and PID 1 becomes the image's init. Never returns.
+fn hand_over(h: &handover::Handover) -> ! {
+    log!(
+        "the root is {} ({}); its {} takes PID 1, the agent serves from a child",
+        h.root,
+        if h.read_only { "ro" } else { "rw" },
+        h.init.display()
+    );
+    match sys::fork_single_threaded() {
+        Ok(0) => {
+            if let Err(e) = sys::setsid() {
+                log!("a session of its own for the agent failed: {e}");
+            }
+            serve_vm(|cfg| {
+                // The image names itself; runc, in the initramfs, is gone.
+                cfg.set_hostname = false;
+                cfg.no_pivot = true;
+            })
+        }
+        Ok(_) => {
+            let why = handover::exec_init(h);
+            log!("{why}; the agent serves on, the image's init does not run");
+        }
+        Err(e) => {
+            log!("forking the agent failed: {e}; PID 1 serves, the image's init does not run");
+            serve_vm(|cfg| cfg.set_hostname = false)
+        }
+    }
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+/// Serves the agent's protocol on vsock with the VM's configuration
+/// (`adjust`ed), in PID 1 or the handover's child. Never returns.
+fn serve_vm(adjust: impl FnOnce(&mut container::Config)) -> ! {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| -> Result<(), String> {
         let mut cfg = container::Config::guest();
         match std::fs::read_to_string("/proc/cmdline").map(|c| k7d_agent::proto::runc_timeout(&c)) {
             Ok(Ok(t)) => cfg.runc_timeout = t,
             Ok(Err(e)) => log!("{e}: runc commands keep the default limit"),
             Err(e) => log!("cannot read /proc/cmdline ({e}): runc commands keep the default limit"),
         }
-        cfg.no_pivot = root == newroot::Root::ChrootOnly || init::root_is_initramfs();
-        if cfg.no_pivot {
-            log!("the root is the initramfs: runc runs --no-pivot (containers confined by a chroot only)");
-        }
+        adjust(&mut cfg);
         let runtime = cfg.runc.clone();
         let reaper = reaper::Reaper::start().map_err(|e| format!("starting the reaper failed: {e}"))?;
         let agent = container::Containers::new(cfg, reaper)
@@ -109,7 +197,7 @@ fn pid1() -> ! {
         );
         server::serve(listener, Arc::new(agent));
         Ok(())
-    });
+    }));
     match result {
         Ok(Ok(())) => log!("the server stopped"),
         Ok(Err(e)) => log!("{e}"),

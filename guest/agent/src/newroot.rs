@@ -113,7 +113,7 @@ pub fn copy_tree(src: &Path, dst: &Path, skip: &[&OsStr]) -> io::Result<()> {
 
 /// Deletes the initramfs's entries but `new`, never crossing into another
 /// filesystem: an entry on another device, at any depth, is left alone.
-fn remove_old(root: &Path, new: &Path) {
+pub fn remove_old(root: &Path, new: &Path) {
     let Ok(root_dev) = std::fs::symlink_metadata(root).map(|m| m.dev()) else {
         return;
     };

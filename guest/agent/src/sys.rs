@@ -84,15 +84,19 @@ pub fn is_root() -> bool {
 /// Runs `cmd` in a session of its own, as `uid`:`gid` with no
 /// supplementary groups (an exec in the VM itself, `crate::vmexec`). An
 /// agent that is not root (a host-side test) keeps its own ids.
-pub fn as_user_in_new_session(cmd: &mut std::process::Command, uid: u32, gid: u32) {
+pub fn as_user_in_new_session(cmd: &mut std::process::Command, uid: u32, gid: u32, controlling_tty: bool) {
     use std::os::unix::process::CommandExt;
     let root = is_root();
-    // SAFETY: the hook runs in the forked child before exec and only makes
-    // async-signal-safe system calls on integers; it touches no memory of
-    // the parent.
+    // SAFETY: the hook runs in the forked child before exec (after std has
+    // made its stdio fds 0-2) and only makes async-signal-safe system calls
+    // on integers; it touches no memory of the parent.
     unsafe {
         cmd.pre_exec(move || {
             check(libc::setsid())?;
+            if controlling_tty {
+                // Its stdin is a pty's peer: the new session's terminal.
+                check(libc::ioctl(0, libc::TIOCSCTTY, 0))?;
+            }
             if root {
                 check(libc::setgroups(0, std::ptr::null()))?;
                 check(libc::setgid(gid))?;
@@ -108,6 +112,24 @@ pub fn mknod(path: &Path, mode: u32, rdev: u64) -> io::Result<()> {
     let p = cpath(path)?;
     // SAFETY: `p` is a valid NUL-terminated path; the rest are integers.
     check(unsafe { libc::mknod(p.as_ptr(), mode as libc::mode_t, rdev as libc::dev_t) })?;
+    Ok(())
+}
+
+/// `fork(2)`, for a process that has one thread (PID 1 before it starts
+/// any): 0 in the child, the child's pid in the parent.
+pub fn fork_single_threaded() -> io::Result<i32> {
+    // SAFETY: fork has no memory arguments; with one thread in the caller
+    // no lock is held by another thread at the fork, so the child may
+    // allocate and run as a process of its own.
+    let pid = unsafe { libc::fork() };
+    check(pid)?;
+    Ok(pid)
+}
+
+/// `setsid(2)`: a session (and process group) of its own.
+pub fn setsid() -> io::Result<()> {
+    // SAFETY: setsid takes no arguments.
+    check(unsafe { libc::setsid() })?;
     Ok(())
 }
 
@@ -177,6 +199,26 @@ pub fn mknod_block(path: &Path, major: u32, minor: u32) -> io::Result<()> {
     // SAFETY: `p` is a valid NUL-terminated path; the rest are integers.
     check(unsafe { libc::mknod(p.as_ptr(), libc::S_IFBLK | 0o600, libc::makedev(major, minor)) })?;
     Ok(())
+}
+
+/// A new pseudo-terminal: its master and its peer, both close-on-exec and
+/// neither the agent's controlling terminal. The peer comes from the master
+/// itself (`TIOCGPTPEER`), not from a path under `/dev/pts` another process
+/// could swap.
+pub fn open_pty() -> io::Result<(File, File)> {
+    // SAFETY: posix_openpt takes flags only and returns a new fd or -1.
+    let m = check(unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) })?;
+    // SAFETY: `m` is a new fd that nothing else owns.
+    let master = unsafe { File::from_raw_fd(m) };
+    // SAFETY: unlockpt takes an open pty master fd.
+    check(unsafe { libc::unlockpt(master.as_raw_fd()) })?;
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
+    // SAFETY: TIOCGPTPEER takes open flags as its integer argument and
+    // returns a new fd on the master's peer, or -1.
+    let p = check(unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, flags) })?;
+    // SAFETY: `p` is a new fd that nothing else owns.
+    let peer = unsafe { File::from_raw_fd(p) };
+    Ok((master, peer))
 }
 
 /// Sets a terminal's size (`TIOCSWINSZ`).

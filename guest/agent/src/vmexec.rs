@@ -4,7 +4,8 @@
 //! container, no OCI runtime).
 //!
 //! Served: `args`, `env`, `cwd`, `user.uid`/`user.gid` (no supplementary
-//! groups) and `terminal` false; any other key is refused with a sentence
+//! groups) and `terminal` (a pty of the agent's, the process's controlling
+//! terminal: `k7d exec --tty`); any other key is refused with a sentence
 //! rather than ignored. The program and the working directory are checked
 //! before the process starts, so a missing one is the request's error, not
 //! a failed exec in a forked child.
@@ -35,6 +36,9 @@ pub struct Plan {
     /// Who runs it.
     pub uid: u32,
     pub gid: u32,
+    /// On a terminal: a pty's peer as its stdin, stdout and stderr, and its
+    /// session's controlling terminal.
+    pub terminal: bool,
 }
 
 fn strings(v: Option<&Value>, what: &str) -> Result<Vec<String>, String> {
@@ -79,9 +83,10 @@ pub fn plan(spec: &Value, default_path: &str) -> Result<Plan, String> {
             "an exec in the VM itself takes args, env, cwd and user, not {k:.32}"
         ));
     }
-    if obj.get("terminal").and_then(Value::as_bool) == Some(true) {
-        return Err("an exec in the VM itself takes no terminal yet".into());
-    }
+    let terminal = match obj.get("terminal") {
+        None => false,
+        Some(t) => t.as_bool().ok_or("terminal is not true or false")?,
+    };
     let args = strings(obj.get("args"), "args")?;
     let Some(arg0) = args.first().filter(|a| !a.is_empty()) else {
         return Err("an exec needs a program: args is empty".into());
@@ -134,6 +139,7 @@ pub fn plan(spec: &Value, default_path: &str) -> Result<Plan, String> {
         cwd,
         uid,
         gid,
+        terminal,
     })
 }
 
@@ -170,7 +176,7 @@ pub fn command(plan: &Plan) -> Command {
         .env_clear()
         .envs(plan.env.iter().map(|(k, v)| (k, v)))
         .current_dir(&plan.cwd);
-    crate::sys::as_user_in_new_session(&mut cmd, plan.uid, plan.gid);
+    crate::sys::as_user_in_new_session(&mut cmd, plan.uid, plan.gid, plan.terminal);
     cmd
 }
 
@@ -195,7 +201,15 @@ mod tests {
         assert_eq!((p.cwd.as_path(), p.uid, p.gid), (Path::new("/tmp"), 65534, 65534));
         // Defaults: root, /, the agent's PATH.
         let p = plan(&json!({"args": ["/bin/sh"]}), "/bin").unwrap();
-        assert_eq!((p.cwd.as_path(), p.uid, p.gid), (Path::new("/"), 0, 0));
+        assert_eq!(
+            (p.cwd.as_path(), p.uid, p.gid, p.terminal),
+            (Path::new("/"), 0, 0, false)
+        );
+        assert!(
+            plan(&json!({"args": ["/bin/sh"], "terminal": true}), "/bin")
+                .unwrap()
+                .terminal
+        );
     }
 
     #[test]
@@ -217,7 +231,10 @@ mod tests {
                 "not user.additionalGids",
             ),
             (json!({"args": ["sh"], "capabilities": {}}), "not capabilities"),
-            (json!({"args": ["sh"], "terminal": true}), "no terminal"),
+            (
+                json!({"args": ["sh"], "terminal": "yes"}),
+                "terminal is not true or false",
+            ),
             (json!({"args": ["no-such-program-k7d"]}), "not found in the VM's PATH"),
             (json!({"args": ["./no-such"], "cwd": "/"}), "no executable file"),
             (json!({"args": ["/dev/null"]}), "no executable file"),

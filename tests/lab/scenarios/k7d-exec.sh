@@ -1,8 +1,10 @@
-# lab: description=k7d exec (issue 37): commands run in a plain VM by its guest agent, through the daemon's default (a VM process): output and exit status, stdout and stderr apart, stdin, env, cwd and user, a timeout, refusals; the same in two fork children (each its own) and in a VM restored from a snapshot
+# lab: description=k7d exec (issue 37) and the agent's reseed of fork children (issue 40): commands run in a plain VM by its guest agent, through the daemon's default (a VM process): output and exit status, stdout and stderr apart, stdin, env, cwd and user, a timeout, refusals; the same in two fork children (each its own) and in a VM restored from a snapshot
 # lab: default=yes
 # lab: timeout=600
 # lab: bin=required
 # lab: pod-initramfs=required
+# lab: guest=k7d-vmgenid
+# lab: prepare=k7d-exec
 #
 # Issue 37, item 2: `k7d exec VM [--env K=V] [--cwd DIR] [--user U:G]
 # [--timeout S] -- CMD ARGS...` in a plain VM (not a pod), a fork child and
@@ -14,32 +16,66 @@
 #  2. `sh -c 'echo out; echo err >&2; exit 7'`: stdout "out", stderr
 #     "err", apart, and k7d exec exits 7; a command killed by SIGTERM
 #     exits 143;
+#  2b. --tty: the command on a pty (`tty` names /dev/pts/N; stdin, stdout
+#     and stderr all terminals; stderr comes through it, with the pty's
+#     \r\n line endings), its exit status k7d exec's;
 #  3. stdin is forwarded to `cat` and its end ends it;
 #  4. --env, --cwd and --user reach the command (`echo $A $(pwd) uid:gid`);
 #  5. --timeout 1 kills `sleep 30`: exit 137 within 15 s;
 #  6. refused with one sentence: a program the guest lacks, a VM without
 #     vsock; nothing of the exec is left in the agent (a second exec works);
+#  6b. `k7d cp` both ways (busybox's applets linked in the guest for tar
+#     and sh): a tree of a 1 MiB random file (mode 751, owner 1234:5678), a
+#     symlink and an empty directory into x and back out, its sum, mode,
+#     owner and link kept; a file to a new name; 4 MiB past --max-size 1 MiB
+#     refused with nothing left; a missing path refused in one sentence;
 #  7. fork --count 2: exec works in each child at its own socket; a file
 #     one child writes is not in the other child nor in the source;
+#  7b. `k7d exec --cluster`: x-f1, x-f2 and a third child form cluster cl,
+#     `fork cl` makes cluster cl-f1 (3 children, each reseeded through its
+#     agent, no warning); `exec --cluster cl-f1 -- cat /tmp/mark` answers 3
+#     lines, each after its member's id, each member its own source's mark
+#     (child-one for x-f1's child); a write through it reaches no source;
+#     each member's stderr lines come apart; `exit 3` in all gives 3;
 #  8. the agent reseeds (issue 40, item 2: this cloud kernel has no vmgenid
 #     driver): `k7d info x` says rng_reseed agent (x-f1 and x-f2 were
-#     reseeded through their agents, so x has one); $LAB_RESEED_ROUNDS
-#     times `fork x --count 8` answers with each child's rng_reseed agent
-#     and no shared-RNG warning, each child's serial log has its agent's
-#     "reseed: entropy 64 bytes" (logged once both ioctls succeeded), and a
-#     draw of 16 bytes from /dev/urandom through exec in each child and in
-#     x gives 9 different draws. The check can fail: a fork with
-#     --no-agent-reseed (the caller's reseed, which nobody makes here) says
-#     no_driver for its children and no child logs a reseed. (Its
-#     children's exec draws are noted, not judged: they repeated in one
-#     run and differed in another, as the guest kernel's own 60 s reseed
-#     decides, so the draws alone prove nothing.)
+#     reseeded through their agents, so x has one). x then runs the draw
+#     loop of k7d-vmgenid.guest.sh (started through exec, on its serial
+#     console: every $LAB_RESEED_NAP s, default 20, a wake line, then 0.2 s
+#     later 16 bytes of /dev/urandom). $LAB_RESEED_ROUNDS times (1; 20 by
+#     hand for issue 40's count): x paused asleep (pin_asleep, as in
+#     k7d-vmgenid, within 3 s of its draw line: $LAB_RESEED_FRESH_S),
+#     `fork x --count 8`, x resumed: the answer says
+#     rng_reseed agent for each child and carries no shared-RNG warning;
+#     each child's agent logged "reseed: entropy 64 bytes" (once both ioctls
+#     succeeded) before the child's first wake line, so before its first
+#     draw; the 8 children's first draws and x's at the same n are 9
+#     different draws. The check can fail: with --no-agent-reseed (the
+#     caller's reseed, which nobody makes here) no child logs a reseed,
+#     each says no_driver, and at least one first draw repeats another
+#     (one vCPU: the same RNG state draws the same bytes), in one of up to
+#     3 such forks (the kernel's own reseed, a minute after its last, may
+#     fall on a first draw and part the children). Then the daemon
+#     is killed -9 and started again: x is re-attached and info still says
+#     agent (the VM's record keeps it).
 #  9. snapshot, delete, restore: exec works in the restored VM and sees the
 #     file the source wrote before the snapshot, and it was reseeded
 #     (rng_reseed agent).
+# 10. the agent in a user's image (issue 37, item 1): a VM boots k7d's pod
+#     initramfs alone with root=UUID=... rootfstype=erofs ro (its filesystem UUID), the disk an
+#     image with no agent (k7d-exec.prepare.sh: busybox, its init and an
+#     inittab): exec runs in the image's root (its marker file), PID 1 is
+#     the image's /sbin/init, whose inittab ran, exit 5 comes back, the
+#     agent said it handed over; a fork of it is reached at its own socket
+#     and reseeded through its agent. A VM with root=/dev/vdz (no such
+#     disk): the agent says the root did not appear and serves from the
+#     initramfs (PID 1 is the agent).
 # Metrics: k7d_exec.first_ms (`true`, connect to exit), k7d_exec.ms (median
-# of 5 `true`), k7d_exec.child_ms (the first exec in a fork child).
+# of 5 `true`), k7d_exec.child_ms (the first exec in a fork child),
+# k7d_exec.reseed_ms (median: a fork child's start to its agent's reseed).
 # By hand: tests/lab/run.sh --bin target/release/k7d --agent target/release/k7d-agent k7d-exec
+# Issue 40's 20 rounds (~20 min of L1, a round's ~50 s without a line on
+# the console): LAB_RESEED_ROUNDS=20 K7D_LAB_SILENT_S=900 K7D_LAB_TIMEOUT=2400
 . /lab/lib.sh
 
 [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
@@ -47,6 +83,13 @@
 W=/tmp/k7d-exec st=/tmp/k7d-exec/state sock=/tmp/k7d-exec/k7d.sock DLOG=/tmp/k7d-exec/daemon.log
 mkdir -p "$W"
 dpid=
+# The draw loop's sleep (part 8) and how soon after a draw line x must be
+# paused. A fork child's guest clock reads host time: the seconds the
+# daemon takes to build a batch of 8 in L1 (5-10 s) count against the sleep
+# it inherits, and its agent's reseed lands 1-4 s after its start; 20 s,
+# paused within 3 s, leaves each child at least 17 s from the fork instant
+# to its first draw (CHALLENGES.md).
+NAP=${LAB_RESEED_NAP:-20} PIN_FRESH_S=${LAB_RESEED_FRESH_S:-3}
 kc() { timeout -s KILL 60 "$LAB_BIN" --socket "$sock" "$@"; }
 # ex VM ARGS... -- CMD...: k7d exec, stdout to $W/o, stderr to $W/e, rc in $rc.
 ex() {
@@ -61,6 +104,7 @@ fail() {
   [ -z "$dpid" ] || kill -9 "$dpid" 2>/dev/null
   lab_fail "$*"
 }
+json_str() { sed -n "s/.*\"$1\": *\"\([^\"]*\)\".*/\1/p" "$2" | head -n1; }
 ms_now() { awk -v t="$(lab_now)" 'BEGIN { printf "%d", t * 1000 }'; }
 
 # The guest's initramfs: busybox first, the agent's archive over it.
@@ -107,6 +151,14 @@ ex x -- busybox sh -c 'kill -TERM $$'
 [ "$rc" = 143 ] || fail "a command killed by SIGTERM: k7d exec exited $rc, want 143"
 lab_note "stdout and stderr apart, exit 7, SIGTERM as 143"
 
+# 2b. --tty: a pty of the agent's, the command's stdin, stdout and stderr.
+ex x --tty -- busybox sh -c 'busybox tty; [ -t 0 ] && [ -t 1 ] && [ -t 2 ] && echo all-three; echo err >&2; exit 4'
+tr -d '\r' <"$W/o" >"$W/o2"
+[ "$rc" = 4 ] && grep -q '^/dev/pts/[0-9]' "$W/o2" && grep -qx all-three "$W/o2" && grep -qx err "$W/o2" && [ ! -s "$W/e" ] ||
+  fail "--tty: rc $rc, out '$(tr '\n' '|' <"$W/o2")', err '$(cat "$W/e")' (want 4, a /dev/pts name, all-three and err on stdout)"
+grep -q "$(printf '\r')" "$W/o" || fail "--tty: the output has no carriage return: it did not pass a pty's line discipline"
+lab_note "--tty: the command on $(head -n1 "$W/o2"), stdin, stdout and stderr terminals, stderr through it, exit 4"
+
 # 3. stdin.
 printf 'line one\nline two\n' | timeout -s KILL 60 "$LAB_BIN" --socket "$sock" exec x -- busybox cat >"$W/o" 2>"$W/e"
 rc=$?
@@ -143,6 +195,33 @@ kc delete plain >/dev/null || fail "delete plain failed"
 ex x -- busybox true
 [ "$rc" = 0 ] || fail "exec after the refusals: rc $rc ($(cat "$W/e"))"
 
+# 6b. k7d cp both ways (tar and sh in the guest: busybox's applets linked).
+ex x -- busybox --install -s /bin
+[ "$rc" = 0 ] || fail "linking busybox's applets: rc $rc ($(cat "$W/e"))"
+mkdir -p "$W/cpsrc/tree/sub/empty" && head -c 1048576 /dev/urandom >"$W/cpsrc/tree/sub/rand.bin" &&
+  chmod 751 "$W/cpsrc/tree/sub/rand.bin" && chown 1234:5678 "$W/cpsrc/tree/sub/rand.bin" &&
+  ln -s sub/rand.bin "$W/cpsrc/tree/link" || fail "making the tree to copy failed"
+sum=$(sha256sum <"$W/cpsrc/tree/sub/rand.bin" | cut -d' ' -f1)
+kc cp "$W/cpsrc/tree" x:/tmp/ >"$W/cp.out" 2>&1 || fail "k7d cp tree x:/tmp/ failed: $(cat "$W/cp.out")"
+ex x -- busybox sh -c 'cd /tmp/tree && busybox sha256sum <sub/rand.bin | busybox cut -d" " -f1 && busybox stat -c "%a %u:%g" sub/rand.bin && busybox readlink link && busybox test -d sub/empty && echo dir'
+[ "$rc" = 0 ] && [ "$(tr '\n' '|' <"$W/o")" = "$sum|751 1234:5678|sub/rand.bin|dir|" ] ||
+  fail "k7d cp into x: the guest has '$(tr '\n' '|' <"$W/o")' (rc $rc, $(cat "$W/e")), want $sum, 751 1234:5678, the link, the empty dir"
+kc cp x:/tmp/tree "$W/back" >"$W/cp.out" 2>&1 || fail "k7d cp x:/tmp/tree back failed: $(cat "$W/cp.out")"
+[ "$(sha256sum <"$W/back/sub/rand.bin" | cut -d' ' -f1)" = "$sum" ] && [ "$(stat -c '%a %u:%g' "$W/back/sub/rand.bin")" = "751 1234:5678" ] &&
+  [ "$(readlink "$W/back/link")" = sub/rand.bin ] && [ -d "$W/back/sub/empty" ] ||
+  fail "k7d cp from x: $(ls -lR "$W/back" 2>&1 | tr '\n' '|')"
+kc cp "$W/cpsrc/tree/sub/rand.bin" x:/tmp/r2.bin >"$W/cp.out" 2>&1 || fail "k7d cp a file to a new name failed: $(cat "$W/cp.out")"
+ex x -- busybox sh -c 'busybox sha256sum </tmp/r2.bin | busybox cut -d" " -f1'
+[ "$(cat "$W/o")" = "$sum" ] || fail "k7d cp a file to a new name: '$(cat "$W/o")'"
+# Bounded: a copy past --max-size is refused and leaves nothing.
+ex x -- busybox dd if=/dev/zero of=/tmp/big bs=1048576 count=4
+kc cp --max-size 1048576 x:/tmp/big "$W/big" >"$W/cp.out" 2>&1 && fail "k7d cp of 4 MiB with --max-size 1 MiB succeeded"
+grep -q "larger than 1048576 bytes" "$W/cp.out" || fail "k7d cp past --max-size: $(cat "$W/cp.out")"
+[ ! -e "$W/big" ] && [ -z "$(ls -A "$W" | grep '^\.k7d-cp')" ] || fail "k7d cp past --max-size left $(ls -A "$W" | tr '\n' ' ')"
+kc cp x:/no/such "$W/none" >"$W/cp.out" 2>&1 && fail "k7d cp of a missing path succeeded"
+[ "$(wc -l <"$W/cp.out")" = 1 ] && grep -q "packing /no/such failed" "$W/cp.out" || fail "k7d cp of a missing path: $(cat "$W/cp.out")"
+lab_note "k7d cp: a tree (1 MiB random file 751 1234:5678, a symlink, an empty dir) in and out with its sum, mode, owner and link kept; a file to a new name; 4 MiB past --max-size 1 MiB refused, nothing left; a missing path: $(cat "$W/cp.out")"
+
 # 7. Fork children: each its own agent at its own socket.
 ex x -- busybox sh -c 'echo before-fork >/tmp/mark'
 [ "$rc" = 0 ] || fail "writing the mark: rc $rc ($(cat "$W/e"))"
@@ -162,57 +241,130 @@ ex x-f1 -- busybox cat /tmp/mark
 [ "$(cat "$W/o")" = child-one ] || fail "x-f1 lost its own write: '$(cat "$W/o")'"
 lab_note "fork children: each exec'd at its own socket, a child's write in that child only"
 
-kc delete x-f1 >/dev/null && kc delete x-f2 >/dev/null || fail "deleting the children failed"
+# 7b. k7d exec --cluster.
+timeout -s KILL 60 "$LAB_BIN" --socket "$sock" --json fork x >"$W/fork3.json" 2>&1 || fail "fork x (a third child) failed: $(cat "$W/fork3.json")"
+c3=$(sed -n 's/.*"id": *"\(x-f[0-9]*\)".*/\1/p' "$W/fork3.json" | head -n1)
+[ -n "$c3" ] || fail "fork x named no child: $(tr '\n' ' ' <"$W/fork3.json")"
+kc cluster create cl x-f1 x-f2 "$c3" >"$W/cl.out" 2>&1 || fail "k7d cluster create cl x-f1 x-f2 $c3 failed: $(cat "$W/cl.out")"
+timeout -s KILL 180 "$LAB_BIN" --socket "$sock" --json fork cl >"$W/fork-cl.json" 2>"$W/fork-cl.err" ||
+  fail "fork cl failed: $(cat "$W/fork-cl.err" "$W/fork-cl.json" | tr '\n' ' ')"
+! grep -q '"warnings"' "$W/fork-cl.json" || fail "fork cl warns: $(grep -A2 '"warnings"' "$W/fork-cl.json" | tr '\n' ' ')"
+[ "$(grep -c '"rng_reseed": *"agent"' "$W/fork-cl.json")" = 3 ] ||
+  fail "fork cl: not 3 children reseeded through their agents: $(grep '"rng_reseed"' "$W/fork-cl.json" | tr '\n' ' ')"
+ckids=$(sed -n 's/.*"id": *"\(x-f[0-9]*-f[0-9]*\)".*/\1/p' "$W/fork-cl.json" | sort -u)
+[ "$(echo "$ckids" | wc -l)" = 3 ] || fail "fork cl: not 3 children: $(tr '\n' ' ' <"$W/fork-cl.json")"
+ex --cluster cl-f1 -- busybox cat /tmp/mark
+[ "$rc" = 0 ] && [ "$(wc -l <"$W/o")" = 3 ] || fail "exec --cluster cl-f1 cat: rc $rc, out '$(tr '\n' '|' <"$W/o")' ($(cat "$W/e"))"
+for k in $ckids; do
+  kc --json info "$k" >"$W/info-$k.json" 2>&1 || fail "k7d info $k failed: $(cat "$W/info-$k.json")"
+  case $(json_str parent "$W/info-$k.json") in
+    x-f1) want=child-one ;;
+    x-f2 | "$c3") want=before-fork ;;
+    *) fail "cluster child $k: parent '$(json_str parent "$W/info-$k.json")' is not a member of cl" ;;
+  esac
+  grep -qxF "$k: $want" "$W/o" || fail "exec --cluster: $k did not answer '$want' from its own fork: '$(tr '\n' '|' <"$W/o")'"
+done
+ex --cluster cl-f1 -- busybox sh -c 'echo mine >/tmp/mark; echo to-err >&2'
+[ "$rc" = 0 ] && [ "$(grep -c ': to-err$' "$W/e")" = 3 ] || fail "exec --cluster cl-f1 write: rc $rc, err '$(tr '\n' '|' <"$W/e")'"
+ex x-f1 -- busybox cat /tmp/mark
+[ "$(cat "$W/o")" = child-one ] || fail "a write through exec --cluster cl-f1 reached its source x-f1: '$(cat "$W/o")'"
+ex --cluster cl-f1 -- busybox sh -c 'exit 3'
+[ "$rc" = 3 ] && [ "$(grep -c 'exited 3' "$W/e")" = 3 ] || fail "exec --cluster cl-f1 exit 3: rc $rc, err '$(tr '\n' '|' <"$W/e")'"
+lab_note "exec --cluster cl-f1 (a cluster fork of x-f1, x-f2, $c3, each child reseeded through its agent): each member answered from its own fork, its writes its own, exit 3 from all as 3"
+kc cluster delete cl-f1 >"$W/del.out" 2>&1 && kc cluster delete cl >"$W/del.out" 2>&1 || fail "deleting the clusters failed: $(cat "$W/del.out")"
 
 # 8. The agent reseeds fork children whose kernel has no vmgenid driver.
-json_str() { sed -n "s/.*\"$1\": *\"\([^\"]*\)\".*/\1/p" "$2" | head -n1; }
 kc --json info x >"$W/info-x.json" 2>&1 || fail "k7d info x failed: $(cat "$W/info-x.json")"
 [ "$(json_str rng_reseed "$W/info-x.json")" = agent ] ||
   fail "k7d info x: rng_reseed is '$(json_str rng_reseed "$W/info-x.json")', not agent (the cloud kernel has no vmgenid driver, the agent answers)"
-# draw_all WHAT VM...: 16 bytes of /dev/urandom through exec in each VM
-# and in x, "vm hex" lines in $W/draws.
-draw_all() {
-  _what=$1; shift
-  : >"$W/draws"
-  for _v in "$@" x; do
-    ex "$_v" -- busybox sh -c 'busybox od -An -tx1 -N16 /dev/urandom | busybox tr -d " \n"'
-    [ "$rc" = 0 ] && grep -qxE '[0-9a-f]{32}' "$W/o" || fail "$_what: a draw in $_v: rc $rc, '$(cat "$W/o")' ($(cat "$W/e"))"
-    echo "$_v $(cat "$W/o")" >>"$W/draws"
+# The draw loop (k7d-vmgenid.guest.sh, /guest.sh of the busybox initramfs)
+# in x, started through exec in a session of its own, on the serial console.
+log_of() { echo "$st/vms/$1/serial.log"; }
+ex x --env NAP="$NAP" -- busybox sh -c 'busybox setsid busybox sh /guest.sh </dev/null >/dev/ttyS0 2>&1 &'
+[ "$rc" = 0 ] || fail "starting the draw loop: rc $rc ($(cat "$W/e"))"
+wait_first "$(log_of x)" "x's draw loop"
+# judge_agent LABEL RESEED VM...: each VM's first draw after the fork and
+# x's draw at the same n. RESEED=yes: each VM's agent logged its reseed
+# before the VM's first wake line (so before its first draw), and the draws
+# are all different; RESEED=no: no VM logged a reseed, and REPEATS counts
+# the draws equal to another. The draws are kept in $W/draws-LABEL.
+judge_agent() {
+  _label=$1 _reseed=$2; shift 2
+  : >"$W/draws-$_label"
+  for _v in "$@"; do
+    wait_first "$(log_of "$_v")" "$_label: $_v"
+    read -r _n _f _d <<EOF
+$(first_rng "$(log_of "$_v")")
+EOF
+    wait_at "$(log_of x)" "$_n" "$_label: x"
+    read -r _sf _sd <<EOF
+$(rng_at "$(log_of x)" "$_n")
+EOF
+    _first=$(tr -d '\r' <"$(log_of "$_v")" | awk '/k7d-agent: reseed: entropy/ {print "reseed"; exit} /LAB-GUEST wake n=/ {print "wake"; exit}')
+    if [ "$_reseed" = yes ]; then
+      [ "$_first" = reseed ] || fail "$_label: $_v woke to draw before its agent's reseed (its log: $(tr -d '\r' <"$(log_of "$_v")" | head -c 400 | tr '\n' '|'))"
+    else
+      ! grep -q "k7d-agent: reseed:" "$(log_of "$_v")" || fail "$_label: $_v's agent was reseeded"
+    fi
+    echo "$_v n=$_n $_d" >>"$W/draws-$_label"
+    grep -q "^x n=$_n " "$W/draws-$_label" || echo "x n=$_n $_sd" >>"$W/draws-$_label"
   done
+  REPEATS=$(($(wc -l <"$W/draws-$_label") - $(cut -d' ' -f3 "$W/draws-$_label" | sort -u | wc -l)))
+  [ "$_reseed" = no ] || [ "$REPEATS" = 0 ] || fail "$_label: draws repeat: $(tr '\n' ';' <"$W/draws-$_label")"
 }
-R=${LAB_RESEED_ROUNDS:-2} r=1
+R=${LAB_RESEED_ROUNDS:-1} r=1
 while [ "$r" -le "$R" ]; do
+  pin_asleep x "reseed round $r"
   timeout -s KILL 180 "$LAB_BIN" --socket "$sock" --json fork x --count 8 >"$W/fork-$r.json" 2>"$W/fork-$r.err" ||
     fail "reseed round $r: fork x --count 8 failed: $(cat "$W/fork-$r.err" "$W/fork-$r.json" | tr '\n' ' ')"
+  unpin x "reseed round $r"
   ! grep -q '"warnings"' "$W/fork-$r.json" || fail "reseed round $r: the fork warns: $(grep -A2 '"warnings"' "$W/fork-$r.json" | tr '\n' ' ')"
   [ "$(grep -c '"rng_reseed": *"agent"' "$W/fork-$r.json")" = 8 ] ||
     fail "reseed round $r: not 8 children with rng_reseed agent: $(grep '"rng_reseed"' "$W/fork-$r.json" | tr '\n' ' ')"
   kids=$(sed -n 's/.*"id": *"\(x-f[0-9]*\)".*/\1/p' "$W/fork-$r.json" | sort -u)
   [ "$(echo "$kids" | wc -l)" = 8 ] || fail "reseed round $r: not 8 child ids: $(tr '\n' ' ' <"$W/fork-$r.json")"
-  for v in $kids; do
-    grep -q "k7d-agent: reseed: entropy 64 bytes" "$st/vms/$v/serial.log" ||
-      fail "reseed round $r: $v's agent logged no reseed: $(tail -c 300 "$st/vms/$v/serial.log" | tr '\n' '|')"
-  done
-  draw_all "reseed round $r" $kids
-  [ "$(cut -d' ' -f2 "$W/draws" | sort -u | wc -l)" = 9 ] || fail "reseed round $r: draws repeat: $(tr '\n' ';' <"$W/draws")"
-  for v in $kids; do kc delete "$v" >/dev/null || fail "reseed round $r: delete $v failed"; done
-  [ "$r" -gt 1 ] || lab_note "reseed round 1's draws: $(tr '\n' ';' <"$W/draws")"
+  judge_agent "round-$r" yes $kids
+  delete_all "reseed round $r" $kids
+  [ "$r" -gt 1 ] || lab_note "reseed round 1's first draws: $(tr '\n' ';' <"$W/draws-round-1")"
   r=$((r + 1))
 done
-lab_note "the agent reseeded $((R * 8)) children of $R forks of 8 (info x: rng_reseed agent; no warning; each child's agent logged its reseed; 9 different draws per fork)"
-timeout -s KILL 180 "$LAB_BIN" --socket "$sock" --json fork x --count 8 --no-agent-reseed >"$W/fork-ctl.json" 2>"$W/fork-ctl.err" ||
-  fail "fork x --count 8 --no-agent-reseed failed: $(cat "$W/fork-ctl.err" "$W/fork-ctl.json" | tr '\n' ' ')"
-! grep -q '"rng_reseed": *"agent"' "$W/fork-ctl.json" || fail "--no-agent-reseed: a child says rng_reseed agent"
-kids=$(sed -n 's/.*"id": *"\(x-f[0-9]*\)".*/\1/p' "$W/fork-ctl.json" | sort -u)
-[ "$(grep -c '"rng_reseed": *"no_driver"' "$W/fork-ctl.json")" = 8 ] ||
-  fail "--no-agent-reseed: not 8 children with rng_reseed no_driver: $(grep '"rng_reseed"' "$W/fork-ctl.json" | tr '\n' ' ')"
-draw_all "--no-agent-reseed" $kids
-for v in $kids; do
-  ! grep -q "k7d-agent: reseed:" "$st/vms/$v/serial.log" || fail "--no-agent-reseed: $v's agent was reseeded"
+# How long each child ran with its source's RNG state: its start (its
+# reseed begins then) to its agent's answer, as the daemon logs it.
+grep 'reseeded through the guest agent' "$DLOG" | sed -n 's/.* ms=\([0-9]*\).*/\1/p' >"$W/reseed-ms"
+[ "$(wc -l <"$W/reseed-ms")" -ge $((R * 8)) ] || fail "the daemon logged $(wc -l <"$W/reseed-ms") agent reseeds, not $((R * 8)) or more"
+lab_metric k7d_exec.reseed_ms "$(lab_median $(cat "$W/reseed-ms"))" ms
+lab_note "the agent's reseed, from each child's start: median $(lab_median $(cat "$W/reseed-ms")) ms, max $(sort -n "$W/reseed-ms" | tail -n1) ms"
+lab_note "the agent reseeded $((R * 8)) children of $R forks of 8 (x pinned asleep, tries:$PINS; draws every $NAP s; no warning, each child's agent logged its reseed before the child's first draw, 9 different first draws per fork)"
+# Without a reseed each child's first draw is its source's, unless the
+# guest kernel's own reseed (a minute after its last) falls on that draw and
+# mixes in what each child's interrupts added since the fork: up to 3 forks.
+c=1
+while :; do
+  pin_asleep x "--no-agent-reseed"
+  timeout -s KILL 180 "$LAB_BIN" --socket "$sock" --json fork x --count 8 --no-agent-reseed >"$W/fork-ctl.json" 2>"$W/fork-ctl.err" ||
+    fail "fork x --count 8 --no-agent-reseed failed: $(cat "$W/fork-ctl.err" "$W/fork-ctl.json" | tr '\n' ' ')"
+  unpin x "--no-agent-reseed"
+  ! grep -q '"rng_reseed": *"agent"' "$W/fork-ctl.json" || fail "--no-agent-reseed: a child says rng_reseed agent"
+  kids=$(sed -n 's/.*"id": *"\(x-f[0-9]*\)".*/\1/p' "$W/fork-ctl.json" | sort -u)
+  [ "$(grep -c '"rng_reseed": *"no_driver"' "$W/fork-ctl.json")" = 8 ] ||
+    fail "--no-agent-reseed: not 8 children with rng_reseed no_driver: $(grep '"rng_reseed"' "$W/fork-ctl.json" | tr '\n' ' ')"
+  judge_agent ctl no $kids
+  delete_all "--no-agent-reseed" $kids
+  [ "$REPEATS" = 0 ] || break
+  lab_note "--no-agent-reseed fork $c: no first draw repeated: $(tr '\n' ';' <"$W/draws-ctl")"
+  [ "$c" -lt 3 ] || fail "--no-agent-reseed: no first draw repeated in 3 forks, so the check above could not fail"
+  c=$((c + 1))
 done
-ctl=$(cut -d' ' -f2 "$W/draws" | sort -u | wc -l)
-for v in $kids; do kc delete "$v" >/dev/null || fail "--no-agent-reseed: delete $v failed"; done
-lab_note "without the agent's reseed (--no-agent-reseed): no child logged one, rng_reseed no_driver; their exec draws: $ctl different of 9: $(tr '\n' ';' <"$W/draws")"
+lab_note "without the agent's reseed (--no-agent-reseed): no child logged one, rng_reseed no_driver, $REPEATS of 9 first draws repeat another: $(tr '\n' ';' <"$W/draws-ctl")"
+# What info says outlives the daemon: x's record says its children's agents
+# reseeded them.
+kill -9 "$dpid" && wait "$dpid" 2>/dev/null
+lab_daemon_start "$st" "$sock" "$W/daemon2.log"
+DLOG=$W/daemon2.log
+kc --json info x >"$W/info-x2.json" 2>&1 || fail "k7d info x after the daemon's restart failed: $(cat "$W/info-x2.json")"
+[ "$(json_str rng_reseed "$W/info-x2.json")" = agent ] ||
+  fail "after the daemon's restart, k7d info x says rng_reseed '$(json_str rng_reseed "$W/info-x2.json")', not agent"
+lab_note "a daemon killed -9 and started again: x re-attached, info says rng_reseed agent (from its record)"
 
 # 9. Snapshot, delete, restore.
 kc snapshot x "$W/snap" >"$W/snap.out" 2>&1 || fail "snapshot failed: $(cat "$W/snap.out")"
@@ -224,7 +376,64 @@ kc --json info r >"$W/info-r.json" 2>&1 || fail "k7d info r failed: $(cat "$W/in
 [ "$(json_str rng_reseed "$W/info-r.json")" = agent ] || fail "the restored VM: rng_reseed is '$(json_str rng_reseed "$W/info-r.json")', not agent"
 lab_note "restored VM: exec works and sees the source's file; reseeded through its agent"
 kc delete r >/dev/null || fail "delete r failed"
+
+# 10. The agent in a user's image: k7d's pod initramfs alone, the root named
+# by its filesystem's UUID (root=UUID=..., as an image's own command line
+# names it; upper case, which blkid's matching ignores too) on a disk whose
+# image has no agent (k7d-exec.prepare.sh).
+IMG=/lab/files/image-root.erofs IMG_UUID=6b376b37-0d1e-4c0a-9e5f-2a7e00c0ffee
+[ -s "$IMG" ] || fail "no $IMG (prepare=k7d-exec)"
+kc create --id img --kernel "$LAB_KERNEL" --initrd "$LAB_POD_INITRD" \
+  --cmdline "console=ttyS0 quiet panic=-1 cryptomgr.notests no_timer_check root=UUID=$(echo "$IMG_UUID" | tr a-f A-F) rootfstype=erofs ro" \
+  --vcpus 1 --memory 256 --vsock "cid=4,uds=$W/img.vsock" --disk "$IMG,ro" --start >"$W/create-img.out" 2>&1 ||
+  fail "k7d create img failed: $(cat "$W/create-img.out")"
+t0=$(date +%s)
+until ex img -- busybox true && [ "$rc" = 0 ]; do
+  [ $(($(date +%s) - t0)) -lt 180 ] || fail "img: k7d exec never succeeded within 180 s: rc $rc: $(cat "$W/e") (serial: $(tail -c 600 "$st/vms/img/serial.log" | tr '\n' '|'))"
+  sleep 1
+done
+ex img -- busybox cat /etc/image-marker
+[ "$rc" = 0 ] && [ "$(cat "$W/o")" = "k7d lab: a user's root disk, no agent in it" ] ||
+  fail "img: the command did not run in the image's root: rc $rc, '$(cat "$W/o")' ($(cat "$W/e"))"
+# PID 1 runs the image's busybox (its init); the agent, the initramfs's
+# /init, is gone from any filesystem.
+ex img -- busybox readlink /proc/1/exe
+[ "$rc" = 0 ] && [ "$(cat "$W/o")" = /bin/busybox ] || fail "img: PID 1 is not the image's init: '$(cat "$W/o")' ($(cat "$W/e"))"
+ex img -- busybox sh -c 'exit 5'
+[ "$rc" = 5 ] || fail "img: exit 5 gave $rc ($(cat "$W/e"))"
+tr -d '\r' <"$st/vms/img/serial.log" | grep -q "k7d-agent: root=UUID=$IMG_UUID is /dev/vda" ||
+  fail "img: the agent did not say which device has the root's UUID: $(tail -c 600 "$st/vms/img/serial.log" | tr '\n' '|')"
+tr -d '\r' <"$st/vms/img/serial.log" | grep -q "k7d-agent: the root is UUID=$IMG_UUID (ro); its /sbin/init takes PID 1" ||
+  fail "img: the agent did not say it handed over: $(tail -c 600 "$st/vms/img/serial.log" | tr '\n' '|')"
+tr -d '\r' <"$st/vms/img/serial.log" | grep -q "LAB-GUEST image-init ran (pid 1: /bin/busybox)" ||
+  fail "img: the image's inittab did not run: $(tail -c 600 "$st/vms/img/serial.log" | tr '\n' '|')"
+timeout -s KILL 60 "$LAB_BIN" --socket "$sock" --json fork img >"$W/fork-img.json" 2>&1 || fail "fork img failed: $(cat "$W/fork-img.json")"
+grep -q '"rng_reseed": *"agent"' "$W/fork-img.json" || fail "fork img: its child was not reseeded through its agent: $(tr '\n' ' ' <"$W/fork-img.json")"
+ikid=$(sed -n 's/.*"id": *"\(img-f[0-9]*\)".*/\1/p' "$W/fork-img.json" | head -n1)
+[ -n "$ikid" ] || fail "fork img named no child: $(tr '\n' ' ' <"$W/fork-img.json")"
+ex "$ikid" -- busybox cat /etc/image-marker
+[ "$rc" = 0 ] && [ -n "$(cat "$W/o")" ] || fail "$ikid: exec in the fork child: rc $rc ($(cat "$W/e"))"
+lab_note "a user's image with no agent (erofs root named by its UUID, busybox init): the agent handed PID 1 to the image's /sbin/init and serves exec from the image's root (its file, exit 5), in a fork child too (reseeded through its agent)"
+kc delete "$ikid" >/dev/null && kc delete img >/dev/null || fail "deleting img and $ikid failed"
+# A root that never appears: the agent says so, with what each block device
+# holds, and serves from the initramfs (busybox's, under it), as a VM
+# without root= does.
+kc create --id noroot --kernel "$LAB_KERNEL" --initrd "$W/initrd.cpio" \
+  --cmdline "console=ttyS0 quiet panic=-1 cryptomgr.notests no_timer_check root=/dev/vdz" \
+  --vcpus 1 --memory 256 --vsock "cid=5,uds=$W/noroot.vsock" --start >"$W/create-noroot.out" 2>&1 ||
+  fail "k7d create noroot failed: $(cat "$W/create-noroot.out")"
+t0=$(date +%s)
+until ex noroot -- busybox true && [ "$rc" = 0 ]; do
+  [ $(($(date +%s) - t0)) -lt 180 ] || fail "noroot: k7d exec never succeeded within 180 s: rc $rc: $(cat "$W/e") (serial: $(tail -c 600 "$st/vms/noroot/serial.log" | tr '\n' '|'))"
+  sleep 1
+done
+tr -d '\r' <"$st/vms/noroot/serial.log" | grep -q "k7d-agent: root=/dev/vdz did not appear within 10 s (block devices: no block device): the agent serves from the initramfs instead" ||
+  fail "noroot: the agent did not say why it kept the initramfs: $(tail -c 600 "$st/vms/noroot/serial.log" | tr '\n' '|')"
+ex noroot -- busybox readlink /proc/1/exe
+[ "$rc" = 0 ] && [ "$(cat "$W/o")" != /bin/busybox ] || fail "noroot: PID 1 is '$(cat "$W/o")' (rc $rc), not the agent"
+lab_note "root=/dev/vdz (no such disk): the agent said so after 10 s and served from the initramfs (PID 1 $(cat "$W/o"))"
+kc delete noroot >/dev/null || fail "delete noroot failed"
 left=$(kc list | tail -n +2)
 [ -z "$left" ] || fail "VMs left: $left"
 lab_daemon_stop "$DLOG"
-lab_pass "k7d exec: output, streams, exit and signal status, stdin, env/cwd/user, timeout, refusals, fork children, a restored VM; the agent reseeds fork children and a restore"
+lab_pass "k7d exec: output, streams, exit and signal status, stdin, env/cwd/user, timeout, refusals, fork children, a restored VM; the agent reseeds fork children before their first draw, and a restore; the mark outlives the daemon; the agent hands a user's image its own init and serves from it"

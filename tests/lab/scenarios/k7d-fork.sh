@@ -111,7 +111,7 @@ abs_le() { awk -v a="$1" -v b="$2" -v t="$3" 'BEGIN {d = a - b; if (d < 0) d = -
 #   summary  shell assignments P<name>=<value> (-v P=): ticks, first/last n,
 #            prev, disk, date, up; counts of bad prev/disk reads, gaps, n going
 #            back, date going back, uptime short of the 0.1 s sleep; the
-#            sleep1 values after the first tick (count, min, max, list) and one
+#            sleep1 values after the first tick (count, min, max, median, list) and one
 #            printed before it (a sleep that straddled a fork); the first
 #            problem in words (why, whyd).
 cat >"$W/ticks.awk" <<'EOF'
@@ -151,7 +151,10 @@ END {
     gsub(/'/, "", why); gsub(/'/, "", whyd); gsub(/'/, "", fp); gsub(/'/, "", fd)
     printf "%sticks=%d %sfn=%d %sfp='%s' %sfd='%s' %sfdt=%d %sfup='%s' %sln=%d %sldt=%d %slup='%s' ", P, cnt, P, fn, P, fp, P, fd, P, fdt, P, fup, P, ln, P, ldt, P, lups
     printf "%sbadp=%d %sbadd=%d %sgaps=%d %sback=%d %sdback=%d %sushort=%d ", P, badp, P, badd, P, gaps, P, back, P, dback, P, ushort
-    printf "%ssc=%d %ssmin='%s' %ssmax='%s' %ssl='%s' %spre='%s' %swhy='%s' %swhyd='%s'\n", P, sc, P, smin, P, smax, P, sl, P, pre, P, why, P, whyd
+    # the median sleep1: the middle of the sorted values (the lower middle of an even count)
+    m = split(sl, sv, ","); for (i = 2; i <= m; i++) { v = sv[i]; for (j = i - 1; j >= 1 && sv[j] + 0 > v + 0; j--) sv[j + 1] = sv[j]; sv[j + 1] = v }
+    smed = m ? sv[int((m + 1) / 2)] : ""
+    printf "%ssc=%d %ssmin='%s' %ssmax='%s' %ssmed='%s' %ssl='%s' %spre='%s' %swhy='%s' %swhyd='%s'\n", P, sc, P, smin, P, smax, P, smed, P, sl, P, pre, P, why, P, whyd
   }
 }
 EOF
@@ -411,13 +414,29 @@ eval "$(summary C_ "$CH_LOG")"
     fail "child: date advanced $((C_ldt - C_fdt)) s over $C_ticks ticks of >= 0.1 s each"
   ge "$(lab_sub "$C_lup" "$C_fup")" "$(awk -v t="$C_ticks" 'BEGIN {print (t - 1) * 0.09}')" ||
     fail "child: uptime advanced $(lab_sub "$C_lup" "$C_fup") s over $C_ticks ticks of >= 0.1 s each"
-  # Over the watch window, against L1's clocks. The lines lag L1's samples by
-  # up to one tick (~1.3 s with a sleep1): 3 s of slack.
-  abs_le "$(lab_sub "$b_up" "$a_up")" "$(lab_sub "$u_b" "$u_a")" 3 ||
-    fail "child: uptime advanced $(lab_sub "$b_up" "$a_up") s while L1's advanced $(lab_sub "$u_b" "$u_a") s (ticks n=$a_n..$b_n)"
-  abs_le "$((b_date - a_date))" "$((t_b - t_a))" 3 ||
-    fail "child: date advanced $((b_date - a_date)) s while L1's advanced $((t_b - t_a)) s (ticks n=$a_n..$b_n)"
-  lab_note "child clocks over the watch window: uptime +$(lab_sub "$b_up" "$a_up") s, date +$((b_date - a_date)) s; L1: +$(lab_sub "$u_b" "$u_a") s, +$((t_b - t_a)) s"
+  # Over the watch window, against L1's clocks. At L1's sample u_a the log's
+  # last tick was n=a and n=a+1 not yet printed, so the guest's clock then read
+  # between tick a's and tick a+1's (+ 1 s for a line read but not yet written
+  # out); the same at u_b. The child's clocks over the window are therefore
+  # bracketed by the ticks themselves, however late a loaded emulator runs the
+  # guest (a fixed slack failed CI when one tick took 4.9 s), and a clock
+  # running at another rate than L1's falls outside the bracket.
+  read -r a1_date a1_up _ <<EOF
+$(tick_of "$CH_LOG" $((a_n + 1)))
+EOF
+  read -r b1_date b1_up _ <<EOF
+$(tick_of "$CH_LOG" $((b_n + 1)))
+EOF
+  [ -n "$a1_up" ] && [ -n "$b1_up" ] || fail "child: no tick n=$((a_n + 1)) or n=$((b_n + 1)) after the watch window's ends (ticks n=$C_fn..$C_ln)"
+  up_lo=$(lab_sub "$(lab_sub "$b_up" "$a1_up")" 1) up_hi=$(lab_sub "$b1_up" "$(lab_sub "$a_up" 1)")
+  l1_up=$(lab_sub "$u_b" "$u_a")
+  ge "$l1_up" "$up_lo" && le "$l1_up" "$up_hi" ||
+    fail "child: L1's uptime advanced $l1_up s over the watch window, outside the child's $up_lo..$up_hi s (ticks n=$a_n..$((b_n + 1)): up $a_up, $a1_up .. $b_up, $b1_up)"
+  # date: whole seconds, so 1 s more each side for the rounding.
+  dt_lo=$((b_date - a1_date - 2)) dt_hi=$((b1_date - a_date + 2))
+  [ $((t_b - t_a)) -ge "$dt_lo" ] && [ $((t_b - t_a)) -le "$dt_hi" ] ||
+    fail "child: L1's date advanced $((t_b - t_a)) s over the watch window, outside the child's $dt_lo..$dt_hi s (ticks n=$a_n..$((b_n + 1)): date $a_date, $a1_date .. $b_date, $b1_date)"
+  lab_note "child clocks over the watch window: uptime +$(lab_sub "$b_up" "$a_up") s, date +$((b_date - a_date)) s; L1: +$l1_up s, +$((t_b - t_a)) s, within the child's brackets $up_lo..$up_hi s and $dt_lo..$dt_hi s"
 
   # 4. the child's disk is the source's as of the fork.
   c1=$((C_fn - 1))
@@ -437,10 +456,17 @@ EOF
   [ "$C_fdt" -ge "$s_date" ] || fail "child: date went back across the fork: source tick n=$c1 date=$s_date, child tick n=$C_fn date=$C_fdt"
   lab_note "child disk as of the fork: source wrote n=$c1 (ticks n=$n_before..$n_after around the fork call), the child's first tick n=$C_fn read prev=$C_fp; uptime $s_up -> $C_fup, date $s_date -> $C_fdt across the fork"
 
-  # 5. sleep 1 in the child. An emulated machine (TCG) with two 2-vCPU guests on
-  # L1's one vCPU: a wakeup can be late by several hundred ms, hence up to 2.0 s.
+  # 5. sleep 1 in the child: never short, the median at most 2.0 s (2x the
+  # typical 1.0-1.2 s), none past 5 s. An emulated machine (TCG) runs up to four
+  # guests here (the re-base's two children) on L1's one vCPU and wakes one late
+  # by several hundred ms, on a loaded host by a second now and then: one CI
+  # run's child slept 1.19,1.17,1.20,2.18 s while its ticks, 1 s apart before
+  # the re-base, came 2-4 s apart after it. A timer a fork left wrong (a TSC
+  # deadline against another offset, a lost wakeup) is wrong in every sleep, or
+  # by far more than 5 s.
   [ "$C_sc" -ge 1 ] || fail "child: no sleep1 line after its first tick"
-  ge "$C_smin" 0.9 && le "$C_smax" 2.0 || fail "child: sleep 1 took $C_sl s (want 0.9..2.0)"
+  ge "$C_smin" 0.9 && le "$C_smed" 2.0 && le "$C_smax" 5.0 ||
+    fail "child: sleep 1 took $C_sl s (want each >= 0.9 and <= 5.0, the median $C_smed <= 2.0)"
 
   # 6. the wall clock is L1's (kvmclock's wall clock), before and after the fork.
   # Tick n_before is the last one complete before the fork call: its date is

@@ -13,7 +13,9 @@
 # count and draw are still to come (the scenario pauses its source there
 # for each fork). The trailing " end" marks a complete line (a fork child's
 # log may begin mid-line). It never returns: it draws until k7d stops the
-# VM.
+# VM. k7d-exec runs it too (on the cloud kernel, through its agent's exec:
+# forks= stays 0 there, the agent's own log line marks its reseed), with
+# NAP (default 3) the seconds of each sleep.
 g() { echo "LAB-GUEST $*"; }
 
 drv=none
@@ -29,7 +31,7 @@ n=0
 # it) before the count begins, so a source paused with no wake in its log
 # had not begun counting.
 while [ "$n" -lt 30000 ]; do
-  sleep 3
+  sleep "${NAP:-3}"
   n=$((n + 1))
   g "wake n=$n"
   sleep 0.2

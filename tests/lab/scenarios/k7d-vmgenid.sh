@@ -1,4 +1,4 @@
-# lab: description=k7d gives every fork child (batches of 8, a cluster's) and every restore a fresh VM Generation ID (issue 40): on Debian's generic kernel the guest's driver reseeds its RNG before the child's first draw and no two VMs repeat a draw, 10 forks of 8 (LAB_VMGENID_ROUNDS=20 by hand); the same fork without the device repeats draws; nothing left
+# lab: description=k7d gives every fork child (batches of 8, a cluster's) and every restore a fresh VM Generation ID (issue 40): on Debian's generic kernel the guest's driver reseeds its RNG before the child's first draw and no two VMs repeat a draw, 6 forks of 8 (LAB_VMGENID_ROUNDS=20 by hand); the same fork without the device repeats draws; nothing left
 # lab: default=yes
 # lab: timeout=900
 # lab: bin=required
@@ -18,7 +18,7 @@
 #  1. `src` (the device on by default) has the driver bound in the guest
 #     (vmgenid-driver=bound) and `k7d info` says rng_reseed vmgenid with a
 #     32-hex-digit ID; `off` (`create --no-vmgenid`) says off, no ID.
-#  2. 10 times ($LAB_VMGENID_ROUNDS; 20 by hand for issue 40's count):
+#  2. 6 times ($LAB_VMGENID_ROUNDS; 20 by hand for issue 40's count):
 #     src paused asleep (after a draw line, before its next
 #     wake: see pin_asleep), `fork src --count 8` (a batch: one capture),
 #     src resumed; each child's first draw n is one src also made,
@@ -49,7 +49,7 @@
 [ -x "${LAB_BIN:-}" ] || lab_fail "no binary under test (run.sh --bin PATH)"
 W=/tmp/k7d-vmgenid
 st=$W/state sock=$W/k7d.sock DLOG=$W/daemon.log
-ROUNDS=${LAB_VMGENID_ROUNDS:-10} KIDS=8 OFF_ROUNDS=4
+ROUNDS=${LAB_VMGENID_ROUNDS:-6} KIDS=8 OFF_ROUNDS=4
 rm -rf "$W" && mkdir -p "$W/logs" || lab_fail "cannot make $W"
 dpid='' relayed=
 T0=$(lab_now)
@@ -76,77 +76,8 @@ fail() {
   lab_fail "$*"
 }
 
-# rng_lines LOG: "n forks draw" of each complete draw line, in order.
-rng_lines() {
-  [ -f "$1" ] || return 0
-  tr -d '\r' <"$1" | sed -n 's/.*LAB-GUEST rng n=\([0-9]*\) forks=\([0-9]*\) draw=\([0-9a-f]\{32\}\) end$/\1 \2 \3/p'
-}
-first_rng() { rng_lines "$1" | head -n1; }
-last_n() { rng_lines "$1" | tail -n1 | cut -d' ' -f1; }
-rng_at() { rng_lines "$1" | awk -v n="$2" '$1 == n {print $2, $3; exit}'; }
-# wait_first LOG WHAT / wait_at LOG N WHAT: until LOG has a draw (n=N), 60 s.
-wait_first() {
-  _i=0
-  until [ -n "$(first_rng "$1")" ]; do
-    _i=$((_i + 1)); [ "$_i" -lt 300 ] || fail "$2: no draw within 60 s: $(tr -d '\r' <"$1" 2>/dev/null | tail -n2 | tr '\n' ' ')"
-    sleep 0.2
-  done
-}
-wait_at() {
-  _i=0
-  until [ -n "$(rng_at "$1" "$2")" ]; do
-    _i=$((_i + 1)); [ "$_i" -lt 300 ] || fail "$3: no draw n=$2 within 60 s (last n=$(last_n "$1"))"
-    sleep 0.2
-  done
-}
-# after_next_draw LOG WHAT: returns as LOG gains a draw, so that what follows
-# (a fork) lands early in the 3 s before the next one.
-after_next_draw() {
-  _n0=$(last_n "$1") _i=0
-  while [ "$(last_n "$1")" = "$_n0" ]; do
-    _i=$((_i + 1)); [ "$_i" -lt 200 ] || fail "$2: no new draw within 20 s (last n=$_n0)"
-    sleep 0.1
-  done
-}
-# pin_asleep VM WHAT: VM paused while asleep: right after one of its draw
-# lines, `k7d pause`, and its log checked for a wake after that line (a
-# count begun before the pause landed). Such a pause is undone and the next
-# draw waited for, 5 tries. CI saw a pause land inside the next line: the
-# guest's count and draw take seconds in L2, and a busy L1 (a batch of 8 VM
-# processes just deleted) delayed the pause past the next wake.
-asleep() {
-  _last=$(tr -d '\r' <"$1" | grep -E 'wake n=[0-9]+|LAB-GUEST rng n=[0-9]+ forks=[0-9]+ draw=[0-9a-f]{32} end$' | tail -n1)
-  case $_last in *" end") return 0 ;; *) return 1 ;; esac
-}
-PINS=
-pin_asleep() {
-  _try=1
-  while :; do
-    after_next_draw "$(log_of "$1")" "$2: $1"
-    kc pause "$1" >"$W/pause.out" 2>&1 || fail "$2: k7d pause $1 failed: $(cat "$W/pause.out")"
-    asleep "$(log_of "$1")" && break
-    [ "$_try" -lt 5 ] || fail "$2: $1 was paused inside a draw $_try times in a row (its log ends: $(tr -d '\r' <"$(log_of "$1")" | tail -n2 | tr '\n' ' '))"
-    kc resume "$1" >"$W/resume.out" 2>&1 || fail "$2: k7d resume $1 failed: $(cat "$W/resume.out")"
-    _try=$((_try + 1))
-  done
-  PINS="$PINS $_try"
-}
-unpin() {
-  kc resume "$1" >"$W/resume.out" 2>&1 || fail "$2: k7d resume $1 failed: $(cat "$W/resume.out")"
-}
-# delete_all WHAT VM...: deletes the VMs at once (a round's children: one
-# at a time they cost a draw period of the round), each answer checked.
-delete_all() {
-  _what=$1; shift
-  _pids=
-  for _v in "$@"; do
-    kc delete "$_v" >"$W/delete-$_v.out" 2>&1 &
-    _pids="$_pids $_v:$!"
-  done
-  for _p in $_pids; do
-    wait "${_p#*:}" || fail "$_what: k7d delete ${_p%%:*} failed: $(cat "$W/delete-${_p%%:*}.out")"
-  done
-}
+# The draw-loop helpers (rng_lines, first_rng, rng_at, wait_first, wait_at,
+# after_next_draw, pin_asleep, unpin, delete_all) are in /lab/lib.sh.
 # new_ids JSON EXCEPT...: the VM ids a fork's answer names, but EXCEPT.
 new_ids() {
   _j=$1; shift

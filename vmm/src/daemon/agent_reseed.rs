@@ -1,20 +1,27 @@
 //! The kernel RNG of a fork child or a restored VM whose guest has no
 //! vmgenid driver (Debian's cloud kernel), reseeded by k7d-agent in it
-//! (issue 40, item 2): right after the fork or the restore, before the
-//! daemon answers, the daemon connects to each such VM's agent through its
-//! vsock socket and sends host entropy (`Request::Reseed`), which the agent
-//! credits to the kernel's pool and reseeds its RNG from. Children of one
-//! source then draw different bytes from their first draw after the
-//! answer. A VM without vsock, or without an agent listening, is left as it
-//! was (the fork's once-per-source warning says so).
+//! (issue 40, item 2): the daemon connects to each such VM's agent through
+//! its vsock socket and sends host entropy (`Request::Reseed`), which the
+//! agent credits to the kernel's pool and reseeds its RNG from. A child in a
+//! VM process of its own is asked the moment it starts ([`AgentReseeds::begin`],
+//! while its siblings are still being built), every other one once the fork
+//! or the restore is done; the daemon answers once every one has answered,
+//! or [`DEADLINE`] after the step began. Children of one source then draw
+//! different bytes from their first draw after their reseed. A VM without
+//! vsock, or without an agent listening, is left as it was (the fork's
+//! once-per-source warning says so).
 //!
 //! `info` says `rng_reseed: agent` for a VM whose agent has reseeded it or
-//! a child of it (remembered until the VM is deleted). `info` itself asks
-//! no agent: it is the call `k7d exec` and the shim make before each use.
+//! a child of it: remembered in its record (`VmRecord::rng_agent`), so a
+//! daemon started again says the same, until the VM is deleted. `info`
+//! itself asks no agent: it is the call `k7d exec` and the shim make before
+//! each use.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Mutex;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use super::api::{Forked, VmInfo};
 use crate::RngReseed;
@@ -25,12 +32,34 @@ const ENTROPY: usize = 64;
 /// How long a reseed's connect, `Hello` and `Reseed` may each take: an
 /// agent answers in milliseconds on a host, in a second in the nested lab.
 #[cfg(feature = "shim")]
-const RESEED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+const RESEED_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a fork's or a restore's answer waits for its reseeds in all,
+/// from the moment the last of them began: an agent that has not answered
+/// by then is reported as not reseeded (its reseed may still land later).
+const DEADLINE: Duration = Duration::from_secs(15);
+/// A reseed begun for a child whose fork then failed is dropped when
+/// another begins this much later.
+const STALE: Duration = Duration::from_secs(300);
 
-/// VMs whose agent has answered: `info` says `agent` for them.
-#[derive(Default)]
+/// A reseed under way in a thread of its own: its result arrives on `rx`.
+struct Begun {
+    at: Instant,
+    rx: mpsc::Receiver<Result<(), String>>,
+}
+
+/// VMs whose agent has answered (`info` says `agent` for them), and the
+/// reseeds of fork children begun as they started.
 pub(super) struct AgentReseeds {
     known: Mutex<HashSet<String>>,
+    begun: Mutex<HashMap<String, Begun>>,
+    /// [`DEADLINE`] (shorter in tests).
+    deadline: Duration,
+}
+
+impl Default for AgentReseeds {
+    fn default() -> Self {
+        Self::with_known([])
+    }
 }
 
 /// The vsock socket of a VM whose children would share its kernel RNG
@@ -49,9 +78,62 @@ pub(super) fn shared_rng_warning(source: &str) -> String {
     format!("vm {source}'s fork children share its kernel RNG state")
 }
 
+/// The reseed of the VM at `uds`, begun in a thread of its own.
+fn spawn_reseed(id: &str, uds: PathBuf) -> Begun {
+    let (tx, rx) = mpsc::channel();
+    let vm = id.to_string();
+    let spawned = std::thread::Builder::new().name("k7d-reseed".into()).spawn(move || {
+        let t = Instant::now();
+        let r = reseed(&uds);
+        if r.is_ok() {
+            // The window in which the VM drew with its source's state.
+            let ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
+            tracing::info!(vm = %vm, ms, "the kernel RNG was reseeded through the guest agent");
+        }
+        // The receiver may be gone (a fork that failed): nothing waits.
+        let _ = tx.send(r);
+    });
+    if let Err(e) = spawned {
+        tracing::warn!(vm = %id, error = %e, "cannot start a thread for the agent's reseed");
+    }
+    // A thread that did not start dropped its sender: the wait says so.
+    Begun { at: Instant::now(), rx }
+}
+
+/// The results of `begun`, in order, each waited for until `deadline`.
+fn wait_all(begun: Vec<Begun>, deadline: Instant) -> Vec<Result<(), String>> {
+    begun
+        .into_iter()
+        .map(
+            |b| match b.rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(r) => r,
+                Err(mpsc::RecvTimeoutError::Timeout) => Err(format!(
+                    "its agent did not answer within {} s",
+                    deadline.saturating_duration_since(b.at).as_secs()
+                )),
+                Err(mpsc::RecvTimeoutError::Disconnected) => Err("the reseed's thread ended without an answer".into()),
+            },
+        )
+        .collect()
+}
+
 impl AgentReseeds {
+    /// What a daemon started again knows from the VMs' records: these VMs'
+    /// agents (or their children's) reseeded them.
+    pub(super) fn with_known(ids: impl IntoIterator<Item = String>) -> Self {
+        Self {
+            known: Mutex::new(ids.into_iter().collect()),
+            begun: Mutex::default(),
+            deadline: DEADLINE,
+        }
+    }
+
     fn known(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn begun(&self) -> std::sync::MutexGuard<'_, HashMap<String, Begun>> {
+        self.begun.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// `info`'s `rng_reseed` is `agent` where an agent reseeded the VM or
@@ -62,50 +144,71 @@ impl AgentReseeds {
         }
     }
 
-    /// A restored VM whose kernel would not reseed on its own: its agent
-    /// reseeds it (logged if it cannot).
-    pub(super) fn restored(&self, info: &mut VmInfo) {
+    /// A fork child that has just started (its vCPUs run) and whose kernel
+    /// would not reseed on its own: its agent's reseed begins now, while
+    /// its siblings are still being built, and the fork's answer waits for
+    /// it ([`AgentReseeds::forked`]). The window in which the child draws
+    /// what its source would is the child's start to this reseed, not the
+    /// whole batch's build.
+    pub(super) fn begin(&self, info: &VmInfo) {
         let Some(uds) = wants_agent(info) else {
             return;
         };
-        match reseed(&uds) {
+        let b = spawn_reseed(&info.id, uds);
+        let mut begun = self.begun();
+        begun.retain(|_, old| b.at.duration_since(old.at) < STALE);
+        begun.insert(info.id.clone(), b);
+    }
+
+    /// A restored VM whose kernel would not reseed on its own: its agent
+    /// reseeds it (logged if it cannot). Returns whether it did, for its
+    /// record.
+    pub(super) fn restored(&self, info: &mut VmInfo) -> bool {
+        let Some(uds) = wants_agent(info) else {
+            return false;
+        };
+        let b = spawn_reseed(&info.id, uds);
+        let deadline = b.at + self.deadline;
+        match wait_all(vec![b], deadline).remove(0) {
             Ok(()) => {
                 self.known().insert(info.id.clone());
                 info.rng_reseed = Some(RngReseed::Agent);
+                true
             }
             Err(e) => {
-                tracing::warn!(vm = %info.id, "a restored VM's kernel RNG was not reseeded through its agent: {e}")
+                tracing::warn!(vm = %info.id, "a restored VM's kernel RNG was not reseeded through its agent: {e}");
+                false
             }
         }
     }
 
     /// A fork's children whose kernels would not reseed on their own: each
-    /// one's agent reseeds it, all at once. A source all of whose children
-    /// were reseeded so loses its shared-RNG warning; a child whose agent
-    /// failed where its source's had answered gets a warning of its own.
-    pub(super) fn forked(&self, forked: &mut Forked) {
-        let targets: Vec<(usize, PathBuf)> = forked
+    /// one's agent reseeds it (begun as it started, [`AgentReseeds::begin`],
+    /// where the fork began at `since` or later; else now, all at once).
+    /// A source all of whose children were reseeded so loses its shared-RNG
+    /// warning; a child whose agent failed where its source's had answered
+    /// gets a warning of its own. Returns the VMs now known (children and
+    /// their sources), for their records.
+    pub(super) fn forked(&self, forked: &mut Forked, since: Instant) -> Vec<String> {
+        let targets: Vec<(usize, Begun)> = forked
             .children
             .iter()
             .enumerate()
-            .filter_map(|(i, c)| wants_agent(&c.info).map(|u| (i, u)))
+            .filter_map(|(i, c)| {
+                let uds = wants_agent(&c.info)?;
+                let early = self.begun().remove(&c.info.id).filter(|b| b.at >= since);
+                Some((i, early.unwrap_or_else(|| spawn_reseed(&c.info.id, uds))))
+            })
             .collect();
         if targets.is_empty() {
-            return;
+            return Vec::new();
         }
-        let results: Vec<(usize, Result<(), String>)> = std::thread::scope(|s| {
-            let handles: Vec<_> = targets
-                .iter()
-                .map(|(i, uds)| (*i, s.spawn(move || reseed(uds))))
-                .collect();
-            handles
-                .into_iter()
-                .map(|(i, h)| (i, h.join().unwrap_or_else(|_| Err("the reseed thread panicked".into()))))
-                .collect()
-        });
+        let (order, begun): (Vec<usize>, Vec<Begun>) = targets.into_iter().unzip();
+        let results = order.into_iter().zip(wait_all(begun, Instant::now() + self.deadline));
         // Per source: whether every child of it that wanted the agent got it.
         let mut sources: Vec<(String, bool)> = Vec::new();
         let mut warnings = Vec::new();
+        let mut newly = Vec::new();
         for (i, r) in results {
             let child = &mut forked.children[i];
             let source = child.info.parent.clone().unwrap_or_else(|| forked.id.clone());
@@ -114,8 +217,11 @@ impl AgentReseeds {
                 Ok(()) => {
                     child.info.rng_reseed = Some(RngReseed::Agent);
                     let mut known = self.known();
-                    known.insert(child.info.id.clone());
-                    known.insert(source.clone());
+                    for id in [&child.info.id, &source] {
+                        if known.insert(id.clone()) {
+                            newly.push(id.clone());
+                        }
+                    }
                 }
                 Err(e) => {
                     tracing::debug!(vm = %child.info.id, "no reseed through the agent: {e}");
@@ -141,16 +247,16 @@ impl AgentReseeds {
             }
         }
         forked.warnings.extend(warnings);
+        newly
     }
 
     /// `id` is deleted: a new VM of that id is asked again.
     pub(super) fn forget(&self, id: &str) {
         self.known().remove(id);
+        self.begun().remove(id);
     }
 }
 
-/// Host entropy through the agent behind `uds`: credited, and the guest
-/// kernel's RNG reseeded from it.
 #[cfg(feature = "shim")]
 fn reseed(uds: &std::path::Path) -> Result<(), String> {
     use k7d_agent::proto::{Reply, Request};
@@ -216,6 +322,20 @@ mod tests {
         uds
     }
 
+    /// A VM's vsock socket whose agent takes the connection and never
+    /// answers.
+    fn silent(dir: &std::path::Path, name: &str) -> PathBuf {
+        let uds = dir.join(name);
+        let l = UnixListener::bind(&uds).unwrap();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = l.accept() {
+                held.push(s);
+            }
+        });
+        uds
+    }
+
     fn child(id: &str, parent: &str, reseed: RngReseed, uds: Option<PathBuf>) -> ForkedChild {
         let mut config = crate::VmConfig::default();
         config.devices.vsock = uds.map(|uds| crate::config::VsockConfig { cid: 3, uds });
@@ -264,7 +384,7 @@ mod tests {
             ],
             &[&shared],
         );
-        reseeds.forked(&mut f);
+        reseeds.forked(&mut f, Instant::now());
         let (e1, e2) = (rx.recv().unwrap(), rx.recv().unwrap());
         assert!(rx.try_recv().is_err(), "one reseed per child that wanted it");
         assert_eq!((e1.len(), e2.len()), (ENTROPY, ENTROPY));
@@ -295,7 +415,7 @@ mod tests {
             ],
             &[&format!("{}: none: ...", shared_rng_warning("other"))],
         );
-        reseeds.forked(&mut f);
+        reseeds.forked(&mut f, Instant::now());
         assert_eq!(f.children[0].info.rng_reseed, Some(RngReseed::NoDriver));
         assert_eq!(f.warnings.len(), 2, "{:?}", f.warnings);
         assert!(
@@ -314,6 +434,79 @@ mod tests {
         let mut src = child("src", "", RngReseed::NoDriver, Some(dir.join("nobody"))).info;
         reseeds.show(&mut src);
         assert_eq!(src.rng_reseed, Some(RngReseed::NoDriver));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_child_reseeded_as_it_started_is_not_asked_again_and_a_silent_agent_costs_the_deadline() {
+        let dir = std::env::temp_dir().join(format!("k7d-agent-reseed-early-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let reseeds = AgentReseeds {
+            deadline: Duration::from_millis(300),
+            ..Default::default()
+        };
+
+        // Begun as the child started: the fork's answer takes that reseed.
+        let since = Instant::now();
+        let early = child(
+            "src-f1",
+            "src",
+            RngReseed::NoDriver,
+            Some(agent(&dir, "a1", false, tx.clone())),
+        );
+        reseeds.begin(&early.info);
+        let e1 = rx.recv_timeout(Duration::from_secs(10)).expect("begin reseeds at once");
+        let mut f = forked(vec![early], &[&shared_rng_warning("src")]);
+        let newly = reseeds.forked(&mut f, since);
+        assert!(rx.try_recv().is_err(), "the child was not asked a second time");
+        assert_eq!(e1.len(), ENTROPY);
+        assert_eq!(f.children[0].info.rng_reseed, Some(RngReseed::Agent));
+        assert!(f.warnings.is_empty(), "{:?}", f.warnings);
+        assert_eq!(newly, ["src-f1", "src"], "both go in their records");
+
+        // One begun before this fork (a failed fork's child of the same
+        // id) is not taken for it: the child is asked again.
+        let stale = child(
+            "src-f2",
+            "src",
+            RngReseed::NoDriver,
+            Some(agent(&dir, "a2", false, tx.clone())),
+        );
+        reseeds.begin(&stale.info);
+        rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+        let mut f = forked(vec![stale], &[]);
+        let newly = reseeds.forked(&mut f, Instant::now());
+        rx.recv_timeout(Duration::from_secs(10)).expect("asked again");
+        assert_eq!(newly, ["src-f2"], "src was known already");
+
+        // An agent that never answers holds the answer for the deadline,
+        // not for its socket's timeouts, and its child is warned by name.
+        let t = Instant::now();
+        let mut f = forked(
+            vec![child("src-f3", "src", RngReseed::NoDriver, Some(silent(&dir, "a3")))],
+            &[],
+        );
+        assert!(reseeds.forked(&mut f, t).is_empty());
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(300) && took < Duration::from_secs(5),
+            "{took:?}"
+        );
+        assert_eq!(f.children[0].info.rng_reseed, Some(RngReseed::NoDriver));
+        assert!(
+            f.warnings.len() == 1 && f.warnings[0].contains("did not answer within"),
+            "{:?}",
+            f.warnings
+        );
+
+        // A daemon started again knows from the records.
+        let again = AgentReseeds::with_known(["src".to_string()]);
+        let mut src = child("src", "", RngReseed::NoDriver, Some(dir.join("nobody"))).info;
+        again.show(&mut src);
+        assert_eq!(src.rng_reseed, Some(RngReseed::Agent));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -651,7 +651,7 @@ impl Daemon {
     /// `count` children of each built from that instant, the members
     /// resumed; each fork's children form cluster `<id>-f<n>`. Every child
     /// and child cluster, or none.
-    pub(super) fn cluster_fork(&self, id: &str, count: u32) -> Result<Forked, ApiError> {
+    pub(super) fn cluster_fork(&self, id: &str, count: u32, reseed: bool) -> Result<Forked, ApiError> {
         let source = self
             .clusters
             .get(id)
@@ -677,7 +677,7 @@ impl Daemon {
                     "cluster {id} has members in VM processes and members inside the daemon: it cannot be forked under one pause"
                 )));
             };
-            return self.cluster_fork_processes(id, &source.members, &remotes, count);
+            return self.cluster_fork_processes(id, &source.members, &remotes, count, reseed);
         }
         let handles: Vec<Arc<Mutex<Vm>>> = members.iter().map(|m| self.get(m)).collect::<Result<_, _>>()?;
         let mut child_clusters = self.reserve_child_clusters(id, count)?;
@@ -806,6 +806,7 @@ impl Daemon {
         members: &[Member],
         remotes: &[Arc<Mutex<super::processes::Remote>>],
         count: u32,
+        reseed: bool,
     ) -> Result<Forked, ApiError> {
         use crate::vstate::vm::VmState;
         let ids_of: Vec<String> = members.iter().map(|m| m.id.clone()).collect();
@@ -943,6 +944,7 @@ impl Daemon {
                     spec: &spec,
                     bridge: c.bridge.as_deref().map(|b| (b, members[m].bridged.as_slice())),
                     overlays: &overlays[m][f],
+                    reseed,
                 });
             }
         }

@@ -387,6 +387,7 @@ impl Daemon {
         let mut reconciled = Vec::new();
         let mut reattached = HashMap::new();
         let mut reattached_parents = HashMap::new();
+        let mut agent_reseeded = Vec::new();
         for id in store.ids()? {
             // A VM in a VM process of its own outlived its daemon: it is
             // served again if its process is still the one its record names.
@@ -409,6 +410,9 @@ impl Daemon {
                                     deleted: false,
                                 },
                             );
+                        }
+                        if r.rng_agent {
+                            agent_reseeded.push(id.clone());
                         }
                         reattached.insert(id.clone(), Slot::Process(Arc::new(Mutex::new(remote))));
                         continue;
@@ -478,7 +482,7 @@ impl Daemon {
                 processes: None,
                 reattached: reattached_ids,
                 metrics: Arc::new(metrics::Metrics::new(false)),
-                agent_reseeds: agent_reseed::AgentReseeds::default(),
+                agent_reseeds: agent_reseed::AgentReseeds::with_known(agent_reseeded),
                 _lock: lock,
             },
             reconciled,
@@ -621,15 +625,31 @@ impl Daemon {
             Request::Info(_) => After::Info,
             _ => After::Nothing,
         };
+        let since = Instant::now();
         let mut reply = match self.handle_in_process(&req) {
             Some(reply) => reply?,
             None => self.handle_op(req)?,
         };
-        match (after, &mut reply) {
-            (After::Fork, Reply::Forked(f)) => self.agent_reseeds.forked(f),
-            (After::Restore, Reply::Vm(info)) => self.agent_reseeds.restored(info),
-            (After::Info, Reply::Vm(info)) => self.agent_reseeds.show(info),
-            _ => {}
+        let reseeded = match (after, &mut reply) {
+            (After::Fork, Reply::Forked(f)) => self.agent_reseeds.forked(f, since),
+            (After::Restore, Reply::Vm(info)) => {
+                if self.agent_reseeds.restored(info) {
+                    vec![info.id.clone()]
+                } else {
+                    Vec::new()
+                }
+            }
+            (After::Info, Reply::Vm(info)) => {
+                self.agent_reseeds.show(info);
+                Vec::new()
+            }
+            _ => Vec::new(),
+        };
+        for id in reseeded {
+            // What `info` says after a restart of the daemon.
+            if let Err(e) = self.store.update(&id, |r| r.rng_agent = true) {
+                tracing::warn!(vm = %id, error = %e, "cannot record the agent's reseed");
+            }
         }
         Ok(reply)
     }
@@ -694,7 +714,9 @@ impl Daemon {
                     ),
                 ));
             }
-            Request::Fork(a) if self.is_cluster(&a.id) => Reply::Forked(self.cluster_fork(&a.id, a.count)?),
+            Request::Fork(a) if self.is_cluster(&a.id) => {
+                Reply::Forked(self.cluster_fork(&a.id, a.count, !a.reseed_by_caller)?)
+            }
             Request::Fork(a) => match self.process(&a.id) {
                 Some(source) => Reply::Forked(self.fork_process(&a, &source)?),
                 None => Reply::Forked(self.fork(&a)?),
@@ -1045,6 +1067,7 @@ impl Daemon {
             created_unix: now_unix(),
             vm_process: None,
             parent: None,
+            rng_agent: false,
         };
         self.store.save(&rec).map_err(internal)?;
         // The last vCPU thread to leave records why the VM stopped, also

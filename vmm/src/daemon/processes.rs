@@ -1487,6 +1487,10 @@ pub(super) struct ChildJob<'a> {
     /// Its own overlay of each of its source's read-write disks, in the
     /// capture's order ([`child_overlays`]).
     pub overlays: &'a [std::fs::File],
+    /// Its agent reseeds its kernel RNG as soon as it runs, where its
+    /// kernel would not on its own (not where the caller reseeds it: the
+    /// shim's identity step).
+    pub reseed: bool,
 }
 
 /// A read-write disk of an exported fork instant, as its children take it.
@@ -1711,6 +1715,7 @@ fn record_of(id: &str, config: VmConfig, dir: &Path, remote: &Remote, parent: Op
         created_unix: super::now_unix(),
         vm_process: Some(remote.record().clone()),
         parent: parent.map(str::to_string),
+        rng_agent: false,
     }
 }
 
@@ -1871,6 +1876,7 @@ impl super::Daemon {
                 spec: &spec,
                 bridge: None,
                 overlays: o,
+                reseed: !args.reseed_by_caller,
             })
             .collect();
         let (children, built) = self.build_process_children(&procs, &jobs)?;
@@ -1904,15 +1910,16 @@ impl super::Daemon {
     /// Builds every child of `jobs` ([`Daemon::build_child`]), several at
     /// once (each in a VM process of its own: a batch that outruns the
     /// spares waits for one process start at a time, not for all of them
-    /// in turn), and returns them in job order. Every child or none: when
-    /// one fails, those built are stopped and the first failure in job
-    /// order is returned.
+    /// in turn), starts them once all are built ([`Daemon::start_children`]),
+    /// and returns them in job order. Every child or none: when one fails,
+    /// those built are stopped and the first failure in job order is
+    /// returned.
     pub(super) fn build_process_children(
         &self,
         procs: &VmProcesses,
         jobs: &[ChildJob<'_>],
     ) -> Result<(Vec<super::api::ForkedChild>, Vec<Remote>), ApiError> {
-        type Built = (Result<super::api::ForkedChild, ApiError>, Vec<Remote>);
+        type Built = (Result<f64, ApiError>, Vec<Remote>);
         let workers = std::thread::available_parallelism()
             .map_or(1, usize::from)
             .clamp(1, MAX_PARALLEL_BUILDS)
@@ -1946,7 +1953,7 @@ impl super::Daemon {
             }
             work();
         });
-        let mut children = Vec::with_capacity(jobs.len());
+        let mut fork_ms = Vec::with_capacity(jobs.len());
         let mut remotes = Vec::with_capacity(jobs.len());
         let mut failed = None;
         for slot in slots {
@@ -1954,7 +1961,7 @@ impl super::Daemon {
                 Some((r, built)) => {
                     remotes.extend(built);
                     match r {
-                        Ok(c) => children.push(c),
+                        Ok(ms) => fork_ms.push(ms),
                         Err(e) => {
                             failed.get_or_insert(e);
                         }
@@ -1970,20 +1977,21 @@ impl super::Daemon {
             stop_all(procs, &self.node, remotes);
             return Err(e);
         }
-        Ok((children, remotes))
+        self.start_children(procs, jobs, &fork_ms, remotes)
     }
 
     /// Builds the fork child of `job` from its source's exported fork
     /// instant in a VM process of its own (a spare when one is ready), its
-    /// taps on the job's bridge first when it names one, records and starts
-    /// it; it goes into `built` as soon as it exists, so that a caller that
-    /// fails later stops it.
+    /// taps on the job's bridge first when it names one, and records it
+    /// (not started: [`Daemon::start_children`]); it goes into `built` as
+    /// soon as it exists, so that a caller that fails later stops it. Returns
+    /// how long its build took (its `fork_ms`).
     pub(super) fn build_child(
         &self,
         procs: &VmProcesses,
         job: &ChildJob<'_>,
         built: &mut Vec<Remote>,
-    ) -> Result<super::api::ForkedChild, ApiError> {
+    ) -> Result<f64, ApiError> {
         use std::os::fd::AsRawFd;
         let (parent, cid, cap, spec) = (job.parent, job.id, job.capture, job.spec);
         let t = Instant::now();
@@ -2061,25 +2069,54 @@ impl super::Daemon {
         remote.rec.nic_notes = std::mem::take(&mut handed.notes);
         handed.keep();
         let rec = record_of(cid, c, &dir, &remote, Some(parent));
-        let started = self
+        let saved = self
             .store
             .save(&rec)
-            .map_err(|e| internal(&format!("vm {cid}: cannot write its record"), e))
-            .and_then(|()| remote.call(&Request::Start).map(drop));
+            .map_err(|e| internal(&format!("vm {cid}: cannot write its record"), e));
         let fork_ms = super::ms(t.elapsed());
         built.push(remote);
-        started?;
-        let r = built.last_mut().expect("just pushed");
-        let info = self.process_info(r);
-        let st = info.state.clone();
-        if let Err(e) = self.store.update(cid, |r| r.state = st) {
-            tracing::warn!(vm = %cid, error = %e, "cannot record the VM's state");
+        saved?;
+        Ok(fork_ms)
+    }
+
+    /// Starts the built children of `jobs` (`remotes` and `children` in
+    /// job order), each one's agent reseed begun as it starts where its job
+    /// asks ([`super::agent_reseed::AgentReseeds::begin`]): a child runs
+    /// only once all its siblings are built, so none of them spends the
+    /// siblings' builds running with its source's RNG state, and its
+    /// reseed does not wait behind them. The first failure stops them all.
+    fn start_children(
+        &self,
+        procs: &VmProcesses,
+        jobs: &[ChildJob<'_>],
+        fork_ms: &[f64],
+        mut remotes: Vec<Remote>,
+    ) -> Result<(Vec<super::api::ForkedChild>, Vec<Remote>), ApiError> {
+        let mut children = Vec::with_capacity(jobs.len());
+        for (i, job) in jobs.iter().enumerate() {
+            let (Some(&ms), Some(r)) = (fork_ms.get(i), remotes.get_mut(i)) else {
+                stop_all(procs, &self.node, remotes);
+                return Err(internal("fork", format!("child {i} of {} was not built", jobs.len())));
+            };
+            if let Err(e) = r.call(&Request::Start) {
+                stop_all(procs, &self.node, remotes);
+                return Err(e);
+            }
+            let info = self.process_info(r);
+            if job.reseed {
+                self.agent_reseeds.begin(&info);
+            }
+            let st = info.state.clone();
+            if let Err(e) = self.store.update(job.id, |r| r.state = st) {
+                tracing::warn!(vm = %job.id, error = %e, "cannot record the VM's state");
+            }
+            children.push(super::api::ForkedChild {
+                info,
+                fork_ms: ms,
+                shell: false,
+            });
         }
-        Ok(super::api::ForkedChild {
-            info,
-            fork_ms,
-            shell: false,
-        })
+        Ok((children, remotes))
     }
 
     /// `create` with `--jail on`: the VM built in a VM process of its own.

@@ -47,6 +47,10 @@ pub struct VmRecord {
     /// The VM it was forked from (kept for a daemon that re-attaches).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
+    /// Its guest agent reseeded its kernel RNG, or a fork child's of it did
+    /// (`info` says `rng_reseed: agent`; `daemon/agent_reseed.rs`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub rng_agent: bool,
 }
 
 /// Where a VM's process is, for the next daemon to re-attach.
@@ -362,6 +366,7 @@ mod tests {
             created_unix: 0,
             vm_process: None,
             parent: None,
+            rng_agent: false,
         }
     }
 

@@ -113,7 +113,15 @@ impl Channel {
                 iov_len: self.chunk.len(),
             }];
             // SAFETY: the iovec points at our own buffer of that length.
-            let (n, nfds) = unsafe { self.sock.recv_with_fds(&mut iov, &mut fds) }.map_err(io::Error::from)?;
+            let (n, nfds) = match unsafe { self.sock.recv_with_fds(&mut iov, &mut fds) } {
+                Ok(got) => got,
+                // The read timeout set above ran out: the deadline passed
+                // inside the read (the socket says EAGAIN).
+                Err(e) if deadline.is_some() && e.errno() == libc::EAGAIN => {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                Err(e) => return Err(io::Error::from(e)),
+            };
             for &fd in &fds[..nfds] {
                 // SAFETY: the kernel just gave this process the descriptor;
                 // nothing else owns it.

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# lab: packages=erofs-utils
+# Host side of k7d-exec, run by run.sh as "prepare=k7d-exec" with an empty
+# output folder; cached by a hash of this file and busybox's version (see
+# prepared in lib/host.sh). Writes:
+#   image-root.erofs  a user's root disk with no k7d agent in it (part 10:
+#                     the agent's handover to the image's own init): static
+#                     busybox as /bin/busybox, /sbin/init (busybox init),
+#                     an /etc/inittab whose sysinit line says "LAB-GUEST
+#                     image-init" on the console, and /etc/image-marker;
+#                     filesystem UUID 6b376b37-0d1e-4c0a-9e5f-2a7e00c0ffee
+set -euo pipefail
+out=$1
+PATH=$PATH:/usr/sbin:/sbin
+[[ -x ${LAB_BUSYBOX:-} ]] || { echo "k7d-exec.prepare: no busybox (LAB_BUSYBOX)" >&2; exit 1; }
+src=$(mktemp -d)
+trap 'rm -rf "$src"' EXIT
+mkdir -p "$src"/{bin,sbin,etc,dev,proc,sys,run,tmp}
+cp "$LAB_BUSYBOX" "$src/bin/busybox"
+ln -s busybox "$src/bin/sh"
+ln -s ../bin/busybox "$src/sbin/init"
+cat >"$src/etc/inittab" <<'TAB'
+::sysinit:/bin/busybox sh -c 'echo "LAB-GUEST image-init ran (pid 1: $(/bin/busybox readlink /proc/1/exe))" >/dev/console'
+::respawn:/bin/busybox sleep 86400
+TAB
+echo "k7d lab: a user's root disk, no agent in it" >"$src/etc/image-marker"
+# A UUID of its own: part 10 names the root as root=UUID=..., as an
+# image's own command line does (k7d-exec.sh's IMG_UUID).
+mkfs.erofs --quiet -T0 --all-root -U 6b376b37-0d1e-4c0a-9e5f-2a7e00c0ffee "$out/image-root.erofs" "$src"
+[[ -s $out/image-root.erofs ]]
+echo "k7d-exec.prepare: image-root.erofs $(stat -c %s "$out/image-root.erofs") bytes" >&2

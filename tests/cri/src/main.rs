@@ -565,7 +565,12 @@ async fn pod_steps(
 
     if args.limits() {
         let (out, like) = (args.limits_out.as_deref(), args.limits_like.as_deref());
-        step("limits", limit, limits::check(client, &b, limit, out, like)).await?;
+        step(
+            "limits",
+            limits::step_limit(limit),
+            limits::check(client, &b, limit, out, like),
+        )
+        .await?;
     }
     if args.stats {
         step("stats", limit, stats::check(client, &id, &a, &b, limit)).await?;

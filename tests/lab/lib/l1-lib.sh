@@ -267,10 +267,11 @@ lab_vmm qemu 'qemu-system-x86_64 -accel kvm -cpu host -machine pc -smp 2 -m 256
   -kernel "$LAB_KERNEL" -initrd "$LAB_INITRD" -append "$LAB_CMDLINE"
   -device virtio-rng-pci'
 
-# lab_boot_series RUNS NAME...: boot the guest RUNS times with each named VMM,
-# interleaved (run 1 of each, then run 2 of each, ...: load drift on the host
-# hits all alike). Each run must exit 0 with the guest printing nproc=2 and
-# its script ending rc=0. Prints, per NAME, the medians as metrics
+# lab_boot_series RUNS NAME[:N]...: boot the guest RUNS times with each named
+# VMM, interleaved (run 1 of each, then run 2 of each, ...: load drift on the
+# host hits all alike); NAME:N boots only in the first N rounds (a VMM read,
+# not bounded, needs fewer). Each run must exit 0 with the guest printing
+# nproc=2 and its script ending rc=0. Prints, per NAME, the medians as metrics
 # NAME.guest_init_uptime (guest clock at init: kernel boot only),
 # NAME.spawn_to_init (VMM spawn to the guest's init: the boot-to-init figure)
 # and NAME.wall (VMM spawn to VMM exit after the guest's poweroff).
@@ -280,6 +281,7 @@ lab_boot_series() {
   _i=1
   while [ "$_i" -le "$_runs" ]; do
     for _n in "$@"; do
+      case $_n in *:*) [ "$_i" -le "${_n#*:}" ] || continue; _n=${_n%%:*} ;; esac
       eval "_cmd=\${_vmm_$_n:-}"
       [ -n "$_cmd" ] || lab_fail "no VMM named $_n (lab_vmm $_n '...')"
       eval "lab_run_l2 \"\$_n-\$_i\" \"\${LAB_L2_TIMEOUT:-240}\" $_cmd"
@@ -307,8 +309,8 @@ lab_boot_series() {
     _i=$((_i + 1))
   done
   for _n in "$@"; do
-    _d=/tmp/lab-series/$_n
-    lab_note "$_n over $_runs runs (s): guest uptime at init: $(tr '\n' ' ' <"$_d.guest_init_uptime");" \
+    _n=${_n%%:*} _d=/tmp/lab-series/${_n%%:*}
+    lab_note "$_n over $(wc -l <"$_d.spawn_to_init") runs (s): guest uptime at init: $(tr '\n' ' ' <"$_d.guest_init_uptime");" \
       "spawn to init: $(tr '\n' ' ' <"$_d.spawn_to_init"); spawn to exit: $(tr '\n' ' ' <"$_d.wall")"
     for _m in guest_init_uptime spawn_to_init wall; do
       lab_metric "$_n.$_m" "$(lab_median $(cat "/tmp/lab-series/$_n.$_m"))" s
@@ -343,4 +345,85 @@ lab_waterfall() {
 lab_ratio() {
   _a=$(lab_median $(cat "/tmp/lab-series/$1.$3")) _b=$(lab_median $(cat "/tmp/lab-series/$2.$3"))
   lab_metric "$1_vs_$2.$3" "$(awk -v a="$_a" -v b="$_b" 'BEGIN {printf "%.2f\n", (b > 0 ? a / b : 0)}')" x
+}
+
+# --- guests that draw in a loop (scenarios/k7d-vmgenid.guest.sh) -----------
+# Used by k7d-vmgenid and k7d-exec. The scenario defines fail MESSAGE, kc
+# (its k7d client), log_of VM (the VM's serial log) and W (its work dir).
+# rng_lines LOG: "n forks draw" of each complete draw line, in order.
+rng_lines() {
+  [ -f "$1" ] || return 0
+  tr -d '\r' <"$1" | sed -n 's/.*LAB-GUEST rng n=\([0-9]*\) forks=\([0-9]*\) draw=\([0-9a-f]\{32\}\) end$/\1 \2 \3/p'
+}
+first_rng() { rng_lines "$1" | head -n1; }
+rng_last_n() { rng_lines "$1" | tail -n1 | cut -d' ' -f1; }
+rng_at() { rng_lines "$1" | awk -v n="$2" '$1 == n {print $2, $3; exit}'; }
+# wait_first LOG WHAT / wait_at LOG N WHAT: until LOG has a draw (n=N), 60 s.
+wait_first() {
+  _i=0
+  until [ -n "$(first_rng "$1")" ]; do
+    _i=$((_i + 1)); [ "$_i" -lt 300 ] || fail "$2: no draw within 60 s: $(tr -d '\r' <"$1" 2>/dev/null | tail -n2 | tr '\n' ' ')"
+    sleep 0.2
+  done
+}
+wait_at() {
+  _i=0
+  until [ -n "$(rng_at "$1" "$2")" ]; do
+    _i=$((_i + 1)); [ "$_i" -lt 300 ] || fail "$3: no draw n=$2 within 60 s (last n=$(rng_last_n "$1"))"
+    sleep 0.2
+  done
+}
+# after_next_draw LOG WHAT: returns as LOG gains a draw, so that what follows
+# (a fork) lands early in the 3 s before the next one.
+after_next_draw() {
+  _n0=$(rng_last_n "$1") _i=0
+  while [ "$(rng_last_n "$1")" = "$_n0" ]; do
+    _i=$((_i + 1)); [ "$_i" -lt 600 ] || fail "$2: no new draw within 60 s (last n=$_n0)"
+    sleep 0.1
+  done
+}
+# pin_asleep VM WHAT: VM paused while asleep: right after one of its draw
+# lines, `k7d pause`, and its log checked for a wake after that line (a
+# count begun before the pause landed). Such a pause is undone and the next
+# draw waited for, 5 tries. CI saw a pause land inside the next line: the
+# guest's count and draw take seconds in L2, and a busy L1 (a batch of 8 VM
+# processes just deleted) delayed the pause past the next wake.
+asleep() {
+  _last=$(tr -d '\r' <"$1" | grep -E 'wake n=[0-9]+|LAB-GUEST rng n=[0-9]+ forks=[0-9]+ draw=[0-9a-f]{32} end$' | tail -n1)
+  case $_last in *" end") return 0 ;; *) return 1 ;; esac
+}
+# PIN_FRESH_S (unset: any): the pause must also land within this many
+# seconds of the draw line it follows (L1's time: from seeing the line to
+# the pause's answer), so that the paused VM has most of its sleep left; a
+# later one is undone like a pause inside a draw.
+PINS=
+pin_asleep() {
+  _try=1
+  while :; do
+    after_next_draw "$(log_of "$1")" "$2: $1"
+    _seen=$(lab_now)
+    kc pause "$1" >"$W/pause.out" 2>&1 || fail "$2: k7d pause $1 failed: $(cat "$W/pause.out")"
+    _late=$(awk -v a="$_seen" -v b="$(lab_now)" -v f="${PIN_FRESH_S:-}" 'BEGIN {print (f != "" && b - a > f) ? 1 : 0}')
+    asleep "$(log_of "$1")" && [ "$_late" = 0 ] && break
+    [ "$_try" -lt 5 ] || fail "$2: $1 was paused inside a draw or late $_try times in a row (its log ends: $(tr -d '\r' <"$(log_of "$1")" | tail -n2 | tr '\n' ' '))"
+    kc resume "$1" >"$W/resume.out" 2>&1 || fail "$2: k7d resume $1 failed: $(cat "$W/resume.out")"
+    _try=$((_try + 1))
+  done
+  PINS="$PINS $_try"
+}
+unpin() {
+  kc resume "$1" >"$W/resume.out" 2>&1 || fail "$2: k7d resume $1 failed: $(cat "$W/resume.out")"
+}
+# delete_all WHAT VM...: deletes the VMs at once (a round's children: one
+# at a time they cost a draw period of the round), each answer checked.
+delete_all() {
+  _what=$1; shift
+  _pids=
+  for _v in "$@"; do
+    kc delete "$_v" >"$W/delete-$_v.out" 2>&1 &
+    _pids="$_pids $_v:$!"
+  done
+  for _p in $_pids; do
+    wait "${_p#*:}" || fail "$_what: k7d delete ${_p%%:*} failed: $(cat "$W/delete-${_p%%:*}.out")"
+  done
 }

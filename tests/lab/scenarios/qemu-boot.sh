@@ -1,5 +1,6 @@
 # lab: description=QEMU 7.2 + SeaBIOS (-kernel/-initrd) boots the stock Debian cloud kernel in L1, 2 vCPUs: the reference k7d is compared with
-# lab: default=yes
+# lab: default=no
+# lab: by-hand=by hand (for CI's time budget, ~118 s of L1): QEMU pc's boots alone; boot-compare boots the same QEMU line in CI, with this scenario's virtio-rng check
 # lab: timeout=900
 # lab: needs=qemu
 # lab: guest-modules=virtio_pci virtio-rng

@@ -226,6 +226,13 @@ for word in $(header "$SCRIPT" l1-debs); do
   [[ -f $dir$path ]] || die "scenario $SCEN wants $path from $pkg: the package has no such file"
   stage_elf "$dir$path" "$RUN" "$path"
 done
+# "# lab: l1-python=MODULE...": Debian's Python 3.11 in L1 with what
+# importing MODULE... loads (the k7d client among them: vmm/python/src at
+# /lab/python), so a scenario drives the daemon from Python as an RL team's
+# code does (host.sh, stage_python).
+L1_PYTHON=$(header "$SCRIPT" l1-python)
+# shellcheck disable=SC2086 # a list of module names
+[[ -z $L1_PYTHON ]] || stage_python "$RUN" "$LAB/../../vmm/python/src" $L1_PYTHON
 for f in $(header "$SCRIPT" files); do
   [[ $f == /* ]] || f=$LAB/../../$f
   cp -rL "$f" "$RUN/lab/files/"

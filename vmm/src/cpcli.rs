@@ -98,6 +98,7 @@ fn exec_args(vm: &str, command: Vec<String>, timeout_s: u64) -> ExecArgs {
         vm: Some(vm.to_string()),
         cluster: None,
         tty: false,
+        api: false,
         env: Vec::new(),
         cwd: None,
         user: None,

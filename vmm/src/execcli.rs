@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Result, anyhow, bail};
 use clap::Args;
 use k7d_agent::proto::{self, Exec, ProcessRef, Reply, Request, StdioSpec, Stream};
 use k7d_shim::agent::{Agent, Conn};
@@ -48,6 +48,13 @@ pub struct ExecArgs {
     /// size (not resized after).
     #[arg(short = 't', long, conflicts_with = "cluster")]
     pub tty: bool,
+    /// Run it through the daemon's `exec` op instead of the VM's own
+    /// socket (for a user who may use the daemon's socket, `--allow-gid`,
+    /// but not the VM's): stdin read whole first (at most 512 KiB; not
+    /// read from a terminal), the first 4 MiB of stdout and of stderr
+    /// written out when the command has ended.
+    #[arg(long, conflicts_with_all = ["cluster", "tty"])]
+    pub api: bool,
     /// An environment variable for the command, KEY=VALUE (repeatable);
     /// PATH is the agent's unless given.
     #[arg(long = "env", value_name = "KEY=VALUE")]
@@ -105,6 +112,38 @@ fn refused(what: &str, e: k7d_shim::agent::CallError) -> anyhow::Error {
     anyhow!("{what}: {e}")
 }
 
+/// Why a command did not run, where the caller answers each one its own
+/// way (the daemon's `exec` op: its API codes).
+#[derive(Debug)]
+pub enum NotRun {
+    /// The guest agent does not answer at the VM's socket.
+    NoAgent(String),
+    /// The agent refused the exec (its program, directory or user).
+    Refused(String),
+}
+
+impl std::fmt::Display for NotRun {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NoAgent(m) | Self::Refused(m) => f.write_str(m),
+        }
+    }
+}
+
+impl std::error::Error for NotRun {}
+
+/// How a command ended, said by nobody: [`run_with`] says it on stderr,
+/// the daemon's `exec` op answers it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// Its exit status (128 + N for a signal N; 127 when it did not start).
+    pub status: u8,
+    /// It ran past this timeout and was killed (status 137).
+    pub timed_out: Option<Duration>,
+    /// Why it did not start, when it did not (status 127).
+    pub not_started: Option<String>,
+}
+
 /// One line on stderr; never panics (unlike `eprintln!`, when stderr is closed).
 fn say(line: std::fmt::Arguments<'_>) {
     let _ = writeln!(std::io::stderr(), "{line}");
@@ -134,7 +173,7 @@ fn pump(mut from: impl Read, mut to: impl Write) -> u64 {
 const MAX_LINE: usize = 64 << 10;
 
 /// Where a command's output goes, and what its stdin is (none: empty).
-pub(crate) struct Streams {
+pub struct Streams {
     out: Box<dyn Write + Send>,
     err: Box<dyn Write + Send>,
     stdin: Option<Box<dyn Read + Send>>,
@@ -160,12 +199,8 @@ impl Streams {
         }
     }
 
-    /// Streams of a caller's own (`k7d cp`'s pipes).
-    pub(crate) fn piped(
-        out: Box<dyn Write + Send>,
-        err: Box<dyn Write + Send>,
-        stdin: Option<Box<dyn Read + Send>>,
-    ) -> Self {
+    /// Streams of a caller's own (`k7d cp`'s pipes, the daemon's buffers).
+    pub fn piped(out: Box<dyn Write + Send>, err: Box<dyn Write + Send>, stdin: Option<Box<dyn Read + Send>>) -> Self {
         Self { out, err, stdin }
     }
 }
@@ -325,12 +360,32 @@ pub fn run_cluster(members: &[(String, PathBuf)], a: &ExecArgs) -> ExitCode {
 }
 
 /// Runs the command in the VM whose vsock socket is `uds` with `streams`;
-/// its exit status (128 + N for a signal N).
+/// its exit status (128 + N for a signal N), and what k7d exec says of it
+/// on stderr.
 pub(crate) fn run_with(vm: &str, uds: PathBuf, a: &ExecArgs, streams: Streams) -> Result<u8> {
+    let o = run_outcome(vm, uds, a, streams)?;
+    if let Some(e) = &o.not_started {
+        say(format_args!("k7d exec: vm {vm}: {e}"));
+    }
+    if let Some(t) = o.timed_out {
+        say(format_args!(
+            "k7d exec: vm {vm}: the command ran past --timeout {} s and was killed",
+            t.as_secs_f64()
+        ));
+    }
+    Ok(o.status)
+}
+
+/// Runs the command in the VM whose vsock socket is `uds` with `streams`
+/// and says nothing: how it ended. An error that is a [`NotRun`] (see
+/// `downcast_ref`) says why it did not run.
+pub fn run_outcome(vm: &str, uds: PathBuf, a: &ExecArgs, streams: Streams) -> Result<Outcome> {
     let agent = Agent::new(&uds);
     let connect = || {
-        agent.connect(CONNECT_TIMEOUT).with_context(|| {
-            format!("the guest agent of vm {vm} does not answer (k7d exec needs k7d-agent in the guest: docs/exec.md)")
+        agent.connect(CONNECT_TIMEOUT).map_err(|e| {
+            anyhow::Error::new(NotRun::NoAgent(format!(
+                "the guest agent of vm {vm} does not answer (k7d exec needs k7d-agent in the guest: docs/exec.md): {e:#}"
+            )))
         })
     };
     let mut ctl = connect()?;
@@ -349,7 +404,7 @@ pub(crate) fn run_with(vm: &str, uds: PathBuf, a: &ExecArgs, streams: Streams) -
             stderr: !a.tty,
         },
     }))
-    .map_err(|e| refused(&format!("vm {vm} refused the exec"), e))?;
+    .map_err(|e| anyhow::Error::new(NotRun::Refused(format!("vm {vm} refused the exec: {e}"))))?;
     if a.tty
         && let Some((width, height)) = terminal_size()
         && let Err(e) = ctl.call(&Request::ResizePty {
@@ -381,7 +436,7 @@ fn attach_and_run(
     timeout: Option<Duration>,
     tty: bool,
     streams: Streams,
-) -> Result<u8> {
+) -> Result<Outcome> {
     let attach = |stream: Stream| -> Result<std::os::unix::net::UnixStream> {
         let mut c = connect()?;
         c.call(&Request::Attach {
@@ -394,6 +449,11 @@ fn attach_and_run(
     let stdout = attach(Stream::Stdout)?;
     // A command on a terminal has no stderr of its own (the pty is both).
     let stderr = if tty { None } else { Some(attach(Stream::Stderr)?) };
+    // Kept to cut the output streams off after the drain (below).
+    let held: Vec<std::os::unix::net::UnixStream> = std::iter::once(&stdout)
+        .chain(stderr.as_ref())
+        .filter_map(|s| s.try_clone().ok())
+        .collect();
     let stdin = match streams.stdin {
         Some(from) => Some((from, attach(Stream::Stdin)?)),
         None => None,
@@ -412,16 +472,29 @@ fn attach_and_run(
         err: to_err,
         ..
     } = streams;
-    let out = std::thread::spawn(move || pump(stdout, to_out));
-    let err = stderr.map(|s| std::thread::spawn(move || pump(s, to_err)));
+    // Each stream is shut down when its pump ends, whatever ended it: a
+    // reader that stopped (`k7d cp` past its --max-size) closes the stream
+    // as dropping it used to, though `held` keeps a descriptor of it.
+    let relay = |s: std::os::unix::net::UnixStream, to: Box<dyn Write + Send>| {
+        std::thread::spawn(move || {
+            let n = pump(&s, to);
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            n
+        })
+    };
+    let out = relay(stdout, to_out);
+    let err = stderr.map(|s| relay(s, to_err));
     match ctl.call(&Request::Start(process.clone())) {
         Ok(Reply::Pid(_)) => {}
         Ok(other) => bail!("vm {vm}: the agent answered the start with {other:?}"),
         Err(e) => {
             // The program was checked when the exec was added; what is
             // left is the start itself (as a shell says: 126/127).
-            say(format_args!("k7d exec: vm {vm}: {e}"));
-            return Ok(127);
+            return Ok(Outcome {
+                status: 127,
+                timed_out: None,
+                not_started: Some(e.to_string()),
+            });
         }
     }
     // stdin: forwarded until its EOF, which closes the command's stdin.
@@ -432,6 +505,7 @@ fn attach_and_run(
             let _ = stdin.shutdown(std::net::Shutdown::Write);
         });
     }
+    let mut timed_out = None;
     let waited = match timeout {
         None => done_rx
             .recv()
@@ -445,10 +519,7 @@ fn attach_and_run(
                     all: false,
                 })
                 .map_err(|e| refused(&format!("vm {vm}: killing the command past its --timeout"), e))?;
-                say(format_args!(
-                    "k7d exec: vm {vm}: the command ran past --timeout {} s and was killed",
-                    t.as_secs_f64()
-                ));
+                timed_out = Some(t);
                 // Bounded: an agent that never reports the kill must not
                 // hang k7d exec past its own --timeout.
                 done_rx.recv_timeout(KILL_WAIT).map_err(|_| {
@@ -476,7 +547,17 @@ fn attach_and_run(
             let _ = h.join();
         }
     }
-    Ok(u8::try_from(status).unwrap_or(255))
+    // What a background process left holding the streams is cut off, so no
+    // pump thread outlives the command by more than the drain (in the
+    // daemon's `exec`, a thread and its buffer per exec otherwise).
+    for s in &held {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+    Ok(Outcome {
+        status: u8::try_from(status).unwrap_or(255),
+        timed_out,
+        not_started: None,
+    })
 }
 
 #[cfg(test)]
@@ -501,6 +582,7 @@ mod tests {
             vm: Some("v".into()),
             cluster: None,
             tty: false,
+            api: false,
             env: vec!["A=1".into()],
             cwd: Some("/tmp".into()),
             user: Some((7, 8)),
@@ -512,6 +594,69 @@ mod tests {
             json!({"args": ["sh", "-c", "echo hi"], "env": ["A=1"], "cwd": "/tmp", "user": {"uid": 7, "gid": 8}})
         );
         assert!(exec_id().len() <= 76 && proto::valid_id(&exec_id()));
+    }
+
+    /// A VM's vsock socket with an agent behind it that greets and refuses
+    /// every exec in its own words.
+    fn refusing_agent(uds: &std::path::Path) {
+        use k7d_agent::proto::Response;
+        use std::io::BufRead;
+        let l = std::os::unix::net::UnixListener::bind(uds).unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let mut s = s.unwrap();
+                let mut line = String::new();
+                std::io::BufReader::new(s.try_clone().unwrap())
+                    .read_line(&mut line)
+                    .unwrap();
+                s.write_all(b"OK 1073741824\n").unwrap();
+                while let Ok(req) = proto::read_frame::<_, Request>(&mut s) {
+                    let resp = match req {
+                        Request::Hello { version } => Response::Ok(Reply::Hello {
+                            version,
+                            kernel: "6.1.0-57-cloud-amd64".into(),
+                        }),
+                        _ => Response::Err {
+                            message: "nope: not found in the VM's PATH /bin".into(),
+                            not_found: false,
+                        },
+                    };
+                    proto::write_frame(&mut s, &resp).unwrap();
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn why_a_command_did_not_run_is_told_apart() {
+        let dir = std::env::temp_dir().join(format!("k7d-execcli-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let a = ExecArgs {
+            vm: Some("v".into()),
+            cluster: None,
+            tty: false,
+            api: false,
+            env: Vec::new(),
+            cwd: None,
+            user: None,
+            timeout: None,
+            command: vec!["nope".into()],
+        };
+        let streams = || Streams::piped(Box::new(std::io::sink()), Box::new(std::io::sink()), None);
+        let e = run_outcome("v", dir.join("none.sock"), &a, streams()).unwrap_err();
+        assert!(
+            matches!(e.downcast_ref::<NotRun>(), Some(NotRun::NoAgent(m)) if m.contains("guest agent of vm v does not answer")),
+            "{e:#}"
+        );
+        let uds = dir.join("v.sock");
+        refusing_agent(&uds);
+        let e = run_outcome("v", uds, &a, streams()).unwrap_err();
+        assert!(
+            matches!(e.downcast_ref::<NotRun>(), Some(NotRun::Refused(m)) if m.starts_with("vm v refused the exec: ") && m.contains("not found in the VM's PATH")),
+            "{e:#}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

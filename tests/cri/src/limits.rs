@@ -158,6 +158,8 @@ mod tests {
     fn the_scripts_name_every_sysctl_and_the_process_count() {
         let r = report_script();
         assert!(SYSCTLS.iter().all(|s| r.contains(s)));
-        assert!(processes_script().contains("-lt 1000"));
+        let p = processes_script(540);
+        assert!(p.contains("-lt 1000") && p.contains("sleep 540 &"), "{p}");
+        assert_eq!(step_limit(Duration::from_secs(120)), Duration::from_secs(720));
     }
 }

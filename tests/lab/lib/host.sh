@@ -245,3 +245,68 @@ prepared() {
   touch "$dir"
   printf '%s\n' "$dir/files"
 }
+
+# PY_PKGS: Debian's Python 3.11, interpreter and standard library.
+PY_PKGS="python3.11-minimal libpython3.11-minimal libpython3.11-stdlib"
+
+# python_tree: Debian's Python 3.11 unpacked into one tree (never installed:
+# its packages' files merged under $CACHE/python/KEY/usr), its modules
+# compiled once; prints the tree.
+python_tree() {
+  local p v versions='' dir tmp
+  for p in $PY_PKGS; do v=$(pkg_version "$p"); versions="$versions ${p}_$v"; done
+  dir="$CACHE/python/$(key "$versions")"
+  if [[ ! -e $dir/.done ]]; then
+    rm -rf "$dir" && mkdir -p "$CACHE/python"
+    tmp=$(mktemp -d "$CACHE/python/tmp.XXXXXX")
+    for p in $versions; do
+      cp -a "$(unpack "${p%%_*}" "${p#*_}")/usr" "$tmp/" || die "cannot merge ${p%%_*} into $tmp"
+    done
+    mv "$tmp" "$dir" && touch "$dir/.done"
+  fi
+  printf '%s\n' "$dir"
+}
+
+# stage_python RUN SRC MODULE...: Debian's Python in RUN as /usr/bin/python3,
+# with only the files that importing MODULE... loads (SRC on its path, for
+# the k7d client: vmm/python/src), each with its compiled .pyc so L1 does not
+# compile them under TCG. The scenario runs `PYTHONPATH=/lab/python python3`.
+stage_python() {
+  local run=$1 src=$2 tree lib f rel; shift 2
+  tree=$(python_tree)
+  lib=$tree/usr/lib/python3.11
+  stage_elf "$tree/usr/bin/python3.11" "$run" /usr/bin/python3
+  # Its libraries: the extension modules' too.
+  mkdir -p "$run/lab/python"
+  # The files the imports load (the interpreter run here, on the same tree
+  # as in L1), .pyc written beside each source in the tree or in a copy
+  # of SRC (the checkout stays untouched).
+  cp -r "$src/." "$run/lab/python/"
+  env -u PYTHONDONTWRITEBYTECODE PYTHONHOME="$tree/usr" PYTHONPATH="$run/lab/python" timeout 60 "$tree/usr/bin/python3.11" -c '
+import importlib, sys
+for m in sys.argv[1:]:
+    importlib.import_module(m)
+for m in list(sys.modules.values()):
+    for a in ("__file__", "__cached__"):
+        f = getattr(m, a, None)
+        if f:
+            print(f)
+' "$@" >"$run/lab/python.files" || die "Debian's Python in $tree cannot import $*"
+  while read -r f; do
+    [[ -f $f ]] || continue
+    case $f in
+      "$lib"/*) rel=usr/lib/python3.11/${f#"$lib"/} ;;
+      "$run"/*) continue ;;  # the copy of SRC: in place already
+      *) die "stage_python: $f is outside Debian's Python tree" ;;
+    esac
+    mkdir -p "$run/$(dirname "$rel")"
+    cp -p "$f" "$run/$rel"
+    [[ $f != *.so ]] || stage_elf "$f" "$run" "$rel"
+  done <"$run/lab/python.files"
+  # The landmarks the interpreter finds its prefix and exec prefix by (os
+  # may be frozen into it, and no extension module may have been loaded).
+  cp -p "$lib/os.py" "$run/usr/lib/python3.11/os.py"
+  mkdir -p "$run/usr/lib/python3.11/lib-dynload"
+  log "Debian's Python in L1: $(wc -l <"$run/lab/python.files") files for $*"
+  rm -f "$run/lab/python.files"
+}

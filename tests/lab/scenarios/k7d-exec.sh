@@ -5,6 +5,7 @@
 # lab: pod-initramfs=required
 # lab: guest=k7d-vmgenid
 # lab: prepare=k7d-exec
+# lab: l1-python=k7d hashlib
 #
 # Issue 37, item 2: `k7d exec VM [--env K=V] [--cwd DIR] [--user U:G]
 # [--timeout S] -- CMD ARGS...` in a plain VM (not a pod), a fork child and
@@ -24,6 +25,11 @@
 #  5. --timeout 1 kills `sleep 30`: exit 137 within 15 s;
 #  6. refused with one sentence: a program the guest lacks, a VM without
 #     vsock; nothing of the exec is left in the agent (a second exec works);
+#  6c. the daemon's `exec` op, as `k7d exec --api` (and the Python
+#      client's Client.exec) send it: exit 7 with stdout and stderr apart,
+#      256 KiB of stdin summed in the guest, env/cwd/user, a timeout as
+#      137, a missing program in the agent's words; the event log has an
+#      exec event per command with its program and status, no arguments;
 #  6b. `k7d cp` both ways (busybox's applets linked in the guest for tar
 #     and sh): a tree of a 1 MiB random file (mode 751, owner 1234:5678), a
 #     symlink and an empty directory into x and back out, its sum, mode,
@@ -31,6 +37,11 @@
 #     refused with nothing left; a missing path refused in one sentence;
 #  7. fork --count 2: exec works in each child at its own socket; a file
 #     one child writes is not in the other child nor in the source;
+#  7c. the `exec` op from Python: Debian's Python 3.11 in L1 (l1-python)
+#      with the k7d client: Client.exec in x-f1 and x-f2 (exit 7 with the
+#      streams apart, 256 KiB of stdin summed in the guest, a child's own
+#      file read as 65534:65533 in a given cwd, a 1 s timeout as 137 and
+#      timed_out, a missing program raised as InvalidArgument);
 #  7b. `k7d exec --cluster`: x-f1, x-f2 and a third child form cluster cl,
 #     `fork cl` makes cluster cl-f1 (3 children, each reseeded through its
 #     agent, no warning); `exec --cluster cl-f1 -- cat /tmp/mark` answers 3
@@ -195,6 +206,31 @@ kc delete plain >/dev/null || fail "delete plain failed"
 ex x -- busybox true
 [ "$rc" = 0 ] || fail "exec after the refusals: rc $rc ($(cat "$W/e"))"
 
+# 6c. The daemon's `exec` op (the API's, and the Python client's): k7d exec
+# --api sends it; the daemon runs the agent calls and answers once.
+ex x --api -- busybox sh -c 'echo out; echo err >&2; exit 7'
+[ "$rc" = 7 ] && [ "$(cat "$W/o")" = out ] && [ "$(cat "$W/e")" = err ] ||
+  fail "exec --api: rc $rc, stdout '$(cat "$W/o")', stderr '$(cat "$W/e")' (want 7, out, err)"
+head -c 262144 /dev/urandom >"$W/api-in"
+timeout -s KILL 60 "$LAB_BIN" --socket "$sock" exec --api x -- busybox sha256sum <"$W/api-in" >"$W/o" 2>"$W/e"
+rc=$?
+[ "$rc" = 0 ] && [ "$(cut -d' ' -f1 "$W/o")" = "$(sha256sum <"$W/api-in" | cut -d' ' -f1)" ] ||
+  fail "exec --api with 256 KiB of stdin: rc $rc, '$(cat "$W/o")' ($(cat "$W/e"))"
+ex x --api --cwd /tmp --user 65534:65533 --env A=b -- busybox sh -c 'echo "$A|$(busybox pwd)|$(busybox id -u):$(busybox id -g)"'
+[ "$rc" = 0 ] && [ "$(cat "$W/o")" = "b|/tmp|65534:65533" ] || fail "exec --api env/cwd/user: rc $rc, '$(cat "$W/o")' ($(cat "$W/e"))"
+t=$(date +%s)
+ex x --api --timeout 1 -- busybox sleep 30
+took=$(($(date +%s) - t))
+[ "$rc" = 137 ] && [ "$took" -lt 15 ] && grep -q "ran past its timeout (1 s) and was killed" "$W/e" ||
+  fail "exec --api --timeout 1 sleep 30: rc $rc after $took s ($(cat "$W/e"))"
+ex x --api -- no-such-program
+[ "$rc" != 0 ] && grep -q "no-such-program: not found in the VM's PATH" "$W/e" || fail "exec --api, a missing program: rc $rc ($(cat "$W/e"))"
+# The event log says what ran and how it ended, never its arguments.
+grep '"event":"exec"' "$st/events.jsonl" >"$W/exec-events" || fail "no exec event in $st/events.jsonl"
+grep -q '"program":"busybox".*"status":7' "$W/exec-events" || fail "the exec events: $(cat "$W/exec-events")"
+! grep -q 'echo out' "$W/exec-events" || fail "an exec event holds the command's arguments: $(cat "$W/exec-events")"
+lab_note "the daemon's exec op (k7d exec --api): exit 7 with stdout and stderr apart, 256 KiB of stdin summed in the guest, env, cwd and user, --timeout 1 as 137 after $took s, a missing program refused in the agent's words; $(wc -l <"$W/exec-events") exec events, none with arguments"
+
 # 6b. k7d cp both ways (tar and sh in the guest: busybox's applets linked).
 ex x -- busybox --install -s /bin
 [ "$rc" = 0 ] || fail "linking busybox's applets: rc $rc ($(cat "$W/e"))"
@@ -240,6 +276,35 @@ ex x -- busybox cat /tmp/mark
 ex x-f1 -- busybox cat /tmp/mark
 [ "$(cat "$W/o")" = child-one ] || fail "x-f1 lost its own write: '$(cat "$W/o")'"
 lab_note "fork children: each exec'd at its own socket, a child's write in that child only"
+
+# 7c. The daemon's exec op from Python (Debian's Python in L1 and the k7d
+# client, l1-python), in the fork children, as an RL loop acts in them.
+PYTHONPATH=/lab/python timeout -s KILL 180 python3 - "$sock" >"$W/py.out" 2>&1 <<'PY'
+import hashlib
+import sys
+
+import k7d
+
+k = k7d.Client(sys.argv[1], timeout=60)
+r = k.exec("x-f2", ["busybox", "sh", "-c", "echo out; echo err >&2; exit 7"])
+assert (r.status, r.stdout, r.stderr, r.timed_out, r.truncated) == (7, b"out\n", b"err\n", False, False), r
+data = bytes(range(256)) * 1024
+r = k.exec("x-f2", ["busybox", "sha256sum"], stdin=data)
+assert r.status == 0 and r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest(), r
+r = k.exec("x-f1", ["busybox", "sh", "-c", "busybox cat mark; busybox id -u; busybox id -g"], user=(65534, 65533), cwd="/tmp")
+assert r.status == 0 and r.stdout.split() == [b"child-one", b"65534", b"65533"], r
+r = k.exec("x-f2", ["busybox", "sleep", "30"], timeout=1)
+assert r.status == 137 and r.timed_out, r
+try:
+    k.exec("x-f1", ["no-such-program"])
+    raise SystemExit("a missing program ran")
+except k7d.InvalidArgument as e:
+    assert "not found in the VM's PATH" in str(e), e
+print("python-exec-ok")
+PY
+rc=$?
+[ "$rc" = 0 ] && grep -qx python-exec-ok "$W/py.out" || fail "the Python client's exec: rc $rc: $(tail -c 1500 "$W/py.out")"
+lab_note "Client.exec from Debian's Python in L1, in the fork children: exit 7 with stdout and stderr apart, 256 KiB of stdin summed in x-f2, x-f1's own mark read as 65534:65533 in /tmp, a 1 s timeout as 137, a missing program raised as InvalidArgument"
 
 # 7b. k7d exec --cluster.
 timeout -s KILL 60 "$LAB_BIN" --socket "$sock" --json fork x >"$W/fork3.json" 2>&1 || fail "fork x (a third child) failed: $(cat "$W/fork3.json")"

@@ -1,5 +1,6 @@
 """The Python client against a real daemon (issue 37): every operation of
-the API but exec and cp (which need a Linux guest: the lab), errors as
+the API (exec's refusals here; a command run in a Linux guest is the
+lab's), errors as
 exceptions carrying the daemon's sentence, and context managers that
 delete what they made. Guests are k7d's built-in test guests: `memwriter`
 counts rounds at a fixed guest address and, with ARG2 = 1, writes its
@@ -88,6 +89,45 @@ def test_errors_carry_the_daemons_sentence_and_change_nothing(daemon: Client) ->
         with k.vm(memwriter("boom")):
             raise RuntimeError("the caller's own failure")
     assert k.list() == []
+
+
+def test_exec_refuses_what_cannot_run_with_the_daemons_sentence(daemon: Client) -> None:
+    """`exec` needs a running VM with a vsock device and k7d-agent in its
+    guest (the lab proves a real one on a Debian guest; a built-in guest
+    has no virtio devices); every refusal here is the daemon's own
+    sentence, and the VM runs on unchanged."""
+    k = daemon
+    with pytest.raises(k7d.NotFound) as e:
+        k.exec("nope", ["true"])
+    assert str(e.value) == "vm nope does not exist"
+    with k.vm(memwriter("plain")):
+        with pytest.raises(k7d.InvalidArgument) as e:
+            k.exec("plain", ["true"])
+        assert "has no vsock device" in str(e.value)
+        # The daemon's own checks, before any guest sees the request.
+        for kwargs, want in [
+            ({"command": []}, "needs a command"),
+            ({"command": ["true"], "timeout": 0}, "out of range"),
+            ({"command": ["true"], "timeout": 90000}, "out of range"),
+            ({"command": ["true"], "cwd": "tmp"}, "not an absolute guest path"),
+            ({"command": ["true"], "env": {"": "x"}}, "not KEY=VALUE"),
+            ({"command": ["true"], "stdin": b"x" * (512 * 1024 + 1)}, "more than 524288 bytes"),
+        ]:
+            with pytest.raises(k7d.InvalidArgument) as e:
+                k.exec("plain", **kwargs)
+            assert want in str(e.value), (kwargs.keys(), str(e.value))
+        # The client's own: one string is not a command.
+        with pytest.raises(k7d.InvalidArgument) as e:
+            k.exec("plain", "ls -l")
+        assert "not one string" in str(e.value)
+        assert grows(k, "plain")
+        # A VM that is not running, before anything else is asked of it.
+        k.pause("plain")
+        with pytest.raises(k7d.Conflict) as e:
+            k.exec("plain", ["true"])
+        assert str(e.value) == "vm plain is paused: a command runs only in a running VM"
+        k.resume("plain")
+        assert grows(k, "plain")
 
 
 def test_no_daemon_is_one_exception(tmp_path: Path) -> None:

@@ -30,6 +30,20 @@ pub const MAX_PEEK_WORDS: u32 = 1024;
 /// The API version this daemon speaks.
 pub const API_VERSION: u32 = 1;
 
+/// Most bytes of stdin one `exec` carries (decoded; base64 on the wire,
+/// so the request line stays under the server's 1 MiB).
+pub const MAX_EXEC_STDIN: usize = 512 << 10;
+
+/// Most bytes of each output stream an `exec` answer carries; the rest is
+/// counted (`stdout_bytes`, `stderr_bytes`), not kept.
+pub const MAX_EXEC_OUTPUT: usize = 4 << 20;
+
+/// `exec`'s timeout when none is given, in seconds.
+pub const DEFAULT_EXEC_TIMEOUT_S: f64 = 600.0;
+
+/// `exec`'s longest timeout, in seconds (a day).
+pub const MAX_EXEC_TIMEOUT_S: f64 = 86_400.0;
+
 /// A request: its `op` and its `args`, as they travel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", content = "args", rename_all = "snake_case", deny_unknown_fields)]
@@ -87,6 +101,48 @@ pub enum Request {
     /// network through the datapath, running or paused: its tap moves into
     /// the pod netns (a warm pool member claimed by a pod).
     NicAttach(NicAttachArgs),
+    /// Run a command in a running VM through its guest agent and answer
+    /// when it has ended: stdin whole, stdout and stderr kept apart
+    /// (`docs/exec.md`, "In the daemon's API").
+    Exec(ExecArgs),
+}
+
+/// `exec`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecArgs {
+    /// VM (a fork child or a restored VM alike).
+    pub id: String,
+    /// The program (looked up in the guest's PATH) and its arguments.
+    pub command: Vec<String>,
+    /// `KEY=VALUE` entries; PATH is the agent's unless given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<String>,
+    /// The working directory in the guest (default `/`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// The user it runs as (default 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// Its group (default: the uid).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
+    /// Its stdin, base64 (at most [`MAX_EXEC_STDIN`] bytes decoded); none:
+    /// empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    /// Killed (SIGKILL, status 137) after this many seconds
+    /// ([`DEFAULT_EXEC_TIMEOUT_S`] unless given, at most
+    /// [`MAX_EXEC_TIMEOUT_S`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+}
+
+impl ExecArgs {
+    /// The timeout this exec runs under.
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout_s.unwrap_or(DEFAULT_EXEC_TIMEOUT_S))
+    }
 }
 
 /// `cluster_create`'s and `cluster_add`'s arguments.
@@ -249,7 +305,7 @@ mod id_args {
 
 impl Request {
     /// Every op, as named on the wire.
-    pub const OPS: [&'static str; 22] = [
+    pub const OPS: [&'static str; 23] = [
         "create",
         "start",
         "pause",
@@ -272,6 +328,7 @@ impl Request {
         "medium",
         "nic_attach",
         "guest_ram",
+        "exec",
     ];
 
     /// This request's op, as named on the wire.
@@ -299,6 +356,7 @@ impl Request {
             Self::Rebase(_) => "rebase",
             Self::Medium(_) => "medium",
             Self::NicAttach(_) => "nic_attach",
+            Self::Exec(_) => "exec",
         }
     }
 
@@ -400,6 +458,7 @@ impl Request {
                 }
                 Ok(())
             }
+            Self::Exec(a) => validate_exec(a).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e)),
             Self::Peek(a) => {
                 id(&a.id)?;
                 if a.count == 0 || a.count > MAX_PEEK_WORDS {
@@ -415,6 +474,58 @@ impl Request {
             }
         }
     }
+}
+
+/// Checks an `exec`'s arguments; the sentence that refuses them.
+fn validate_exec(a: &ExecArgs) -> Result<(), String> {
+    crate::config::validate_id(&a.id).map_err(|e| e.to_string())?;
+    let Some(program) = a.command.first() else {
+        return Err("an exec needs a command: its program and arguments".into());
+    };
+    if program.is_empty() {
+        return Err("an exec's program is an empty string".into());
+    }
+    if a.command.iter().chain(&a.env).any(|s| s.contains('\0')) {
+        return Err("an exec's command and environment cannot hold NUL bytes".into());
+    }
+    if let Some(bad) = a
+        .env
+        .iter()
+        .find(|e| e.split_once('=').is_none_or(|(k, _)| k.is_empty()))
+    {
+        return Err(format!("the environment entry {bad:?} is not KEY=VALUE"));
+    }
+    if let Some(cwd) = &a.cwd
+        && (!cwd.starts_with('/') || cwd.contains('\0'))
+    {
+        return Err(format!("the working directory {cwd:?} is not an absolute guest path"));
+    }
+    if a.gid.is_some() && a.uid.is_none() {
+        return Err("an exec's gid is given with its uid".into());
+    }
+    if let Some(t) = a.timeout_s
+        && !(t > 0.0 && t <= MAX_EXEC_TIMEOUT_S)
+    {
+        return Err(format!(
+            "timeout_s = {t} is out of range: an exec runs for more than 0 and at most {MAX_EXEC_TIMEOUT_S} s"
+        ));
+    }
+    if let Some(stdin) = &a.stdin {
+        // Its length first: no decoding of what cannot be let in (base64's
+        // 4 characters carry 3 bytes, so the length alone is not enough).
+        if stdin.len() > MAX_EXEC_STDIN.div_ceil(3) * 4 || decode_stdin(stdin)?.len() > MAX_EXEC_STDIN {
+            return Err(format!("an exec's stdin is more than {MAX_EXEC_STDIN} bytes"));
+        }
+    }
+    Ok(())
+}
+
+/// An `exec`'s stdin, decoded (standard base64, padded).
+pub fn decode_stdin(stdin: &str) -> Result<Vec<u8>, String> {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .decode(stdin)
+        .map_err(|e| format!("an exec's stdin is not base64: {e}"))
 }
 
 /// Machine-readable error class.
@@ -669,6 +780,32 @@ pub struct VmList {
     pub vms: Vec<VmSummary>,
 }
 
+/// `exec`'s result: how the command ended and what it wrote.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Executed {
+    /// VM id.
+    pub id: String,
+    /// Its exit status; 128 + N for a signal N (137 when killed past its
+    /// timeout); 127 when the program could not start.
+    pub status: u8,
+    /// The first [`MAX_EXEC_OUTPUT`] bytes of its stdout, base64.
+    pub stdout: String,
+    /// The first [`MAX_EXEC_OUTPUT`] bytes of its stderr, base64.
+    pub stderr: String,
+    /// All the bytes it wrote to stdout, kept or not.
+    pub stdout_bytes: u64,
+    /// All the bytes it wrote to stderr, kept or not.
+    pub stderr_bytes: u64,
+    /// It ran past its timeout and was killed.
+    #[serde(default)]
+    pub timed_out: bool,
+    /// Why it did not run, when it could not start (status 127).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// From the request to the command's end and its output read.
+    pub exec_ms: f64,
+}
+
 /// `version`'s result.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VersionInfo {
@@ -710,6 +847,8 @@ pub enum Reply {
     Clusters(ClusterList),
     /// `rebase`.
     Rebased(crate::vstate::rebase::Rebased),
+    /// `exec`.
+    Executed(Executed),
 }
 
 impl Reply {
@@ -738,6 +877,7 @@ impl Reply {
             Request::List => Self::List(from_value(result)?),
             Request::Version => Self::Version(from_value(result)?),
             Request::Rebase(_) => Self::Rebased(from_value(result)?),
+            Request::Exec(_) => Self::Executed(from_value(result)?),
         })
     }
 }
@@ -1025,6 +1165,17 @@ mod tests {
             }),
             // Newer still: what a VM's guest RAM costs the host.
             Request::GuestRam("web".into()),
+            // A command in a VM, through its agent.
+            Request::Exec(ExecArgs {
+                id: "web".into(),
+                command: vec!["sh".into(), "-c".into(), "cat; exit 3".into()],
+                env: vec!["A=1".into()],
+                cwd: Some("/tmp".into()),
+                uid: Some(65534),
+                gid: Some(65533),
+                stdin: Some("aGk=".into()),
+                timeout_s: Some(1.5),
+            }),
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {
@@ -1050,7 +1201,8 @@ mod tests {
                 | Request::ClusterList
                 | Request::Rebase(_)
                 | Request::Medium(_)
-                | Request::NicAttach(_) => {}
+                | Request::NicAttach(_)
+                | Request::Exec(_) => {}
             }
             if !seen.contains(&r.op()) {
                 seen.push(r.op());
@@ -1080,6 +1232,57 @@ mod tests {
         r#"{"args":{},"op":"list","v":1}"#,
         r#"{"args":{},"op":"version","v":1}"#,
     ];
+
+    /// An exec with what it needs and `f` applied.
+    fn exec_line(f: impl FnOnce(&mut Map<String, Value>)) -> String {
+        let mut args = Map::new();
+        args.insert("id".into(), "web".into());
+        args.insert("command".into(), serde_json::json!(["true"]));
+        f(&mut args);
+        serde_json::json!({"v": 1, "op": "exec", "args": args}).to_string()
+    }
+
+    #[test]
+    fn an_exec_is_checked_before_any_guest_sees_it() {
+        use base64::Engine as _;
+        let b64 = |n: usize| base64::engine::general_purpose::STANDARD.encode(vec![7u8; n]);
+        let ok = parse_request(&exec_line(|a| {
+            a.insert("stdin".into(), b64(MAX_EXEC_STDIN).into());
+        }))
+        .unwrap();
+        let Request::Exec(a) = ok else { panic!("{ok:?}") };
+        assert_eq!(decode_stdin(a.stdin.as_deref().unwrap()).unwrap().len(), MAX_EXEC_STDIN);
+        assert_eq!(a.timeout(), std::time::Duration::from_secs(600), "the default timeout");
+        let refused = |key: &str, value: Value, want: &str| {
+            let e = parse_request(&exec_line(|a| {
+                a.insert(key.into(), value);
+            }))
+            .unwrap_err();
+            assert_eq!(e.code, ErrorCode::InvalidArgument, "{e}");
+            assert!(e.message.contains(want), "{want:?} not in {e}");
+        };
+        use serde_json::json;
+        refused("command", json!([]), "needs a command");
+        refused("command", json!([""]), "empty string");
+        refused("command", json!(["a\0b"]), "NUL");
+        refused("env", json!(["NOEQUALS"]), "not KEY=VALUE");
+        refused("env", json!(["=v"]), "not KEY=VALUE");
+        refused("cwd", json!("tmp"), "not an absolute guest path");
+        refused("gid", json!(5), "gid is given with its uid");
+        refused("uid", json!(-1), "invalid arguments for `exec`");
+        for t in [0.0, -1.0, 86_400.5] {
+            refused("timeout_s", json!(t), "out of range");
+        }
+        refused("stdin", json!("!!!!"), "not base64");
+        // One byte over: its base64 is as long as the largest let in (a
+        // length check alone let it through), so it is decoded and counted.
+        let over = b64(MAX_EXEC_STDIN + 1);
+        assert_eq!(over.len(), b64(MAX_EXEC_STDIN).len());
+        refused("stdin", json!(over), "more than 524288 bytes");
+        refused("stdin", json!(b64(MAX_EXEC_STDIN + 3)), "more than 524288 bytes");
+        refused("id", json!("../x"), "");
+        refused("shell", json!(true), "unknown field");
+    }
 
     #[test]
     fn every_op_round_trips_through_its_line() {
@@ -1150,12 +1353,12 @@ mod tests {
         (
             r#"{"v":1,"op":"explode"}"#,
             ErrorCode::BadRequest,
-            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram)",
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec)",
         ),
         (
             r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
             ErrorCode::BadRequest,
-            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram)",
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec)",
         ),
         (
             r#"{"v":2,"op":"list"}"#,
@@ -1441,6 +1644,17 @@ mod tests {
                 rounds: 2,
                 paused_ms: 0.8,
                 took_ms: 130.5,
+            }),
+            Request::Exec(_) => Reply::Executed(Executed {
+                id: "web".into(),
+                status: 3,
+                stdout: "aGkK".into(),
+                stderr: String::new(),
+                stdout_bytes: 3,
+                stderr_bytes: 0,
+                timed_out: true,
+                error: Some("the start failed".into()),
+                exec_ms: 412.5,
             }),
         }
     }

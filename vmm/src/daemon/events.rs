@@ -172,6 +172,18 @@ impl EventLog {
                 self.record(req.op(), Some(("cluster", &a.id)), f);
             }
             (Request::ClusterDelete(id), _) => self.record("cluster_delete", Some(("cluster", id)), f),
+            // The program, how it ended and its time: never its arguments,
+            // environment or input, which may hold a user's secrets.
+            (Request::Exec(a), Reply::Executed(x)) => {
+                let program: String = a.command.first().map_or("", String::as_str).chars().take(256).collect();
+                f.insert("program".into(), json!(program));
+                f.insert("status".into(), json!(x.status));
+                if x.timed_out {
+                    f.insert("timed_out".into(), json!(true));
+                }
+                f.insert("ms".into(), json!(x.exec_ms));
+                vm_event("exec", &a.id, f);
+            }
             _ => {}
         }
     }

@@ -11,6 +11,7 @@ pub mod api;
 pub mod client;
 mod clusters;
 pub mod events;
+mod exec;
 pub mod metrics;
 pub mod metrics_http;
 mod periodic;
@@ -730,6 +731,8 @@ impl Daemon {
                 Some(r) => Reply::Vm(Box::new(self.attach_process_nic(&a, &r)?)),
                 None => Reply::Vm(Box::new(self.attach_nic(&a)?)),
             },
+            // On this connection's thread, no lock held while it runs.
+            Request::Exec(a) => Reply::Executed(exec::run(self, &a)?),
             Request::List => Reply::List(self.list()),
             Request::Version => Reply::Version(VersionInfo {
                 api_version: api::API_VERSION,

@@ -11,11 +11,13 @@ whatever ended it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import dataclasses
 import json
 import os
 import socket
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Type, TypedDict, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, TypedDict, Union
 
 #: Where `k7d daemon` listens unless told otherwise (as the CLI's `--socket`).
 DEFAULT_SOCKET = "/run/k7d/k7d.sock"
@@ -169,6 +171,27 @@ class ClusterInfo(TypedDict, total=False):
     ports: List[str]
 
 
+@dataclasses.dataclass(frozen=True)
+class Executed:
+    """How a command run by :meth:`Client.exec` ended, and what it wrote."""
+
+    #: Its exit status: 128 + N for a signal N (137 when killed past its
+    #: timeout), 127 when the program could not start.
+    status: int
+    #: Its stdout: the first 4 MiB (see :attr:`truncated`).
+    stdout: bytes
+    #: Its stderr: the first 4 MiB.
+    stderr: bytes
+    #: It wrote more than the daemon keeps to stdout or stderr.
+    truncated: bool
+    #: It ran past its timeout and was killed.
+    timed_out: bool
+    #: Why it did not start (status 127), if it did not.
+    error: Optional[str]
+    #: From the request to its end, in the daemon.
+    exec_ms: float
+
+
 class Deleted(TypedDict):
     """`delete`'s and `cluster_delete`'s result."""
 
@@ -231,23 +254,25 @@ class Client:
 
     # -- the wire ---------------------------------------------------------
 
-    def call(self, op: str, args: Optional[Mapping[str, Any]] = None) -> Any:
+    def call(self, op: str, args: Optional[Mapping[str, Any]] = None, *, timeout: Optional[float] = None) -> Any:
         """Sends one request and returns its result, or raises the
-        daemon's error (:class:`K7dError`)."""
+        daemon's error (:class:`K7dError`). `timeout`: this call's wait,
+        the client's unless given."""
+        wait = self.timeout if timeout is None else timeout
         request: Dict[str, Any] = {"v": API_VERSION, "op": op}
         if args is not None:
             request["args"] = dict(args)
         line = (json.dumps(request, separators=(",", ":")) + "\n").encode()
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(self.timeout)
+                s.settimeout(wait)
                 s.connect(self.socket_path)
                 s.sendall(line)
                 answer = _read_line(s)
         except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
             raise Unreachable(f"no k7d daemon answers at {self.socket_path}: {e.strerror or e}") from e
         except socket.timeout as e:
-            raise Unreachable(f"the k7d daemon at {self.socket_path} did not answer {op} within {self.timeout} s") from e
+            raise Unreachable(f"the k7d daemon at {self.socket_path} did not answer {op} within {wait} s") from e
         try:
             response = json.loads(answer)
         except ValueError as e:
@@ -337,6 +362,52 @@ class Client:
         `copied` (a fork child's own pages, written since its fork) and
         `pss` (docs/observability.md)."""
         return self.call("guest_ram", {"id": id})
+
+    def exec(
+        self,
+        id: str,
+        command: Sequence[str],
+        *,
+        stdin: Optional[bytes] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[Union[int, Tuple[int, int]]] = None,
+        timeout: Optional[float] = None,
+    ) -> Executed:
+        """Runs `command` (the program and its arguments) in the running VM
+        `id` through its guest agent and returns when it has ended: its
+        status, stdout and stderr apart (`docs/exec.md`). `stdin`: at most
+        512 KiB; `user`: a uid, or (uid, gid); `timeout`: seconds, after
+        which it is killed (status 137, `timed_out`), 600 unless given.
+        A fork child or a restored VM alike; the VM needs a vsock device
+        and k7d-agent in its guest."""
+        if isinstance(command, (str, bytes)):
+            raise InvalidArgument("command is a sequence of the program and its arguments, not one string")
+        args: Dict[str, Any] = {"id": id, "command": [str(c) for c in command]}
+        if stdin:
+            args["stdin"] = base64.b64encode(bytes(stdin)).decode()
+        if env:
+            args["env"] = [f"{k}={v}" for k, v in env.items()]
+        if cwd is not None:
+            args["cwd"] = cwd
+        if user is not None:
+            uid, gid = (user, user) if isinstance(user, int) else user
+            args["uid"], args["gid"] = uid, gid
+        if timeout is not None:
+            args["timeout_s"] = timeout
+        # The daemon answers when the command has ended.
+        wait = (600.0 if timeout is None else float(timeout)) + 30.0
+        r = self.call("exec", args, timeout=wait)
+        out, err = base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"])
+        return Executed(
+            status=int(r["status"]),
+            stdout=out,
+            stderr=err,
+            truncated=len(out) < int(r["stdout_bytes"]) or len(err) < int(r["stderr_bytes"]),
+            timed_out=bool(r.get("timed_out", False)),
+            error=r.get("error"),
+            exec_ms=float(r["exec_ms"]),
+        )
 
     # -- clusters ---------------------------------------------------------
 

@@ -45,7 +45,7 @@ pub struct ExecArgs {
     /// terminal: an interactive shell, `top`, a password prompt). Its stdout
     /// and stderr both come through it; k7d's own terminal, if its stdin is
     /// one, is put in raw mode until the command ends and gives the pty its
-    /// size (not resized after).
+    /// size, and each resize of it after (SIGWINCH).
     #[arg(short = 't', long, conflicts_with = "cluster")]
     pub tty: bool,
     /// Run it through the daemon's `exec` op instead of the VM's own
@@ -279,8 +279,78 @@ impl Drop for Prefixed {
 /// in messages); the exit code is the command's.
 pub fn run(vm: &str, uds: PathBuf, a: &ExecArgs) -> Result<ExitCode> {
     // Restored when dropped, however the command ends.
-    let _raw = if a.tty { RawTerminal::enter() } else { None };
+    let raw = if a.tty { RawTerminal::enter() } else { None };
+    // A terminal's resizes follow the command: SIGWINCH is blocked here,
+    // before any other thread starts (each inherits the mask), and taken by
+    // the one thread that waits for it (`follow_resizes`).
+    if raw.is_some() {
+        block_winch();
+    }
     run_with(vm, uds, a, Streams::own()).map(ExitCode::from)
+}
+
+/// SIGWINCH as a set.
+fn winch_set() -> libc::sigset_t {
+    // SAFETY: an all-zero sigset_t is a valid value for sigemptyset to set.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid pointer to a sigset_t, and a valid signal number.
+    unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGWINCH);
+    }
+    set
+}
+
+/// Blocks SIGWINCH in this thread (and the threads it starts after).
+fn block_winch() {
+    let set = winch_set();
+    // SAFETY: a valid set; the old mask is not asked for.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+}
+
+/// Whether this thread has SIGWINCH blocked ([`run`] blocks it for a
+/// terminal), so that a thread can wait for it.
+fn winch_blocked() -> bool {
+    // SAFETY: an all-zero sigset_t is valid to be overwritten.
+    let mut now: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: a null new set only reads the mask into `now`.
+    let ok = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, std::ptr::null(), &mut now) } == 0;
+    // SAFETY: a valid set and signal number.
+    ok && unsafe { libc::sigismember(&now, libc::SIGWINCH) } == 1
+}
+
+/// Passes each resize of k7d's terminal (SIGWINCH) on to the command's pty
+/// in the guest, on a connection of its own, until the agent no longer
+/// answers (the command and the process end it).
+fn follow_resizes(vm: &str, uds: &std::path::Path, process: &ProcessRef) {
+    let set = winch_set();
+    loop {
+        let mut sig = 0;
+        // SAFETY: a valid set and a valid pointer for the signal taken.
+        if unsafe { libc::sigwait(&set, &mut sig) } != 0 {
+            return;
+        }
+        let Some((width, height)) = terminal_size() else {
+            continue;
+        };
+        let resized = Agent::new(uds).connect(CONNECT_TIMEOUT).map(|mut c| {
+            c.call(&Request::ResizePty {
+                process: process.clone(),
+                width,
+                height,
+            })
+        });
+        match resized {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                say(format_args!(
+                    "k7d exec: vm {vm}: the terminal's new size was not set: {e}"
+                ));
+                return;
+            }
+            Err(_) => return,
+        }
+    }
 }
 
 /// k7d's own terminal (its stdin) in raw mode: keys go to the guest's pty
@@ -414,6 +484,10 @@ pub fn run_outcome(vm: &str, uds: PathBuf, a: &ExecArgs, streams: Streams) -> Re
         })
     {
         say(format_args!("k7d exec: vm {vm}: the terminal's size was not set: {e}"));
+    }
+    if a.tty && winch_blocked() {
+        let (vm, uds, process) = (vm.to_string(), uds.clone(), process.clone());
+        std::thread::spawn(move || follow_resizes(&vm, &uds, &process));
     }
     let result = attach_and_run(vm, &connect, &mut ctl, &process, a.timeout, a.tty, streams);
     // Forgotten whatever happened (a running one is killed first).

@@ -5,7 +5,8 @@
 # lab: pod-initramfs=required
 # lab: guest=k7d-vmgenid
 # lab: prepare=k7d-exec
-# lab: l1-python=k7d hashlib
+# lab: l1-python=k7d hashlib argparse locale shutil textwrap struct fcntl termios select
+# lab: files=vmm/python/examples/rollout.py
 #
 # Issue 37, item 2: `k7d exec VM [--env K=V] [--cwd DIR] [--user U:G]
 # [--timeout S] -- CMD ARGS...` in a plain VM (not a pod), a fork child and
@@ -20,7 +21,11 @@
 #  2b. --tty: the command on a pty (`tty` names /dev/pts/N; stdin, stdout
 #     and stderr all terminals; stderr comes through it, with the pty's
 #     \r\n line endings), its exit status k7d exec's;
-#  3. stdin is forwarded to `cat` and its end ends it;
+#  2c. --tty follows a resize: k7d exec on a pty of L1's (Python's), the
+#     guest's `stty size` 24 80, then 50 132 once L1's pty is resized
+#     (SIGWINCH);
+#  3. stdin is forwarded to `cat` and its end ends it; 1 MiB of random
+#     stdin has the same sha256 in the guest;
 #  4. --env, --cwd and --user reach the command (`echo $A $(pwd) uid:gid`);
 #  5. --timeout 1 kills `sleep 30`: exit 137 within 15 s;
 #  6. refused with one sentence: a program the guest lacks, a VM without
@@ -42,6 +47,11 @@
 #      streams apart, 256 KiB of stdin summed in the guest, a child's own
 #      file read as 65534:65533 in a given cwd, a 1 s timeout as 137 and
 #      timed_out, a missing program raised as InvalidArgument);
+#  7d. exec against its floor (issue 37's benchmark, figures only): the
+#      API's exec of `true` (p50 of 20) beside a request's round trip to the
+#      agent on an open vsock connection, a new connection's, and the
+#      guest's own spawn of `true` (k7d_exec.api_true_ms, .vsock_echo_ms,
+#      .vsock_connect_ms, .guest_spawn_ms, .api_vs_floor);
 #  7b. `k7d exec --cluster`: x-f1, x-f2 and a third child form cluster cl,
 #     `fork cl` makes cluster cl-f1 (3 children, each reseeded through its
 #     agent, no warning); `exec --cluster cl-f1 -- cat /tmp/mark` answers 3
@@ -72,6 +82,11 @@
 #  9. snapshot, delete, restore: exec works in the restored VM and sees the
 #     file the source wrote before the snapshot, and it was reseeded
 #     (rng_reseed agent).
+#  9b. the rollout example (vmm/python/examples/rollout.py, Debian's Python
+#      in L1) on r: 3 steps of 4 children through Client.exec, each child
+#      its source's state and its own action only, the best child the next
+#      source (a fork of a fork), nothing left after; fork to the first
+#      exec's answer in a child (p50) beside an exec on the source.
 # 10. the agent in a user's image (issue 37, item 1): a VM boots k7d's pod
 #     initramfs alone with root=UUID=... rootfstype=erofs ro (its filesystem UUID), the disk an
 #     image with no agent (k7d-exec.prepare.sh: busybox, its init and an
@@ -83,7 +98,9 @@
 #     initramfs (PID 1 is the agent).
 # Metrics: k7d_exec.first_ms (`true`, connect to exit), k7d_exec.ms (median
 # of 5 `true`), k7d_exec.child_ms (the first exec in a fork child),
-# k7d_exec.reseed_ms (median: a fork child's start to its agent's reseed).
+# k7d_exec.reseed_ms (median: a fork child's start to its agent's reseed),
+# k7d_rollout.fork_to_first_exec_ms, .exec_in_child_ms, .exec_on_source_ms
+# (p50s of the rollout example).
 # By hand: tests/lab/run.sh --bin target/release/k7d --agent target/release/k7d-agent k7d-exec
 # Issue 40's 20 rounds (~20 min of L1, a round's ~50 s without a line on
 # the console): LAB_RESEED_ROUNDS=20 K7D_LAB_SILENT_S=900 K7D_LAB_TIMEOUT=2400
@@ -170,12 +187,66 @@ tr -d '\r' <"$W/o" >"$W/o2"
 grep -q "$(printf '\r')" "$W/o" || fail "--tty: the output has no carriage return: it did not pass a pty's line discipline"
 lab_note "--tty: the command on $(head -n1 "$W/o2"), stdin, stdout and stderr terminals, stderr through it, exit 4"
 
+# 2c. --tty follows a resize: k7d exec on a pty of L1's (Python's, its
+# controlling terminal, 24x80); once the guest's pty says 24 80, the L1
+# pty is resized to 50x132 (the kernel sends k7d SIGWINCH), and the
+# guest's pty must come to say 50 132.
+PYTHONPATH=/lab/python timeout -s KILL 120 python3 - "$LAB_BIN" "$sock" >"$W/winch.out" 2>&1 <<'PY'
+import fcntl
+import os
+import select
+import struct
+import sys
+import termios
+import time
+
+k7d, sock = sys.argv[1], sys.argv[2]
+script = ('busybox stty size; i=0; while [ "$(busybox stty size)" = "24 80" ] && [ $i -lt 150 ]; '
+          'do busybox sleep 0.2; i=$((i+1)); done; busybox stty size; exit 4')
+m, s = os.openpty()
+fcntl.ioctl(s, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    fcntl.ioctl(s, termios.TIOCSCTTY, 0)
+    for fd in (0, 1, 2):
+        os.dup2(s, fd)
+    os.execv(k7d, [k7d, "--socket", sock, "exec", "--tty", "x", "--", "busybox", "sh", "-c", script])
+os.close(s)
+out, resized, deadline = b"", False, time.monotonic() + 90
+while time.monotonic() < deadline:
+    if select.select([m], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(m, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    if not resized and b"24 80" in out:
+        fcntl.ioctl(m, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 132, 0, 0))
+        resized = True
+_, status = os.waitpid(pid, 0)
+lines = out.replace(b"\r", b"").decode(errors="replace").split("\n")
+print("lines:", lines, "status:", os.waitstatus_to_exitcode(status))
+assert resized and "24 80" in lines and "50 132" in lines and os.waitstatus_to_exitcode(status) == 4
+print("winch-ok")
+PY
+rc=$?
+[ "$rc" = 0 ] && grep -qx winch-ok "$W/winch.out" || fail "--tty did not follow a resize: rc $rc: $(tail -c 1500 "$W/winch.out")"
+lab_note "--tty follows a resize: the guest's pty said 24 80, then 50 132 after L1's pty was resized (SIGWINCH), exit 4"
+
 # 3. stdin.
 printf 'line one\nline two\n' | timeout -s KILL 60 "$LAB_BIN" --socket "$sock" exec x -- busybox cat >"$W/o" 2>"$W/e"
 rc=$?
 [ "$rc" = 0 ] && [ "$(cat "$W/o")" = "$(printf 'line one\nline two')" ] ||
   fail "stdin: rc $rc, out '$(cat "$W/o")' ($(cat "$W/e"))"
-lab_note "stdin forwarded to cat, its end ended it"
+head -c 1048576 /dev/urandom >"$W/mib"
+timeout -s KILL 60 "$LAB_BIN" --socket "$sock" exec x -- busybox sha256sum <"$W/mib" >"$W/o" 2>"$W/e"
+rc=$?
+[ "$rc" = 0 ] && [ "$(cut -d' ' -f1 "$W/o")" = "$(sha256sum <"$W/mib" | cut -d' ' -f1)" ] ||
+  fail "1 MiB of stdin: rc $rc, the guest's sum '$(cat "$W/o")' ($(cat "$W/e"))"
+lab_note "stdin forwarded to cat, its end ended it; 1 MiB of stdin summed alike in the guest"
 
 # 4. env, cwd, user.
 ex x --env A=b --env B='c d' --cwd /tmp --user 65534:65533 -- \
@@ -305,6 +376,84 @@ PY
 rc=$?
 [ "$rc" = 0 ] && grep -qx python-exec-ok "$W/py.out" || fail "the Python client's exec: rc $rc: $(tail -c 1500 "$W/py.out")"
 lab_note "Client.exec from Debian's Python in L1, in the fork children: exit 7 with stdout and stderr apart, 256 KiB of stdin summed in x-f2, x-f1's own mark read as 65534:65533 in /tmp, a 1 s timeout as 137, a missing program raised as InvalidArgument"
+
+# 7d. exec against its floor (issue 37's benchmark; figures, not bounds):
+# in x-f2, the API's exec of `true` (p50 of 20, from Python) beside one
+# request's round trip to the agent on an open vsock connection (a Hello,
+# p50 of 20), a new connection's (connect, CONNECT, Hello; an exec opens
+# several), and the guest's own spawn of `true` (timed inside the guest).
+PYTHONPATH=/lab/python timeout -s KILL 180 python3 - "$sock" >"$W/floor.out" 2>&1 <<'PY'
+import json
+import socket
+import struct
+import sys
+import time
+
+import k7d
+
+k = k7d.Client(sys.argv[1], timeout=60)
+uds = k.info("x-f2")["config"]["devices"]["vsock"]["uds"]
+HELLO = json.dumps({"op": "hello", "args": {"version": 1}}).encode()
+
+
+def p50(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def roundtrip(s):
+    """One request and its answer (a second Hello is answered with an
+    error at once: the agent's least work)."""
+    s.sendall(struct.pack(">I", len(HELLO)) + HELLO)
+    n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+    return s.recv(n, socket.MSG_WAITALL)
+
+
+def hello(s):
+    assert b'"hello"' in roundtrip(s)
+
+
+def connect():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(uds)
+    s.sendall(b"CONNECT 1024\n")
+    line = b""
+    while not line.endswith(b"\n"):
+        line += s.recv(1)
+    assert line.startswith(b"OK "), line
+    hello(s)
+    return s
+
+
+def timed(f, n=20):
+    out = []
+    for _ in range(n):
+        t = time.monotonic()
+        f()
+        out.append((time.monotonic() - t) * 1000)
+    return p50(out)
+
+
+api = timed(lambda: k.exec("x-f2", ["busybox", "true"]))
+s = connect()
+echo = timed(lambda: roundtrip(s))
+s.close()
+conn = timed(lambda: connect().close())
+loop = "a=$(busybox cut -d' ' -f1 /proc/uptime); i=0; while [ $i -lt 50 ]; do /bin/busybox true; i=$((i+1)); done; busybox cut -d' ' -f1 /proc/uptime; echo $a"
+r = k.exec("x-f2", ["busybox", "sh", "-c", loop])
+b, a = (float(x) for x in r.stdout.split())
+spawn = (b - a) * 1000 / 50
+floor = echo + spawn
+print("floor:", json.dumps({"api_true_ms": round(api, 1), "vsock_echo_ms": round(echo, 2), "vsock_connect_ms": round(conn, 2),
+                            "guest_spawn_ms": round(spawn, 2), "api_vs_floor": round(api / floor, 1)}, sort_keys=True))
+PY
+rc=$?
+line=$(sed -n 's/^floor: //p' "$W/floor.out")
+[ "$rc" = 0 ] && [ -n "$line" ] || fail "exec against its floor: rc $rc: $(tail -c 1500 "$W/floor.out")"
+for m in api_true_ms vsock_echo_ms vsock_connect_ms guest_spawn_ms; do
+  lab_metric "k7d_exec.$m" "$(echo "$line" | sed -n "s/.*\"$m\": \([0-9.]*\).*/\1/p")" ms
+done
+lab_metric k7d_exec.api_vs_floor "$(echo "$line" | sed -n 's/.*"api_vs_floor": \([0-9.]*\).*/\1/p')" x
+lab_note "exec against its floor in x-f2 (p50 of 20; issue 37's goal: exec <= 1.5x the floor, an echo on an open vsock connection plus the guest's spawn of true): $line"
 
 # 7b. k7d exec --cluster.
 timeout -s KILL 60 "$LAB_BIN" --socket "$sock" --json fork x >"$W/fork3.json" 2>&1 || fail "fork x (a third child) failed: $(cat "$W/fork3.json")"
@@ -440,6 +589,22 @@ ex r -- busybox cat /tmp/mark
 kc --json info r >"$W/info-r.json" 2>&1 || fail "k7d info r failed: $(cat "$W/info-r.json")"
 [ "$(json_str rng_reseed "$W/info-r.json")" = agent ] || fail "the restored VM: rng_reseed is '$(json_str rng_reseed "$W/info-r.json")', not agent"
 lab_note "restored VM: exec works and sees the source's file; reseeded through its agent"
+
+# 9b. The rollout example (vmm/python/examples/rollout.py) on r, run by
+# Debian's Python in L1: 3 steps of 4 children, each child observing its
+# source's state and its own action only, the best child the next source
+# (a fork of a fork), nothing left after (the example checks each, and
+# fails otherwise).
+PYTHONPATH=/lab/python timeout -s KILL 300 python3 /lab/files/rollout.py --socket "$sock" --source r --steps 3 --children 4 >"$W/rollout.out" 2>&1
+rc=$?
+line=$(sed -n 's/^rollout: //p' "$W/rollout.out")
+[ "$rc" = 0 ] && [ -n "$line" ] || fail "the rollout example: rc $rc: $(tail -c 1500 "$W/rollout.out")"
+echo "$line" | grep -qF '"chosen": ["r-f4", "r-f4-f4", "r-f4-f4-f4"]' && echo "$line" | grep -qF '"final_state": [103, 203, 303]' ||
+  fail "the rollout example's choices or final state: $line"
+for m in fork_to_first_exec exec_in_child exec_on_source; do
+  lab_metric "k7d_rollout.${m}_ms" "$(echo "$line" | sed -n "s/.*\"${m}_ms_p50\": \([0-9.]*\).*/\1/p")" ms
+done
+lab_note "the rollout example on r: 3 steps x 4 children, each child its source's state plus its own action, the best kept as the next source (r-f4, r-f4-f4, r-f4-f4-f4), nothing left; $line"
 kc delete r >/dev/null || fail "delete r failed"
 
 # 10. The agent in a user's image: k7d's pod initramfs alone, the root named

@@ -476,6 +476,16 @@ const SCENARIO_BOUNDS: &[(&str, &str, &str)] = &[
         "ended $exec_end_s s after its VM stopped (limit 5 s)",
         "crashing exec's ctr ended after its VM stopped: 5 s",
     ),
+    (
+        "k7d-exec",
+        "k7d exec --timeout 1 of sleep 30 ended $took s after its start (limit 5 s)",
+        "`k7d exec --timeout 1` of `sleep 30` ended: 5 s",
+    ),
+    (
+        "k7d-exec",
+        "the exec op's timeout_s 1 of sleep 30 ended $took s after its start (limit 5 s)",
+        "the `exec` op's `timeout_s: 1` of `sleep 30` answered: 5 s",
+    ),
 ];
 
 /// A figure of `r`: a metric, or the ratio `a / b` of two.

@@ -27,7 +27,7 @@
 #  3. stdin is forwarded to `cat` and its end ends it; 1 MiB of random
 #     stdin has the same sha256 in the guest;
 #  4. --env, --cwd and --user reach the command (`echo $A $(pwd) uid:gid`);
-#  5. --timeout 1 kills `sleep 30`: exit 137 within 15 s;
+#  5. --timeout 1 kills `sleep 30`: exit 137 within 5 s (a budget);
 #  6. refused with one sentence: a program the guest lacks, a VM without
 #     vsock; nothing of the exec is left in the agent (a second exec works);
 #  6c. the daemon's `exec` op, as `k7d exec --api` (and the Python
@@ -260,7 +260,9 @@ t=$(date +%s)
 ex x --timeout 1 -- busybox sleep 30
 took=$(($(date +%s) - t))
 [ "$rc" = 137 ] || fail "--timeout 1 sleep 30: k7d exec exited $rc ($(cat "$W/e"))"
-[ "$took" -lt 15 ] || fail "--timeout 1 sleep 30 took $took s"
+# A budget (LATENCY_BUDGETS.md): killed and reported 1-2 s after the start
+# (whole seconds), so 5 s.
+[ "$took" -le 5 ] || fail "k7d exec --timeout 1 of sleep 30 ended $took s after its start (limit 5 s)"
 grep -q "ran past --timeout 1 s and was killed" "$W/e" || fail "--timeout: it did not say so: $(cat "$W/e")"
 lab_note "--timeout 1: killed, 137, after $took s"
 
@@ -292,7 +294,8 @@ ex x --api --cwd /tmp --user 65534:65533 --env A=b -- busybox sh -c 'echo "$A|$(
 t=$(date +%s)
 ex x --api --timeout 1 -- busybox sleep 30
 took=$(($(date +%s) - t))
-[ "$rc" = 137 ] && [ "$took" -lt 15 ] && grep -q "ran past its timeout (1 s) and was killed" "$W/e" ||
+[ "$took" -le 5 ] || fail "the exec op's timeout_s 1 of sleep 30 ended $took s after its start (limit 5 s)"
+[ "$rc" = 137 ] && grep -q "ran past its timeout (1 s) and was killed" "$W/e" ||
   fail "exec --api --timeout 1 sleep 30: rc $rc after $took s ($(cat "$W/e"))"
 ex x --api -- no-such-program
 [ "$rc" != 0 ] && grep -q "no-such-program: not found in the VM's PATH" "$W/e" || fail "exec --api, a missing program: rc $rc ($(cat "$W/e"))"

@@ -95,15 +95,8 @@ fn base_name(path: &str) -> Result<String, String> {
 /// `timeout_s`.
 fn exec_args(vm: &str, command: Vec<String>, timeout_s: u64) -> ExecArgs {
     ExecArgs {
-        vm: Some(vm.to_string()),
-        cluster: None,
-        tty: false,
-        api: false,
-        env: Vec::new(),
-        cwd: None,
-        user: None,
         timeout: Some(std::time::Duration::from_secs(timeout_s.max(1))),
-        command,
+        ..ExecArgs::in_vm(vm, command)
     }
 }
 

@@ -88,6 +88,24 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
     }
 }
 
+impl ExecArgs {
+    /// `command` in `vm`, as root in `/` with the agent's PATH, no
+    /// terminal and no timeout (the caller sets what it needs).
+    pub fn in_vm(vm: &str, command: Vec<String>) -> Self {
+        Self {
+            vm: Some(vm.to_string()),
+            cluster: None,
+            tty: false,
+            api: false,
+            env: Vec::new(),
+            cwd: None,
+            user: None,
+            timeout: None,
+            command,
+        }
+    }
+}
+
 /// The OCI `process` object the agent runs.
 pub fn process_spec(a: &ExecArgs) -> serde_json::Value {
     let mut spec = json!({ "args": a.command, "env": a.env });
@@ -353,6 +371,79 @@ fn follow_resizes(vm: &str, uds: &std::path::Path, process: &ProcessRef) {
     }
 }
 
+/// `k7d exec --api`: the command through the daemon's `exec` op; its
+/// output written out as the daemon kept it, its status k7d's own.
+pub fn run_through_daemon(socket: &std::path::Path, vm: &str, a: &ExecArgs) -> Result<ExitCode> {
+    use crate::daemon::api::{ApiError, ExecArgs as ApiExecArgs, MAX_EXEC_STDIN, Reply, Request};
+    use crate::daemon::client::Client;
+    use anyhow::Context as _;
+    use base64::Engine as _;
+    use std::io::IsTerminal;
+    // stdin whole, unless it is a terminal (which would wait for ^D).
+    let stdin = if std::io::stdin().is_terminal() {
+        None
+    } else {
+        let mut b = Vec::new();
+        std::io::stdin()
+            .take(MAX_EXEC_STDIN as u64 + 1)
+            .read_to_end(&mut b)
+            .context("cannot read stdin")?;
+        if b.len() > MAX_EXEC_STDIN {
+            bail!(
+                "k7d exec --api carries at most {MAX_EXEC_STDIN} bytes of stdin (without --api it streams any amount)"
+            );
+        }
+        (!b.is_empty()).then(|| base64::engine::general_purpose::STANDARD.encode(&b))
+    };
+    let args = ApiExecArgs {
+        id: vm.to_string(),
+        command: a.command.clone(),
+        env: a.env.clone(),
+        cwd: a.cwd.clone(),
+        uid: a.user.map(|u| u.0),
+        gid: a.user.map(|u| u.1),
+        stdin,
+        timeout_s: a.timeout.map(|t| t.as_secs_f64()),
+    };
+    // The daemon answers when the command has ended: wait past its timeout.
+    let (timeout, wait) = (args.timeout(), args.timeout() + Duration::from_secs(30));
+    let mut client = Client::connect_with_timeout(socket, wait).map_err(|e: ApiError| anyhow!("{e}"))?;
+    let req = Request::Exec(args);
+    let Reply::Executed(x) = client.request(&req).map_err(|e| anyhow!("{e}"))? else {
+        bail!("the daemon's answer to `exec` is not its result");
+    };
+    let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
+    let (out, err) = (
+        decode(&x.stdout).context("the daemon's stdout is not base64")?,
+        decode(&x.stderr).context("the daemon's stderr is not base64")?,
+    );
+    let _ = std::io::stdout()
+        .write_all(&out)
+        .and_then(|()| std::io::stdout().flush());
+    let _ = std::io::stderr().write_all(&err);
+    let say = |line: String| {
+        let _ = writeln!(std::io::stderr(), "k7d exec: vm {vm}: {line}");
+    };
+    for (name, kept, all) in [
+        ("stdout", out.len(), x.stdout_bytes),
+        ("stderr", err.len(), x.stderr_bytes),
+    ] {
+        if (kept as u64) < all {
+            say(format!("its {name} was {all} bytes; the daemon kept the first {kept}"));
+        }
+    }
+    if let Some(e) = &x.error {
+        say(e.clone());
+    }
+    if x.timed_out {
+        say(format!(
+            "the command ran past its timeout ({} s) and was killed",
+            timeout.as_secs_f64()
+        ));
+    }
+    Ok(ExitCode::from(x.status))
+}
+
 /// k7d's own terminal (its stdin) in raw mode: keys go to the guest's pty
 /// as typed (^C is the guest's to interpret), and the guest's pty does the
 /// echo and line endings. Put back as it was when dropped.
@@ -524,14 +615,17 @@ fn attach_and_run(
     // A command on a terminal has no stderr of its own (the pty is both).
     let stderr = if tty { None } else { Some(attach(Stream::Stderr)?) };
     // Kept to cut the output streams off after the drain (below).
-    let held: Vec<std::os::unix::net::UnixStream> = std::iter::once(&stdout)
-        .chain(stderr.as_ref())
-        .filter_map(|s| s.try_clone().ok())
-        .collect();
     let stdin = match streams.stdin {
         Some(from) => Some((from, attach(Stream::Stdin)?)),
         None => None,
     };
+    // stdin's too: a command that never reads it leaves its pump blocked on
+    // a full socket (in the daemon's `exec`, a thread per such exec).
+    let held: Vec<std::os::unix::net::UnixStream> = std::iter::once(&stdout)
+        .chain(stderr.as_ref())
+        .chain(stdin.as_ref().map(|(_, s)| s))
+        .filter_map(|s| s.try_clone().ok())
+        .collect();
     let mut waiter = connect()?;
     waiter.set_timeout(None)?;
     let (done_tx, done_rx) = mpsc::channel();
@@ -634,6 +728,40 @@ fn attach_and_run(
     })
 }
 
+/// A VM's vsock socket with a guest agent behind it, for tests: it takes
+/// `CONNECT <port>` as the VMM's socket does and greets as the agent does
+/// (`Hello`); every other request is answered by `answer`.
+#[cfg(test)]
+pub(crate) fn fake_agent(
+    uds: &std::path::Path,
+    answer: impl Fn(Request) -> k7d_agent::proto::Response + Send + 'static,
+) {
+    use k7d_agent::proto::Response;
+    use std::io::BufRead;
+    let l = std::os::unix::net::UnixListener::bind(uds).unwrap();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let mut s = s.unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(s.try_clone().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            assert_eq!(line, format!("CONNECT {}\n", proto::PORT));
+            s.write_all(b"OK 1073741824\n").unwrap();
+            while let Ok(req) = proto::read_frame::<_, Request>(&mut s) {
+                let resp = match req {
+                    Request::Hello { version } => Response::Ok(Reply::Hello {
+                        version,
+                        kernel: "6.1.0-57-cloud-amd64".into(),
+                    }),
+                    other => answer(other),
+                };
+                proto::write_frame(&mut s, &resp).unwrap();
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -670,53 +798,12 @@ mod tests {
         assert!(exec_id().len() <= 76 && proto::valid_id(&exec_id()));
     }
 
-    /// A VM's vsock socket with an agent behind it that greets and refuses
-    /// every exec in its own words.
-    fn refusing_agent(uds: &std::path::Path) {
-        use k7d_agent::proto::Response;
-        use std::io::BufRead;
-        let l = std::os::unix::net::UnixListener::bind(uds).unwrap();
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let mut s = s.unwrap();
-                let mut line = String::new();
-                std::io::BufReader::new(s.try_clone().unwrap())
-                    .read_line(&mut line)
-                    .unwrap();
-                s.write_all(b"OK 1073741824\n").unwrap();
-                while let Ok(req) = proto::read_frame::<_, Request>(&mut s) {
-                    let resp = match req {
-                        Request::Hello { version } => Response::Ok(Reply::Hello {
-                            version,
-                            kernel: "6.1.0-57-cloud-amd64".into(),
-                        }),
-                        _ => Response::Err {
-                            message: "nope: not found in the VM's PATH /bin".into(),
-                            not_found: false,
-                        },
-                    };
-                    proto::write_frame(&mut s, &resp).unwrap();
-                }
-            }
-        });
-    }
-
     #[test]
     fn why_a_command_did_not_run_is_told_apart() {
         let dir = std::env::temp_dir().join(format!("k7d-execcli-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let a = ExecArgs {
-            vm: Some("v".into()),
-            cluster: None,
-            tty: false,
-            api: false,
-            env: Vec::new(),
-            cwd: None,
-            user: None,
-            timeout: None,
-            command: vec!["nope".into()],
-        };
+        let a = ExecArgs::in_vm("v", vec!["nope".into()]);
         let streams = || Streams::piped(Box::new(std::io::sink()), Box::new(std::io::sink()), None);
         let e = run_outcome("v", dir.join("none.sock"), &a, streams()).unwrap_err();
         assert!(
@@ -724,7 +811,10 @@ mod tests {
             "{e:#}"
         );
         let uds = dir.join("v.sock");
-        refusing_agent(&uds);
+        fake_agent(&uds, |_| k7d_agent::proto::Response::Err {
+            message: "nope: not found in the VM's PATH /bin".into(),
+            not_found: false,
+        });
         let e = run_outcome("v", uds, &a, streams()).unwrap_err();
         assert!(
             matches!(e.downcast_ref::<NotRun>(), Some(NotRun::Refused(m)) if m.starts_with("vm v refused the exec: ") && m.contains("not found in the VM's PATH")),

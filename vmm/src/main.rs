@@ -828,78 +828,6 @@ fn exec_socket(client: &mut Client, id: &str) -> Result<std::path::PathBuf> {
     }
 }
 
-/// `k7d exec --api`: the command through the daemon's `exec` op; its
-/// output written out as the daemon kept it, its status k7d's own.
-#[cfg(feature = "shim")]
-fn exec_through_daemon(socket: &std::path::Path, vm: &str, a: &k7d_vmm::execcli::ExecArgs) -> Result<ExitCode> {
-    use base64::Engine as _;
-    use k7d_vmm::daemon::api::{ExecArgs, MAX_EXEC_STDIN};
-    use std::io::{IsTerminal, Read, Write};
-    // stdin whole, unless it is a terminal (which would wait for ^D).
-    let stdin = if std::io::stdin().is_terminal() {
-        None
-    } else {
-        let mut b = Vec::new();
-        std::io::stdin()
-            .take(MAX_EXEC_STDIN as u64 + 1)
-            .read_to_end(&mut b)
-            .context("cannot read stdin")?;
-        if b.len() > MAX_EXEC_STDIN {
-            anyhow::bail!(
-                "k7d exec --api carries at most {MAX_EXEC_STDIN} bytes of stdin (without --api it streams any amount)"
-            );
-        }
-        (!b.is_empty()).then(|| base64::engine::general_purpose::STANDARD.encode(&b))
-    };
-    let args = ExecArgs {
-        id: vm.to_string(),
-        command: a.command.clone(),
-        env: a.env.clone(),
-        cwd: a.cwd.clone(),
-        uid: a.user.map(|u| u.0),
-        gid: a.user.map(|u| u.1),
-        stdin,
-        timeout_s: a.timeout.map(|t| t.as_secs_f64()),
-    };
-    // The daemon answers when the command has ended: wait past its timeout.
-    let (timeout, wait) = (args.timeout(), args.timeout() + Duration::from_secs(30));
-    let mut client = Client::connect_with_timeout(socket, wait).map_err(|e: ApiError| anyhow!("{e}"))?;
-    let req = Request::Exec(args);
-    let Reply::Executed(x) = client.request(&req).map_err(|e| anyhow!("{e}"))? else {
-        anyhow::bail!("the daemon's answer to `exec` is not its result");
-    };
-    let decode = |s: &str| base64::engine::general_purpose::STANDARD.decode(s);
-    let (out, err) = (
-        decode(&x.stdout).context("the daemon's stdout is not base64")?,
-        decode(&x.stderr).context("the daemon's stderr is not base64")?,
-    );
-    let _ = std::io::stdout()
-        .write_all(&out)
-        .and_then(|()| std::io::stdout().flush());
-    let _ = std::io::stderr().write_all(&err);
-    let say = |line: String| {
-        let _ = writeln!(std::io::stderr(), "k7d exec: vm {vm}: {line}");
-    };
-    for (name, kept, all) in [
-        ("stdout", out.len(), x.stdout_bytes),
-        ("stderr", err.len(), x.stderr_bytes),
-    ] {
-        if (kept as u64) < all {
-            say(format!("its {name} was {all} bytes; the daemon kept the first {kept}"));
-        }
-    }
-    if let Some(e) = &x.error {
-        say(e.clone());
-    }
-    if x.timed_out {
-        say(format!(
-            "the command ran past its timeout ({} s) and was killed",
-            timeout.as_secs_f64()
-        ));
-    }
-    Ok(ExitCode::from(x.status))
-}
-
 fn init_logs(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("K7D_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
@@ -1163,7 +1091,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
             let vm = a.vm.as_deref().context("k7d exec needs a VM or --cluster")?;
             if a.api {
                 drop(client);
-                return exec_through_daemon(&cli.socket, vm, &a);
+                return k7d_vmm::execcli::run_through_daemon(&cli.socket, vm, &a);
             }
             let uds = exec_socket(&mut client, vm)?;
             k7d_vmm::execcli::run(vm, uds, &a)

@@ -281,8 +281,7 @@ fn reseed(_: &std::path::Path) -> Result<(), String> {
 mod tests {
     use super::*;
     use crate::daemon::api::ForkedChild;
-    use k7d_agent::proto::{self, Reply, Request, Response};
-    use std::io::{BufRead, Write};
+    use k7d_agent::proto::{Reply, Request, Response};
     use std::os::unix::net::UnixListener;
     use std::sync::mpsc;
 
@@ -291,33 +290,15 @@ mod tests {
     /// to `got`) answered `Done`, or refused when `refuse`.
     fn agent(dir: &std::path::Path, name: &str, refuse: bool, got: mpsc::Sender<Vec<u8>>) -> PathBuf {
         let uds = dir.join(name);
-        let l = UnixListener::bind(&uds).unwrap();
-        std::thread::spawn(move || {
-            for s in l.incoming() {
-                let mut s = s.unwrap();
-                let mut r = std::io::BufReader::new(s.try_clone().unwrap());
-                let mut line = String::new();
-                r.read_line(&mut line).unwrap();
-                assert_eq!(line, format!("CONNECT {}\n", proto::PORT));
-                s.write_all(b"OK 1073741824\n").unwrap();
-                while let Ok(req) = proto::read_frame::<_, Request>(&mut s) {
-                    let resp = match req {
-                        Request::Hello { version } => Response::Ok(Reply::Hello {
-                            version,
-                            kernel: "6.1.0-57-cloud-amd64".into(),
-                        }),
-                        Request::Reseed { entropy } if !refuse => {
-                            got.send(entropy).unwrap();
-                            Response::Ok(Reply::Done)
-                        }
-                        other => Response::Err {
-                            message: format!("not this one: {other:?}"),
-                            not_found: false,
-                        },
-                    };
-                    proto::write_frame(&mut s, &resp).unwrap();
-                }
+        crate::execcli::fake_agent(&uds, move |req| match req {
+            Request::Reseed { entropy } if !refuse => {
+                got.send(entropy).unwrap();
+                Response::Ok(Reply::Done)
             }
+            other => Response::Err {
+                message: format!("not this one: {other:?}"),
+                not_found: false,
+            },
         });
         uds
     }

@@ -105,15 +105,11 @@ pub(super) fn run(daemon: &Daemon, a: &ExecArgs) -> Result<Executed, ApiError> {
         stdin.map(|b| Box::new(std::io::Cursor::new(b)) as Box<dyn std::io::Read + Send>),
     );
     let args = crate::execcli::ExecArgs {
-        vm: Some(a.id.clone()),
-        cluster: None,
-        tty: false,
-        api: false,
         env: a.env.clone(),
         cwd: a.cwd.clone(),
         user: a.uid.map(|u| (u, a.gid.unwrap_or(u))),
         timeout: Some(a.timeout()),
-        command: a.command.clone(),
+        ..crate::execcli::ExecArgs::in_vm(&a.id, a.command.clone())
     };
     let outcome = crate::execcli::run_outcome(&a.id, vsock.uds.clone(), &args, streams).map_err(|e| {
         let code = match e.downcast_ref::<crate::execcli::NotRun>() {

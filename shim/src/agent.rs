@@ -165,6 +165,57 @@ impl Conn {
         }
     }
 
+    /// Runs a command in the VM itself on this connection (`Request::Run`):
+    /// each chunk of its output to `output` as it comes (which answers
+    /// false to give the run up: the connection is then dropped, and the
+    /// agent kills the command), then how it ended. The connection is in
+    /// step after an `Ok` or a `Refused` (it may be kept for the next
+    /// call), not after a `Lost`. The caller sets the connection's timeout
+    /// past the run's own.
+    pub fn run(
+        &mut self,
+        run: &proto::Run,
+        output: &mut dyn FnMut(proto::Stream, &[u8]) -> bool,
+    ) -> Result<proto::Ran, CallError> {
+        proto::write_frame(&mut self.stream, &Request::Run(run.clone())).map_err(|e| self.lost(e))?;
+        loop {
+            match proto::read_frame::<_, Response>(&mut self.stream).map_err(|e| self.lost(e))? {
+                Response::Ok(Reply::Output { stream, data }) => {
+                    if !output(stream, &data.0) {
+                        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+                        return Err(CallError::Lost("its output is no longer read".into()));
+                    }
+                }
+                Response::Ok(Reply::Ran(ran)) => return Ok(ran),
+                Response::Ok(other) => {
+                    return Err(CallError::Lost(format!(
+                        "the guest agent answered a run with {other:?}"
+                    )));
+                }
+                Response::Err { message, not_found } => return Err(CallError::Refused { message, not_found }),
+            }
+        }
+    }
+
+    /// Whether the connection is still open with nothing unread: one kept
+    /// idle is worth reusing only then (the VM may have been stopped, or
+    /// forked and restored, which closes its vsock connections).
+    pub fn idle_and_open(&self) -> bool {
+        use std::os::fd::AsRawFd;
+        let mut b = [0u8; 1];
+        // SAFETY: a valid buffer of one byte on an open socket; MSG_PEEK
+        // leaves the byte unread and MSG_DONTWAIT never blocks.
+        let n = unsafe {
+            libc::recv(
+                self.stream.as_raw_fd(),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock
+    }
+
     /// Sets how long a call may wait for its answer (`None`: forever, for `Wait`).
     pub fn set_timeout(&self, t: Option<Duration>) -> std::io::Result<()> {
         self.stream.set_read_timeout(t)

@@ -404,6 +404,7 @@ pub fn run_through_daemon(socket: &std::path::Path, vm: &str, a: &ExecArgs) -> R
         gid: a.user.map(|u| u.1),
         stdin,
         timeout_s: a.timeout.map(|t| t.as_secs_f64()),
+        stream: false,
     };
     // The daemon answers when the command has ended: wait past its timeout.
     let (timeout, wait) = (args.timeout(), args.timeout() + Duration::from_secs(30));
@@ -736,6 +737,16 @@ pub(crate) fn fake_agent(
     uds: &std::path::Path,
     answer: impl Fn(Request) -> k7d_agent::proto::Response + Send + 'static,
 ) {
+    fake_agent_frames(uds, move |req| vec![answer(req)]);
+}
+
+/// [`fake_agent`] whose answer to a request may be several frames (a
+/// `Run`'s output, then its end).
+#[cfg(test)]
+pub(crate) fn fake_agent_frames(
+    uds: &std::path::Path,
+    answer: impl Fn(Request) -> Vec<k7d_agent::proto::Response> + Send + 'static,
+) {
     use k7d_agent::proto::Response;
     use std::io::BufRead;
     let l = std::os::unix::net::UnixListener::bind(uds).unwrap();
@@ -749,14 +760,16 @@ pub(crate) fn fake_agent(
             assert_eq!(line, format!("CONNECT {}\n", proto::PORT));
             s.write_all(b"OK 1073741824\n").unwrap();
             while let Ok(req) = proto::read_frame::<_, Request>(&mut s) {
-                let resp = match req {
-                    Request::Hello { version } => Response::Ok(Reply::Hello {
+                let frames = match req {
+                    Request::Hello { version } => vec![Response::Ok(Reply::Hello {
                         version,
                         kernel: "6.1.0-57-cloud-amd64".into(),
-                    }),
+                    })],
                     other => answer(other),
                 };
-                proto::write_frame(&mut s, &resp).unwrap();
+                for f in frames {
+                    proto::write_frame(&mut s, &f).unwrap();
+                }
             }
         }
     });

@@ -518,6 +518,11 @@ impl Containers {
         Ok((c, p))
     }
 
+    /// The reaper every child of the agent's is collected by.
+    pub fn reaper(&self) -> &Reaper {
+        &self.reaper
+    }
+
     /// `CreateContainer`: mounts the rootfs, writes the bundle, `runc create`.
     pub fn create(&self, req: CreateContainer) -> Result<u32> {
         let CreateContainer {

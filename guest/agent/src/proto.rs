@@ -14,6 +14,13 @@
 //! closes the process's stdin), or its stdout/stderr (agent → shim; EOF when
 //! the process and every holder of the pipe closed it).
 //!
+//! [`Request::Run`] runs a command in the VM itself and answers on its own
+//! connection with a sequence of frames: [`Reply::Output`] chunks of its
+//! stdout and stderr as they come, then one [`Reply::Ran`] (or an error
+//! frame, when it was refused before it started). The connection is then
+//! back in step for the next request: a client that keeps one open (the
+//! daemon's `exec`) pays one round trip per command.
+//!
 //! Why JSON frames rather than ttrpc (Kata's choice): both ends are ours
 //! and in one repository, the OCI spec is already JSON, no protobuf code
 //! generation is needed on either side, and a frame is readable in a log.
@@ -315,6 +322,71 @@ pub struct Exec {
     pub stdio: StdioSpec,
 }
 
+/// The most stdin a [`Run`] carries (sent whole in its request frame).
+pub const MAX_RUN_STDIN: usize = 512 << 10;
+/// The most output one [`Reply::Output`] frame carries.
+pub const RUN_CHUNK: usize = 64 << 10;
+/// The longest a [`Run`]'s command may run, in milliseconds (a day).
+pub const MAX_RUN_TIMEOUT_MS: u64 = 86_400_000;
+
+/// Bytes, as base64 in a frame (a JSON array of numbers would take up to
+/// four times the room).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Bytes(pub Vec<u8>);
+
+impl Serialize for Bytes {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use base64::Engine as _;
+        s.serialize_str(&base64::engine::general_purpose::STANDARD.encode(&self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for Bytes {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use base64::Engine as _;
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        base64::engine::general_purpose::STANDARD
+            .decode(s.as_bytes())
+            .map(Bytes)
+            .map_err(|e| serde::de::Error::custom(format!("not base64: {e}")))
+    }
+}
+
+/// `run`'s arguments: a command in the VM itself ([`THE_VM`]), run and
+/// answered on this connection (see the module documentation).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Run {
+    /// The OCI `process` object (args, env, cwd, user; no terminal).
+    pub spec: serde_json::Value,
+    /// Its whole stdin (at most [`MAX_RUN_STDIN`]); empty: `/dev/null`.
+    #[serde(default)]
+    pub stdin: Bytes,
+    /// Killed (SIGKILL, status 137) past this many milliseconds
+    /// (1..=[`MAX_RUN_TIMEOUT_MS`]).
+    pub timeout_ms: u64,
+    /// The most bytes of stdout, and of stderr, sent back; the rest is read
+    /// (the command never blocks on a full pipe) and counted.
+    pub max_output: u64,
+}
+
+/// How a [`Run`]'s command ended: the last frame of its answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Ran {
+    /// Its exit status (128 + N for a signal N; 127 when it did not start).
+    pub status: u32,
+    /// It ran past its timeout and was killed.
+    pub timed_out: bool,
+    /// Why it did not start, when it did not (status 127).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// How many bytes it wrote to stdout (sent back up to `max_output`).
+    pub stdout_bytes: u64,
+    /// How many bytes it wrote to stderr.
+    pub stderr_bytes: u64,
+}
+
 /// Which stdio stream an [`Request::Attach`] connection carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -406,6 +478,9 @@ pub enum Request {
         /// The entropy.
         entropy: Vec<u8>,
     },
+    /// Run a command in the VM itself and answer with its output and its
+    /// end on this connection (see the module documentation).
+    Run(Run),
     /// This connection becomes one stdio stream of the process.
     Attach {
         /// The process.
@@ -496,6 +571,15 @@ pub enum Reply {
     Pids(Vec<u32>),
     /// Statistics.
     Stats(CgroupStats),
+    /// A chunk of a [`Request::Run`]'s output (at most [`RUN_CHUNK`]).
+    Output {
+        /// Stdout or stderr.
+        stream: Stream,
+        /// The bytes.
+        data: Bytes,
+    },
+    /// A [`Request::Run`]'s end: its last frame.
+    Ran(Ran),
 }
 
 /// The answer to one request.

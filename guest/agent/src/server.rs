@@ -148,6 +148,14 @@ pub fn handle(mut conn: UnixStream, agent: &Containers) {
                 return;
             }
         };
+        if let Request::Run(run) = req {
+            // Its frames on this connection; back in step after, unless the
+            // connection failed.
+            if crate::vmrun::serve(&mut conn, agent.reaper(), run).is_err() {
+                return;
+            }
+            continue;
+        }
         if let Request::Attach { process, stream } = req {
             match agent.attach(&process, stream) {
                 Ok(attach) => {
@@ -179,8 +187,8 @@ pub fn dispatch(agent: &Containers, req: Request) -> Response {
             message: "hello was already said".into(),
             not_found: false,
         }),
-        Request::Attach { .. } => Err(Error {
-            message: "attach is handled by the connection".into(),
+        Request::Attach { .. } | Request::Run(_) => Err(Error {
+            message: "attach and run are handled by the connection".into(),
             not_found: false,
         }),
         Request::CreateContainer(c) => agent.create(c).map(Reply::Pid),

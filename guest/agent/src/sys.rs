@@ -1,7 +1,7 @@
 //! Thin, checked wrappers over the Linux system calls the agent needs that
 //! std does not offer: mounts, chroot, hostname, kernel release, signals, device
 //! nodes, terminal size, fd passing, module loading, vsock sockets, an IPC
-//! namespace for a child.
+//! namespace for a child, non-blocking descriptors and `poll`.
 
 use std::ffi::{CString, OsStr};
 use std::fs::File;
@@ -104,6 +104,21 @@ pub fn as_user_in_new_session(cmd: &mut std::process::Command, uid: u32, gid: u3
             }
             Ok(())
         });
+    }
+}
+
+/// Whether this process runs as `uid`:`gid` (real and effective) with no
+/// supplementary groups: what [`as_user_in_new_session`] would make of a
+/// child, so a child needs no hook to be it.
+pub fn runs_as(uid: u32, gid: u32) -> bool {
+    // SAFETY: these take no arguments (getgroups with a zero size and a
+    // null list only counts) and cannot fail.
+    unsafe {
+        libc::getuid() == uid
+            && libc::geteuid() == uid
+            && libc::getgid() == gid
+            && libc::getegid() == gid
+            && libc::getgroups(0, std::ptr::null_mut()) == 0
     }
 }
 
@@ -439,6 +454,27 @@ pub fn pause_until_terminated() -> ! {
         }
         // SAFETY: a null status pointer is allowed; WNOHANG never blocks.
         while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+    }
+}
+
+/// Sets `O_NONBLOCK` on `fd`.
+pub fn set_nonblocking(fd: &impl AsRawFd) -> io::Result<()> {
+    // SAFETY: F_GETFL on an open fd takes no argument.
+    let flags = check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) })?;
+    // SAFETY: F_SETFL on an open fd takes the flags as an integer.
+    check(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) })?;
+    Ok(())
+}
+
+/// `poll(2)` on `fds` for at most `timeout` (rounded up to a millisecond);
+/// how many have events. EINTR counts as none.
+pub fn poll(fds: &mut [libc::pollfd], timeout: std::time::Duration) -> io::Result<usize> {
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+    // SAFETY: `fds` is a valid, writable array of `fds.len()` pollfds.
+    match check(unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) }) {
+        Ok(n) => Ok(n as usize),
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => Ok(0),
+        Err(e) => Err(e),
     }
 }
 

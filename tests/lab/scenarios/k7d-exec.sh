@@ -46,12 +46,19 @@
 #      with the k7d client: Client.exec in x-f1 and x-f2 (exit 7 with the
 #      streams apart, 256 KiB of stdin summed in the guest, a child's own
 #      file read as 65534:65533 in a given cwd, a 1 s timeout as 137 and
-#      timed_out, a missing program raised as InvalidArgument);
+#      timed_out, a missing program raised as InvalidArgument); streamed
+#      with on_output (the first chunk before the command ends, 5 MiB past
+#      the buffered bound whole, stderr apart); and
+#      Client.copy_to/copy_from in x-f2: a tree (1 MiB 751 1234:5678, a
+#      symlink: sliced through the guest's /tmp) in and back alike, 4 MiB
+#      back in slices, a copy past max_size refused, nothing left;
 #  7d. exec against its floor (issue 37's benchmark, figures only): the
-#      API's exec of `true` (p50 of 20) beside a request's round trip to the
-#      agent on an open vsock connection, a new connection's, and the
-#      guest's own spawn of `true` (k7d_exec.api_true_ms, .vsock_echo_ms,
-#      .vsock_connect_ms, .guest_spawn_ms, .api_vs_floor);
+#      API's exec of `true` (p50 of 20; the daemon's part of it; the
+#      agent's `run` of it on an open connection) beside a request's round
+#      trip to the agent on an open vsock connection, a new connection's,
+#      and the guest's own spawn of `true` (k7d_exec.api_true_ms,
+#      .daemon_exec_ms, .agent_run_ms, .vsock_echo_ms, .vsock_connect_ms,
+#      .guest_spawn_ms, .api_vs_floor);
 #  7b. `k7d exec --cluster`: x-f1, x-f2 and a third child form cluster cl,
 #     `fork cl` makes cluster cl-f1 (3 children, each reseeded through its
 #     agent, no warning); `exec --cluster cl-f1 -- cat /tmp/mark` answers 3
@@ -374,14 +381,70 @@ try:
     raise SystemExit("a missing program ran")
 except k7d.InvalidArgument as e:
     assert "not found in the VM's PATH" in str(e), e
+# Streamed (on_output): each chunk as it comes, the first before the
+# command's end, 5 MiB (past the buffered 4 MiB bound) whole.
+import time
+
+chunks = []
+t0 = time.monotonic()
+r = k.exec(
+    "x-f2",
+    ["sh", "-c", "echo first; sleep 2; echo err >&2; dd if=/dev/zero bs=1048576 count=5 2>/dev/null"],
+    on_output=lambda stream, data: chunks.append((stream, data, time.monotonic() - t0)),
+)
+total = time.monotonic() - t0
+assert (r.status, r.stdout, r.stderr, r.truncated) == (0, b"", b"", False), r
+assert b"".join(d for s, d, _ in chunks if s == "stdout") == b"first\n" + bytes(5 << 20)
+assert b"".join(d for s, d, _ in chunks if s == "stderr") == b"err\n"
+assert chunks[0][1].startswith(b"first") and chunks[0][2] < total - 1.5, (chunks[0][2], total)
+# Files both ways (Client.copy_to, Client.copy_from): a tree whose 1 MiB
+# file is more than one exec's stdin (sliced through the guest's /tmp),
+# 4 MiB back (more than one exec's output: sliced), a copy past max_size.
+import os
+import tempfile
+
+work = tempfile.mkdtemp(prefix="k7d-pycp.", dir="/tmp")
+tree = os.path.join(work, "tree")
+os.makedirs(os.path.join(tree, "sub"))
+blob = os.urandom(1 << 20)
+with open(os.path.join(tree, "sub", "rand.bin"), "wb") as f:
+    f.write(blob)
+os.chmod(os.path.join(tree, "sub", "rand.bin"), 0o751)
+os.chown(os.path.join(tree, "sub", "rand.bin"), 1234, 5678)
+os.symlink("sub/rand.bin", os.path.join(tree, "link"))
+want = hashlib.sha256(blob).hexdigest().encode()
+k.copy_to("x-f2", tree, "/tmp/")
+r = k.exec("x-f2", ["sh", "-c", "cd /tmp/tree && sha256sum <sub/rand.bin | cut -d' ' -f1 && stat -c '%a %u:%g' sub/rand.bin && readlink link"])
+assert r.status == 0 and r.stdout.split(b"\n")[:3] == [want, b"751 1234:5678", b"sub/rand.bin"], r
+back = os.path.join(work, "back")
+os.mkdir(back)
+k.copy_from("x-f2", "/tmp/tree", back)
+got = os.path.join(back, "tree", "sub", "rand.bin")
+st = os.stat(got)
+with open(got, "rb") as f:
+    assert hashlib.sha256(f.read()).hexdigest().encode() == want
+assert (st.st_mode & 0o7777, st.st_uid, st.st_gid) == (0o751, 1234, 5678), st
+assert os.readlink(os.path.join(back, "tree", "link")) == "sub/rand.bin"
+k.copy_from("x-f2", "/tmp/big", back)
+assert os.path.getsize(os.path.join(back, "big")) == 4 << 20
+try:
+    k.copy_from("x-f2", "/tmp/big", os.path.join(back, "big2"), max_size=1 << 20)
+    raise SystemExit("a copy past max_size was taken")
+except k7d.CopyRefused as e:
+    assert "larger than 1048576 bytes" in str(e), e
+assert sorted(os.listdir(back)) == ["big", "tree"], os.listdir(back)
+r = k.exec("x-f2", ["sh", "-c", "ls -a /tmp | grep -c '^.k7d-cp' || true"])
+assert r.stdout.strip() == b"0", r
 print("python-exec-ok")
 PY
 rc=$?
 [ "$rc" = 0 ] && grep -qx python-exec-ok "$W/py.out" || fail "the Python client's exec: rc $rc: $(tail -c 1500 "$W/py.out")"
-lab_note "Client.exec from Debian's Python in L1, in the fork children: exit 7 with stdout and stderr apart, 256 KiB of stdin summed in x-f2, x-f1's own mark read as 65534:65533 in /tmp, a 1 s timeout as 137, a missing program raised as InvalidArgument"
+lab_note "Client.exec from Debian's Python in L1, in the fork children: exit 7 with stdout and stderr apart, 256 KiB of stdin summed in x-f2, x-f1's own mark read as 65534:65533 in /tmp, a 1 s timeout as 137, a missing program raised as InvalidArgument; streamed (on_output): the first chunk before the end, 5 MiB whole, stderr apart; Client.copy_to and copy_from: a tree (1 MiB 751 1234:5678, a symlink) in and back with its sum, mode, owner and link, 4 MiB back in slices, past max_size refused, nothing left either side"
 
 # 7d. exec against its floor (issue 37's benchmark; figures, not bounds):
-# in x-f2, the API's exec of `true` (p50 of 20, from Python) beside one
+# in x-f2, the API's exec of `true` (p50 of 20, from Python; and the
+# daemon's own time for it, its `exec_ms`; and the agent's `run` of it on
+# an open vsock connection, the part of it in the guest) beside one
 # request's round trip to the agent on an open vsock connection (a Hello,
 # p50 of 20), a new connection's (connect, CONNECT, Hello; an exec opens
 # several), and the guest's own spawn of `true` (timed inside the guest).
@@ -436,9 +499,35 @@ def timed(f, n=20):
     return p50(out)
 
 
-api = timed(lambda: k.exec("x-f2", ["busybox", "true"]))
+RUN = json.dumps({"op": "run", "args": {"spec": {"args": ["busybox", "true"]}, "timeout_ms": 60000, "max_output": 4096}}).encode()
+
+
+def run(s):
+    """The agent's `run` of `true` on an open connection: frames up to its end."""
+    s.sendall(struct.pack(">I", len(RUN)) + RUN)
+    while True:
+        n = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))[0]
+        frame = json.loads(s.recv(n, socket.MSG_WAITALL))
+        assert "ok" in frame, frame
+        if frame["ok"]["kind"] == "ran":
+            assert frame["ok"]["value"]["status"] == 0, frame
+            return
+
+
+daemon_ms = []
+
+
+def api_exec():
+    r = k.exec("x-f2", ["busybox", "true"])
+    assert r.status == 0, r
+    daemon_ms.append(r.exec_ms)
+
+
+api = timed(api_exec)
+daemon = p50(daemon_ms)
 s = connect()
 echo = timed(lambda: roundtrip(s))
+agent_run = timed(lambda: run(s))
 s.close()
 conn = timed(lambda: connect().close())
 loop = "a=$(busybox cut -d' ' -f1 /proc/uptime); i=0; while [ $i -lt 50 ]; do /bin/busybox true; i=$((i+1)); done; busybox cut -d' ' -f1 /proc/uptime; echo $a"
@@ -446,13 +535,14 @@ r = k.exec("x-f2", ["busybox", "sh", "-c", loop])
 b, a = (float(x) for x in r.stdout.split())
 spawn = (b - a) * 1000 / 50
 floor = echo + spawn
-print("floor:", json.dumps({"api_true_ms": round(api, 1), "vsock_echo_ms": round(echo, 2), "vsock_connect_ms": round(conn, 2),
-                            "guest_spawn_ms": round(spawn, 2), "api_vs_floor": round(api / floor, 1)}, sort_keys=True))
+print("floor:", json.dumps({"api_true_ms": round(api, 1), "daemon_exec_ms": round(daemon, 2), "agent_run_ms": round(agent_run, 2),
+                            "vsock_echo_ms": round(echo, 2), "vsock_connect_ms": round(conn, 2),
+                            "guest_spawn_ms": round(spawn, 2), "api_vs_floor": round(api / floor, 2)}, sort_keys=True))
 PY
 rc=$?
 line=$(sed -n 's/^floor: //p' "$W/floor.out")
 [ "$rc" = 0 ] && [ -n "$line" ] || fail "exec against its floor: rc $rc: $(tail -c 1500 "$W/floor.out")"
-for m in api_true_ms vsock_echo_ms vsock_connect_ms guest_spawn_ms; do
+for m in api_true_ms daemon_exec_ms agent_run_ms vsock_echo_ms vsock_connect_ms guest_spawn_ms; do
   lab_metric "k7d_exec.$m" "$(echo "$line" | sed -n "s/.*\"$m\": \([0-9.]*\).*/\1/p")" ms
 done
 lab_metric k7d_exec.api_vs_floor "$(echo "$line" | sed -n 's/.*"api_vs_floor": \([0-9.]*\).*/\1/p')" x

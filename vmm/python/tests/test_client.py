@@ -128,6 +128,40 @@ def test_exec_refuses_what_cannot_run_with_the_daemons_sentence(daemon: Client) 
         assert str(e.value) == "vm plain is paused: a command runs only in a running VM"
         k.resume("plain")
         assert grows(k, "plain")
+        # Streamed: refused alike, before any output.
+        seen: list = []
+        with pytest.raises(k7d.InvalidArgument) as e:
+            k.exec("plain", ["true"], on_output=lambda s, b: seen.append((s, b)))
+        assert "has no vsock device" in str(e.value) and seen == []
+
+
+def test_a_thread_keeps_its_connection_and_a_closed_one_is_replaced(daemon: Client) -> None:
+    """Calls reuse the calling thread's connection (no connect per call);
+    another thread has its own; one the daemon closed (a restart, its idle
+    timeout) is replaced before anything is sent on it."""
+    import socket
+    import threading
+
+    k = Client(daemon.socket_path)
+    k.version()
+    first = k._local.conn
+    for _ in range(5):
+        k.list()
+    assert k._local.conn is first, "a new connection per call"
+    other: list = []
+    t = threading.Thread(target=lambda: (k.version(), other.append(k._local.conn)))
+    t.start()
+    t.join()
+    assert other and other[0] is not first
+    # The daemon's side goes: the next call makes another, and answers.
+    first.sock.shutdown(socket.SHUT_RDWR)
+    assert k.version()["api_version"] == 1
+    assert k._local.conn is not first
+    k.close()
+    assert k._local.conn is None
+    with Client(daemon.socket_path) as c:
+        c.version()
+    assert c._local.conn is None, "the block's end closes it"
 
 
 def test_no_daemon_is_one_exception(tmp_path: Path) -> None:

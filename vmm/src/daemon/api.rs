@@ -136,9 +136,20 @@ pub struct ExecArgs {
     /// [`MAX_EXEC_TIMEOUT_S`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_s: Option<f64>,
+    /// Stream the output: before the answer, one line
+    /// `{"output":{"stream":"stdout"|"stderr","data":BASE64}}` per chunk as
+    /// it comes, all of it; the answer's `stdout` and `stderr` are then
+    /// empty (their byte counts still count).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
 }
 
 impl ExecArgs {
+    /// Its arguments checked, before any guest sees them.
+    pub fn validate(&self) -> Result<(), ApiError> {
+        validate_exec(self).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e))
+    }
+
     /// The timeout this exec runs under.
     pub fn timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.timeout_s.unwrap_or(DEFAULT_EXEC_TIMEOUT_S))
@@ -458,7 +469,7 @@ impl Request {
                 }
                 Ok(())
             }
-            Self::Exec(a) => validate_exec(a).map_err(|e| ApiError::new(ErrorCode::InvalidArgument, e)),
+            Self::Exec(a) => a.validate(),
             Self::Peek(a) => {
                 id(&a.id)?;
                 if a.count == 0 || a.count > MAX_PEEK_WORDS {
@@ -1175,6 +1186,7 @@ mod tests {
                 gid: Some(65533),
                 stdin: Some("aGk=".into()),
                 timeout_s: Some(1.5),
+                stream: true,
             }),
         ];
         let mut seen: Vec<&str> = Vec::new();

@@ -6,6 +6,7 @@
 //! types the daemon and the CLI share; [`server`] carries them over a unix
 //! socket; [`client`] is the CLI side.
 
+mod agent_conns;
 mod agent_reseed;
 pub mod api;
 pub mod client;
@@ -145,6 +146,8 @@ pub struct Daemon {
     metrics: Arc<metrics::Metrics>,
     /// Fork children and restored VMs reseeded by their agents.
     agent_reseeds: agent_reseed::AgentReseeds,
+    /// Connections to guest agents kept between `exec`s (`agent_conns.rs`).
+    agent_conns: agent_conns::AgentConns,
     _lock: crate::sys::FileLock,
 }
 
@@ -484,6 +487,7 @@ impl Daemon {
                 reattached: reattached_ids,
                 metrics: Arc::new(metrics::Metrics::new(false)),
                 agent_reseeds: agent_reseed::AgentReseeds::with_known(agent_reseeded),
+                agent_conns: agent_conns::AgentConns::default(),
                 _lock: lock,
             },
             reconciled,
@@ -576,6 +580,12 @@ impl Daemon {
 
     /// Executes one request line and returns the response line.
     pub fn handle_line(&self, line: &str) -> String {
+        self.handle_line_with(line, None)
+    }
+
+    /// [`Daemon::handle_line`], with `emit` for the lines a streamed `exec`
+    /// writes before its answer (the connection's; `exec.rs`).
+    pub fn handle_line_with(&self, line: &str, emit: Option<exec::Emit<'_>>) -> String {
         let t = Instant::now();
         let res = match api::parse_request(line) {
             Ok(req) => {
@@ -596,7 +606,13 @@ impl Daemon {
                         | Request::ClusterList
                 ))
                 .then(|| req.clone());
-                let res = self.handle(req);
+                let res = match (req, emit) {
+                    (Request::Exec(a), Some(emit)) if a.stream => a
+                        .validate()
+                        .and_then(|()| exec::run(self, &a, Some(emit)))
+                        .map(Reply::Executed),
+                    (req, _) => self.handle(req),
+                };
                 self.metrics.observe(op, fork, t.elapsed(), &res);
                 if let (Some(req), Ok(reply)) = (&logged, &res) {
                     self.store.events().request(req, reply, ms(t.elapsed()));
@@ -732,7 +748,7 @@ impl Daemon {
                 None => Reply::Vm(Box::new(self.attach_nic(&a)?)),
             },
             // On this connection's thread, no lock held while it runs.
-            Request::Exec(a) => Reply::Executed(exec::run(self, &a)?),
+            Request::Exec(a) => Reply::Executed(exec::run(self, &a, None)?),
             Request::List => Reply::List(self.list()),
             Request::Version => Reply::Version(VersionInfo {
                 api_version: api::API_VERSION,
@@ -1210,6 +1226,7 @@ impl Daemon {
         // A new VM of this id has its agent's reseed to earn again (a
         // cluster's delete comes here for each member too).
         self.agent_reseeds.forget(id);
+        self.agent_conns.forget(id);
         if let Some(r) = self.process(id) {
             return self.delete_process(id, &r);
         }

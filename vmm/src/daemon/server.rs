@@ -636,7 +636,9 @@ fn answer(stream: &UnixStream, daemon: &Daemon, line: &[u8]) -> Answer {
     if line.trim().is_empty() {
         return Answer::Blank;
     }
-    let resp = daemon.handle_line(line.trim_end());
+    // A streamed exec's output lines go out before its answer.
+    let mut emit = |l: &str| write_line(stream, l).is_ok();
+    let resp = daemon.handle_line_with(line.trim_end(), Some(&mut emit));
     match write_line(stream, &resp) {
         Ok(()) => Answer::Answered,
         Err(_) => Answer::End,

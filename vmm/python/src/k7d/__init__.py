@@ -9,6 +9,9 @@ from Python, standard library only.
             for child in f["children"]:
                 print(child["id"], child["fork_ms"])
 
+Files and directories move with :meth:`Client.copy_to` and
+:meth:`Client.copy_from` (`k7d.files`).
+
 Errors are exceptions that carry the daemon's own sentence
 (:class:`K7dError` and its subclasses, one per error code).
 """
@@ -30,6 +33,7 @@ from .client import (
     builtin,
     linux,
 )
+from .files import CopyRefused
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -37,6 +41,7 @@ __all__ = [
     "Busy",
     "Client",
     "Conflict",
+    "CopyRefused",
     "Executed",
     "Internal",
     "InvalidArgument",

@@ -1,5 +1,6 @@
 """The k7d daemon's API over its unix socket (`vmm/src/daemon/api.rs`): one JSON
-request per line, one response line per request, a connection per call.
+request per line, one response line per request, a connection per thread
+kept open between calls.
 
 Every operation of the API has a method; results are the daemon's JSON
 objects (typed as :class:`typing.TypedDict`s of their main fields), errors
@@ -16,8 +17,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import socket
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, TypedDict, Union
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, TypedDict, Union
+
+from . import files
 
 #: Where `k7d daemon` listens unless told otherwise (as the CLI's `--socket`).
 DEFAULT_SOCKET = "/run/k7d/k7d.sock"
@@ -244,35 +249,133 @@ def linux(
     return config
 
 
+class _Conn:
+    """One connection to the daemon, with what was read past a line."""
+
+    def __init__(self, path: str, timeout: Optional[float]) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout)
+            self.sock.connect(path)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.buf = bytearray()
+
+    def open_and_idle(self) -> bool:
+        """Still open, with nothing unread (the daemon closes a connection
+        idle for 60 s; a closed one is never written to)."""
+        if self.buf:
+            return False
+        try:
+            readable, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
+
+    def read_line(self) -> bytes:
+        """One line (without its newline); ConnectionError if the daemon
+        closed the connection first."""
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl >= 0:
+                line = bytes(self.buf[:nl])
+                del self.buf[: nl + 1]
+                return line
+            if len(self.buf) > MAX_LINE:
+                raise BadRequest(f"the daemon's answer is longer than {MAX_LINE} bytes")
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection before it answered")
+            self.buf += chunk
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class Client:
-    """The daemon at `socket_path`. Each call opens a connection of its
-    own, so one client may be used from several threads at once."""
+    """The daemon at `socket_path`. Each thread that uses a client keeps a
+    connection of its own open between calls (a call costs no connect),
+    so one client may be used from several threads at once; :meth:`close`
+    (or the end of a ``with`` block) closes the calling thread's."""
 
     def __init__(self, socket_path: PathLike = DEFAULT_SOCKET, *, timeout: Optional[float] = 120.0) -> None:
         self.socket_path = os.fspath(socket_path)
         self.timeout = timeout
+        self._local = threading.local()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes this thread's connection (the next call opens another)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            conn.close()
 
     # -- the wire ---------------------------------------------------------
 
-    def call(self, op: str, args: Optional[Mapping[str, Any]] = None, *, timeout: Optional[float] = None) -> Any:
+    def _conn(self, wait: Optional[float]) -> _Conn:
+        conn: Optional[_Conn] = getattr(self._local, "conn", None)
+        if conn is not None and not conn.open_and_idle():
+            conn.close()
+            conn = None
+        if conn is None:
+            conn = _Conn(self.socket_path, wait)
+            self._local.conn = conn
+        conn.sock.settimeout(wait)
+        return conn
+
+    def call(
+        self,
+        op: str,
+        args: Optional[Mapping[str, Any]] = None,
+        *,
+        timeout: Optional[float] = None,
+        on_line: Optional[Callable[[Dict[str, Any]], None]] = None,
+    ) -> Any:
         """Sends one request and returns its result, or raises the
         daemon's error (:class:`K7dError`). `timeout`: this call's wait,
-        the client's unless given."""
+        the client's unless given. `on_line`: each line the daemon writes
+        before the answer (a streamed exec's output), as JSON."""
         wait = self.timeout if timeout is None else timeout
         request: Dict[str, Any] = {"v": API_VERSION, "op": op}
         if args is not None:
             request["args"] = dict(args)
         line = (json.dumps(request, separators=(",", ":")) + "\n").encode()
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(wait)
-                s.connect(self.socket_path)
-                s.sendall(line)
-                answer = _read_line(s)
+            conn = self._conn(wait)
+            conn.sock.sendall(line)
+            while True:
+                answer = conn.read_line().decode()
+                if on_line is None or answer.startswith('{"ok"'):
+                    break
+                try:
+                    event = json.loads(answer)
+                except ValueError as e:
+                    raise BadRequest(f"the daemon's line during {op} is not JSON: {answer[:200]!r}") from e
+                if not isinstance(event, dict) or "ok" in event:
+                    break
+                on_line(event)
         except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            self.close()
             raise Unreachable(f"no k7d daemon answers at {self.socket_path}: {e.strerror or e}") from e
         except socket.timeout as e:
+            self.close()
             raise Unreachable(f"the k7d daemon at {self.socket_path} did not answer {op} within {wait} s") from e
+        except OSError as e:
+            # ConnectionError included: what the daemon did is unknown, so
+            # nothing is sent again.
+            self.close()
+            raise Unreachable(f"the k7d daemon at {self.socket_path} did not answer {op}: {e}") from e
+        except BaseException:
+            # A callback's own error, or an interrupt: the answer is unread.
+            self.close()
+            raise
         try:
             response = json.loads(answer)
         except ValueError as e:
@@ -373,6 +476,7 @@ class Client:
         cwd: Optional[str] = None,
         user: Optional[Union[int, Tuple[int, int]]] = None,
         timeout: Optional[float] = None,
+        on_output: Optional[Callable[[str, bytes], None]] = None,
     ) -> Executed:
         """Runs `command` (the program and its arguments) in the running VM
         `id` through its guest agent and returns when it has ended: its
@@ -380,7 +484,12 @@ class Client:
         512 KiB; `user`: a uid, or (uid, gid); `timeout`: seconds, after
         which it is killed (status 137, `timed_out`), 600 unless given.
         A fork child or a restored VM alike; the VM needs a vsock device
-        and k7d-agent in its guest."""
+        and k7d-agent in its guest.
+
+        `on_output`: streamed instead: each chunk of output is passed to it
+        as it comes, as ("stdout" or "stderr", bytes), all of it (no
+        4 MiB bound), and the result's `stdout` and `stderr` are empty. An
+        exception it raises ends the exec (the command is killed)."""
         if isinstance(command, (str, bytes)):
             raise InvalidArgument("command is a sequence of the program and its arguments, not one string")
         args: Dict[str, Any] = {"id": id, "command": [str(c) for c in command]}
@@ -397,17 +506,61 @@ class Client:
             args["timeout_s"] = timeout
         # The daemon answers when the command has ended.
         wait = (600.0 if timeout is None else float(timeout)) + 30.0
-        r = self.call("exec", args, timeout=wait)
+        if on_output is None:
+            r = self.call("exec", args, timeout=wait)
+        else:
+            args["stream"] = True
+
+            def line(event: Dict[str, Any]) -> None:
+                chunk = event.get("output") or {}
+                on_output(str(chunk.get("stream", "stdout")), base64.b64decode(chunk.get("data", "")))
+
+            r = self.call("exec", args, timeout=wait, on_line=line)
         out, err = base64.b64decode(r["stdout"]), base64.b64decode(r["stderr"])
         return Executed(
             status=int(r["status"]),
             stdout=out,
             stderr=err,
-            truncated=len(out) < int(r["stdout_bytes"]) or len(err) < int(r["stderr_bytes"]),
+            truncated=on_output is None and (len(out) < int(r["stdout_bytes"]) or len(err) < int(r["stderr_bytes"])),
             timed_out=bool(r.get("timed_out", False)),
             error=r.get("error"),
             exec_ms=float(r["exec_ms"]),
         )
+
+    def copy_to(self, id: str, src: PathLike, dest: str, *, timeout: Optional[float] = None) -> None:
+        """Copies `src` (a file, directory or symbolic link on this host) to
+        the absolute path `dest` in VM `id`, as `k7d cp` does: an existing
+        directory receives it under its own name, anything else is the
+        copy's own name. Modes, symbolic links and (as root) owners are
+        kept. Needs `sh` and `tar` in the guest (`docs/exec.md`); each
+        `exec` it makes may take `timeout` seconds."""
+        files.copy_to(self._runner(id, timeout), os.fspath(src), _guest_path(dest))
+
+    def copy_from(
+        self,
+        id: str,
+        src: str,
+        dest: PathLike,
+        *,
+        max_size: int = 1 << 30,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """Copies the absolute path `src` in VM `id` to `dest` on this host
+        (an existing directory receives it under its own name; any other
+        existing name is refused). What the guest sends is hostile input:
+        an entry outside the copy, a device, a path through a symbolic
+        link or more than `max_size` bytes raises
+        :class:`k7d.files.CopyRefused` and leaves nothing behind."""
+        files.copy_from(self._runner(id, timeout), _guest_path(src), os.fspath(dest), max_size=max_size)
+
+    def _runner(self, id: str, timeout: Optional[float]) -> files.Exec:
+        def run(command: List[str], stdin: bytes) -> Tuple[int, bytes, bytes, bool]:
+            r = self.exec(id, command, stdin=stdin, timeout=timeout)
+            if r.error is not None:
+                raise InvalidArgument(f"vm {id}: {command[0]} did not start: {r.error}")
+            return r.status, r.stdout, r.stderr, r.truncated
+
+        return run
 
     # -- clusters ---------------------------------------------------------
 
@@ -467,28 +620,15 @@ class Client:
             _forget(self.cluster_delete, id)
 
 
+def _guest_path(p: str) -> str:
+    if not p.startswith("/") or "\0" in p or len(p) > 4096:
+        raise InvalidArgument(f"{p!r}: a path in a VM is absolute")
+    return p
+
+
 def _forget(delete: Any, id: str) -> None:
     """Deletes `id`; one that is gone already is what was wanted."""
     try:
         delete(id)
     except NotFound:
         pass
-
-
-def _read_line(s: socket.socket) -> str:
-    """One response line (without its newline)."""
-    chunks: List[bytes] = []
-    size = 0
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        nl = chunk.find(b"\n")
-        if nl >= 0:
-            chunks.append(chunk[:nl])
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > MAX_LINE:
-            raise BadRequest(f"the daemon's answer is longer than {MAX_LINE} bytes")
-    return b"".join(chunks).decode()

@@ -752,6 +752,13 @@ fn systemd_analyze_finds_nothing_in_the_units() {
         std::fs::write(&f, body.replace(INSTALLED, K7D)).unwrap();
         files.push(f);
     }
+    // The agent's, for a VM's image (its arguments are the agent's own
+    // test's): an executable stands in for the agent.
+    let agent = manifest_dir().join("../guest/agent/systemd/k7d-agent.service");
+    let body = std::fs::read_to_string(&agent).unwrap_or_else(|e| panic!("{}: {e}", agent.display()));
+    let f = dir.0.join("k7d-agent.service");
+    std::fs::write(&f, body.replace("/usr/local/bin/k7d-agent", K7D)).unwrap();
+    files.push(f);
     let o = Command::new(&analyze)
         .arg("verify")
         .arg("--man=no")

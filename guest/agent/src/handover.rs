@@ -7,7 +7,9 @@
 //! the initramfs, makes the disk the root, then forks: the child serves the
 //! agent's protocol on vsock (from the image's root, in a session of its
 //! own) and PID 1 executes the image's own init (systemd, busybox init,
-//! anything). A root that cannot be mounted or holds no init leaves PID 1
+//! anything). With `k7d.agent=image` the image has the agent installed as
+//! a service of its own (`k7d-agent --vsock`): PID 1 forks no agent and
+//! only executes the image's init. A root that cannot be mounted or holds no init leaves PID 1
 //! as the agent of the initramfs, with the reason on the console: the VM
 //! stays reachable through `k7d exec`.
 
@@ -36,13 +38,25 @@ pub struct Handover {
     pub read_only: bool,
     /// The image's init (`init=`, default `/sbin/init`).
     pub init: PathBuf,
+    /// The image runs its own agent, installed as a service
+    /// (`k7d.agent=image`): PID 1 hands over and serves nothing itself.
+    pub image_agent: bool,
 }
+
+/// The kernel command line parameter that says the root disk's image has
+/// k7d-agent installed as a service of its own (`docs/exec.md`).
+pub const IMAGE_AGENT_PARAM: &str = "k7d.agent=image";
 
 /// The handover the kernel command line `cmdline` asks for: none without
 /// `root=`; an error (one sentence) for one the agent cannot do.
 pub fn wanted(cmdline: &str) -> Result<Option<Handover>, String> {
     let (mut root, mut fstype, mut read_only, mut init) = (None, None, true, None);
+    let mut image_agent = false;
     for word in cmdline.split_whitespace() {
+        if word == IMAGE_AGENT_PARAM {
+            image_agent = true;
+            continue;
+        }
         match word.split_once('=') {
             Some(("root", v)) => root = Some(v),
             Some(("rootfstype", v)) => fstype = Some(v),
@@ -71,6 +85,7 @@ pub fn wanted(cmdline: &str) -> Result<Option<Handover>, String> {
         fstype: fstype.map(str::to_string),
         read_only,
         init,
+        image_agent,
     }))
 }
 
@@ -211,8 +226,14 @@ mod tests {
                 fstype: None,
                 read_only: true,
                 init: "/sbin/init".into(),
+                image_agent: false,
             }))
         );
+        assert!(
+            wanted("root=/dev/vda k7d.agent=image").unwrap().unwrap().image_agent,
+            "the image's own agent serves"
+        );
+        assert!(!wanted("root=/dev/vda k7d.agent=imagex").unwrap().unwrap().image_agent);
         let h = wanted("root=/dev/vdb rootfstype=erofs rw init=/lib/systemd/systemd ro rw")
             .unwrap()
             .unwrap();

@@ -45,6 +45,7 @@ mod stdio;
 mod sys;
 mod sysctl;
 mod vmexec;
+mod vmrun;
 
 /// Held by every test that has child processes: a reaper thread's
 /// `waitpid(-1)` collects any child of the test binary.
@@ -60,7 +61,17 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-const USAGE: &str = "usage: k7d-agent --listen-unix PATH [--state-dir DIR] [--runtime PATH] [--runtime-root DIR] [--sysfs DIR] [--dev DIR]";
+const USAGE: &str = "usage: k7d-agent (--vsock | --listen-unix PATH) [--state-dir DIR] [--runtime PATH] [--runtime-root DIR] [--sysfs DIR] [--dev DIR]";
+
+/// Where an agent that is not PID 1 listens.
+#[derive(Debug, PartialEq, Eq)]
+enum Listen {
+    /// vsock port 1024: the agent installed as a service in a VM's image
+    /// (`k7d-agent.service`, `docs/exec.md`).
+    Vsock,
+    /// A unix socket (host-side tests).
+    Unix(PathBuf),
+}
 
 fn main() {
     // A CRI pod sandbox's process (`container::Config::stand_in`).
@@ -71,8 +82,8 @@ fn main() {
         pid1();
     }
     match host_config(std::env::args().skip(1)) {
-        Ok((path, cfg)) => {
-            if let Err(e) = run_host(path, cfg) {
+        Ok((listen, cfg)) => {
+            if let Err(e) = run_host(listen, cfg) {
                 log!("{e}");
                 std::process::exit(1);
             }
@@ -147,6 +158,16 @@ fn hand_over(h: &handover::Handover) -> ! {
         if h.read_only { "ro" } else { "rw" },
         h.init.display()
     );
+    if h.image_agent {
+        // The image's own agent, a service of its init, serves.
+        log!(
+            "{}: the image's own k7d-agent serves",
+            crate::handover::IMAGE_AGENT_PARAM
+        );
+        let why = handover::exec_init(h);
+        log!("{why}; the agent serves on, the image's init does not run");
+        serve_vm(|cfg| cfg.set_hostname = false)
+    }
     match sys::fork_single_threaded() {
         Ok(0) => {
             if let Err(e) = sys::setsid() {
@@ -209,14 +230,22 @@ fn serve_vm(adjust: impl FnOnce(&mut container::Config)) -> ! {
     }
 }
 
-fn host_config(mut args: impl Iterator<Item = String>) -> Result<(PathBuf, container::Config), String> {
+fn host_config(mut args: impl Iterator<Item = String>) -> Result<(Listen, container::Config), String> {
     let mut cfg = container::Config::guest();
     cfg.set_hostname = false;
     let mut listen = None;
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| format!("{a} needs a value"));
+        let mut listen_on = |l: Listen| match listen.replace(l) {
+            Some(_) => Err("--vsock and --listen-unix are one choice, made once".to_string()),
+            None => Ok(()),
+        };
         match a.as_str() {
-            "--listen-unix" => listen = Some(PathBuf::from(value()?)),
+            "--vsock" => listen_on(Listen::Vsock)?,
+            "--listen-unix" => {
+                let path = PathBuf::from(value()?);
+                listen_on(Listen::Unix(path))?
+            }
             "--state-dir" => cfg.state_dir = value()?.into(),
             // --runc and --runc-root: the names before crun was taken too.
             "--runtime" | "--runc" => cfg.runc = value()?.into(),
@@ -226,19 +255,72 @@ fn host_config(mut args: impl Iterator<Item = String>) -> Result<(PathBuf, conta
             _ => return Err(format!("unknown argument {a:?}")),
         }
     }
-    let path = listen.ok_or("--listen-unix is required when not PID 1")?;
-    Ok((path, cfg))
+    let listen = listen.ok_or("--vsock or --listen-unix is required when not PID 1")?;
+    if listen == Listen::Vsock {
+        // A service in a user's image: what runs there is the image's.
+        cfg.no_pivot = true;
+    }
+    Ok((listen, cfg))
 }
 
-fn run_host(path: PathBuf, cfg: container::Config) -> Result<(), String> {
+fn run_host(listen: Listen, cfg: container::Config) -> Result<(), String> {
     sys::set_child_subreaper().map_err(|e| format!("becoming a child subreaper failed: {e}"))?;
     let reaper = reaper::Reaper::start().map_err(|e| format!("starting the reaper failed: {e}"))?;
     let agent =
         container::Containers::new(cfg, reaper).map_err(|e| format!("making the state directories failed: {e}"))?;
-    let _ = std::fs::remove_file(&path);
-    let listener = std::os::unix::net::UnixListener::bind(&path)
-        .map_err(|e| format!("listening on {} failed: {e}", path.display()))?;
-    log!("serving on {}", path.display());
-    server::serve(server::Listener::Unix(listener), Arc::new(agent));
+    let listener = match listen {
+        Listen::Vsock => {
+            let port = k7d_agent::proto::PORT;
+            let l = server::Listener::vsock(port).map_err(|e| format!("listening on vsock port {port} failed: {e}"))?;
+            log!("serving on vsock port {port} (kernel {})", sys::kernel_release());
+            l
+        }
+        Listen::Unix(path) => {
+            let _ = std::fs::remove_file(&path);
+            let l = std::os::unix::net::UnixListener::bind(&path)
+                .map_err(|e| format!("listening on {} failed: {e}", path.display()))?;
+            log!("serving on {}", path.display());
+            server::Listener::Unix(l)
+        }
+    };
+    server::serve(listener, Arc::new(agent));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> impl Iterator<Item = String> {
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>().into_iter()
+    }
+
+    #[test]
+    fn the_service_unit_runs_what_the_agent_parses_and_bad_arguments_are_refused() {
+        let unit = include_str!("../systemd/k7d-agent.service");
+        let exec = unit
+            .lines()
+            .find_map(|l| l.strip_prefix("ExecStart="))
+            .expect("the unit has an ExecStart=");
+        let mut words = exec.split_whitespace();
+        assert_eq!(words.next(), Some("/usr/local/bin/k7d-agent"));
+        let (listen, cfg) = host_config(words.map(str::to_string)).unwrap();
+        assert_eq!(listen, Listen::Vsock);
+        assert!(cfg.no_pivot && !cfg.set_hostname);
+        let (listen, cfg) = host_config(args(&["--listen-unix", "/x.sock", "--state-dir", "/s"])).unwrap();
+        assert_eq!(
+            (listen, cfg.state_dir),
+            (Listen::Unix("/x.sock".into()), PathBuf::from("/s"))
+        );
+        for (bad, says) in [
+            (&["--vsock", "--listen-unix", "/x"][..], "one choice"),
+            (&["--vsock", "--vsock"][..], "one choice"),
+            (&[][..], "is required"),
+            (&["--vsock", "--bogus"][..], "unknown argument"),
+            (&["--listen-unix"][..], "needs a value"),
+        ] {
+            let e = host_config(args(bad)).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
 }

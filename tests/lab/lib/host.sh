@@ -231,14 +231,21 @@ prepared() {
       grep -q "^$p=.* installed\$" <<<"$versions" || die "$name.prepare.sh needs the Debian package $p: run tests/lab/setup.sh"
     done
   fi
-  k=$(key "$name" "$versions" "${BB:-}" -- "$script" "$LAB/lib/host.sh")
+  # A script that takes the agent under test (LAB_AGENT: an image with it
+  # installed) is keyed by it too.
+  local agent=()
+  if grep -q LAB_AGENT "$script"; then
+    [[ -n ${AGENT:-} ]] || die "$name.prepare.sh needs the agent under test: run.sh --agent PATH"
+    agent=("$AGENT")
+  fi
+  k=$(key "$name" "$versions" "${BB:-}" -- "$script" "$LAB/lib/host.sh" "${agent[@]}")
   dir=$CACHE/prepared/$name-$k
   if [[ ! -e $dir/.done ]]; then
     log "preparing $name ($k)"
     mkdir -p "$CACHE/prepared" "$CACHE/tmp"
     tmp=$(mktemp -d "$CACHE/tmp/prep-$name.XXXXXX")
     mkdir "$tmp/files"
-    LAB_BUSYBOX=${BB:-} timeout 300 bash "$script" "$tmp/files" >&2 || die "$script failed"
+    LAB_BUSYBOX=${BB:-} LAB_AGENT=${AGENT:-} timeout 300 bash "$script" "$tmp/files" >&2 || die "$script failed"
     rm -rf "$dir" && mv "$tmp" "$dir" && touch "$dir/.done"
     find "$CACHE/prepared" -mindepth 1 -maxdepth 1 -type d -mtime +14 -exec rm -rf {} +
   fi

@@ -103,6 +103,11 @@
 #     and reseeded through its agent. A VM with root=/dev/vdz (no such
 #     disk): the agent says the root did not appear and serves from the
 #     initramfs (PID 1 is the agent).
+# 10b. the agent installed as a service (issue 37, item 1: "a user who
+#     prefers can install it as a service"): the image with k7d-agent in
+#     /usr/local/bin and an inittab line running `k7d-agent --vsock`, booted
+#     with k7d.agent=image: exec is run by the image's agent (its parent's
+#     exe and command line), in the image's root.
 # Metrics: k7d_exec.first_ms (`true`, connect to exit), k7d_exec.ms (median
 # of 5 `true`), k7d_exec.child_ms (the first exec in a fork child),
 # k7d_exec.reseed_ms (median: a fork child's start to its agent's reseed),
@@ -738,6 +743,30 @@ ex "$ikid" -- busybox cat /etc/image-marker
 [ "$rc" = 0 ] && [ -n "$(cat "$W/o")" ] || fail "$ikid: exec in the fork child: rc $rc ($(cat "$W/e"))"
 lab_note "a user's image with no agent (erofs root named by its UUID, busybox init): the agent handed PID 1 to the image's /sbin/init and serves exec from the image's root (its file, exit 5), in a fork child too (reseeded through its agent)"
 kc delete "$ikid" >/dev/null && kc delete img >/dev/null || fail "deleting img and $ikid failed"
+# 10b. The agent installed as a service in the image (k7d-agent --vsock,
+# started by the image's own init: k7d-exec.prepare.sh), as a user who
+# prefers it installs it; with k7d.agent=image k7d's initramfs only mounts
+# the root and hands over, and the image's agent serves.
+IMG2=/lab/files/image-agent.erofs
+[ -s "$IMG2" ] || fail "no $IMG2 (prepare=k7d-exec)"
+kc create --id svc --kernel "$LAB_KERNEL" --initrd "$LAB_POD_INITRD" \
+  --cmdline "console=ttyS0 quiet panic=-1 cryptomgr.notests no_timer_check root=UUID=$IMG_UUID rootfstype=erofs ro k7d.agent=image" \
+  --vcpus 1 --memory 256 --vsock "cid=6,uds=$W/svc.vsock" --disk "$IMG2,ro" --start >"$W/create-svc.out" 2>&1 ||
+  fail "k7d create svc failed: $(cat "$W/create-svc.out")"
+t0=$(date +%s)
+until ex svc -- busybox true && [ "$rc" = 0 ]; do
+  [ $(($(date +%s) - t0)) -lt 180 ] || fail "svc: k7d exec never succeeded within 180 s: rc $rc: $(cat "$W/e") (serial: $(tail -c 600 "$st/vms/svc/serial.log" | tr '\n' '|'))"
+  sleep 1
+done
+ex svc -- busybox sh -c 'busybox cat /etc/image-marker; busybox readlink /proc/$PPID/exe; busybox tr "\0" " " </proc/$PPID/cmdline; echo; busybox readlink /proc/1/exe'
+[ "$rc" = 0 ] && [ "$(tr '\n' '|' <"$W/o")" = "k7d lab: a user's root disk, its own agent installed|/usr/local/bin/k7d-agent|/usr/local/bin/k7d-agent --vsock |/bin/busybox|" ] ||
+  fail "svc: the command was not run by the image's installed agent: rc $rc, '$(tr '\n' '|' <"$W/o")' ($(cat "$W/e"))"
+tr -d '\r' <"$st/vms/svc/serial.log" | grep -q "k7d-agent: k7d.agent=image: the image's own k7d-agent serves" ||
+  fail "svc: the initramfs's agent did not say it leaves serving to the image's: $(tail -c 600 "$st/vms/svc/serial.log" | tr '\n' '|')"
+tr -d '\r' <"$st/vms/svc/serial.log" | grep -q "k7d-agent: serving on vsock port 1024" ||
+  fail "svc: the installed agent did not say it serves: $(tail -c 600 "$st/vms/svc/serial.log" | tr '\n' '|')"
+lab_note "the agent installed as a service in a user's image (k7d-agent --vsock from its inittab, k7d.agent=image): exec ran by /usr/local/bin/k7d-agent --vsock in the image's root, PID 1 the image's init"
+kc delete svc >/dev/null || fail "delete svc failed"
 # A root that never appears: the agent says so, with what each block device
 # holds, and serves from the initramfs (busybox's, under it), as a VM
 # without root= does.

@@ -21,7 +21,10 @@
 #      (a read-only directory, a writable file, a writable directory) read
 #      and written, their writes reaching L1 under runc and never under k7d;
 #   3. cat: "in" on stdin comes back, and stdin's end ends it.
-# Metrics: the time from ctr run to the container's first output line.
+# Metrics: the time from ctr run to the container's first output line;
+# `ctr task exec` of `true` in a running container, median of 5
+# (runc.ctr_exec_true_ms, k7d.ctr_exec_true_ms: the shim's exec path, issue
+# 37's benchmark beside k7d-exec's exec op and its floor).
 # k7d only, with the daemon's every VM inside it (--jail off, by flag: what
 # that mode promises): its pod VM's agent left the initramfs (runc pivots);
 # a guest crash and a killed daemon stop tasks with 137 (the crash within
@@ -244,7 +247,8 @@ deleted_with() {
 
 # running NAME ARGS...: a detached container (ctr run -d ARGS: the runtime's
 # flags) that traps TERM into a file and loops; then what runc's users do to
-# a running container: exec (its output and exit status), ps, metrics,
+# a running container: exec (its output and exit status; then `true`
+# timed, 5 times), ps, metrics,
 # kill -s SIGTERM (the trap ran: seen through a second exec), kill -s
 # SIGKILL (STOPPED, ctr task delete says 137). While it runs, its shell
 # (its cmdline holds the word k7d-marker) is looked for in L1's process
@@ -285,6 +289,18 @@ running() {
   echo "lab: $_id: running; exec"
   _out=$(timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr task exec --exec-id e1 "$_id" sh -c 'echo exec-ok; exit 5' </dev/null 2>&1); _rc=$?
   [ "$_out" = exec-ok ] && [ "$_rc" = 5 ] || fail "$_n: ctr task exec gave rc=$_rc '$_out', expected rc=5 exec-ok"
+  # The shim's exec path timed (issue 37's benchmark, beside k7d-exec's
+  # `exec` op and its floor): `ctr task exec` of `true`, median of 5 (each
+  # is a Go binary's start in the emulated L1, 0.5-0.8 s).
+  _times=''
+  for _i in 1 2 3 4 5; do
+    _t=$(lab_now)
+    timeout -s KILL "$CTR_LIMIT" /usr/bin/ctr task exec --exec-id "b$_i" "$_id" true </dev/null >/dev/null 2>&1 ||
+      fail "$_n: ctr task exec of true failed"
+    _times="$_times $(awk -v a="$(lab_now)" -v b="$_t" 'BEGIN {printf "%.0f", (a - b) * 1000}')"
+  done
+  # shellcheck disable=SC2086
+  lab_metric "$_n.ctr_exec_true_ms" "$(lab_median $_times)" ms
   echo "lab: $_id: ps, metrics"
   _ps=$(timeout -s KILL 30 /usr/bin/ctr task ps "$_id" 2>&1) || fail "$_n: ctr task ps failed: $_ps"
   _pids=$(printf '%s\n' "$_ps" | tail -n +2 | grep -c '^ *[0-9]')

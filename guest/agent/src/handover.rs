@@ -178,17 +178,27 @@ pub fn exec_init(h: &Handover) -> String {
 /// Undoes [`mount_api_filesystems`] (what is still mounted there): the
 /// initramfs's own path copies `/`, which must hold no mount.
 pub fn unmount_api_filesystems() {
-    for api in ["/run", "/sys", "/proc", "/dev"] {
+    for api in ["/run", "/sys", "/proc", "/dev/pts", "/dev"] {
         let _ = sys::umount_detach(Path::new(api));
     }
 }
 
-/// The mounts `enter` needs before the root exists: `/dev`, `/proc`, `/sys`
-/// and a `/run` tmpfs (initramfs-tools hands the same to the image's init).
+/// The mounts `enter` needs before the root exists: `/dev` (with
+/// `/dev/pts`), `/proc`, `/sys` and a `/run` tmpfs (initramfs-tools hands
+/// the same to the image's init).
 pub fn mount_api_filesystems() {
     let nosuid_nodev_noexec = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     for (src, target, fstype, flags, data) in [
         ("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, Some("mode=0755")),
+        // As initramfs-tools' init mounts it (moved with /dev): a terminal
+        // for `k7d exec --tty` under an init that mounts none (busybox's).
+        (
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            Some("gid=5,mode=0620,ptmxmode=0666"),
+        ),
         ("proc", "/proc", "proc", nosuid_nodev_noexec, None),
         ("sysfs", "/sys", "sysfs", nosuid_nodev_noexec, None),
         (

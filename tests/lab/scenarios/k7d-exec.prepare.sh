@@ -5,7 +5,8 @@
 # prepared in lib/host.sh). Writes:
 #   image-root.erofs  a user's root disk with no k7d agent in it (part 10:
 #                     the agent's handover to the image's own init): static
-#                     busybox as /bin/busybox, /sbin/init (busybox init),
+#                     busybox as /bin/busybox with its applets linked in
+#                     /bin, /sbin/init (busybox init),
 #                     an /etc/inittab whose sysinit line says "LAB-GUEST
 #                     image-init" on the console, and /etc/image-marker;
 #                     filesystem UUID 6b376b37-0d1e-4c0a-9e5f-2a7e00c0ffee
@@ -20,9 +21,17 @@ PATH=$PATH:/usr/sbin:/sbin
 [[ -x ${LAB_BUSYBOX:-} ]] || { echo "k7d-exec.prepare: no busybox (LAB_BUSYBOX)" >&2; exit 1; }
 src=$(mktemp -d)
 trap 'rm -rf "$src"' EXIT
+# The image's root as an image has it (mktemp's is 0700: no other user
+# could reach /bin).
+chmod 755 "$src"
 mkdir -p "$src"/{bin,sbin,etc,dev,proc,sys,run,tmp}
 cp "$LAB_BUSYBOX" "$src/bin/busybox"
 ln -s busybox "$src/bin/sh"
+# Its applets on PATH (tar, dirname, ...: what k7d cp runs in a guest), as
+# an image's own shell and tools are.
+for a in $("$LAB_BUSYBOX" --list); do
+  [[ -e $src/bin/$a || $a == init ]] || ln -s busybox "$src/bin/$a"
+done
 ln -s ../bin/busybox "$src/sbin/init"
 cat >"$src/etc/inittab" <<'TAB'
 ::sysinit:/bin/busybox sh -c 'echo "LAB-GUEST image-init ran (pid 1: $(/bin/busybox readlink /proc/1/exe))" >/dev/console'

@@ -1,20 +1,24 @@
 """RL rollouts on one node, acting in each fork child (docs/rl.md).
 
 An environment is any running Linux VM with k7d-agent (a vsock device) and
-a shell. Each step forks the current source into N children, copy-on-write.
-In child i the action is a number its command appends to the environment's
-state file, and the observation is the state read back, both through the
-child's guest agent (`Client.exec`). The child with the highest score (the
-sum of its state) becomes the next step's source: a fork of a fork. At the
-end every VM the rollouts made is deleted; the source is left as it was.
+a shell. Its state is prepared once, in the source: a file on disk, and a
+long-running process holding a running total in memory (reached through
+two FIFOs). Each step forks the current source into N children,
+copy-on-write, process and all. In child i the action is a number added
+to both, and the observation is both read back, through the child's guest
+agent (`Client.exec`). The child with the highest score (the sum of its
+state) becomes the next step's source: a fork of a fork. At the end every
+VM the rollouts made is deleted; the source keeps its prepared state.
 
     python3 rollout.py --socket /run/k7d/k7d.sock --source env --steps 3 --children 4
 
 It checks what makes forking worth it: each child observes its source's
 state plus its own action, and nothing else (no sibling's action leaks into
-it, and no child's into its source), and it prints, as one JSON line, the
-time from a fork to the first command's answer in a child beside a command
-on the source.
+it, and no child's into its source), in its file and in its process's
+memory alike. Per step it prints the fork's time, each child's exec round
+trip and what it observed; at the end one JSON line with the time from a
+fork to the first command's answer in a child beside a command on the
+source.
 """
 
 from __future__ import annotations
@@ -23,12 +27,24 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from k7d import Client, NotFound
 
-#: The environment's state, in the guest.
+#: The environment's state on disk, in the guest.
 STATE = "/tmp/k7d-rollout.state"
+#: The FIFOs of its process holding a running total in memory.
+TO_MEMORY, FROM_MEMORY = "/tmp/k7d-rollout.in", "/tmp/k7d-rollout.out"
+
+#: Starts the process: it adds each number written to TO_MEMORY to its
+#: total and answers the total on FROM_MEMORY; its stdio on /dev/null, so
+#: the exec that starts it ends at once.
+MEMORY = f"""rm -f {STATE} {TO_MEMORY} {FROM_MEMORY} && : >{STATE} && mkfifo {TO_MEMORY} {FROM_MEMORY}
+(total=0; while read -r a <{TO_MEMORY}; do total=$((total + a)); echo "$total" >{FROM_MEMORY}; done) </dev/null >/dev/null 2>&1 &"""
+
+#: Adds $ACTION to the state on disk and in memory; prints the total in
+#: memory, then the state on disk.
+ACT = f'echo "$ACTION" >>{STATE} && echo "$ACTION" >{TO_MEMORY} && cat {FROM_MEMORY} && cat {STATE}'
 
 
 def median(xs: List[float]) -> float:
@@ -40,20 +56,22 @@ def ints(out: bytes) -> List[int]:
     return [int(x) for x in out.split()]
 
 
-def observe(k: Client, vm: str) -> List[int]:
-    """The environment's state in `vm`."""
-    r = k.exec(vm, ["sh", "-c", f"cat {STATE} 2>/dev/null; true"], timeout=60)
+def prepare(k: Client, vm: str) -> None:
+    """The environment's state, once: an empty file and the process."""
+    r = k.exec(vm, ["sh", "-c", MEMORY], timeout=60)
     if r.status != 0:
-        raise RuntimeError(f"{vm}: reading the state exited {r.status}: {r.stderr!r}")
-    return ints(r.stdout)
+        raise RuntimeError(f"{vm}: preparing the state exited {r.status}: {r.stderr!r}")
 
 
-def act(k: Client, vm: str, action: int) -> List[int]:
-    """Takes `action` in `vm`; what it observes after."""
-    r = k.exec(vm, ["sh", "-c", f'echo "$ACTION" >>{STATE} && cat {STATE}'], env={"ACTION": str(action)}, timeout=60)
+def act(k: Client, vm: str, action: int) -> Tuple[int, List[int]]:
+    """Takes `action` in `vm` (0: only looks); what it observes after: the
+    total in memory and the state on disk."""
+    r = k.exec(vm, ["sh", "-c", ACT if action else f"echo 0 >{TO_MEMORY} && cat {FROM_MEMORY} {STATE}"],
+               env={"ACTION": str(action)}, timeout=60)
     if r.status != 0:
         raise RuntimeError(f"{vm}: the action exited {r.status}: {r.stderr!r}")
-    return ints(r.stdout)
+    got = ints(r.stdout)
+    return got[0], got[1:]
 
 
 def rollouts(k: Client, source: str, steps: int, children: int) -> Dict[str, Any]:
@@ -68,26 +86,32 @@ def rollouts(k: Client, source: str, steps: int, children: int) -> Dict[str, Any
     try:
         for step in range(1, steps + 1):
             t = time.monotonic()
-            state = observe(k, src)
+            memory, state = act(k, src, 0)
             source_ms.append((time.monotonic() - t) * 1000)
             t = time.monotonic()
-            kids = [c["id"] for c in k.fork(src, count=children)["children"]]
+            forked = k.fork(src, count=children)
+            fork_ms = (time.monotonic() - t) * 1000
+            kids = [c["id"] for c in forked["children"]]
             made += kids
+            print(f"step {step}: {children} children of {src} forked in {fork_ms:.1f} ms", flush=True)
             observed: Dict[str, List[int]] = {}
             for i, kid in enumerate(kids):
                 action = 100 * step + i
                 t_exec = time.monotonic()
-                got = act(k, kid, action)
+                got_memory, got = act(k, kid, action)
                 now = time.monotonic()
                 child_exec_ms.append((now - t_exec) * 1000)
                 if i == 0:
                     first_ms.append((now - t) * 1000)
-                if got != state + [action]:
+                print(f"  {kid}: action {action}: observed {got}, {got_memory} in memory ({(now - t_exec) * 1000:.1f} ms)",
+                      flush=True)
+                if got != state + [action] or got_memory != memory + action:
                     raise RuntimeError(
-                        f"step {step}: {kid} observed {got}, not its source's {state} and its own action {action}"
+                        f"step {step}: {kid} observed {got} and {got_memory} in memory, not its source's {state} "
+                        f"and {memory} with its own action {action}"
                     )
                 observed[kid] = got
-            if observe(k, src) != state:
+            if act(k, src, 0) != (memory, state):
                 raise RuntimeError(f"step {step}: the source {src} changed while its children acted")
             best = max(kids, key=lambda c: sum(observed[c]))
             for kid in kids:
@@ -95,8 +119,9 @@ def rollouts(k: Client, source: str, steps: int, children: int) -> Dict[str, Any
                     k.delete(kid)
                     made.remove(kid)
             chosen.append(best)
+            print(f"  kept {best}", flush=True)
             src = best
-        final = observe(k, src)
+        final_memory, final = act(k, src, 0)
     finally:
         for vm in reversed(made):
             try:
@@ -111,6 +136,7 @@ def rollouts(k: Client, source: str, steps: int, children: int) -> Dict[str, Any
         "children": children,
         "chosen": chosen,
         "final_state": final,
+        "final_memory": final_memory,
         "fork_to_first_exec_ms_p50": round(median(first_ms), 1),
         "exec_in_child_ms_p50": round(median(child_exec_ms), 1),
         "exec_on_source_ms_p50": round(median(source_ms), 1),
@@ -126,7 +152,9 @@ def main(argv: List[str]) -> int:
     a = p.parse_args(argv)
     if a.steps < 1 or not 1 <= a.children <= 64:
         p.error("--steps is at least 1, --children 1 to 64")
-    result = rollouts(Client(a.socket, timeout=120), a.source, a.steps, a.children)
+    k = Client(a.socket, timeout=120)
+    prepare(k, a.source)
+    result = rollouts(k, a.source, a.steps, a.children)
     print("rollout:", json.dumps(result, sort_keys=True))
     return 0
 

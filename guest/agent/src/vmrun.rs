@@ -190,7 +190,12 @@ pub fn serve(conn: &mut UnixStream, reaper: &Reaper, run: Run) -> io::Result<()>
             deadline = now + KILL_WAIT;
             continue;
         }
-        let mut fds = vec![pollfd(&exit_r, libc::POLLIN), pollfd(conn, libc::POLLIN)];
+        let mut fds = vec![pollfd(conn, libc::POLLIN)];
+        // Its byte stays unread: once the exit is seen, the pipe would
+        // wake every poll of the drain.
+        if exited.is_none() {
+            fds.push(pollfd(&exit_r, libc::POLLIN));
+        }
         for o in &outs {
             if let Some(p) = &o.pipe {
                 fds.push(pollfd(p, libc::POLLIN));
@@ -317,9 +322,18 @@ mod tests {
     /// Serves `r` on one end of a pair and reads the other's frames up to
     /// the last: (stdout, stderr, the last response).
     fn served(reaper: &Arc<Reaper>, r: Run) -> (Vec<u8>, Vec<u8>, Response) {
+        let (out, err, last, _) = served_timed(reaper, r);
+        (out, err, last)
+    }
+
+    /// [`served`], and the CPU time the serving thread took.
+    fn served_timed(reaper: &Arc<Reaper>, r: Run) -> (Vec<u8>, Vec<u8>, Response, Duration) {
         let (mut a, mut b) = UnixStream::pair().unwrap();
         let reaper = Arc::clone(reaper);
-        let t = std::thread::spawn(move || serve(&mut a, &reaper, r).map(|()| a));
+        let t = std::thread::spawn(move || {
+            let served = serve(&mut a, &reaper, r).map(|()| a);
+            (served, thread_cpu())
+        });
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let last = loop {
             match proto::read_frame::<_, Response>(&mut b).unwrap() {
@@ -330,8 +344,19 @@ mod tests {
                 other => break other,
             }
         };
-        t.join().unwrap().unwrap();
-        (out, err, last)
+        let (served, cpu) = t.join().unwrap();
+        served.unwrap();
+        (out, err, last, cpu)
+    }
+
+    /// This thread's CPU time, user and system.
+    fn thread_cpu() -> Duration {
+        // SAFETY: an all-zero rusage is a valid value to be overwritten.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: RUSAGE_THREAD fills the valid rusage pointed to.
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
+        let tv = |t: libc::timeval| Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64);
+        tv(u.ru_utime) + tv(u.ru_stime)
     }
 
     fn ran(r: &Response) -> &Ran {
@@ -379,7 +404,7 @@ mod tests {
         assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
         // Exits at once, leaving a sleeper holding stdout: answered after the drain.
         let t = Instant::now();
-        let (out, _, last) = served(
+        let (out, _, last, cpu) = served_timed(
             reaper,
             run(
                 json!({"args": ["sh", "-c", "echo hi; sleep 20 & exit 0"]}),
@@ -391,6 +416,8 @@ mod tests {
         assert_eq!((out.as_slice(), ran(&last).status), (&b"hi\n"[..], 0));
         let took = t.elapsed();
         assert!(took >= DRAIN && took < DRAIN + Duration::from_secs(3), "{took:?}");
+        // The drain waits; it does not spin on the exit it has seen.
+        assert!(cpu < Duration::from_millis(500), "the drain took {cpu:?} of CPU");
     }
 
     #[test]

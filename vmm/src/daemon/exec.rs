@@ -110,7 +110,15 @@ pub(super) fn run(daemon: &Daemon, a: &ExecArgs, emit: Option<Emit<'_>>) -> Resu
     let keep = if a.stream { 0 } else { MAX_EXEC_OUTPUT };
     let (out, err) = (Capture::new(keep), Capture::new(keep));
     let stdin_bytes = stdin.as_deref().unwrap_or_default();
-    let outcome = match run_on_kept(&daemon.agent_conns, a, &uds, stdin_bytes, &out, &err, emit)? {
+    let outcome = match run_on_kept(
+        &daemon.agent_conns,
+        a,
+        &uds,
+        stdin_bytes,
+        (&out, &err),
+        emit,
+        RUN_MARGIN,
+    )? {
         Some(o) => o,
         None if a.stream => {
             return Err(ApiError::new(
@@ -129,14 +137,7 @@ pub(super) fn run(daemon: &Daemon, a: &ExecArgs, emit: Option<Emit<'_>>) -> Resu
                 Box::new(err.clone()),
                 stdin.map(|b| Box::new(std::io::Cursor::new(b)) as Box<dyn std::io::Read + Send>),
             );
-            let args = crate::execcli::ExecArgs {
-                env: a.env.clone(),
-                cwd: a.cwd.clone(),
-                user: a.uid.map(|u| (u, a.gid.unwrap_or(u))),
-                timeout: Some(a.timeout()),
-                ..crate::execcli::ExecArgs::in_vm(&a.id, a.command.clone())
-            };
-            crate::execcli::run_outcome(&a.id, uds.clone(), &args, streams).map_err(|e| {
+            crate::execcli::run_outcome(&a.id, uds.clone(), &in_guest(a), streams).map_err(|e| {
                 let code = match e.downcast_ref::<crate::execcli::NotRun>() {
                     Some(crate::execcli::NotRun::Refused(_)) => ErrorCode::InvalidArgument,
                     Some(crate::execcli::NotRun::NoAgent(_)) => ErrorCode::Conflict,
@@ -185,9 +186,9 @@ fn run_on_kept(
     a: &ExecArgs,
     uds: &std::path::Path,
     stdin: &[u8],
-    out: &Capture,
-    err: &Capture,
+    (out, err): (&Capture, &Capture),
     mut emit: Option<Emit<'_>>,
+    margin: std::time::Duration,
 ) -> Result<Option<crate::execcli::Outcome>, ApiError> {
     use k7d_agent::proto::{Bytes, Run, Stream};
     use k7d_shim::agent::{Agent, CallError};
@@ -206,16 +207,15 @@ fn run_on_kept(
     };
     let timeout = a.timeout();
     // The agent kills the command at its timeout and answers at once; past
-    // this margin the connection itself is given up.
-    conn.set_timeout(Some(timeout + RUN_MARGIN))
+    // this margin the connection itself is given up: each read's limit,
+    // and the whole run's (a hostile agent that never stops sending output
+    // must not hold this thread).
+    let deadline = std::time::Instant::now() + timeout + margin;
+    let mut overran = false;
+    conn.set_timeout(Some(timeout + margin))
         .map_err(|e| ApiError::new(ErrorCode::Internal, format!("vm {}: {e}", a.id)))?;
     let run = Run {
-        spec: crate::execcli::process_spec(&crate::execcli::ExecArgs {
-            env: a.env.clone(),
-            cwd: a.cwd.clone(),
-            user: a.uid.map(|u| (u, a.gid.unwrap_or(u))),
-            ..crate::execcli::ExecArgs::in_vm(&a.id, a.command.clone())
-        }),
+        spec: crate::execcli::process_spec(&in_guest(a)),
         stdin: Bytes(stdin.to_vec()),
         timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX).max(1),
         // Streamed, all of it goes on.
@@ -227,6 +227,10 @@ fn run_on_kept(
     };
     let (mut o, mut e) = (out.clone(), err.clone());
     let mut output = |stream: Stream, data: &[u8]| {
+        if std::time::Instant::now() > deadline {
+            overran = true;
+            return false;
+        }
         let _ = match stream {
             Stream::Stderr => e.write_all(data),
             _ => o.write_all(data),
@@ -257,7 +261,27 @@ fn run_on_kept(
                 format!("vm {} refused the exec: the guest agent refused: {message}", a.id),
             ))
         }
+        Err(_) if overran => Err(ApiError::new(
+            ErrorCode::Conflict,
+            format!(
+                "vm {}: its guest agent was still sending output {} s past the exec's timeout; it was given up",
+                a.id,
+                margin.as_secs_f64()
+            ),
+        )),
         Err(lost @ CallError::Lost(_)) => Err(ApiError::new(ErrorCode::Conflict, format!("vm {}: {lost}", a.id))),
+    }
+}
+
+/// `a` as `k7d exec`'s arguments (the process spec and the fallback's).
+#[cfg(feature = "shim")]
+fn in_guest(a: &ExecArgs) -> crate::execcli::ExecArgs {
+    crate::execcli::ExecArgs {
+        env: a.env.clone(),
+        cwd: a.cwd.clone(),
+        user: a.uid.map(|u| (u, a.gid.unwrap_or(u))),
+        timeout: Some(a.timeout()),
+        ..crate::execcli::ExecArgs::in_vm(&a.id, a.command.clone())
     }
 }
 
@@ -369,7 +393,7 @@ mod tests {
         let kept = super::super::agent_conns::AgentConns::default();
         for i in 0..3 {
             let (out, err) = (Capture::new(100), Capture::new(100));
-            let o = run_on_kept(&kept, &a(&["wc"]), &uds, b"abc", &out, &err, None)
+            let o = run_on_kept(&kept, &a(&["wc"]), &uds, b"abc", (&out, &err), None, RUN_MARGIN)
                 .unwrap()
                 .unwrap();
             assert_eq!((o.status, o.timed_out, o.not_started), (3, None, None));
@@ -395,7 +419,7 @@ mod tests {
         let kept = super::super::agent_conns::AgentConns::default();
         let (out, err) = (Capture::new(10), Capture::new(10));
         assert!(
-            run_on_kept(&kept, &a(&["true"]), &old, b"", &out, &err, None)
+            run_on_kept(&kept, &a(&["true"]), &old, b"", (&out, &err), None, RUN_MARGIN)
                 .unwrap()
                 .is_none()
         );
@@ -407,16 +431,65 @@ mod tests {
                 not_found: false,
             }]
         });
-        let e = run_on_kept(&kept, &a(&["x"]), &refusing, b"", &out, &err, None).unwrap_err();
+        let e = run_on_kept(&kept, &a(&["x"]), &refusing, b"", (&out, &err), None, RUN_MARGIN).unwrap_err();
         assert_eq!(e.code, ErrorCode::InvalidArgument);
         assert!(
             e.message.contains("vm v refused the exec") && e.message.contains("not found"),
             "{}",
             e.message
         );
-        let e = run_on_kept(&kept, &a(&["x"]), &dir.join("nobody.vsock"), b"", &out, &err, None).unwrap_err();
+        let e = run_on_kept(
+            &kept,
+            &a(&["x"]),
+            &dir.join("nobody.vsock"),
+            b"",
+            (&out, &err),
+            None,
+            RUN_MARGIN,
+        )
+        .unwrap_err();
         assert_eq!(e.code, ErrorCode::Conflict);
         assert!(e.message.contains("does not answer"), "{}", e.message);
+        // A hostile agent that never stops sending output is given up past
+        // the exec's timeout and the margin (here 0.3 s each).
+        let endless = dir.join("endless.vsock");
+        let l = std::os::unix::net::UnixListener::bind(&endless).unwrap();
+        std::thread::spawn(move || {
+            use std::io::{BufRead, Write};
+            let (mut s, _) = l.accept().unwrap();
+            let mut line = String::new();
+            std::io::BufReader::new(s.try_clone().unwrap())
+                .read_line(&mut line)
+                .unwrap();
+            s.write_all(b"OK 1\n").unwrap();
+            let _: Request = k7d_agent::proto::read_frame(&mut s).unwrap();
+            let hello = Reply::Hello {
+                version: k7d_agent::proto::VERSION,
+                kernel: "x".into(),
+            };
+            k7d_agent::proto::write_frame(&mut s, &Response::Ok(hello)).unwrap();
+            let _: Request = k7d_agent::proto::read_frame(&mut s).unwrap();
+            let chunk = Response::Ok(Reply::Output {
+                stream: Stream::Stdout,
+                data: Bytes(vec![b'y'; 64]),
+            });
+            // 5 s of it, then gone: without the deadline the call fails on
+            // the closed connection, not on the overrun.
+            for _ in 0..1000 {
+                if k7d_agent::proto::write_frame(&mut s, &chunk).is_err() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        });
+        let mut args = a(&["yes"]);
+        args.timeout_s = Some(0.3);
+        let t = std::time::Instant::now();
+        let margin = std::time::Duration::from_millis(300);
+        let e = run_on_kept(&kept, &args, &endless, b"", (&out, &err), None, margin).unwrap_err();
+        assert_eq!(e.code, ErrorCode::Conflict);
+        assert!(e.message.contains("still sending output"), "{}", e.message);
+        assert!(t.elapsed() < std::time::Duration::from_secs(3), "{:?}", t.elapsed());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

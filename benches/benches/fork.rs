@@ -18,9 +18,9 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_benches::qemu_fork::QemuFork;
 use k7d_benches::{env_num, which};
-use k7d_vmm::config::{GuestSpec, VmConfig};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 

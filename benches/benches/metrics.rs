@@ -149,7 +149,7 @@ fn one_round(d: &Daemon) -> Result<(f64, f64)> {
 /// reply, one child) and for one failed request, in ns, printed against
 /// the fork's median (`fork_ms`).
 fn counting_cost(d: &Daemon, fork_ms: f64) -> Result<()> {
-    use k7d_vmm::daemon::api::{ApiError, ErrorCode, Forked, Reply};
+    use k7d_api::api::{ApiError, ErrorCode, Forked, Reply};
     use k7d_vmm::daemon::metrics::Metrics;
     let forked: Forked =
         serde_json::from_value(d.call("fork", serde_json::json!({"id": "src"}))?).context("a fork's reply")?;

@@ -16,10 +16,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use k7d_api::api::{CreateArgs, ForkArgs, Request};
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_benches::daemon::Daemon;
 use k7d_benches::{env_num, k7d_bin, median, time_to_first_stdout_byte};
-use k7d_vmm::config::{GuestSpec, VmConfig};
-use k7d_vmm::daemon::api::{CreateArgs, ForkArgs, Request};
 
 const MODES: [&str; 2] = ["enforce", "off"];
 

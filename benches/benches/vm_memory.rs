@@ -15,10 +15,10 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
+use k7d_api::api::{CreateArgs, Request};
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_benches::daemon::Daemon;
 use k7d_benches::{env_num, k7d_bin};
-use k7d_vmm::config::{GuestSpec, VmConfig};
-use k7d_vmm::daemon::api::{CreateArgs, Request};
 
 /// (the daemon's PSS, the part of it in guest RAM mappings), in KiB.
 fn pss(pid: u32) -> Result<(u64, u64)> {

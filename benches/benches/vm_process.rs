@@ -12,8 +12,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_benches::{env_num, is_root, k7d_bin, median};
-use k7d_vmm::config::{GuestSpec, VmConfig};
 use k7d_vmm::jail::JailConfig;
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::vmproc::handle::VmProcess;

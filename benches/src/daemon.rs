@@ -6,8 +6,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
-use k7d_vmm::daemon::api::Request;
-use k7d_vmm::daemon::client::Client;
+use k7d_api::api::Request;
+use k7d_api::client::Client;
 
 /// The daemon process and where it lives.
 pub struct Daemon {

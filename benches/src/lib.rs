@@ -105,10 +105,10 @@ pub fn is_root() -> bool {
 /// A started VM running the embedded `idle` guest with `mib` MiB of RAM
 /// (the fork benches' sources and cluster members).
 pub fn idle_vm(id: &str, mib: u64) -> Result<k7d_vmm::Vm> {
-    let cfg = k7d_vmm::config::VmConfig {
+    let cfg = k7d_api::config::VmConfig {
         id: Some(id.into()),
         memory_mib: mib,
-        guest: k7d_vmm::config::GuestSpec::Builtin {
+        guest: k7d_api::config::GuestSpec::Builtin {
             name: "idle".into(),
             args: vec![],
         },

@@ -51,9 +51,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let fifo = dir.join("fifo");
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: mkfifo with a valid NUL-terminated path.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        k7d_sys::file::mkfifo(&fifo, 0o600).unwrap();
         let (tx, rx) = std::sync::mpsc::channel();
         let f = fifo.clone();
         std::thread::spawn(move || {

@@ -201,19 +201,7 @@ impl Conn {
     /// idle is worth reusing only then (the VM may have been stopped, or
     /// forked and restored, which closes its vsock connections).
     pub fn idle_and_open(&self) -> bool {
-        use std::os::fd::AsRawFd;
-        let mut b = [0u8; 1];
-        // SAFETY: a valid buffer of one byte on an open socket; MSG_PEEK
-        // leaves the byte unread and MSG_DONTWAIT never blocks.
-        let n = unsafe {
-            libc::recv(
-                self.stream.as_raw_fd(),
-                b.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        n < 0 && std::io::Error::last_os_error().kind() == ErrorKind::WouldBlock
+        k7d_sys::socket::idle_and_open(&self.stream)
     }
 
     /// Sets how long a call may wait for its answer (`None`: forever, for `Wait`).

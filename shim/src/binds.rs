@@ -20,7 +20,6 @@
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -238,21 +237,7 @@ fn make(sources: &[Source], stage: &Path, image: &Path) -> anyhow::Result<()> {
     }
     let mut cmd = Command::new("mkfs.erofs");
     cmd.arg("--quiet").arg(image).arg(stage);
-    // SAFETY: the closure runs in the forked child before exec and makes
-    // only async-signal-safe system calls (unshare, mount: k7d_sys's
-    // wrappers allocate nothing) on C strings built before the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            k7d_sys::mount::unshare_mount_namespace()?;
-            // Private first: a bind made under a shared root would
-            // propagate to the host's namespace.
-            k7d_sys::mount::make_private()?;
-            for (src, at) in &binds {
-                k7d_sys::mount::bind(src, at)?;
-            }
-            Ok(())
-        });
-    }
+    k7d_sys::mount::bind_in_child(&mut cmd, binds);
     crate::image::run_mkfs(&mut cmd, "the bind mounts", MKFS_TIMEOUT)
 }
 

@@ -391,9 +391,7 @@ mod tests {
     fn a_config_that_is_no_regular_file_or_too_big_is_refused() {
         let (dir, _) = write("kernel = \"/k\"\ninitramfs = \"/i\"\n");
         let fifo = dir.join("fifo.toml");
-        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: mkfifo reads the NUL-terminated path it is given.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        k7d_sys::file::mkfifo(&fifo, 0o600).unwrap();
         let e = format!("{:#}", ShimConfig::read(&fifo).unwrap_err());
         assert!(e.ends_with("it is not a regular file"), "{e}");
         let big = dir.join("big.toml");

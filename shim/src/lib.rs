@@ -5,6 +5,7 @@
 //! (`k7d_agent::proto`, over the pod VM's vsock).
 
 pub mod agent;
+pub mod api_daemon;
 mod binds;
 pub mod config;
 pub mod daemon;
@@ -22,7 +23,6 @@ mod task;
 mod template;
 
 use std::path::Path;
-use std::sync::{Arc, OnceLock};
 
 pub use daemon::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
 
@@ -30,55 +30,6 @@ pub use daemon::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
 pub const SHIM_NAME: &str = "containerd-shim-k7d-v2";
 /// The runtime's name in containerd.
 pub const RUNTIME_ID: &str = "io.containerd.k7d.v2";
-
-/// How the shim reaches the daemon at a socket (set by the `k7d` binary).
-pub type Connect = fn(&Path) -> Arc<dyn Daemon>;
-
-static CONNECT: OnceLock<Connect> = OnceLock::new();
-
-fn daemon_at(socket: &Path) -> Arc<dyn Daemon> {
-    match CONNECT.get() {
-        Some(c) => c(socket),
-        None => unreachable_daemon(),
-    }
-}
-
-fn unreachable_daemon() -> Arc<dyn Daemon> {
-    struct NoDaemon;
-    impl Daemon for NoDaemon {
-        fn create(&self, _: &PodVmSpec) -> anyhow::Result<()> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn fork(&self, _: &str, _: &ForkedPod) -> anyhow::Result<()> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn delete(&self, _: &str) -> anyhow::Result<()> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn pause(&self, _: &str) -> anyhow::Result<()> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn resume(&self, _: &str) -> anyhow::Result<()> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn life(&self, _: &str) -> anyhow::Result<VmLife> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn set_medium(&self, _: &str, _: u32, _: Option<&Path>) -> anyhow::Result<()> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn attach_nic(&self, _: &str, _: &PodNic) -> anyhow::Result<()> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn pid(&self) -> anyhow::Result<u32> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-        fn vm_pid(&self, _id: &str) -> anyhow::Result<Option<u32>> {
-            anyhow::bail!("this binary was built without a daemon client")
-        }
-    }
-    Arc::new(NoDaemon)
-}
 
 /// What `k7d pool-fill` did to a warm pool.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -96,11 +47,11 @@ pub struct Filled {
 /// Brings the warm pool of the shim config at `config` (default: as the
 /// shim finds it) to its `pool_size`, for the node service before pods
 /// arrive: boots the members it lacks, removes those beyond its size (all
-/// of them at `pool_size = 0`); `connect` reaches the daemon.
-pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<Filled> {
+/// of them at `pool_size = 0`).
+pub fn fill_pool(config: Option<&Path>) -> anyhow::Result<Filled> {
     let cfg = read_config(config)?;
     tracing::info!(size = cfg.pool_size, "filling the warm pool");
-    let daemon = connect(&cfg.daemon_socket);
+    let daemon = api_daemon::connect(&cfg.daemon_socket);
     retire::sweep(&cfg, &*daemon)?;
     let p = pool::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
     let (booted, removed) = p.refill(&*daemon, &cfg, cfg.boot_timeout())?;
@@ -114,11 +65,11 @@ pub fn fill_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<Fill
 
 /// Makes sure the fork template of the shim config at `config` (default:
 /// as the shim finds it) is booted and paused, for the node service before
-/// fork-started pods arrive; `connect` reaches the daemon. Returns the
+/// fork-started pods arrive. Returns the
 /// template's VM id and whether this call booted it.
-pub fn make_template(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, bool)> {
+pub fn make_template(config: Option<&Path>) -> anyhow::Result<(String, bool)> {
     let cfg = read_config(config)?;
-    let daemon = connect(&cfg.daemon_socket);
+    let daemon = api_daemon::connect(&cfg.daemon_socket);
     retire::sweep(&cfg, &*daemon)?;
     let t = template::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
     let booted = t.ensure(&*daemon, &cfg, (cfg.vcpus, cfg.memory_mib), cfg.boot_timeout())?;
@@ -128,9 +79,9 @@ pub fn make_template(connect: Connect, config: Option<&Path>) -> anyhow::Result<
 /// Empties the warm pool of the shim config at `config` (default: as the
 /// shim finds it) before a node changes that config: returns the pool's
 /// name, the members deleted, and those still booting (left to finish).
-pub fn drain_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, usize, usize)> {
+pub fn drain_pool(config: Option<&Path>) -> anyhow::Result<(String, usize, usize)> {
     let cfg = read_config(config)?;
-    let daemon = connect(&cfg.daemon_socket);
+    let daemon = api_daemon::connect(&cfg.daemon_socket);
     let p = pool::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
     let (removed, booting) = p.drain(&*daemon)?;
     Ok((p.name(), removed, booting))
@@ -139,9 +90,9 @@ pub fn drain_pool(connect: Connect, config: Option<&Path>) -> anyhow::Result<(St
 /// Deletes the fork template of the shim config at `config` (default: as
 /// the shim finds it) before a node changes that config: returns the
 /// template's VM id and whether the daemon had it.
-pub fn remove_template(connect: Connect, config: Option<&Path>) -> anyhow::Result<(String, bool)> {
+pub fn remove_template(config: Option<&Path>) -> anyhow::Result<(String, bool)> {
     let cfg = read_config(config)?;
-    let daemon = connect(&cfg.daemon_socket);
+    let daemon = api_daemon::connect(&cfg.daemon_socket);
     let t = template::for_shape(&cfg, cfg.vcpus, cfg.memory_mib);
     let had = t.remove(&*daemon, cfg.boot_timeout() + std::time::Duration::from_secs(30))?;
     Ok((t.vm_id, had))
@@ -155,10 +106,9 @@ fn read_config(config: Option<&Path>) -> anyhow::Result<config::ShimConfig> {
 }
 
 /// Runs the shim (containerd's `start`, `delete`, or the server, from the
-/// process's arguments); `connect` reaches the daemon. Exits the process
-/// with status 1 on failure, as containerd's shims do.
-pub fn run(connect: Connect) {
-    let _ = CONNECT.set(connect);
+/// process's arguments). Exits the process with status 1 on failure, as
+/// containerd's shims do.
+pub fn run() {
     // No reaper: the library's SIGCHLD handler would reap the shim's own
     // children (mkfs.erofs) before `Command` could (ECHILD); the shim
     // starts no container process on the host, so there is nothing else

@@ -51,12 +51,8 @@ impl Node {
         let rlimits = RLIMITS
             .iter()
             .filter_map(|&(name, resource)| {
-                let mut lim = libc::rlimit {
-                    rlim_cur: 0,
-                    rlim_max: 0,
-                };
-                // SAFETY: `lim` is a valid rlimit the call fills in.
-                (unsafe { libc::getrlimit(resource, &mut lim) } == 0).then_some((name, lim.rlim_cur, lim.rlim_max))
+                let (soft, hard) = k7d_sys::file::rlimit(resource).ok()?;
+                Some((name, soft, hard))
             })
             .collect();
         let sysctls = NODE_SYSCTLS

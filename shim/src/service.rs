@@ -109,7 +109,7 @@ impl Shim for K7dShim {
                 Err(_) => (PathBuf::from("/run/k7d/shim"), PathBuf::from("/run/k7d/k7d.sock")),
             };
             let names = pod_names(&state_dir, &self.namespace, &self.id).resolved();
-            let daemon = crate::daemon_at(&socket);
+            let daemon = crate::api_daemon::connect(&socket);
             for id in names.vm_ids() {
                 if let Err(e) = daemon.delete(&id) {
                     tracing::warn!("delete: cannot remove the pod VM {id}: {e:#}");
@@ -137,6 +137,11 @@ impl Shim for K7dShim {
 
     fn create_task_service(&self, publisher: RemotePublisher) -> Service {
         let socket = ShimConfig::load().map_or_else(|_| PathBuf::from("/run/k7d/k7d.sock"), |c| c.daemon_socket);
-        Service::new(&self.namespace, crate::daemon_at(&socket), publisher, self.exit.clone())
+        Service::new(
+            &self.namespace,
+            crate::api_daemon::connect(&socket),
+            publisher,
+            self.exit.clone(),
+        )
     }
 }

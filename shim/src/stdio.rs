@@ -219,9 +219,7 @@ mod tests {
 
     fn fifo(dir: &std::path::Path) -> PathBuf {
         let p = dir.join("fifo");
-        let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
-        // SAFETY: a NUL-terminated path that outlives the call.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        k7d_sys::file::mkfifo(&p, 0o600).unwrap();
         p
     }
 

@@ -7,7 +7,7 @@ pub mod wire;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use k7d_vmm::config::{GuestSpec, VmConfig};
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_vmm::{Vm, VmOptions};
 
 /// A unique scratch directory under the system temp dir, removed on drop.
@@ -63,7 +63,7 @@ pub fn cached_cloud_kernel() -> Option<PathBuf> {
 /// `vm_build_linux` budget bounds: `kernel` and `initrd`, 2 vCPUs,
 /// 256 MiB, virtio-pci blk (`disk`), net (its own tap) and rng.
 pub fn linux_build_config(kernel: &std::path::Path, initrd: &std::path::Path, disk: &std::path::Path) -> VmConfig {
-    use k7d_vmm::config::{DevicesConfig, DiskConfig, NicConfig};
+    use k7d_api::config::{DevicesConfig, DiskConfig, NicConfig};
     VmConfig {
         vcpus: 2,
         memory_mib: 256,
@@ -176,8 +176,8 @@ impl TestDaemon {
     }
 
     /// A new API connection.
-    pub fn client(&self) -> k7d_vmm::daemon::client::Client {
-        k7d_vmm::daemon::client::Client::connect(&self.dir.0.join("k7d.sock")).expect("connect")
+    pub fn client(&self) -> k7d_api::client::Client {
+        k7d_api::client::Client::connect(&self.dir.0.join("k7d.sock")).expect("connect")
     }
 
     /// Record files (`*.json`) in the state dir.

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
+use k7d_api::api::{ErrorCode, Reply, Request};
 use k7d_guest::{RESULTS_ADDR, result};
 use k7d_tests::{TestDaemon, wait_for};
-use k7d_vmm::daemon::api::{ErrorCode, Reply, Request};
 use k7d_vmm::daemon::store::VmRecord;
 use serde_json::{Value, json};
 
@@ -267,7 +267,7 @@ fn idle(id: &str) -> k7d_vmm::VmConfig {
 /// sent (the raw result and the typed one written back are equal).
 #[test]
 fn every_op_answers_with_the_type_its_op_defines() {
-    use k7d_vmm::daemon::api::{CreateArgs, ForkArgs, PeekArgs, RestoreArgs, SnapshotArgs};
+    use k7d_api::api::{CreateArgs, ForkArgs, PeekArgs, RestoreArgs, SnapshotArgs};
     let d = TestDaemon::start("typed");
     let mut c = d.client();
     let snap = d.dir.0.join("snap");
@@ -358,7 +358,7 @@ fn every_op_answers_with_the_type_its_op_defines() {
 /// source runs on.
 #[test]
 fn a_fork_whose_child_cannot_be_recorded_leaves_no_child() {
-    use k7d_vmm::daemon::api::{CreateArgs, ForkArgs};
+    use k7d_api::api::{CreateArgs, ForkArgs};
     let d = TestDaemon::start("forkfail");
     let mut c = d.client();
     c.call(&Request::Create(CreateArgs {
@@ -368,7 +368,7 @@ fn a_fork_whose_child_cannot_be_recorded_leaves_no_child() {
     .unwrap();
     let blocker = d.dir.0.join("state/vms/src-f2.json");
     std::fs::create_dir(&blocker).unwrap();
-    let fork = |c: &mut k7d_vmm::daemon::client::Client| {
+    let fork = |c: &mut k7d_api::client::Client| {
         c.call(&Request::Fork(ForkArgs {
             id: "src".into(),
             count: 2,
@@ -414,7 +414,7 @@ fn a_fork_whose_child_cannot_be_recorded_leaves_no_child() {
 /// the nine ids reserved before the refusal are free again.
 #[test]
 fn a_refused_fork_releases_the_ids_it_reserved() {
-    use k7d_vmm::daemon::api::{CreateArgs, ForkArgs};
+    use k7d_api::api::{CreateArgs, ForkArgs};
     let d = TestDaemon::start("forklong");
     let mut c = d.client();
     let id = "s".repeat(60); // "<id>-f9" is 63 bytes, "<id>-f10" is 64
@@ -449,8 +449,8 @@ fn a_refused_fork_releases_the_ids_it_reserved() {
 /// resume fails, that is the error.
 #[test]
 fn with_paused_resumes_after_a_failure_and_reports_both_errors() {
+    use k7d_api::api::ApiError;
     use k7d_vmm::StopReason;
-    use k7d_vmm::daemon::api::ApiError;
     use k7d_vmm::daemon::with_paused;
     let dir = k7d_tests::TempDir::new("withpaused");
     let cfg = k7d_tests::builtin("memwriter", 1, 16, &[4, 2097152, 0]);
@@ -557,12 +557,10 @@ fn returns_in_time<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) ->
 /// writer that will not come.
 #[test]
 fn a_fifo_in_place_of_a_guest_file_is_refused_without_blocking() {
-    use k7d_vmm::config::GuestSpec;
+    use k7d_api::config::GuestSpec;
     let dir = k7d_tests::TempDir::new("fifo");
     let fifo = dir.0.join("fifo");
-    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-    // SAFETY: mkfifo with a valid NUL-terminated path.
-    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    k7d_sys::file::mkfifo(&fifo, 0o600).unwrap();
     let opts = k7d_vmm::VmOptions {
         serial_log: Some(dir.0.join("serial.log")),
         ..Default::default()
@@ -605,7 +603,7 @@ fn a_fifo_in_place_of_a_guest_file_is_refused_without_blocking() {
 /// taken ("being deleted"); once the create gets it, its record stays.
 #[test]
 fn a_create_racing_a_delete_of_its_id_keeps_its_record() {
-    use k7d_vmm::daemon::api::CreateArgs;
+    use k7d_api::api::CreateArgs;
     let d = TestDaemon::start("delete-race");
     let sock = d.dir.0.join("k7d.sock");
     for round in 0..60 {
@@ -617,7 +615,7 @@ fn a_create_racing_a_delete_of_its_id_keeps_its_record() {
         .unwrap();
         let sock2 = sock.clone();
         let creator = std::thread::spawn(move || {
-            let mut c = k7d_vmm::daemon::client::Client::connect(&sock2).unwrap();
+            let mut c = k7d_api::client::Client::connect(&sock2).unwrap();
             for _ in 0..20_000 {
                 match c.call(&Request::Create(CreateArgs {
                     config: idle("x"),
@@ -647,13 +645,13 @@ fn a_create_racing_a_delete_of_its_id_keeps_its_record() {
 /// live children leaves them running on the base they hold.
 #[test]
 fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
-    use k7d_vmm::daemon::api::ForkArgs;
+    use k7d_api::api::ForkArgs;
     let d = TestDaemon::start("fork-budget");
     let mut cfg = k7d_tests::builtin("memwriter", 1, 8, &[16, 0x20_0000, 1]);
     cfg.id = Some("bud".into());
     cfg.fork.max_children = Some(3);
     d.daemon
-        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+        .handle(Request::Create(k7d_api::api::CreateArgs {
             config: cfg,
             start: true,
         }))
@@ -710,7 +708,7 @@ fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
     cfg.id = Some("ram".into());
     cfg.fork.max_children_memory_mib = Some(20);
     d.daemon
-        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+        .handle(Request::Create(k7d_api::api::CreateArgs {
             config: cfg,
             start: true,
         }))
@@ -735,7 +733,7 @@ fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
     assert_eq!(info("bud-f3").status, "running");
     assert_eq!(info("bud-f3").parent.as_deref(), Some("bud (deleted)"));
     d.daemon
-        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+        .handle(Request::Create(k7d_api::api::CreateArgs {
             config: idle("bud"),
             start: false,
         }))
@@ -749,13 +747,13 @@ fn fork_budgets_refuse_with_a_sentence_and_children_outlive_their_source() {
 /// source without vsock is refused with a sentence and makes nothing.
 #[test]
 fn a_fork_names_its_one_child_and_refuses_what_does_not_fit() {
-    use k7d_vmm::config::DatapathNicConfig;
-    use k7d_vmm::daemon::api::ForkArgs;
+    use k7d_api::api::ForkArgs;
+    use k7d_api::config::DatapathNicConfig;
     let d = TestDaemon::start("fork-named");
     let mut cfg = k7d_tests::builtin("memwriter", 1, 8, &[16, 0x20_0000, 1]);
     cfg.id = Some("tpl".into());
     d.daemon
-        .handle(Request::Create(k7d_vmm::daemon::api::CreateArgs {
+        .handle(Request::Create(k7d_api::api::CreateArgs {
             config: cfg,
             start: true,
         }))

@@ -3,8 +3,8 @@
 //! cluster of its own), delete as one, the shared id namespace, bad input
 //! refused with a sentence, and nothing left.
 
+use k7d_api::api::{ClusterArgs, CreateArgs, ErrorCode, ForkArgs, Reply, Request};
 use k7d_tests::{TestDaemon, wait_for};
-use k7d_vmm::daemon::api::{ClusterArgs, CreateArgs, ErrorCode, ForkArgs, Reply, Request};
 use std::time::Duration;
 
 fn memwriter(id: &str) -> k7d_vmm::VmConfig {
@@ -431,7 +431,7 @@ fn a_cluster_has_a_private_bridge_and_each_fork_one_of_its_own() {
         cfg.devices.disks.clear();
         cfg.devices.rng = false;
         cfg.devices.nics = (0..nics)
-            .map(|i| k7d_vmm::config::NicConfig {
+            .map(|i| k7d_api::config::NicConfig {
                 tap: (i == 1).then(|| out_tap.to_string()),
                 ..Default::default()
             })

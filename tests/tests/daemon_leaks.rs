@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
+use k7d_api::api::{CreateArgs, Request};
 use k7d_tests::{TestDaemon, open_fds, thread_count, wait_for};
-use k7d_vmm::daemon::api::{CreateArgs, Request};
 
 const N: usize = 50;
 
@@ -42,7 +42,7 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
         .map(|i| {
             let sock = sock.clone();
             std::thread::spawn(move || {
-                let mut c = k7d_vmm::daemon::client::Client::connect(&sock).unwrap();
+                let mut c = k7d_api::client::Client::connect(&sock).unwrap();
                 let mut cfg = k7d_tests::builtin("idle", 1, 8, &[]);
                 cfg.id = Some(format!("vm{i:02}"));
                 c.call(&Request::Create(CreateArgs {
@@ -72,7 +72,7 @@ fn fifty_concurrent_vms_leave_nothing_behind() {
         .map(|i| {
             let sock = sock.clone();
             std::thread::spawn(move || {
-                let mut c = k7d_vmm::daemon::client::Client::connect(&sock).unwrap();
+                let mut c = k7d_api::client::Client::connect(&sock).unwrap();
                 c.call(&Request::Delete(format!("vm{i:02}"))).unwrap()
             })
         })

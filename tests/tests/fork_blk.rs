@@ -9,10 +9,10 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use k7d_api::config::{DiskConfig, VmConfig};
 use k7d_guest::{RESULTS_ADDR, result};
 use k7d_tests::blk_driver::{BLOCK, BlkDriver, Layout};
 use k7d_tests::{Reaper, TempDir, boot, builtin, read_u32, wait_for};
-use k7d_vmm::config::{DiskConfig, VmConfig};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 

@@ -8,12 +8,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use k7d_api::config::{NicConfig, VsockConfig};
 use k7d_guest::{RESULTS_ADDR, result};
 use k7d_test_skip::skip;
 use k7d_tests::net_driver::{BUF, Layout, NetDriver};
 use k7d_tests::wire::Wire;
 use k7d_tests::{Reaper, TempDir, boot, builtin, read_u32, wait_for};
-use k7d_vmm::config::{NicConfig, VsockConfig};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 
@@ -145,7 +145,7 @@ fn is_socket(p: &std::path::Path) -> bool {
 
 #[test]
 fn a_forked_disk_freezes_its_image_until_the_last_vm_is_gone() {
-    use k7d_vmm::config::DiskConfig;
+    use k7d_api::config::DiskConfig;
     let dir = TempDir::new("fork-frozen");
     let img = dir.0.join("disk.img");
     std::fs::write(&img, vec![7u8; 1 << 20]).unwrap();

@@ -8,10 +8,10 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use k7d_api::config::DiskConfig;
 use k7d_devices::virtio::transport::layout::{self, common};
 use k7d_tests::blk_driver::{BlkDriver, Layout};
 use k7d_tests::{TempDir, boot, builtin, wait_for};
-use k7d_vmm::config::DiskConfig;
 use k7d_vmm::{Vm, VmOptions};
 
 const MIB: u64 = 1 << 20;

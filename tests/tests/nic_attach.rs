@@ -4,9 +4,9 @@
 //! refused with one sentence, a failed attach leaves the NIC bare with its
 //! tap at home, and the attachment leaves with the VM.
 
+use k7d_api::config::{DatapathNicConfig, NicConfig, NodeConfig};
 use k7d_test_skip::skip;
 use k7d_tests::{TempDir, boot, builtin};
-use k7d_vmm::config::{DatapathNicConfig, NicConfig, NodeConfig};
 
 fn ip(args: &[&str]) -> std::process::Output {
     std::process::Command::new("ip").args(args).output().expect("ip")

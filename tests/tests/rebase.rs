@@ -203,8 +203,8 @@ fn a_rebased_source_forks_exactly_and_copies_only_what_it_wrote_since() {
 
 #[test]
 fn the_daemon_rebases_a_source_past_its_threshold_and_leaves_the_others() {
+    use k7d_api::api::{CreateArgs, ErrorCode, ForkArgs, Reply, Request};
     use k7d_tests::TestDaemon;
-    use k7d_vmm::daemon::api::{CreateArgs, ErrorCode, ForkArgs, Reply, Request};
     let d = TestDaemon::start("rebase-policy");
     let _rebaser = k7d_vmm::daemon::Rebaser::start(&d.daemon, Duration::from_millis(50)).unwrap();
     let create = |id: &str, pct: Option<u32>| {

@@ -244,7 +244,7 @@ fn a_pool_fills_trims_and_leaves_no_thread_or_fd() {
 
 #[test]
 fn the_daemon_keeps_shells_for_the_vms_that_ask_and_forks_into_them() {
-    use k7d_vmm::daemon::api::{CreateArgs, ForkArgs, Reply, Request};
+    use k7d_api::api::{CreateArgs, ForkArgs, Reply, Request};
     let _one = serial();
     let d = TestDaemon::start("shells-daemon");
     let _keeper = k7d_vmm::daemon::ShellKeeper::start(&d.daemon, Duration::from_millis(20)).unwrap();

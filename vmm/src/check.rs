@@ -395,7 +395,7 @@ fn shim_items() -> Vec<Item> {
             ),
         });
     }
-    let daemon = crate::shim_host::connect(&cfg.daemon_socket);
+    let daemon = k7d_shim::api_daemon::connect(&cfg.daemon_socket);
     out.push(match daemon.pid() {
         Ok(pid) => item(
             "shim-daemon",

@@ -374,10 +374,10 @@ fn follow_resizes(vm: &str, uds: &std::path::Path, process: &ProcessRef) {
 /// `k7d exec --api`: the command through the daemon's `exec` op; its
 /// output written out as the daemon kept it, its status k7d's own.
 pub fn run_through_daemon(socket: &std::path::Path, vm: &str, a: &ExecArgs) -> Result<ExitCode> {
-    use crate::daemon::api::{ApiError, ExecArgs as ApiExecArgs, MAX_EXEC_STDIN, Reply, Request};
-    use crate::daemon::client::Client;
     use anyhow::Context as _;
     use base64::Engine as _;
+    use k7d_api::api::{ApiError, ExecArgs as ApiExecArgs, MAX_EXEC_STDIN, Reply, Request};
+    use k7d_api::client::Client;
     use std::io::IsTerminal;
     // stdin whole, unless it is a terminal (which would wait for ^D).
     let stdin = if std::io::stdin().is_terminal() {

@@ -1,7 +1,8 @@
 //! The k7d VMM: VMs on KVM (memfd RAM, vCPU threads, device bus), the daemon
-//! that owns them, its JSON API, and the CLI.
+//! that owns them and serves its JSON API, and the CLI.
 //!
-//! Code map: [`config`] (what users ask for) → [`vstate`] (the machine:
+//! Code map: `k7d_api` (the wire types: what users ask for, the API, its
+//! client) → [`vstate`] (the machine:
 //! memory, vCPUs, control, [`vstate::vm::Vm`]) → [`daemon`] (records, API
 //! server, many VMs in one process) → `main.rs` (CLI). [`check`] reports host
 //! readiness; [`budgets`] holds every latency budget; [`diag`] is the
@@ -10,7 +11,6 @@
 pub mod arch;
 pub mod budgets;
 pub mod check;
-pub mod config;
 #[cfg(feature = "shim")]
 pub mod cpcli;
 pub mod daemon;
@@ -24,16 +24,17 @@ pub mod execcli;
 pub mod jail;
 pub mod netcli;
 pub mod seccomp;
-#[cfg(feature = "shim")]
-pub mod shim_host;
 pub mod sys;
 pub mod vmproc;
 pub mod vstate;
 
-pub use config::VmConfig;
-pub use vstate::control::StopReason;
+// The wire types live in `k7d-api` (shared with the CLI and the shim); the
+// runtime reaches its config as `crate::config`.
+use k7d_api::config;
+
+pub use k7d_api::{RngReseed, StopReason, VmConfig, VmState};
 pub use vstate::fork::ChildSpec;
-pub use vstate::vm::{RngReseed, Vm, VmError, VmOptions, VmState};
+pub use vstate::vm::{Vm, VmError, VmOptions};
 
 /// vm-memory, re-exported so tests use the exact version k7d maps RAM with.
 pub use vm_memory as vm_memory_reexport;

@@ -9,15 +9,15 @@ use anyhow::{Context, Result, anyhow};
 use clap::{Args, Parser, Subcommand};
 use serde_json::json;
 
-use k7d_vmm::config::{
-    DevicesConfig, DiskConfig, GuestSpec, NicConfig, NodeConfig, SerialConfig, VmConfig, VsockConfig,
-};
-use k7d_vmm::daemon::Daemon;
-use k7d_vmm::daemon::api::{
+use k7d_api::api::{
     ApiError, ClusterArgs, CreateArgs, ForkArgs, MediumArgs, PeekArgs, Reply, Request, RestoreArgs, SnapshotArgs,
     VmInfo, VmList,
 };
-use k7d_vmm::daemon::client::{self, Client};
+use k7d_api::client::{self, Client};
+use k7d_api::config::{
+    DevicesConfig, DiskConfig, GuestSpec, NicConfig, NodeConfig, SerialConfig, VmConfig, VsockConfig,
+};
+use k7d_vmm::daemon::Daemon;
 use k7d_vmm::daemon::server::{self, Access, Server, ServerConfig};
 use k7d_vmm::netcli::NetCmd;
 use k7d_vmm::{StopReason, Vm, VmOptions, check};
@@ -258,7 +258,7 @@ fn parse_nic(s: &str) -> Result<NicConfig> {
         }
     }
     if let Some(mode) = mode {
-        n.datapath = Some(k7d_vmm::config::DatapathNicConfig {
+        n.datapath = Some(k7d_api::config::DatapathNicConfig {
             mode,
             netns: netns.ok_or_else(|| anyhow!("--nic {s}: datapath= needs netns=PATH (the pod's netns)"))?,
             pod_if: pod_if.ok_or_else(|| anyhow!("--nic {s}: datapath= needs pod-if=NAME (the pod's veth)"))?,
@@ -337,7 +337,7 @@ impl GuestArgs {
                 vsock: self.vsock.as_deref().map(parse_vsock).transpose()?,
                 vmgenid: self.no_vmgenid.then_some(false),
             },
-            fork: k7d_vmm::config::ForkBudget {
+            fork: k7d_api::config::ForkBudget {
                 max_children: self.max_children,
                 max_children_memory_mib: self.max_children_memory_mib,
                 max_children_disk_mib: self.max_children_disk_mib,
@@ -850,7 +850,7 @@ fn main() -> ExitCode {
         .and_then(|a| std::path::Path::new(&a).file_name().map(|n| n == k7d_shim::SHIM_NAME))
         .unwrap_or(false)
     {
-        k7d_shim::run(k7d_vmm::shim_host::connect);
+        k7d_shim::run();
         return ExitCode::SUCCESS;
     }
     let cli = Cli::parse();
@@ -969,7 +969,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         Cmd::PoolFill { config, after_s } => {
             init_logs("info");
             std::thread::sleep(std::time::Duration::from_secs(after_s));
-            let f = k7d_shim::fill_pool(k7d_vmm::shim_host::connect, config.as_deref())?;
+            let f = k7d_shim::fill_pool(config.as_deref())?;
             if cli.json {
                 out!(
                     "{}",
@@ -992,7 +992,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         #[cfg(feature = "shim")]
         Cmd::PoolDrain { config } => {
             init_logs("info");
-            let (pool, removed, booting) = k7d_shim::drain_pool(k7d_vmm::shim_host::connect, config.as_deref())?;
+            let (pool, removed, booting) = k7d_shim::drain_pool(config.as_deref())?;
             if cli.json {
                 out!("{}", json!({"pool": pool, "removed": removed, "booting": booting}));
             } else {
@@ -1003,7 +1003,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         #[cfg(feature = "shim")]
         Cmd::TemplateRemove { config } => {
             init_logs("info");
-            let (vm, had) = k7d_shim::remove_template(k7d_vmm::shim_host::connect, config.as_deref())?;
+            let (vm, had) = k7d_shim::remove_template(config.as_deref())?;
             if cli.json {
                 out!("{}", json!({"template": vm, "removed": had}));
             } else {
@@ -1014,7 +1014,7 @@ fn real_main(cli: Cli, process_start: Instant) -> Result<ExitCode> {
         #[cfg(feature = "shim")]
         Cmd::TemplateMake { config } => {
             init_logs("info");
-            let (vm, booted) = k7d_shim::make_template(k7d_vmm::shim_host::connect, config.as_deref())?;
+            let (vm, booted) = k7d_shim::make_template(config.as_deref())?;
             if cli.json {
                 out!("{}", json!({"template": vm, "booted": booted}));
             } else {
@@ -1181,10 +1181,10 @@ fn api_request(cmd: ApiCmd) -> Result<Request> {
             pod_uid,
             pod_namespace,
             pod_name,
-        } => Request::NicAttach(k7d_vmm::daemon::api::NicAttachArgs {
+        } => Request::NicAttach(k7d_api::api::NicAttachArgs {
             id,
             nic,
-            datapath: k7d_vmm::config::DatapathNicConfig {
+            datapath: k7d_api::config::DatapathNicConfig {
                 mode,
                 netns: std::path::absolute(&netns).unwrap_or(netns),
                 pod_if,

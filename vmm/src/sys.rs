@@ -215,19 +215,6 @@ pub fn raise_nofile_limit() -> io::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
-/// Total RAM of this host in bytes (`MemTotal`).
-pub fn host_ram_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map(|kb| kb * 1024)
-        .unwrap_or(u64::MAX)
-}
-
 /// Asks the kernel to back `[addr, addr + len)` with transparent huge pages
 /// (`MADV_HUGEPAGE`). For a shared memfd mapping this takes effect when
 /// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` is `advise`,

@@ -58,8 +58,8 @@ impl DaemonProc {
         let t = Instant::now();
         loop {
             if let Ok(mut c) =
-                k7d_vmm::daemon::client::Client::connect_with_timeout(&dir.join("k7d.sock"), Duration::from_secs(2))
-                && c.call(&k7d_vmm::daemon::api::Request::Version).is_ok()
+                k7d_api::client::Client::connect_with_timeout(&dir.join("k7d.sock"), Duration::from_secs(2))
+                && c.call(&k7d_api::api::Request::Version).is_ok()
             {
                 break;
             }

@@ -7,7 +7,7 @@
 use std::sync::mpsc;
 use std::time::Duration;
 
-use k7d_vmm::config::{GuestSpec, VmConfig};
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_vmm::seccomp::{self, DeviceSandbox, Mode};
 use k7d_vmm::{StopReason, Vm, VmOptions};
 

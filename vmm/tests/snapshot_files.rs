@@ -7,16 +7,14 @@
 //! complete snapshot.
 
 use std::collections::HashSet;
-use std::ffi::CString;
 use std::fs::File;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_guest::{RESULTS_ADDR, result};
-use k7d_vmm::config::{GuestSpec, VmConfig};
 use k7d_vmm::vm_memory_reexport::{Bytes, GuestAddress};
 use k7d_vmm::{Vm, VmOptions};
 use sha2::{Digest, Sha256};
@@ -168,10 +166,7 @@ fn flip_bit(path: &Path, at: u64) {
 }
 
 fn mkfifo(path: &Path) {
-    let c = CString::new(path.as_os_str().as_bytes()).unwrap();
-    // SAFETY: a NUL-terminated path; mkfifo touches no memory of ours.
-    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
-    assert_eq!(rc, 0, "mkfifo {}", path.display());
+    k7d_sys::file::mkfifo(path, 0o600).unwrap_or_else(|e| panic!("mkfifo {}: {e}", path.display()));
 }
 
 #[test]

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use k7d_vmm::config::{GuestSpec, VmConfig};
+use k7d_api::config::{GuestSpec, VmConfig};
 use k7d_vmm::jail::JailConfig;
 use k7d_vmm::vmproc::handle::VmProcess;
 use k7d_vmm::vmproc::proto::{Reply, Request};

@@ -169,6 +169,31 @@ pub fn read_open_regular_file(f: std::fs::File, max: u64) -> std::io::Result<Vec
     Ok(data)
 }
 
+/// `mkfifo(2)`: a FIFO at `path` with `mode` (less the umask).
+pub fn mkfifo(path: &std::path::Path, mode: libc::mode_t) -> io::Result<()> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "the path has a NUL byte"))?;
+    // SAFETY: a NUL-terminated path that outlives the call.
+    if unsafe { libc::mkfifo(c.as_ptr(), mode) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `getrlimit(2)`: the calling process's (soft, hard) limit of `resource`
+/// (`libc::RLIMIT_*`).
+pub fn rlimit(resource: libc::__rlimit_resource_t) -> io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `lim` is a valid rlimit the call fills in.
+    if unsafe { libc::getrlimit(resource, &mut lim) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok((lim.rlim_cur, lim.rlim_max))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

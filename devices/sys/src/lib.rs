@@ -7,14 +7,15 @@
 //!   between files and guest memory (vm-memory's `VolatileSlice`), `poll`,
 //!   `O_NONBLOCK` on and off.
 //! - [`file`]: `flock`, the page size, data extents (`SEEK_DATA` /
-//!   `SEEK_HOLE`), `copy_file_range`, `fallocate`.
+//!   `SEEK_HOLE`), `copy_file_range`, `fallocate`, `mkfifo`, `getrlimit`.
 //! - [`mount`]: `mount(2)` (binds, private propagation), lazy unmounts, a
-//!   mount namespace of one's own, a path's filesystem type and whether it
-//!   is a mount's root.
+//!   mount namespace of one's own (also for a child before its exec, with
+//!   binds), a path's filesystem type and whether it is a mount's root.
 //! - [`netif`]: a thread's network namespace (`setns`) and its interfaces'
 //!   IPv4 address and MTU (`getifaddrs`, `SIOC*IF*`).
 //! - [`random`]: the kernel's CSPRNG (`getrandom`).
-//! - [`socket`]: connecting unix stream sockets without blocking.
+//! - [`socket`]: connecting unix stream sockets without blocking; whether
+//!   a kept connection is idle and open.
 //! - [`thread`]: the calling thread's id.
 //! - [`tap`]: tap queues (`TUNSETIFF`, `TUNSETOFFLOAD`, `TUNSETVNETHDRSZ`,
 //!   `TUNSETQUEUE`) and the [`tap::Tap`] a virtio-net device takes.

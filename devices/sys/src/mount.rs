@@ -57,6 +57,29 @@ pub fn unshare_mount_namespace() -> io::Result<()> {
     Ok(())
 }
 
+/// Makes `cmd`'s child, between its fork and its exec, enter a mount
+/// namespace of its own (private, so nothing propagates back) and bind
+/// each `(source, target)` of `binds` there: the binds exist only for that
+/// program and vanish with it.
+pub fn bind_in_child(cmd: &mut std::process::Command, binds: Vec<(std::ffi::CString, std::ffi::CString)>) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec and makes
+    // only async-signal-safe system calls (unshare, mount: this module's
+    // wrappers allocate nothing) on C strings built before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            unshare_mount_namespace()?;
+            // Private first: a bind made under a shared root would
+            // propagate to the namespace it was copied from.
+            make_private()?;
+            for (src, at) in &binds {
+                bind(src, at)?;
+            }
+            Ok(())
+        });
+    }
+}
+
 /// The type (`statfs(2)`'s `f_type`, a filesystem magic) of the
 /// filesystem `path` is on.
 pub fn filesystem_type(path: &CStr) -> io::Result<i64> {

@@ -101,6 +101,24 @@ pub fn connect_with_timeout(path: &Path, timeout: Duration) -> io::Result<UnixSt
     Ok(stream)
 }
 
+/// Whether a connected stream is still open with nothing unread (a peek of
+/// one byte that would block): a connection kept idle is worth reusing only
+/// then. One the peer closed (a read of 0) or that holds unread bytes is not.
+pub fn idle_and_open(stream: &impl AsRawFd) -> bool {
+    let mut b = [0u8; 1];
+    // SAFETY: a valid buffer of one byte on an open socket; MSG_PEEK leaves
+    // the byte unread and MSG_DONTWAIT never blocks.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            b.as_mut_ptr().cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    n < 0 && io::Error::last_os_error().kind() == io::ErrorKind::WouldBlock
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,5 +1,5 @@
 //! Arbitrary bytes as one API request line, through the daemon's parser
-//! (`daemon::api::parse_request`: envelope, version, op, each op's
+//! (`k7d_api::api::parse_request`: envelope, version, op, each op's
 //! arguments and their validation), the first thing every client byte meets.
 //!
 //! Invariants: no panic, no hang; a line the parser accepts is written back
@@ -8,7 +8,7 @@
 
 #![no_main]
 
-use k7d_vmm::daemon::api::{parse_request, request_line};
+use k7d_api::api::{parse_request, request_line};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -280,8 +280,8 @@ fn reseed(_: &std::path::Path) -> Result<(), String> {
 #[cfg(all(test, feature = "shim"))]
 mod tests {
     use super::*;
-    use crate::daemon::api::ForkedChild;
     use k7d_agent::proto::{Reply, Request, Response};
+    use k7d_api::api::ForkedChild;
     use std::os::unix::net::UnixListener;
     use std::sync::mpsc;
 

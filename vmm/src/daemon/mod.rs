@@ -2,14 +2,12 @@
 //!
 //! A VM lives in this process (forks happen in-process), or, with `k7d
 //! daemon --jail on`, in a jailed VM process of its own that outlives the
-//! daemon (`processes.rs`, issue 36 in progress). [`Daemon`] executes API requests; [`api`] holds the request and result
-//! types the daemon and the CLI share; [`server`] carries them over a unix
-//! socket; [`client`] is the CLI side.
+//! daemon (`processes.rs`, issue 36 in progress). [`Daemon`] executes API requests; `k7d_api::api` holds the request and
+//! result types the daemon, the CLI and the shim share; [`server`] carries
+//! them over a unix socket; `k7d_api::client` is the other side.
 
 mod agent_conns;
 mod agent_reseed;
-pub mod api;
-pub mod client;
 mod clusters;
 pub mod events;
 mod exec;
@@ -25,6 +23,9 @@ pub mod server;
 mod shells;
 pub mod store;
 mod vm_samples;
+
+// The wire types live in `k7d-api`, shared with the CLI and the shim.
+use k7d_api::api;
 
 pub use processes::{IdRange, PROCESS_LOG, VmProcesses};
 pub use rebaser::{REBASE_PERIOD, Rebaser};
@@ -1059,7 +1060,9 @@ impl Daemon {
     fn restore(&self, dir: &Path, id: Option<String>) -> Result<VmInfo, ApiError> {
         self.install(id, true, |id, opts| {
             Vm::restore_from(id, dir, opts).map_err(|e| match e {
-                VmError::Persist(_) | VmError::Io { .. } => ApiError::new(ErrorCode::InvalidArgument, e.to_string()),
+                VmError::Persist(_) | VmError::Snapshot(_) | VmError::Io { .. } => {
+                    ApiError::new(ErrorCode::InvalidArgument, e.to_string())
+                }
                 other => vm_error(other),
             })
         })

@@ -9,29 +9,7 @@
 //! mapping's address for a VM inside the daemon, by the guest RAM memfd's
 //! name (`/memfd:k7d-ram-…`) in a VM process, which holds one VM.
 
-use serde::{Deserialize, Serialize};
-
-/// A VM's guest RAM as the host holds it (bytes): `guest_ram`'s answer.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct GuestRamUsage {
-    /// The VM.
-    pub id: String,
-    /// Resident pages of its RAM mapping.
-    pub resident: u64,
-    /// Of those, its own copies: pages it wrote since its fork (for a VM
-    /// that is no fork child, none: its RAM is its own memfd's).
-    pub copied: u64,
-    /// Its proportional share of the resident pages.
-    pub pss: u64,
-}
-
-impl GuestRamUsage {
-    /// The part of the resident pages still shared with its fork base.
-    pub fn shared(&self) -> u64 {
-        self.resident.saturating_sub(self.copied)
-    }
-}
+pub use k7d_api::state::GuestRamUsage;
 
 /// The name prefix of guest RAM memfds in `/proc/<pid>/smaps`.
 const RAM_MEMFD: &str = "/memfd:k7d-ram-";

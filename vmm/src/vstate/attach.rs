@@ -19,9 +19,9 @@ impl Vm {
         d: &DatapathNicConfig,
         node: &crate::config::NodeConfig,
     ) -> Result<(), VmError> {
-        let id = self.id.clone();
+        let id = self.id().to_string();
         let refuse = |why: String| VmError::Refused(format!("nic {index} of vm {id} cannot be attached: {why}"));
-        check_attachable(&id, &self.config, index, d).map_err(VmError::Refused)?;
+        check_attachable(&id, self.config(), index, d).map_err(VmError::Refused)?;
         if matches!(self.state(), VmState::Stopped { .. }) {
             return Err(self.state_error("attach a NIC"));
         }
@@ -31,12 +31,11 @@ impl Vm {
         let (_, note) = attach_to_pod(&dp, &id, idx, d, 1, true)?;
         // Detached (filters, pins, bridge, the tap in the pod netns) when
         // the VM goes away, as a NIC attached at its build is.
-        self.net_cleanups
-            .push(NetCleanup::new(dp, id.clone(), idx, d.netns.clone(), d.pod_if.clone()));
-        self.config.devices.nics[index].datapath = Some(d.clone());
+        let cleanup = NetCleanup::new(dp, id.clone(), idx, d.netns.clone(), d.pod_if.clone());
+        self.config_mut().devices.nics[index].datapath = Some(d.clone());
         // Where a NIC attached at its build says it: after its backend,
         // before the transport's "; MSI-X ...".
-        if let Some(info) = self.devices.iter_mut().filter(|i| i.kind == "virtio-net").nth(index) {
+        if let Some(info) = self.device_manager_mut().attached_nic(index, Some(cleanup)) {
             let at = info.detail.find("; MSI-X").unwrap_or(info.detail.len());
             info.detail.insert_str(at, &note);
         }

@@ -10,28 +10,25 @@
 use std::collections::VecDeque;
 use std::fs::File;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use k7d_devices::virtio::ForkBackend;
-use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config};
-use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::control::VmControl;
-use super::device_manager::{Wiring, add_linux_platform, build_devices, restore_virtio};
-use super::fork::RamWriters;
+use super::device_manager::{DeviceManager, Wiring, add_linux_platform, build_devices, restore_virtio};
+use super::error::snapshot_io;
 use super::handed::{FileRole, HostFiles};
+use super::kvm::{create_irqchip_and_pit, create_vcpu, create_vm};
 use super::memory::{GuestMemoryMmap, GuestRam};
 use super::persist::{self, MachineState};
 use super::shell::Shell;
 use super::snapshot;
-use super::snapshot::snapshot_io;
-use super::vcpu::{self, VcpuSetupError};
-use super::vm::{Vm, VmError, VmOptions, io};
+use super::vcpu;
+use super::vm::{BuildSteps, Parts, Vm, VmError, VmOptions, io};
 use crate::arch::x86_64 as arch;
 use crate::config::{GuestSpec, VmConfig};
 
-const TSS_ADDR: usize = 0xfffb_d000;
 const BSP_STACK: u64 = 0x7000;
 
 /// What a build starts from.
@@ -67,10 +64,6 @@ pub(super) enum RamSource<'a> {
     /// A fork child of this frozen RAM (plus the pages that diverged from it).
     ChildOf(&'a GuestRam),
 }
-
-/// The steps of a VM's build, in order, with how long each took: what the
-/// VMM does before the guest runs (issue 13; `benches/benches/vm_build.rs`).
-pub type BuildSteps = Vec<(&'static str, Duration)>;
 
 /// Times the steps of a build as they end.
 pub(super) struct StepClock {
@@ -382,67 +375,23 @@ impl Vm {
             serial_probe,
             virtio: virtio.iter().map(Arc::downgrade).collect(),
         });
-        Ok(Self {
-            _diag: diag,
+        Ok(Self::assemble(Parts {
+            diag,
             vcpu_diag,
             id: id.to_string(),
             config: config.clone(),
             control,
-            standby: Some(standby),
-            threads: Vec::new(),
+            standby,
             vcpus: pending,
-            buses: Arc::new(buses),
-            serial,
-            net_cleanups,
-            devices,
-            virtio,
-            ram_writers: RamWriters::default(),
-            disks,
+            devices: DeviceManager::new(buses, serial, devices, virtio, disks, net_cleanups),
             vm_fd,
             ram,
             created,
             build_steps: clock.steps,
             in_shell: from_shell,
-            started: None,
-            pauses: Default::default(),
-            rebases: Default::default(),
-            forked: Default::default(),
             generation_id,
-            rng_warned: Default::default(),
-        })
+        }))
     }
-}
-
-/// A KVM VM with its TSS placed (where the host wants one).
-pub(super) fn create_vm(kvm: &Kvm) -> Result<Arc<VmFd>, VmError> {
-    let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
-    if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
-        tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
-    }
-    Ok(vm_fd)
-}
-
-/// The in-kernel irqchip (PIC, IOAPIC, LAPICs) and PIT, after the
-/// memslots (CHALLENGES.md: a slot added after the irqchip's own waits for
-/// an SRCU grace period).
-pub(super) fn create_irqchip_and_pit(vm_fd: &VmFd) -> Result<(), VmError> {
-    vm_fd
-        .create_irq_chip()
-        .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
-    let pit = kvm_pit_config {
-        flags: KVM_PIT_SPEAKER_DUMMY,
-        ..Default::default()
-    };
-    vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))
-}
-
-/// vCPU `index` of `vm_fd`.
-pub(super) fn create_vcpu(vm_fd: &VmFd, index: u32) -> Result<VcpuFd, VcpuSetupError> {
-    vm_fd.create_vcpu(index.into()).map_err(|source| VcpuSetupError {
-        index,
-        what: "KVM_CREATE_VCPU",
-        source,
-    })
 }
 
 pub(super) fn load_image(spec: &GuestSpec, files: &HostFiles) -> Result<Vec<u8>, VmError> {

@@ -9,81 +9,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
+pub use k7d_api::state::StopReason;
 use thiserror::Error;
-
-/// Why a VM stopped.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case")]
-pub enum StopReason {
-    /// The guest reset the machine, i.e. rebooted (i8042 `0xfe`, the ACPI reset
-    /// register, or `KVM_SYSTEM_EVENT_RESET`). Shown as "guest reboot".
-    GuestReset,
-    /// The guest powered off (`KVM_SYSTEM_EVENT_SHUTDOWN`).
-    GuestPoweroff,
-    /// Someone asked k7d to stop the VM.
-    Requested,
-    /// A vCPU stopped the VM on an exit k7d cannot continue from.
-    VcpuError {
-        /// The vCPU.
-        vcpu: u32,
-        /// The exit (`KVM_EXIT_SHUTDOWN`, ...).
-        exit: String,
-        /// One sentence naming the VM, the vCPU and the exit.
-        message: String,
-    },
-    /// A thread of the VM (a vCPU or a device worker) made a system call its
-    /// seccomp filter denies.
-    SeccompDenied {
-        /// The thread's name.
-        thread: String,
-        /// The call's number (x86_64).
-        syscall: i64,
-        /// One sentence naming the VM, the thread and the call.
-        message: String,
-    },
-    /// The VM's process ended without being asked to (killed, crashed):
-    /// what its daemon saw.
-    ProcessEnded {
-        /// One sentence naming the VM, its process and how it ended.
-        message: String,
-    },
-}
-
-impl std::fmt::Display for StopReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::GuestReset => f.write_str("guest reboot"),
-            Self::GuestPoweroff => f.write_str("guest poweroff"),
-            Self::Requested => f.write_str("stop requested"),
-            Self::VcpuError { message, .. } | Self::SeccompDenied { message, .. } | Self::ProcessEnded { message } => {
-                f.write_str(message)
-            }
-        }
-    }
-}
-
-impl StopReason {
-    /// Its kind, as its serialized `kind` tag names it (a metrics label).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::GuestReset => "guest_reset",
-            Self::GuestPoweroff => "guest_poweroff",
-            Self::Requested => "requested",
-            Self::VcpuError { .. } => "vcpu_error",
-            Self::SeccompDenied { .. } => "seccomp_denied",
-            Self::ProcessEnded { .. } => "process_ended",
-        }
-    }
-
-    /// Whether the guest ended on its own terms (exit status 0 for `k7d run`).
-    pub fn is_clean(&self) -> bool {
-        !matches!(
-            self,
-            Self::VcpuError { .. } | Self::SeccompDenied { .. } | Self::ProcessEnded { .. }
-        )
-    }
-}
 
 /// What the vCPU threads should be doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

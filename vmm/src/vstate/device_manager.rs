@@ -11,19 +11,23 @@ use std::sync::{Arc, Mutex};
 use k7d_devices::bus::{BusDevice, SharedDevice};
 use k7d_devices::irq::IrqLine;
 use k7d_devices::legacy::{I8042, Serial, SerialOutput};
-use k7d_devices::virtio::ForkBackend;
+use k7d_devices::virtio::block::DiskImage;
+use k7d_devices::virtio::transport::VirtioPciState;
+use k7d_devices::virtio::{ForkBackend, RamWriteLog};
 use kvm_ioctls::VmFd;
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use super::control::{StopReason, VmControl};
+use super::error::{VmError, io};
 use super::handed::{FileRole, HostFiles};
 use super::irq::{DeviceMsiRouter, GsiRouting};
 use super::memory::GuestRam;
+use super::options::VmOptions;
 use super::persist::PersistError;
 use super::vcpu::Buses;
-use super::vm::{DeviceInfo, VmError, VmOptions, io};
 use crate::arch::x86_64 as arch;
 use crate::config::VmConfig;
+use k7d_api::state::DeviceInfo;
 
 /// COM1.
 const SERIAL_PORT: u64 = 0x3f8;
@@ -784,6 +788,265 @@ pub(super) fn derived_mac(vm_id: &str, idx: u16) -> [u8; 6] {
 
 pub(super) fn open_log(p: &Path) -> Result<File, VmError> {
     super::handed::open_log(p).map_err(io(format!("cannot open the serial log {}", p.display())))
+}
+
+/// A device's lock (a panic aborts the process, so a poisoned lock is
+/// never met with the device half-changed).
+fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A VM's devices once built: the buses its vCPUs dispatch to, the serial
+/// port, the virtio functions and their disks, the records of the guest
+/// RAM they write, what their NICs leave to undo, and what `info` reports
+/// of them. The virtio functions pause, resume and save their states
+/// together, here. Fields in drop order (the taps close with the buses,
+/// before their cleanups); the `Vm` holds this before its VM fd and RAM.
+pub(super) struct DeviceManager {
+    buses: Arc<Buses>,
+    serial: Arc<Mutex<Serial>>,
+    net_cleanups: Vec<NetCleanup>,
+    info: Vec<DeviceInfo>,
+    /// The virtio functions (also on the buses): paused with the vCPUs.
+    virtio: Vec<VirtioHandle>,
+    /// Writers of guest RAM the fork path must account for besides KVM's
+    /// dirty log and the VM's own bitmap (see `docs/fork.md`).
+    ram_writers: RamWriters,
+    /// Every disk, in config order (a snapshot refuses copy-on-write ones).
+    disks: Vec<Arc<DiskImage>>,
+}
+
+impl DeviceManager {
+    /// What `build_devices` and `add_linux_platform` wired.
+    pub(super) fn new(
+        buses: Buses,
+        serial: Arc<Mutex<Serial>>,
+        info: Vec<DeviceInfo>,
+        virtio: Vec<VirtioHandle>,
+        disks: Vec<Arc<DiskImage>>,
+        net_cleanups: Vec<NetCleanup>,
+    ) -> Self {
+        DeviceManager {
+            buses: Arc::new(buses),
+            serial,
+            net_cleanups,
+            info,
+            virtio,
+            ram_writers: RamWriters::default(),
+            disks,
+        }
+    }
+
+    /// The buses, which each vCPU thread holds.
+    pub(super) fn buses(&self) -> &Arc<Buses> {
+        &self.buses
+    }
+
+    /// The serial port's state (a snapshot or fork carries it).
+    pub(super) fn serial_state(&self) -> k7d_devices::legacy::SerialSnapshot {
+        lock(&self.serial).snapshot()
+    }
+
+    /// The devices as wired (`info`).
+    pub(super) fn info(&self) -> &[DeviceInfo] {
+        &self.info
+    }
+
+    /// NIC `index`'s report, and what undoes its place in a pod's network,
+    /// after a live attach.
+    pub(super) fn attached_nic(&mut self, index: usize, cleanup: Option<NetCleanup>) -> Option<&mut DeviceInfo> {
+        self.net_cleanups.extend(cleanup);
+        self.info.iter_mut().filter(|i| i.kind == "virtio-net").nth(index)
+    }
+
+    /// The virtio functions in bus order.
+    pub(super) fn virtio(&self) -> &[VirtioHandle] {
+        &self.virtio
+    }
+
+    /// Every disk, in config order.
+    pub(super) fn disks(&self) -> &[Arc<DiskImage>] {
+        &self.disks
+    }
+
+    /// Disk `index` now holds `medium` (a medium change).
+    pub(super) fn set_disk(&mut self, index: usize, medium: Arc<DiskImage>) {
+        if let Some(d) = self.disks.get_mut(index) {
+            *d = medium;
+        }
+    }
+
+    /// Restored functions go live, before any vCPU runs. If one cannot, the
+    /// ones already started are reset, and its error comes back.
+    pub(super) fn start_restored(&self) -> Result<(), k7d_devices::virtio::VirtioError> {
+        for (i, d) in self.virtio.iter().enumerate() {
+            let mut dev = lock(d);
+            if let Err(e) = dev.start_restored() {
+                drop(dev);
+                for done in &self.virtio[..i] {
+                    lock(done).reset_device();
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Pauses every function, the vCPUs parked: each drains what it is
+    /// serving and parks, then nothing writes guest RAM. One that cannot
+    /// pause resumes those before it, and the sentence names it (`vm`'s
+    /// vCPUs are to run on).
+    pub(super) fn pause(&self, vm: &str) -> Result<(), VmError> {
+        for (i, d) in self.virtio.iter().enumerate() {
+            let mut dev = lock(d);
+            if let Err(e) = dev.pause() {
+                let name = dev.device_name();
+                drop(dev);
+                for done in self.virtio[..i].iter().rev() {
+                    if let Err(e) = lock(done).resume() {
+                        tracing::error!(vm = %vm, error = %e, "resuming a device after a failed pause failed");
+                    }
+                }
+                return Err(VmError::DeviceState(format!(
+                    "the {name} device could not pause, so vm {vm} keeps running: {e}"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Restarts every function.
+    pub(super) fn resume(&self, vm: &str) -> Result<(), VmError> {
+        for d in &self.virtio {
+            let mut dev = lock(d);
+            dev.resume().map_err(|e| {
+                VmError::DeviceState(format!(
+                    "the {} device of vm {vm} could not resume, so it stays paused: {e}",
+                    dev.device_name()
+                ))
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Every function's state, in bus order (every device parked).
+    pub(super) fn save_states(&self, vm: &str) -> Result<Vec<VirtioPciState>, VmError> {
+        self.virtio
+            .iter()
+            .map(|d| {
+                let mut dev = lock(d);
+                dev.save_state().map_err(|e| {
+                    VmError::DeviceState(format!(
+                        "the state of vm {vm}'s {} device cannot be saved: {e}",
+                        dev.device_name()
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// Each function's counters (`VirtioDevice::counters`), named by kind
+    /// and index among its kind (`net0`, `net1`, ...); those with none left
+    /// out.
+    pub(super) fn counters(&self) -> Vec<(String, Vec<(String, u64)>)> {
+        let mut seen: Vec<&'static str> = Vec::new();
+        let mut out = Vec::new();
+        for d in &self.virtio {
+            let d = lock(d);
+            let kind = d.device_name();
+            let index = seen.iter().filter(|k| **k == kind).count();
+            seen.push(kind);
+            let counters = d.counters();
+            if !counters.is_empty() {
+                out.push((
+                    format!("{kind}{index}"),
+                    counters.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+                ));
+            }
+        }
+        out
+    }
+
+    /// Asks every function for the records of the guest RAM it writes,
+    /// once (all paused); `op` ("forked", "snapshotted") words a refusal.
+    pub(super) fn start_ram_logs(&self, vm: &str, op: &str) -> Result<(), VmError> {
+        self.ram_writers.start(vm, &self.virtio, op)
+    }
+
+    /// Folds what the functions wrote since the last call into `ram`'s
+    /// diverged set (all paused).
+    pub(super) fn harvest_ram_writes_into(&self, ram: &GuestRam) {
+        self.ram_writers.harvest_into(ram);
+    }
+
+    /// The guest addresses the functions wrote since the last call.
+    pub(super) fn drain_ram_writes(&self) -> Vec<u64> {
+        self.ram_writers.drain()
+    }
+
+    /// Forgets what the functions wrote so far (it is in the frozen base).
+    pub(super) fn clear_ram_writes(&self) {
+        self.ram_writers.clear();
+    }
+}
+
+/// The records the devices keep of the guest RAM they write beside the VM's
+/// own bitmap and KVM's dirty log (`VirtioDevice::ram_write_logs`: blk's
+/// own view, vhost's kernel log), collected from every device once, at the
+/// VM's first fork (a fork child's: its first fork or snapshot): the one
+/// seam through which the fork path learns every writer.
+#[derive(Default)]
+struct RamWriters {
+    /// `None` until collected.
+    logs: Mutex<Option<Vec<Arc<dyn RamWriteLog>>>>,
+}
+
+impl RamWriters {
+    /// Folds what the devices wrote since the last call into `ram`'s
+    /// diverged set. Every device is paused.
+    fn harvest_into(&self, ram: &GuestRam) {
+        ram.add_diverged_gpas(self.drain().into_iter());
+    }
+
+    /// The guest addresses the devices wrote since the last call (every
+    /// device is paused).
+    fn drain(&self) -> Vec<u64> {
+        let mut gpas = Vec::new();
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
+            log.drain(&mut |gpa| gpas.push(gpa.0));
+        }
+        gpas
+    }
+
+    /// Asks every device for its records, once (devices paused: a kernel
+    /// backend's log starts at resume); all of them or none. `op` ("forked",
+    /// "snapshotted") words a refusal.
+    fn start(&self, id: &str, virtio: &[VirtioHandle], op: &str) -> Result<(), VmError> {
+        let mut logs = self.logs.lock().unwrap_or_else(|p| p.into_inner());
+        if logs.is_some() {
+            return Ok(());
+        }
+        let mut all = Vec::new();
+        for d in virtio {
+            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+            let more = dev.ram_write_logs().map_err(|e| {
+                VmError::Refused(format!(
+                    "vm {id} cannot be {op}: its {} device cannot record the guest pages it writes: {e}",
+                    dev.device_name()
+                ))
+            })?;
+            all.extend(more);
+        }
+        *logs = Some(all);
+        Ok(())
+    }
+
+    /// Forgets what the devices wrote so far (it is in the frozen base).
+    fn clear(&self) {
+        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
+            log.drain(&mut |_| {});
+        }
+    }
 }
 
 #[cfg(test)]

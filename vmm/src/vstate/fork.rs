@@ -5,12 +5,12 @@
 //! build from a `BuildPlan::Fork`.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use k7d_devices::virtio::{ForkBackend, RamWriteLog, VirtioError};
+use k7d_devices::virtio::{ForkBackend, VirtioError};
 
 use super::builder::BuildPlan;
-use super::device_manager::{VirtioHandle, pin_macs};
+use super::device_manager::pin_macs;
 use super::memory::GuestRam;
 use super::shell::{Shape, Shell};
 use super::vm::{Vm, VmError, VmOptions, VmState};
@@ -36,20 +36,20 @@ impl Vm {
         // once: at this VM's first fork (before the freeze), or for a fork
         // child, frozen from birth, at its own first fork (blk's own view
         // has recorded every write since the child was built).
-        self.ram_writers.start(&self.id, &self.virtio, "forked")?;
-        if self.ram.is_frozen() {
-            self.ram_writers.harvest_into(&self.ram);
-            self.ram.harvest(&self.vm_fd)?;
+        self.device_manager().start_ram_logs(self.id(), "forked")?;
+        if self.ram().is_frozen() {
+            self.device_manager().harvest_ram_writes_into(self.ram());
+            self.ram().harvest(self.vm_fd())?;
         } else {
             // Dirty log on before the freeze, both while nothing runs: no
             // write can fall between them. What the devices wrote before the
             // freeze is in the base: their records start empty.
-            self.ram.set_dirty_log(&self.vm_fd, true)?;
-            self.ram.freeze()?;
-            self.ram_writers.clear();
-            self.ram.harvest(&self.vm_fd)?;
+            self.ram().set_dirty_log(self.vm_fd(), true)?;
+            self.ram().freeze()?;
+            self.device_manager().clear_ram_writes();
+            self.ram().harvest(self.vm_fd())?;
         }
-        self.forked.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.mark_forked();
         Ok(Capture {
             state: self.save_state()?,
             pauses: self.pauses(),
@@ -63,16 +63,16 @@ impl Vm {
         if !matches!(self.state(), VmState::Paused | VmState::Created) {
             return Err(self.state_error("fork"));
         }
-        if let Some(i) = self.config.devices.nics.iter().position(|n| n.datapath.is_some()) {
+        if let Some(i) = self.config().devices.nics.iter().position(|n| n.datapath.is_some()) {
             return Err(VmError::Refused(format!(
                 "vm {} cannot be forked: its nic {i} is attached through the datapath, and a child would need its own pod network",
-                self.id
+                self.id()
             )));
         }
-        for d in &self.virtio {
+        for d in self.device_manager().virtio() {
             let dev = d.lock().unwrap_or_else(|p| p.into_inner());
             dev.can_fork()
-                .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id)))?;
+                .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id())))?;
         }
         Ok(())
     }
@@ -113,9 +113,9 @@ impl Vm {
                 "a shell for {} vCPUs and {} MiB cannot hold a child of vm {} ({} vCPUs, {} MiB)",
                 s.shape().vcpus,
                 s.shape().ram >> 20,
-                self.id,
-                self.config.vcpus,
-                self.ram.size() >> 20
+                self.id(),
+                self.config().vcpus,
+                self.ram().size() >> 20
             )));
         }
         // The capture holds only while this VM has stood still since.
@@ -125,25 +125,25 @@ impl Vm {
         {
             return Err(VmError::Refused(format!(
                 "vm {} ran or was re-based since its fork instant was captured: capture it again",
-                self.id
+                self.id()
             )));
         }
         // What the child gets instead, checked before any device hands
         // over a backend (blk's is a copy-on-write view, charged to the
         // source's budget).
         let config = spec
-            .child_config(&self.config, &self.id, child_id)
-            .map_err(|e| VmError::Refused(format!("vm {} cannot be forked into {child_id}: {e}", self.id)))?;
+            .child_config(self.config(), self.id(), child_id)
+            .map_err(|e| VmError::Refused(format!("vm {} cannot be forked into {child_id}: {e}", self.id())))?;
         let state = &capture.state;
         // Each device hands over what its twin in the child takes (blk: a
         // copy-on-write view of its disk as of now), in bus order.
-        let mut backends = VecDeque::with_capacity(self.virtio.len());
-        for d in &self.virtio {
+        let mut backends = VecDeque::with_capacity(self.device_manager().virtio().len());
+        for d in self.device_manager().virtio() {
             let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
             backends.push_back(dev.fork_backend().map_err(|e| match e {
                 // Over a budget its owner set: refused, like every budget.
-                VirtioError::OverBudget(_) => VmError::Refused(format!("vm {} could not be forked: {e}", self.id)),
-                e => VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id)),
+                VirtioError::OverBudget(_) => VmError::Refused(format!("vm {} could not be forked: {e}", self.id())),
+                e => VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id())),
             })?);
         }
         Self::build(
@@ -152,7 +152,7 @@ impl Vm {
             opts,
             BuildPlan::Fork {
                 state,
-                parent: &self.ram,
+                parent: self.ram(),
                 backends,
                 shell,
             },
@@ -243,7 +243,7 @@ impl Vm {
         let mut overlays = overlays;
         overlays.sort_by_key(|o| o.disk);
         let rw: Vec<u16> = (0u16..)
-            .zip(&self.config.devices.disks)
+            .zip(&self.config().devices.disks)
             .filter(|(_, d)| !d.read_only && d.path.is_some())
             .map(|(i, _)| i)
             .collect();
@@ -251,7 +251,7 @@ impl Vm {
         if given != rw {
             return Err(VmError::Refused(format!(
                 "vm {}: overlay files were given for disks {given:?}, and its read-write disks are {rw:?}",
-                self.id
+                self.id()
             )));
         }
         let capture = self.capture()?;
@@ -269,9 +269,10 @@ impl Vm {
         for o in overlays {
             let i = usize::from(o.disk);
             let image = self
-                .disks
+                .device_manager()
+                .disks()
                 .get(i)
-                .ok_or_else(|| VmError::Refused(format!("vm {} has no disk {i}", self.id)))?;
+                .ok_or_else(|| VmError::Refused(format!("vm {} has no disk {i}", self.id())))?;
             let runs = image.fork_into(o.own, &o.child).map_err(|e| device(i, e))?;
             if let Some(base) = o.base {
                 image.make_base_read_only(base).map_err(|e| device(i, e))?;
@@ -288,17 +289,18 @@ impl Vm {
                 ino: meta.ino(),
             });
         }
-        let words = self.ram.diverged_words();
-        let delta =
-            crate::sys::memfd(&format!("k7d-delta-{}", self.id), self.ram.size()).map_err(|source| VmError::Io {
+        let words = self.ram().diverged_words();
+        let delta = crate::sys::memfd(&format!("k7d-delta-{}", self.id()), self.ram().size()).map_err(|source| {
+            VmError::Io {
                 what: "cannot make the memfd of a fork's diverged pages".into(),
                 source,
-            })?;
-        self.ram.write_pages_to(&delta, &words)?;
+            }
+        })?;
+        self.ram().write_pages_to(&delta, &words)?;
         Ok(Exported {
             state: capture.state,
             words,
-            base: self.ram.memfd(),
+            base: self.ram().memfd(),
             delta,
             disks,
         })
@@ -396,8 +398,8 @@ impl Vm {
     /// What a shell for this VM's fork children must fit.
     pub fn shape(&self) -> Shape {
         Shape {
-            vcpus: self.config.vcpus,
-            ram: self.ram.size(),
+            vcpus: self.config().vcpus,
+            ram: self.ram().size(),
         }
     }
 }
@@ -486,63 +488,4 @@ pub struct Capture {
     state: super::persist::MachineState,
     pauses: u64,
     rebases: u64,
-}
-
-/// The records the devices keep of the guest RAM they write beside the VM's
-/// own bitmap and KVM's dirty log (`VirtioDevice::ram_write_logs`: blk's
-/// own view, vhost's kernel log), collected from every device once, at the
-/// VM's first fork (a fork child's: its first fork or snapshot): the one
-/// seam through which the fork path learns every writer.
-#[derive(Default)]
-pub(super) struct RamWriters {
-    /// `None` until collected.
-    logs: Mutex<Option<Vec<Arc<dyn RamWriteLog>>>>,
-}
-
-impl RamWriters {
-    /// Folds what the devices wrote since the last call into `ram`'s
-    /// diverged set. Every device is paused.
-    pub(super) fn harvest_into(&self, ram: &GuestRam) {
-        ram.add_diverged_gpas(self.drain().into_iter());
-    }
-
-    /// The guest addresses the devices wrote since the last call (every
-    /// device is paused).
-    pub(super) fn drain(&self) -> Vec<u64> {
-        let mut gpas = Vec::new();
-        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
-            log.drain(&mut |gpa| gpas.push(gpa.0));
-        }
-        gpas
-    }
-
-    /// Asks every device for its records, once (devices paused: a kernel
-    /// backend's log starts at resume); all of them or none. `op` ("forked",
-    /// "snapshotted") words a refusal.
-    pub(super) fn start(&self, id: &str, virtio: &[VirtioHandle], op: &str) -> Result<(), VmError> {
-        let mut logs = self.logs.lock().unwrap_or_else(|p| p.into_inner());
-        if logs.is_some() {
-            return Ok(());
-        }
-        let mut all = Vec::new();
-        for d in virtio {
-            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            let more = dev.ram_write_logs().map_err(|e| {
-                VmError::Refused(format!(
-                    "vm {id} cannot be {op}: its {} device cannot record the guest pages it writes: {e}",
-                    dev.device_name()
-                ))
-            })?;
-            all.extend(more);
-        }
-        *logs = Some(all);
-        Ok(())
-    }
-
-    /// Forgets what the devices wrote so far (it is in the frozen base).
-    pub(super) fn clear(&self) {
-        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
-            log.drain(&mut |_| {});
-        }
-    }
 }

@@ -1,12 +1,18 @@
 //! The process's `/dev/kvm`: opened by path, or, in a jailed VM process
 //! (which has no `/dev`), the descriptor it was handed before it entered
-//! its jail (issue 36: everything a VM needs arrives as a descriptor).
+//! its jail (issue 36: everything a VM needs arrives as a descriptor); and
+//! the KVM objects every build makes from it (a VM, its irqchip and PIT,
+//! its vCPUs), for a build and for a shell made ahead alike.
 
 use std::fs::File;
 use std::os::fd::{FromRawFd, IntoRawFd};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
-use kvm_ioctls::Kvm;
+use kvm_bindings::{KVM_PIT_SPEAKER_DUMMY, kvm_pit_config};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+
+use super::error::VmError;
+use super::vcpu::VcpuSetupError;
 
 static HANDED: OnceLock<File> = OnceLock::new();
 
@@ -30,4 +36,40 @@ pub fn open() -> Result<Kvm, kvm_ioctls::Error> {
         }
         None => Kvm::new(),
     }
+}
+
+/// Where the VM's TSS goes (the three pages below the last 256 KiB under
+/// 4 GiB, where Firecracker and Cloud Hypervisor put it too).
+const TSS_ADDR: usize = 0xfffb_d000;
+
+/// A KVM VM with its TSS placed (where the host wants one).
+pub(super) fn create_vm(kvm: &Kvm) -> Result<Arc<VmFd>, VmError> {
+    let vm_fd = Arc::new(kvm.create_vm().map_err(|e| VmError::Kvm("KVM_CREATE_VM", e))?);
+    if let Err(e) = vm_fd.set_tss_address(TSS_ADDR) {
+        tracing::debug!(error = %e, "KVM_SET_TSS_ADDR refused (not needed on this host)");
+    }
+    Ok(vm_fd)
+}
+
+/// The in-kernel irqchip (PIC, IOAPIC, LAPICs) and PIT, after the
+/// memslots (CHALLENGES.md: a slot added after the irqchip's own waits for
+/// an SRCU grace period).
+pub(super) fn create_irqchip_and_pit(vm_fd: &VmFd) -> Result<(), VmError> {
+    vm_fd
+        .create_irq_chip()
+        .map_err(|e| VmError::Kvm("KVM_CREATE_IRQCHIP", e))?;
+    let pit = kvm_pit_config {
+        flags: KVM_PIT_SPEAKER_DUMMY,
+        ..Default::default()
+    };
+    vm_fd.create_pit2(pit).map_err(|e| VmError::Kvm("KVM_CREATE_PIT2", e))
+}
+
+/// vCPU `index` of `vm_fd`.
+pub(super) fn create_vcpu(vm_fd: &VmFd, index: u32) -> Result<VcpuFd, VcpuSetupError> {
+    vm_fd.create_vcpu(index.into()).map_err(|source| VcpuSetupError {
+        index,
+        what: "KVM_CREATE_VCPU",
+        source,
+    })
 }

@@ -54,9 +54,6 @@ pub enum PersistError {
     /// A FAM wrapper could not be built.
     #[error("cannot build the {0} list")]
     Fam(&'static str),
-    /// A snapshot directory was refused or could not be read.
-    #[error(transparent)]
-    Snapshot(#[from] super::snapshot::SnapshotError),
 }
 
 /// Checks that `state` can be restored into a VM built from `config`: its

@@ -14,10 +14,9 @@
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use super::memory::PAGE;
 use super::vm::{Vm, VmError, VmState};
+pub use k7d_api::state::Rebased;
 
 /// Pre-copy rounds while the VM runs, at most, before the paused one.
 const MAX_ROUNDS: u32 = 8;
@@ -40,29 +39,6 @@ pub struct PendingBase {
 /// each) that a re-base is not worth its copy of the whole RAM.
 const BATCH_MIN_PAGES: u64 = 128;
 
-/// What a re-base did.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Rebased {
-    /// VM id.
-    pub id: String,
-    /// What the VM had diverged from its old base (MiB), which its next
-    /// fork would have copied into the child.
-    pub diverged_mib: f64,
-    /// What the new base holds (MiB allocated): the old base's data and
-    /// every page the VM wrote since.
-    pub base_mib: f64,
-    /// Pages written again because the VM wrote them during the pre-copy.
-    pub recopied_pages: u64,
-    /// Pre-copy rounds while the VM ran.
-    pub rounds: u32,
-    /// How long the VM stood still for the last round and the remap
-    /// (zero for a VM that was paused already; with
-    /// [`Vm::rebase_and_hold`], up to its return).
-    pub paused_ms: f64,
-    /// The whole re-base.
-    pub took_ms: f64,
-}
-
 impl Vm {
     /// Re-bases this fork source (see the module's doc): running, it is
     /// paused for the last round only (at most `pause_timeout` to park);
@@ -75,7 +51,7 @@ impl Vm {
         if running && let Err(e) = self.resume() {
             return Err(VmError::DeviceState(format!(
                 "vm {} was re-based, but resuming it afterwards failed: {e}",
-                self.id
+                self.id()
             )));
         }
         Ok(r)
@@ -86,11 +62,11 @@ impl Vm {
     /// while the VM runs (the devices' own records are read at a fork or
     /// re-base).
     pub fn divergence(&self) -> Result<u64, VmError> {
-        if !self.ram.is_frozen() {
+        if !self.ram().is_frozen() {
             return Ok(0);
         }
-        self.ram.take_writes(&self.vm_fd)?;
-        Ok(self.ram.diverged_count())
+        self.ram().take_writes(self.vm_fd())?;
+        Ok(self.ram().diverged_count())
     }
 
     /// [`Vm::rebase`], leaving a running VM paused after its last round
@@ -109,7 +85,7 @@ impl Vm {
                 if running && let Err(r) = self.resume() {
                     return Err(VmError::DeviceState(format!(
                         "{e}; resuming vm {} afterwards failed too: {r}",
-                        self.id
+                        self.id()
                     )));
                 }
                 Err(e)
@@ -123,16 +99,16 @@ impl Vm {
     /// re-base copies the old base's data and the diverged pages once.
     /// Harvests while the VM runs, as [`Vm::divergence`].
     pub fn batch_gains_from_rebase(&self, count: u32) -> Result<bool, VmError> {
-        if count < 2 || !self.ram.is_frozen() {
+        if count < 2 || !self.ram().is_frozen() {
             return Ok(false);
         }
         let diverged = self.divergence()?;
         let base_pages = self
-            .ram
+            .ram()
             .memfd()
             .metadata()
             .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512 / PAGE)
-            .unwrap_or(self.ram.size() / PAGE);
+            .unwrap_or(self.ram().size() / PAGE);
         Ok(diverged >= BATCH_MIN_PAGES && diverged * u64::from(count) * 5 > base_pages + diverged)
     }
 
@@ -147,29 +123,29 @@ impl Vm {
             VmState::Paused | VmState::Created => false,
             _ => return Err(self.state_error("re-base")),
         };
-        if !self.ram.is_frozen() {
+        if !self.ram().is_frozen() {
             return Err(VmError::Refused(format!(
                 "vm {} has no fork base to re-base: it was never forked",
-                self.id
+                self.id()
             )));
         }
-        let size = self.ram.size();
-        let file = crate::sys::memfd(&format!("k7d-ram-{}", self.id), size).map_err(|source| VmError::Io {
-            what: format!("cannot create a new base of {} MiB for vm {}", size >> 20, self.id),
+        let size = self.ram().size();
+        let file = crate::sys::memfd(&format!("k7d-ram-{}", self.id()), size).map_err(|source| VmError::Io {
+            what: format!("cannot create a new base of {} MiB for vm {}", size >> 20, self.id()),
             source,
         })?;
         // Round 0: what the old base holds, then every page that differs
         // from it (a harvest first, so the set is complete up to now).
-        self.ram.take_writes(&self.vm_fd)?;
-        let diverged = self.ram.diverged_count();
-        self.ram.copy_base_to(&file)?;
-        self.ram.write_pages_to(&file, &self.ram.diverged_words())?;
+        self.ram().take_writes(self.vm_fd())?;
+        let diverged = self.ram().diverged_count();
+        self.ram().copy_base_to(&file)?;
+        self.ram().write_pages_to(&file, &self.ram().diverged_words())?;
         let mut recopied = 0;
         let mut rounds = 1;
         // Rounds while the VM runs: what it wrote during the last one.
         while running && rounds < MAX_ROUNDS {
-            let written = self.ram.take_writes(&self.vm_fd)?;
-            let n = self.ram.write_pages_to(&file, &written)?;
+            let written = self.ram().take_writes(self.vm_fd())?;
+            let n = self.ram().write_pages_to(&file, &written)?;
             recopied += n;
             rounds += 1;
             if n <= SMALL_ROUND {
@@ -192,14 +168,14 @@ impl Vm {
             return Err(self.state_error("finish a re-base"));
         }
         let n = self.last_round(p.file)?;
-        self.rebases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.count_rebase();
         let held = self
-            .ram
+            .ram()
             .memfd()
             .metadata()
             .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512);
         let r = Rebased {
-            id: self.id.clone(),
+            id: self.id().to_string(),
             diverged_mib: mib(p.diverged * PAGE),
             base_mib: mib(held.unwrap_or(0)),
             recopied_pages: p.recopied + n,
@@ -207,7 +183,7 @@ impl Vm {
             paused_ms: paused_at.map_or(0.0, |t| ms(t.elapsed())),
             took_ms: ms(p.started.elapsed()),
         };
-        tracing::info!(vm = %self.id, diverged_mib = r.diverged_mib, rounds = r.rounds, paused_ms = r.paused_ms, took_ms = r.took_ms, "re-based");
+        tracing::info!(vm = %self.id(), diverged_mib = r.diverged_mib, rounds = r.rounds, paused_ms = r.paused_ms, took_ms = r.took_ms, "re-based");
         Ok(r)
     }
 
@@ -221,12 +197,12 @@ impl Vm {
     fn last_round(&self, base: std::fs::File) -> Result<u64, VmError> {
         // A fork child's devices hand over their records here, as at its
         // first fork (they have recorded since the child was built).
-        self.ram_writers.start(&self.id, &self.virtio, "re-based")?;
-        let devices = self.ram_writers.drain();
-        let mut n = self.ram.write_pages_to(&base, &self.ram.words_of_gpas(&devices))?;
-        let written = self.ram.take_writes(&self.vm_fd)?;
-        n += self.ram.write_pages_to(&base, &written)?;
-        self.ram.switch_base(base)?;
+        self.device_manager().start_ram_logs(self.id(), "re-based")?;
+        let devices = self.device_manager().drain_ram_writes();
+        let mut n = self.ram().write_pages_to(&base, &self.ram().words_of_gpas(&devices))?;
+        let written = self.ram().take_writes(self.vm_fd())?;
+        n += self.ram().write_pages_to(&base, &written)?;
+        self.ram().switch_base(base)?;
         Ok(n)
     }
 }

@@ -21,12 +21,12 @@ use std::sync::{Arc, Mutex};
 use kvm_bindings::kvm_cpuid_entry2;
 use kvm_ioctls::{VcpuFd, VmFd};
 
-use super::builder;
 use super::control::VmControl;
+use super::error::{VmError, io};
+use super::kvm::{create_irqchip_and_pit, create_vcpu, create_vm};
 use super::memory::{self, GuestMemoryMmap};
 use super::standby::Standby;
 use super::vcpu::{self, VcpuSetupError};
-use super::vm::{VmError, io};
 
 /// What a shell fits: children with this many vCPUs and this much RAM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -61,13 +61,13 @@ impl Shell {
         let control = Arc::new(VmControl::unnamed());
         let standby = Standby::spawn(u32::from(shape.vcpus), &control).map_err(io("cannot spawn the vCPU threads"))?;
         let kvm = super::kvm::open().map_err(VmError::OpenKvm)?;
-        let vm_fd = builder::create_vm(&kvm)?;
+        let vm_fd = create_vm(&kvm)?;
         // Memslots before the irqchip, as in `Vm::build`.
         memory::register(&ram, &vm_fd, true)?;
-        builder::create_irqchip_and_pit(&vm_fd)?;
+        create_irqchip_and_pit(&vm_fd)?;
         let mut vcpus = Vec::with_capacity(shape.vcpus.into());
         for i in 0..u32::from(shape.vcpus) {
-            let v = builder::create_vcpu(&vm_fd, i)?;
+            let v = create_vcpu(&vm_fd, i)?;
             vcpu::set_default_cpuid(&kvm, &v, i)?;
             // What KVM holds now (it adjusts some leaves as it takes them),
             // which is what a capture of a VM that has not run reads.

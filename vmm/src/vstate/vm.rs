@@ -7,252 +7,135 @@
 //! and releases every fd, mapping and thread it created.
 
 use std::fs::File;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use k7d_devices::legacy::Serial;
 use kvm_ioctls::VmFd;
-use serde::{Deserialize, Serialize};
-use thiserror::Error;
 
-use super::builder::BuildSteps;
-use super::control::{ControlError, StopReason, VmControl};
-use super::device_manager::{NetCleanup, VirtioHandle};
-use super::fork::RamWriters;
-use super::memory::{GuestMemoryMmap, GuestRam, MemoryError};
-use super::persist::{self, MachineState, PersistError};
-use super::vcpu::{self, Buses, VcpuSetupError};
-use crate::arch::x86_64 as arch;
+use super::control::{StopReason, VmControl};
+use super::device_manager::DeviceManager;
+pub use super::error::VmError;
+pub(super) use super::error::io;
+use super::memory::{GuestMemoryMmap, GuestRam};
+pub use super::options::VmOptions;
+use super::persist::{self, MachineState};
+use super::vcpu;
 use crate::config::VmConfig;
+pub use k7d_api::state::{DeviceInfo, RngReseed, VmState};
 
-/// Errors from building or driving a VM.
-#[derive(Debug, Error)]
-pub enum VmError {
-    /// /dev/kvm could not be opened.
-    #[error("cannot open /dev/kvm (run `k7d check`)")]
-    OpenKvm(#[source] kvm_ioctls::Error),
-    /// A VM-level KVM ioctl failed.
-    #[error("{0} failed")]
-    Kvm(&'static str, #[source] kvm_ioctls::Error),
-    /// Guest RAM.
-    #[error(transparent)]
-    Memory(#[from] MemoryError),
-    /// vCPU setup.
-    #[error(transparent)]
-    Vcpu(#[from] VcpuSetupError),
-    /// The guest image.
-    #[error("cannot load the guest: {0}")]
-    Guest(String),
-    /// A host resource (file, eventfd, thread).
-    #[error("{what}")]
-    Io {
-        /// What failed.
-        what: String,
-        /// Cause.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Wrong state for the operation.
-    #[error("vm {id} is {state}, cannot {op}")]
-    State {
-        /// VM id.
-        id: String,
-        /// Current state.
-        state: String,
-        /// The refused operation.
-        op: &'static str,
-    },
-    /// The Linux kernel, initrd or command line was refused.
-    #[error(transparent)]
-    Boot(#[from] arch::BootError),
-    /// A PCI or virtio device could not be set up.
-    #[error("cannot set up the {what} device: {msg}")]
-    Device {
-        /// The device.
-        what: &'static str,
-        /// Why.
-        msg: String,
-    },
-    /// What the VM holds cannot be carried into a fork or snapshot; the
-    /// sentence names the VM and the device.
-    #[error("{0}")]
-    Refused(String),
-    /// A device refused a lifecycle step (pause, resume); the sentence
-    /// names the device, the VM and what state the VM was left in.
-    #[error("{0}")]
-    DeviceState(String),
-    /// Saving or restoring machine state failed.
-    #[error(transparent)]
-    Persist(#[from] PersistError),
-    /// The threads could not be confined (seccomp), so the VM does not start.
-    #[error("vm {id} cannot start: {source}")]
-    Confine {
-        /// VM id.
-        id: String,
-        /// Cause.
-        #[source]
-        source: crate::seccomp::SeccompError,
-    },
-    /// Pause/resume control.
-    #[error("vm {id}: {source}")]
-    Control {
-        /// VM id.
-        id: String,
-        /// Cause.
-        #[source]
-        source: ControlError,
-    },
-}
-
-pub(super) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmError {
-    let what = what.into();
-    move |source| VmError::Io { what, source }
-}
-
-/// The states a VM moves through.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "state", rename_all = "snake_case")]
-pub enum VmState {
-    /// Built, not started.
-    Created,
-    /// vCPUs running.
-    Running,
-    /// vCPUs parked.
-    Paused,
-    /// vCPUs gone; why.
-    Stopped {
-        /// Why.
-        reason: StopReason,
-    },
-}
-
-impl std::fmt::Display for VmState {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Created => f.write_str("created"),
-            Self::Running => f.write_str("running"),
-            Self::Paused => f.write_str("paused"),
-            Self::Stopped { reason } => write!(f, "stopped ({reason})"),
-        }
-    }
-}
-
-/// One device as wired in this VM (reported by `info`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceInfo {
-    /// Kind (`serial`, `i8042`, ...).
-    pub kind: String,
-    /// Where the guest finds it.
-    pub location: String,
-    /// Backend details.
-    pub detail: String,
-}
-
-/// Host-side options that are not part of the guest-visible config.
-#[derive(Debug, Clone, Default)]
-pub struct VmOptions {
-    /// Append the guest's serial output to this file.
-    pub serial_log: Option<PathBuf>,
-    /// Node-wide settings (network queue/vhost policy).
-    pub node: crate::config::NodeConfig,
-    /// Where LZ4 bzImages are unpacked once and cached
-    /// (`arch::x86_64::unpack`); `None` boots them through their own
-    /// decompressor.
-    pub kernel_cache: Option<PathBuf>,
-    /// Where the VM's host files come from: opened by path, or handed over
-    /// to a VM process ([`super::handed`]).
-    pub files: super::handed::HostFiles,
-}
+/// The steps of a VM's build, in order, with how long each took: what the
+/// VMM does before the guest runs (issue 13; `benches/benches/vm_build.rs`).
+pub type BuildSteps = Vec<(&'static str, Duration)>;
 
 /// A VM.
 pub struct Vm {
     // Drop order matters: threads are joined in `Drop::drop`, then the VM
     // leaves the state dump, then the vCPU fds, the buses, the VM fd, and
     // only then the memory KVM maps.
-    pub(super) _diag: crate::diag::Registration,
+    _diag: crate::diag::Registration,
+    vcpu_diag: Arc<[vcpu::VcpuDiag]>,
+    id: String,
+    config: VmConfig,
+    control: Arc<VmControl>,
+    /// The vCPU threads until `start` hands them their vCPUs.
+    standby: Option<super::standby::Standby>,
+    threads: Vec<JoinHandle<()>>,
+    vcpus: Vec<vcpu::SharedVcpu>,
+    /// Before the VM fd and the RAM the devices write.
+    devices: DeviceManager,
+    vm_fd: Arc<VmFd>,
+    ram: GuestRam,
+    created: Instant,
+    /// How long each step of the build took (`build_steps`).
+    build_steps: BuildSteps,
+    /// Built in a shell made ahead.
+    in_shell: bool,
+    started: Option<Instant>,
+    /// Successful pauses so far (a cluster fork pauses each member once).
+    pauses: std::sync::atomic::AtomicU64,
+    /// Re-bases so far (`Vm::rebase`).
+    rebases: std::sync::atomic::AtomicU64,
+    /// Whether this VM has been a fork source (captured: `Vm::capture`).
+    forked: std::sync::atomic::AtomicBool,
+    /// The VM Generation ID k7d gave it last (`None`: no such device).
+    generation_id: Option<crate::arch::x86_64::vmgenid::GenerationId>,
+    /// Whether a fork of it was already warned that its children's kernel
+    /// RNGs are not reseeded (once per source).
+    rng_warned: std::sync::atomic::AtomicBool,
+}
+
+/// What a build hands [`Vm::assemble`]: everything a VM is made of but
+/// its run-time counters.
+pub(super) struct Parts {
+    pub(super) diag: crate::diag::Registration,
     pub(super) vcpu_diag: Arc<[vcpu::VcpuDiag]>,
     pub(super) id: String,
     pub(super) config: VmConfig,
     pub(super) control: Arc<VmControl>,
-    /// The vCPU threads until `start` hands them their vCPUs.
-    pub(super) standby: Option<super::standby::Standby>,
-    pub(super) threads: Vec<JoinHandle<()>>,
+    pub(super) standby: super::standby::Standby,
     pub(super) vcpus: Vec<vcpu::SharedVcpu>,
-    pub(super) buses: Arc<Buses>,
-    pub(super) serial: Arc<Mutex<Serial>>,
-    /// After the buses (the taps are closed first), before the VM fd.
-    pub(super) net_cleanups: Vec<NetCleanup>,
-    pub(super) devices: Vec<DeviceInfo>,
-    /// The virtio functions (also on the buses): paused with the vCPUs.
-    pub(super) virtio: Vec<VirtioHandle>,
-    /// Writers of guest RAM the fork path must account for besides KVM's
-    /// dirty log and the VM's own bitmap (see `docs/fork.md`); before `ram`.
-    pub(super) ram_writers: RamWriters,
-    /// Every disk, in config order (a snapshot refuses copy-on-write ones).
-    pub(super) disks: Vec<Arc<k7d_devices::virtio::block::DiskImage>>,
+    pub(super) devices: DeviceManager,
     pub(super) vm_fd: Arc<VmFd>,
     pub(super) ram: GuestRam,
     pub(super) created: Instant,
-    /// How long each step of the build took (`build_steps`).
     pub(super) build_steps: BuildSteps,
-    /// Built in a shell made ahead.
     pub(super) in_shell: bool,
-    pub(super) started: Option<Instant>,
-    /// Successful pauses so far (a cluster fork pauses each member once).
-    pub(super) pauses: std::sync::atomic::AtomicU64,
-    /// Re-bases so far (`Vm::rebase`).
-    pub(super) rebases: std::sync::atomic::AtomicU64,
-    /// Whether this VM has been a fork source (captured: `Vm::capture`).
-    pub(super) forked: std::sync::atomic::AtomicBool,
-    /// The VM Generation ID k7d gave it last (`None`: no such device).
     pub(super) generation_id: Option<crate::arch::x86_64::vmgenid::GenerationId>,
-    /// Whether a fork of it was already warned that its children's kernel
-    /// RNGs are not reseeded (once per source).
-    pub(super) rng_warned: std::sync::atomic::AtomicBool,
-}
-
-/// How a VM's fork children (and its restores) come to draw random numbers
-/// of their own (`docs/fork.md`, "What a child shares").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RngReseed {
-    /// The guest's vmgenid driver reads the VM Generation ID: its kernel
-    /// reseeds its RNG as a child or a restored VM first runs.
-    Vmgenid,
-    /// The VM has the device, but its guest has not bound a driver for it
-    /// (not yet, or its kernel has none: Debian's cloud kernel).
-    NoDriver,
-    /// The VM has no VM Generation ID device.
-    Off,
-    /// Its guest has no vmgenid driver but k7d-agent answers in it: the
-    /// daemon reseeds a fork child's or a restored VM's kernel RNG through
-    /// the agent before it answers (the daemon's word, never a VM's own).
-    Agent,
-}
-
-impl RngReseed {
-    /// What it means for the VM's fork children, in one sentence.
-    pub fn describe(self) -> &'static str {
-        match self {
-            RngReseed::Vmgenid => {
-                "vmgenid: a fork child's or a restored guest's kernel reseeds its RNG before it runs on"
-            }
-            RngReseed::NoDriver => {
-                "none: the guest has no vmgenid driver bound, so fork children draw the same random numbers until their kernels reseed on their own"
-            }
-            RngReseed::Off => {
-                "none: the VM has no VM Generation ID device, so fork children draw the same random numbers until their kernels reseed on their own"
-            }
-            RngReseed::Agent => {
-                "agent: k7d-agent in the guest reseeds a fork child's or a restored VM's kernel RNG with host entropy before the fork or restore answers"
-            }
-        }
-    }
 }
 
 impl Vm {
+    /// The VM a build made, not started.
+    pub(super) fn assemble(p: Parts) -> Self {
+        Vm {
+            _diag: p.diag,
+            vcpu_diag: p.vcpu_diag,
+            id: p.id,
+            config: p.config,
+            control: p.control,
+            standby: Some(p.standby),
+            threads: Vec::new(),
+            vcpus: p.vcpus,
+            devices: p.devices,
+            vm_fd: p.vm_fd,
+            ram: p.ram,
+            created: p.created,
+            build_steps: p.build_steps,
+            in_shell: p.in_shell,
+            started: None,
+            pauses: Default::default(),
+            rebases: Default::default(),
+            forked: Default::default(),
+            generation_id: p.generation_id,
+            rng_warned: Default::default(),
+        }
+    }
+
+    /// Its devices (the modules that fork, snapshot and re-base it).
+    pub(super) fn device_manager(&self) -> &DeviceManager {
+        &self.devices
+    }
+
+    /// Its devices, to change (a NIC attached live).
+    pub(super) fn device_manager_mut(&mut self) -> &mut DeviceManager {
+        &mut self.devices
+    }
+
+    /// Its config, to record a change made live (a NIC attached).
+    pub(super) fn config_mut(&mut self) -> &mut VmConfig {
+        &mut self.config
+    }
+
+    /// Counts a re-base.
+    pub(super) fn count_rebase(&self) {
+        self.rebases.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Marks it a fork source (captured).
+    pub(super) fn mark_forked(&self) {
+        self.forked.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// How many times this VM was paused (successfully) since it was built.
     pub fn pauses(&self) -> u64 {
         self.pauses.load(std::sync::atomic::Ordering::Relaxed)
@@ -267,29 +150,18 @@ impl Vm {
     /// What the copy-on-write disk overlays of this VM's live fork children
     /// hold now (their disk budget's use; 0 without a budget).
     pub fn children_disk_bytes(&self) -> u64 {
-        self.disks.iter().find_map(|d| d.children_budget_used()).unwrap_or(0)
+        self.devices
+            .disks()
+            .iter()
+            .find_map(|d| d.children_budget_used())
+            .unwrap_or(0)
     }
 
     /// Each virtio device's counters (`VirtioDevice::counters`), named by
     /// kind and index among its kind (`net0`, `net1`, ...); devices with
     /// none left out.
     pub fn device_counters(&self) -> Vec<(String, Vec<(String, u64)>)> {
-        let mut seen: Vec<&'static str> = Vec::new();
-        let mut out = Vec::new();
-        for d in &self.virtio {
-            let d = d.lock().unwrap_or_else(|p| p.into_inner());
-            let kind = d.device_name();
-            let index = seen.iter().filter(|k| **k == kind).count();
-            seen.push(kind);
-            let counters = d.counters();
-            if !counters.is_empty() {
-                out.push((
-                    format!("{kind}{index}"),
-                    counters.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
-                ));
-            }
-        }
-        out
+        self.devices.counters()
     }
 
     /// vCPU exits to the VMM so far, all vCPUs, by kind (`ExitKind::words`'
@@ -353,7 +225,7 @@ impl Vm {
 
     /// The devices as wired.
     pub fn devices(&self) -> &[DeviceInfo] {
-        &self.devices
+        self.devices.info()
     }
 
     /// The control block (stop callback, first-exit time).
@@ -375,17 +247,18 @@ impl Vm {
     /// A guest MMIO write, as a vCPU's MMIO exit makes it (host tests play
     /// guest drivers with it). Returns whether a device took it.
     pub fn mmio_write(&self, addr: u64, data: &[u8]) -> bool {
-        self.buses.mmio.write(addr, data)
+        self.devices.buses().mmio.write(addr, data)
     }
 
     /// A guest MMIO read, as a vCPU's MMIO exit makes it.
     pub fn mmio_read(&self, addr: u64, data: &mut [u8]) -> bool {
-        self.buses.mmio.read(addr, data)
+        self.devices.buses().mmio.read(addr, data)
     }
 
     /// The virtio functions in bus order: device name and BAR 0 address.
     pub fn virtio_functions(&self) -> Vec<(&'static str, u64)> {
-        self.virtio
+        self.devices
+            .virtio()
             .iter()
             .map(|d| {
                 let d = d.lock().unwrap_or_else(|p| p.into_inner());
@@ -450,18 +323,11 @@ impl Vm {
         // Restored devices go live first: the vCPUs find them as they were.
         // If one cannot, the ones already started are stopped again and the
         // VM is done for (its devices no longer match its RAM).
-        for (i, d) in self.virtio.iter().enumerate() {
-            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = dev.start_restored() {
-                drop(dev);
-                for done in &self.virtio[..i] {
-                    done.lock().unwrap_or_else(|p| p.into_inner()).reset_device();
-                }
-                self.started = Some(Instant::now());
-                self.control.set_threads(0);
-                self.control.request_stop(StopReason::Requested);
-                return Err(VmError::DeviceState(format!("vm {} cannot start: {e}", self.id)));
-            }
+        if let Err(e) = self.devices.start_restored() {
+            self.started = Some(Instant::now());
+            self.control.set_threads(0);
+            self.control.request_stop(StopReason::Requested);
+            return Err(VmError::DeviceState(format!("vm {} cannot start: {e}", self.id)));
         }
         let Some(standby) = self.standby.take() else {
             return Err(self.state_error("start"));
@@ -475,7 +341,7 @@ impl Vm {
             .map(|v| super::standby::Job {
                 vcpu: v.clone(),
                 control: self.control.clone(),
-                buses: self.buses.clone(),
+                buses: self.devices.buses().clone(),
                 diags: self.vcpu_diag.clone(),
             })
             .collect();
@@ -525,25 +391,11 @@ impl Vm {
                 source,
             });
         }
-        // vCPUs parked: no guest access can race the devices' pause. Each
-        // device drains what it is serving and parks; then nothing writes
-        // guest RAM. A device that cannot pause undoes the whole pause.
-        for (i, d) in self.virtio.iter().enumerate() {
-            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            if let Err(e) = dev.pause() {
-                let name = dev.device_name();
-                drop(dev);
-                for done in self.virtio[..i].iter().rev() {
-                    if let Err(e) = done.lock().unwrap_or_else(|p| p.into_inner()).resume() {
-                        tracing::error!(vm = %self.id, error = %e, "resuming a device after a failed pause failed");
-                    }
-                }
-                let _ = self.control.resume();
-                return Err(VmError::DeviceState(format!(
-                    "the {name} device could not pause, so vm {} keeps running: {e}",
-                    self.id
-                )));
-            }
+        // vCPUs parked: no guest access can race the devices' pause. A
+        // device that cannot pause undoes the whole pause.
+        if let Err(e) = self.devices.pause(&self.id) {
+            let _ = self.control.resume();
+            return Err(e);
         }
         self.pauses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(())
@@ -555,16 +407,7 @@ impl Vm {
             return Err(self.state_error("resume"));
         }
         let _scope = crate::seccomp::vm_scope(&self.control);
-        for d in &self.virtio {
-            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            dev.resume().map_err(|e| {
-                VmError::DeviceState(format!(
-                    "the {} device of vm {} could not resume, so it stays paused: {e}",
-                    dev.device_name(),
-                    self.id
-                ))
-            })?;
-        }
+        self.devices.resume(&self.id)?;
         self.control.resume().map_err(|source| VmError::Control {
             id: self.id.clone(),
             source,
@@ -623,7 +466,8 @@ impl Vm {
             (None, _) => super::device_manager::open_medium(path, true)?,
         });
         let Some(handle) = self
-            .virtio
+            .devices
+            .virtio()
             .iter()
             .filter(|h| h.lock().unwrap_or_else(|p| p.into_inner()).device_name() == "blk")
             .nth(index)
@@ -643,9 +487,7 @@ impl Vm {
         }
         // Any other outcome: the drive holds the new medium, and the
         // config (what a snapshot reopens) must say so.
-        if let Some(d) = self.disks.get_mut(index) {
-            *d = medium;
-        }
+        self.devices.set_disk(index, medium);
         self.config.devices.disks[index].path = path.map(std::path::Path::to_path_buf);
         r.map_err(|e| {
             VmError::DeviceState(format!(
@@ -670,27 +512,9 @@ impl Vm {
             version: persist::STATE_VERSION,
             vcpus,
             vm: persist::save_vm(&self.vm_fd)?,
-            serial: self.serial.lock().unwrap_or_else(|p| p.into_inner()).snapshot(),
-            virtio: self.save_virtio()?,
+            serial: self.devices.serial_state(),
+            virtio: self.devices.save_states(&self.id)?,
         })
-    }
-
-    /// Every virtio function's state, in bus order (the VM is paused, so
-    /// every device is parked).
-    fn save_virtio(&self) -> Result<Vec<k7d_devices::virtio::transport::VirtioPciState>, VmError> {
-        self.virtio
-            .iter()
-            .map(|d| {
-                let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-                dev.save_state().map_err(|e| {
-                    VmError::DeviceState(format!(
-                        "the state of vm {}'s {} device cannot be saved: {e}",
-                        self.id,
-                        dev.device_name()
-                    ))
-                })
-            })
-            .collect()
     }
 
     /// Stops the vCPUs (if running) and joins their threads.

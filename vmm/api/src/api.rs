@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::config::VmConfig;
-use crate::vstate::vm::{DeviceInfo, VmState};
+use crate::state::{DeviceInfo, VmState};
 
 /// Most children one `fork` request makes.
 pub const MAX_FORKS: u32 = 64;
@@ -847,7 +847,7 @@ pub enum Reply {
     /// `peek`.
     Peek(Peeked),
     /// `guest_ram`.
-    GuestRam(super::ram_usage::GuestRamUsage),
+    GuestRam(crate::state::GuestRamUsage),
     /// `list`.
     List(VmList),
     /// `version`.
@@ -857,7 +857,7 @@ pub enum Reply {
     /// `cluster_list`.
     Clusters(ClusterList),
     /// `rebase`.
-    Rebased(crate::vstate::rebase::Rebased),
+    Rebased(crate::state::Rebased),
     /// `exec`.
     Executed(Executed),
 }
@@ -1038,7 +1038,7 @@ mod tests {
     use crate::config::{
         DatapathNicConfig, DevicesConfig, DiskConfig, GuestSpec, NicConfig, SerialConfig, VsockConfig,
     };
-    use crate::vstate::control::StopReason;
+    use crate::state::StopReason;
 
     /// A config that uses every field.
     fn rich_config() -> VmConfig {
@@ -1602,7 +1602,7 @@ mod tests {
                 addr: 1536,
                 words: vec![0, 7, u32::MAX],
             }),
-            Request::GuestRam(_) => Reply::GuestRam(crate::daemon::ram_usage::GuestRamUsage {
+            Request::GuestRam(_) => Reply::GuestRam(crate::state::GuestRamUsage {
                 id: "web".into(),
                 resident: 9 << 20,
                 copied: 1 << 20,
@@ -1648,7 +1648,7 @@ mod tests {
                     bridge: None,
                 }],
             }),
-            Request::Rebase(_) => Reply::Rebased(crate::vstate::rebase::Rebased {
+            Request::Rebase(_) => Reply::Rebased(crate::state::Rebased {
                 id: "web".into(),
                 diverged_mib: 25.5,
                 base_mib: 256.0,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use super::api::{self, ApiError, ErrorCode, Reply, Request, Response};
+use crate::api::{self, ApiError, ErrorCode, Reply, Request, Response};
 
 /// How long a client waits for the daemon by default: generous, because
 /// `create`, `fork`, `snapshot` and `restore` of big VMs take time.
@@ -40,7 +40,7 @@ fn secs(d: Duration) -> String {
 }
 
 fn open(socket: &Path, timeout: Duration) -> Result<UnixStream, ApiError> {
-    crate::sys::connect_unix(socket, timeout).map_err(|e| {
+    k7d_sys::socket::connect_with_timeout(socket, timeout).map_err(|e| {
         let msg = if e.kind() == ErrorKind::TimedOut {
             format!(
                 "the k7d daemon at {} did not accept the connection within {} (--timeout)",

@@ -629,7 +629,7 @@ impl VmConfig {
         if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
             return Err(ConfigError::Vcpus(self.vcpus.into()));
         }
-        let host = crate::sys::host_ram_bytes() >> 20;
+        let host = host_ram_bytes() >> 20;
         let max = host.min(MAX_MEMORY_MIB);
         if self.memory_mib == 0 || self.memory_mib > max {
             return Err(ConfigError::Memory {
@@ -762,6 +762,21 @@ impl VmConfig {
     pub fn memory_bytes(&self) -> u64 {
         self.memory_mib << 20
     }
+}
+
+/// The host's RAM (`MemTotal` of `/proc/meminfo`) in bytes; `u64::MAX`
+/// where it cannot be read (a VM process has no `/proc`), so that the
+/// daemon's own check is the one that counts.
+fn host_ram_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map(|kb| kb * 1024)
+        .unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

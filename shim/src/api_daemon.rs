@@ -1,20 +1,21 @@
-//! The containerd shim's daemon calls (`k7d_shim::Daemon`) over the
-//! daemon's API socket: the shim stays a thin client of the daemon that
-//! owns every VM.
+//! [`Daemon`] over the k7d daemon's API socket (`k7d_api`'s client and
+//! wire types): the shim stays a thin client of the daemon that owns every
+//! VM. A pod VM's `VmConfig` is made here, from the shim's [`PodVmSpec`].
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
-use k7d_shim::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
-
-use crate::config::{
+use k7d_api::api::{ApiError, CreateArgs, ErrorCode, ForkArgs, MediumArgs, NicAttachArgs, Reply, Request};
+use k7d_api::client::Client;
+use k7d_api::config::{
     DatapathNicConfig, DevicesConfig, DiskConfig, GuestSpec, NicConfig, SerialConfig, VmConfig, VsockConfig,
+    valid_pod_name, valid_pod_namespace,
 };
-use crate::daemon::api::{CreateArgs, ErrorCode, ForkArgs, MediumArgs, Reply, Request};
-use crate::daemon::client::Client;
-use crate::vstate::vm::VmState;
+use k7d_api::state::VmState;
+
+use crate::daemon::{Daemon, ForkedPod, PodNic, PodVmSpec, VmLife};
 
 /// A quick call's limit (life, pause, resume, version).
 const QUICK: Duration = Duration::from_secs(2);
@@ -27,25 +28,25 @@ const MEDIUM: Duration = Duration::from_secs(5);
 const CREATE: Duration = Duration::from_secs(30);
 
 /// The daemon at one socket.
-pub struct ShimDaemon {
+struct ApiDaemon {
     socket: PathBuf,
 }
 
-/// The shim's `Connect`: the daemon at `socket`.
+/// The daemon at `socket` (connected per call).
 pub fn connect(socket: &Path) -> Arc<dyn Daemon> {
-    Arc::new(ShimDaemon {
+    Arc::new(ApiDaemon {
         socket: socket.to_path_buf(),
     })
 }
 
-impl ShimDaemon {
-    fn request(&self, req: &Request, timeout: Duration) -> Result<Reply, crate::daemon::api::ApiError> {
+impl ApiDaemon {
+    fn request(&self, req: &Request, timeout: Duration) -> Result<Reply, ApiError> {
         Client::connect_with_timeout(&self.socket, timeout)?.request(req)
     }
 }
 
 /// The daemon's config of a pod VM.
-pub fn vm_config(spec: &PodVmSpec) -> VmConfig {
+fn vm_config(spec: &PodVmSpec) -> VmConfig {
     VmConfig {
         id: Some(spec.id.clone()),
         vcpus: spec.vcpus,
@@ -101,8 +102,8 @@ fn datapath(n: &PodNic) -> DatapathNicConfig {
         pod_uid: n.pod_uid.clone(),
         // Labels only: a name Kubernetes would not have made is left out
         // (with a warning) rather than failing the pod.
-        pod_namespace: label(&n.pod_namespace, crate::config::valid_pod_namespace, "namespace"),
-        pod_name: label(&n.pod_name, crate::config::valid_pod_name, "name"),
+        pod_namespace: label(&n.pod_namespace, valid_pod_namespace, "namespace"),
+        pod_name: label(&n.pod_name, valid_pod_name, "name"),
     }
 }
 
@@ -116,7 +117,7 @@ fn label(v: &Option<String>, valid: fn(&str) -> bool, what: &str) -> Option<Stri
     }
 }
 
-impl Daemon for ShimDaemon {
+impl Daemon for ApiDaemon {
     fn fork(&self, template: &str, child: &ForkedPod) -> anyhow::Result<()> {
         let req = Request::Fork(ForkArgs {
             id: template.to_string(),
@@ -198,7 +199,7 @@ impl Daemon for ShimDaemon {
     }
 
     fn attach_nic(&self, id: &str, nic: &PodNic) -> anyhow::Result<()> {
-        let req = Request::NicAttach(crate::daemon::api::NicAttachArgs {
+        let req = Request::NicAttach(NicAttachArgs {
             id: id.to_string(),
             nic: 0,
             datapath: datapath(nic),

@@ -17,10 +17,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
+/// A connection to a guest agent, past its `Hello`.
 #[cfg(feature = "shim")]
-type Conn = k7d_shim::agent::Conn;
+pub(super) type Conn = k7d_shim::agent::Conn;
 #[cfg(not(feature = "shim"))]
-type Conn = ();
+pub(super) type Conn = ();
 
 /// The most idle connections kept for one VM (execs at once beyond it
 /// open their own and close them after).

@@ -23,6 +23,7 @@ use std::sync::Mutex;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use super::agent_conns::{AgentConns, Conn};
 use super::api::{Forked, VmInfo};
 use crate::RngReseed;
 
@@ -41,10 +42,15 @@ const DEADLINE: Duration = Duration::from_secs(15);
 /// another begins this much later.
 const STALE: Duration = Duration::from_secs(300);
 
+/// A reseed done: the VM's vsock socket and the connection it was made
+/// on, in step, kept for the VM's first `exec` (`agent_conns.rs`: a fork
+/// child's first command then costs one round trip, not a connect too).
+type Reseeded = (PathBuf, Conn);
+
 /// A reseed under way in a thread of its own: its result arrives on `rx`.
 struct Begun {
     at: Instant,
-    rx: mpsc::Receiver<Result<(), String>>,
+    rx: mpsc::Receiver<Result<Reseeded, String>>,
 }
 
 /// VMs whose agent has answered (`info` says `agent` for them), and the
@@ -84,7 +90,7 @@ fn spawn_reseed(id: &str, uds: PathBuf) -> Begun {
     let vm = id.to_string();
     let spawned = std::thread::Builder::new().name("k7d-reseed".into()).spawn(move || {
         let t = Instant::now();
-        let r = reseed(&uds);
+        let r = reseed(&uds).map(|conn| (uds, conn));
         if r.is_ok() {
             // The window in which the VM drew with its source's state.
             let ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -101,7 +107,7 @@ fn spawn_reseed(id: &str, uds: PathBuf) -> Begun {
 }
 
 /// The results of `begun`, in order, each waited for until `deadline`.
-fn wait_all(begun: Vec<Begun>, deadline: Instant) -> Vec<Result<(), String>> {
+fn wait_all(begun: Vec<Begun>, deadline: Instant) -> Vec<Result<Reseeded, String>> {
     begun
         .into_iter()
         .map(
@@ -161,16 +167,17 @@ impl AgentReseeds {
     }
 
     /// A restored VM whose kernel would not reseed on its own: its agent
-    /// reseeds it (logged if it cannot). Returns whether it did, for its
-    /// record.
-    pub(super) fn restored(&self, info: &mut VmInfo) -> bool {
+    /// reseeds it (logged if it cannot), and the connection is kept in
+    /// `conns`. Returns whether it did, for its record.
+    pub(super) fn restored(&self, info: &mut VmInfo, conns: &AgentConns) -> bool {
         let Some(uds) = wants_agent(info) else {
             return false;
         };
         let b = spawn_reseed(&info.id, uds);
         let deadline = b.at + self.deadline;
         match wait_all(vec![b], deadline).remove(0) {
-            Ok(()) => {
+            Ok((uds, conn)) => {
+                conns.put(&info.id, &uds, conn);
                 self.known().insert(info.id.clone());
                 info.rng_reseed = Some(RngReseed::Agent);
                 true
@@ -187,9 +194,10 @@ impl AgentReseeds {
     /// where the fork began at `since` or later; else now, all at once).
     /// A source all of whose children were reseeded so loses its shared-RNG
     /// warning; a child whose agent failed where its source's had answered
-    /// gets a warning of its own. Returns the VMs now known (children and
-    /// their sources), for their records.
-    pub(super) fn forked(&self, forked: &mut Forked, since: Instant) -> Vec<String> {
+    /// gets a warning of its own. Each reseed's connection is kept in
+    /// `conns` for the child's first `exec`. Returns the VMs now known
+    /// (children and their sources), for their records.
+    pub(super) fn forked(&self, forked: &mut Forked, since: Instant, conns: &AgentConns) -> Vec<String> {
         let targets: Vec<(usize, Begun)> = forked
             .children
             .iter()
@@ -214,7 +222,8 @@ impl AgentReseeds {
             let source = child.info.parent.clone().unwrap_or_else(|| forked.id.clone());
             let ok = r.is_ok();
             match r {
-                Ok(()) => {
+                Ok((uds, conn)) => {
+                    conns.put(&child.info.id, &uds, conn);
                     child.info.rng_reseed = Some(RngReseed::Agent);
                     let mut known = self.known();
                     for id in [&child.info.id, &source] {
@@ -257,8 +266,10 @@ impl AgentReseeds {
     }
 }
 
+/// Reseeds the kernel RNG of the VM whose vsock socket is `uds` through
+/// its agent; the connection, in step, comes back.
 #[cfg(feature = "shim")]
-fn reseed(uds: &std::path::Path) -> Result<(), String> {
+fn reseed(uds: &std::path::Path) -> Result<Conn, String> {
     use k7d_agent::proto::{Reply, Request};
     let mut entropy = vec![0u8; ENTROPY];
     k7d_sys::random::fill(&mut entropy).map_err(|e| format!("cannot draw host entropy: {e}"))?;
@@ -266,14 +277,14 @@ fn reseed(uds: &std::path::Path) -> Result<(), String> {
         .connect(RESEED_TIMEOUT)
         .map_err(|e| format!("{e:#}"))?;
     match conn.call(&Request::Reseed { entropy }) {
-        Ok(Reply::Done) => Ok(()),
+        Ok(Reply::Done) => Ok(conn),
         Ok(other) => Err(format!("the guest agent answered the reseed with {other:?}")),
         Err(e) => Err(e.to_string()),
     }
 }
 
 #[cfg(not(feature = "shim"))]
-fn reseed(_: &std::path::Path) -> Result<(), String> {
+fn reseed(_: &std::path::Path) -> Result<Conn, String> {
     Err("this k7d is built without the agent's client".into())
 }
 
@@ -356,6 +367,7 @@ mod tests {
         let a2 = agent(&dir, "a2", false, tx.clone());
         let shared = format!("{}: none: ...", shared_rng_warning("src"));
         let reseeds = AgentReseeds::default();
+        let conns = AgentConns::default();
         let mut f = forked(
             vec![
                 child("src-f1", "src", RngReseed::NoDriver, Some(a1)),
@@ -365,7 +377,7 @@ mod tests {
             ],
             &[&shared],
         );
-        reseeds.forked(&mut f, Instant::now());
+        reseeds.forked(&mut f, Instant::now(), &conns);
         let (e1, e2) = (rx.recv().unwrap(), rx.recv().unwrap());
         assert!(rx.try_recv().is_err(), "one reseed per child that wanted it");
         assert_eq!((e1.len(), e2.len()), (ENTROPY, ENTROPY));
@@ -375,6 +387,25 @@ mod tests {
             said,
             [Some(RngReseed::Agent), Some(RngReseed::Agent), Some(RngReseed::Vmgenid)]
         );
+        // Each reseed's connection is kept for the child's first exec, in
+        // step (open, nothing unread), at the child's own socket only.
+        assert_eq!(
+            (conns.kept("src-f1"), conns.kept("src-f2"), conns.kept("src-f3")),
+            (1, 1, 0)
+        );
+        assert!(
+            conns.take("src-f1", &dir.join("a2")).is_none(),
+            "kept for its own socket only"
+        );
+        let mut kept = conns
+            .take("src-f2", &dir.join("a2"))
+            .expect("src-f2's reseed connection is kept");
+        assert!(kept.idle_and_open());
+        assert!(
+            matches!(kept.call(&Request::Reseed { entropy: vec![1; 32] }), Ok(Reply::Done)),
+            "the kept connection takes the next request"
+        );
+        assert_eq!(rx.recv().unwrap(), vec![1; 32]);
         assert!(
             f.warnings.is_empty(),
             "every child reseeded: no shared-RNG warning: {:?}",
@@ -396,7 +427,7 @@ mod tests {
             ],
             &[&format!("{}: none: ...", shared_rng_warning("other"))],
         );
-        reseeds.forked(&mut f, Instant::now());
+        reseeds.forked(&mut f, Instant::now(), &conns);
         assert_eq!(f.children[0].info.rng_reseed, Some(RngReseed::NoDriver));
         assert_eq!(f.warnings.len(), 2, "{:?}", f.warnings);
         assert!(
@@ -428,6 +459,7 @@ mod tests {
             deadline: Duration::from_millis(300),
             ..Default::default()
         };
+        let conns = AgentConns::default();
 
         // Begun as the child started: the fork's answer takes that reseed.
         let since = Instant::now();
@@ -440,7 +472,7 @@ mod tests {
         reseeds.begin(&early.info);
         let e1 = rx.recv_timeout(Duration::from_secs(10)).expect("begin reseeds at once");
         let mut f = forked(vec![early], &[&shared_rng_warning("src")]);
-        let newly = reseeds.forked(&mut f, since);
+        let newly = reseeds.forked(&mut f, since, &conns);
         assert!(rx.try_recv().is_err(), "the child was not asked a second time");
         assert_eq!(e1.len(), ENTROPY);
         assert_eq!(f.children[0].info.rng_reseed, Some(RngReseed::Agent));
@@ -459,7 +491,7 @@ mod tests {
         rx.recv_timeout(Duration::from_secs(10)).unwrap();
         std::thread::sleep(Duration::from_millis(5));
         let mut f = forked(vec![stale], &[]);
-        let newly = reseeds.forked(&mut f, Instant::now());
+        let newly = reseeds.forked(&mut f, Instant::now(), &conns);
         rx.recv_timeout(Duration::from_secs(10)).expect("asked again");
         assert_eq!(newly, ["src-f2"], "src was known already");
 
@@ -470,7 +502,7 @@ mod tests {
             vec![child("src-f3", "src", RngReseed::NoDriver, Some(silent(&dir, "a3")))],
             &[],
         );
-        assert!(reseeds.forked(&mut f, t).is_empty());
+        assert!(reseeds.forked(&mut f, t, &conns).is_empty());
         let took = t.elapsed();
         assert!(
             took >= Duration::from_millis(300) && took < Duration::from_secs(5),

@@ -649,9 +649,9 @@ impl Daemon {
             None => self.handle_op(req)?,
         };
         let reseeded = match (after, &mut reply) {
-            (After::Fork, Reply::Forked(f)) => self.agent_reseeds.forked(f, since),
+            (After::Fork, Reply::Forked(f)) => self.agent_reseeds.forked(f, since, &self.agent_conns),
             (After::Restore, Reply::Vm(info)) => {
-                if self.agent_reseeds.restored(info) {
+                if self.agent_reseeds.restored(info, &self.agent_conns) {
                     vec![info.id.clone()]
                 } else {
                     Vec::new()

@@ -36,5 +36,11 @@ pub use k7d_api::{RngReseed, StopReason, VmConfig, VmState};
 pub use vstate::fork::ChildSpec;
 pub use vstate::vm::{Vm, VmError, VmOptions};
 
+/// `m`'s guard, poisoned or not: a panic aborts the process (the `k7d`
+/// binary's hook), so a lock is never met half-changed by one.
+pub(crate) fn lock<T: ?Sized>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// vm-memory, re-exported so tests use the exact version k7d maps RAM with.
 pub use vm_memory as vm_memory_reexport;

@@ -1,6 +1,7 @@
 //! The daemon's JSON API, version 1: every request and every result as a
 //! serde type, shared by the daemon (which parses requests and writes
-//! results) and the CLI (which writes requests and reads results).
+//! results) and its clients, the CLI and the containerd shim (which write
+//! requests and read results).
 //!
 //! Transport: a unix stream socket; one request per line, one response line
 //! per request. A request is `{"v":1,"op":"<verb>","args":{...}}` ([`Request`]

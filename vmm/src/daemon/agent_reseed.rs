@@ -42,15 +42,13 @@ const DEADLINE: Duration = Duration::from_secs(15);
 /// another begins this much later.
 const STALE: Duration = Duration::from_secs(300);
 
-/// A reseed done: the VM's vsock socket and the connection it was made
-/// on, in step, kept for the VM's first `exec` (`agent_conns.rs`: a fork
-/// child's first command then costs one round trip, not a connect too).
-type Reseeded = (PathBuf, Conn);
-
-/// A reseed under way in a thread of its own: its result arrives on `rx`.
+/// A reseed under way in a thread of its own: its result arrives on `rx`,
+/// the connection it was made on when it is done (in step, kept for the
+/// VM's first `exec`, `agent_conns.rs`: a fork child's first command then
+/// costs one round trip, not a connect too).
 struct Begun {
     at: Instant,
-    rx: mpsc::Receiver<Result<Reseeded, String>>,
+    rx: mpsc::Receiver<Result<Conn, String>>,
 }
 
 /// VMs whose agent has answered (`info` says `agent` for them), and the
@@ -90,7 +88,7 @@ fn spawn_reseed(id: &str, uds: PathBuf) -> Begun {
     let vm = id.to_string();
     let spawned = std::thread::Builder::new().name("k7d-reseed".into()).spawn(move || {
         let t = Instant::now();
-        let r = reseed(&uds).map(|conn| (uds, conn));
+        let r = reseed(&uds);
         if r.is_ok() {
             // The window in which the VM drew with its source's state.
             let ms = u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -107,7 +105,7 @@ fn spawn_reseed(id: &str, uds: PathBuf) -> Begun {
 }
 
 /// The results of `begun`, in order, each waited for until `deadline`.
-fn wait_all(begun: Vec<Begun>, deadline: Instant) -> Vec<Result<Reseeded, String>> {
+fn wait_all(begun: Vec<Begun>, deadline: Instant) -> Vec<Result<Conn, String>> {
     begun
         .into_iter()
         .map(
@@ -173,10 +171,10 @@ impl AgentReseeds {
         let Some(uds) = wants_agent(info) else {
             return false;
         };
-        let b = spawn_reseed(&info.id, uds);
+        let b = spawn_reseed(&info.id, uds.clone());
         let deadline = b.at + self.deadline;
         match wait_all(vec![b], deadline).remove(0) {
-            Ok((uds, conn)) => {
+            Ok(conn) => {
                 conns.put(&info.id, &uds, conn);
                 self.known().insert(info.id.clone());
                 info.rng_reseed = Some(RngReseed::Agent);
@@ -198,31 +196,32 @@ impl AgentReseeds {
     /// `conns` for the child's first `exec`. Returns the VMs now known
     /// (children and their sources), for their records.
     pub(super) fn forked(&self, forked: &mut Forked, since: Instant, conns: &AgentConns) -> Vec<String> {
-        let targets: Vec<(usize, Begun)> = forked
+        let targets: Vec<((usize, PathBuf), Begun)> = forked
             .children
             .iter()
             .enumerate()
             .filter_map(|(i, c)| {
                 let uds = wants_agent(&c.info)?;
                 let early = self.begun().remove(&c.info.id).filter(|b| b.at >= since);
-                Some((i, early.unwrap_or_else(|| spawn_reseed(&c.info.id, uds))))
+                let b = early.unwrap_or_else(|| spawn_reseed(&c.info.id, uds.clone()));
+                Some(((i, uds), b))
             })
             .collect();
         if targets.is_empty() {
             return Vec::new();
         }
-        let (order, begun): (Vec<usize>, Vec<Begun>) = targets.into_iter().unzip();
+        let (order, begun): (Vec<(usize, PathBuf)>, Vec<Begun>) = targets.into_iter().unzip();
         let results = order.into_iter().zip(wait_all(begun, Instant::now() + self.deadline));
         // Per source: whether every child of it that wanted the agent got it.
         let mut sources: Vec<(String, bool)> = Vec::new();
         let mut warnings = Vec::new();
         let mut newly = Vec::new();
-        for (i, r) in results {
+        for ((i, uds), r) in results {
             let child = &mut forked.children[i];
             let source = child.info.parent.clone().unwrap_or_else(|| forked.id.clone());
             let ok = r.is_ok();
             match r {
-                Ok((uds, conn)) => {
+                Ok(conn) => {
                     conns.put(&child.info.id, &uds, conn);
                     child.info.rng_reseed = Some(RngReseed::Agent);
                     let mut known = self.known();

@@ -693,9 +693,7 @@ pub(super) struct Remote {
     store: Arc<RecordStore>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+use crate::lock;
 
 fn internal(what: &str, e: impl std::fmt::Display) -> ApiError {
     ApiError::new(ErrorCode::Internal, format!("{what}: {e}"))

@@ -17,7 +17,7 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::control::VmControl;
 use super::device_manager::{DeviceManager, Wiring, add_linux_platform, build_devices, restore_virtio};
-use super::error::snapshot_io;
+use super::error::{io, snapshot_io};
 use super::handed::{FileRole, HostFiles};
 use super::kvm::{create_irqchip_and_pit, create_vcpu, create_vm};
 use super::memory::{GuestMemoryMmap, GuestRam};
@@ -25,7 +25,7 @@ use super::persist::{self, MachineState};
 use super::shell::Shell;
 use super::snapshot;
 use super::vcpu;
-use super::vm::{BuildSteps, Parts, Vm, VmError, VmOptions, io};
+use super::vm::{BuildSteps, Parts, Vm, VmError, VmOptions};
 use crate::arch::x86_64 as arch;
 use crate::config::{GuestSpec, VmConfig};
 

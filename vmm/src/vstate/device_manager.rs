@@ -27,6 +27,7 @@ use super::persist::PersistError;
 use super::vcpu::Buses;
 use crate::arch::x86_64 as arch;
 use crate::config::VmConfig;
+use crate::lock;
 use k7d_api::state::DeviceInfo;
 
 /// COM1.
@@ -790,12 +791,6 @@ pub(super) fn open_log(p: &Path) -> Result<File, VmError> {
     super::handed::open_log(p).map_err(io(format!("cannot open the serial log {}", p.display())))
 }
 
-/// A device's lock (a panic aborts the process, so a poisoned lock is
-/// never met with the device half-changed).
-fn lock<T: ?Sized>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// A VM's devices once built: the buses its vCPUs dispatch to, the serial
 /// port, the virtio functions and their disks, the records of the guest
 /// RAM they write, what their NICs leave to undo, and what `info` reports
@@ -809,9 +804,13 @@ pub(super) struct DeviceManager {
     info: Vec<DeviceInfo>,
     /// The virtio functions (also on the buses): paused with the vCPUs.
     virtio: Vec<VirtioHandle>,
-    /// Writers of guest RAM the fork path must account for besides KVM's
-    /// dirty log and the VM's own bitmap (see `docs/fork.md`).
-    ram_writers: RamWriters,
+    /// The records the functions keep of the guest RAM they write beside
+    /// the VM's own bitmap and KVM's dirty log (`VirtioDevice::ram_write_logs`:
+    /// blk's own view, vhost's kernel log), collected once, at the VM's
+    /// first fork (a fork child's: its first fork or snapshot): the one
+    /// seam through which the fork path learns every writer
+    /// (`docs/fork.md`). `None` until collected.
+    ram_logs: Mutex<Option<Vec<Arc<dyn RamWriteLog>>>>,
     /// Every disk, in config order (a snapshot refuses copy-on-write ones).
     disks: Vec<Arc<DiskImage>>,
 }
@@ -832,7 +831,7 @@ impl DeviceManager {
             net_cleanups,
             info,
             virtio,
-            ram_writers: RamWriters::default(),
+            ram_logs: Mutex::new(None),
             disks,
         }
     }
@@ -859,9 +858,47 @@ impl DeviceManager {
         self.info.iter_mut().filter(|i| i.kind == "virtio-net").nth(index)
     }
 
-    /// The virtio functions in bus order.
-    pub(super) fn virtio(&self) -> &[VirtioHandle] {
-        &self.virtio
+    /// The virtio functions in bus order: device name and BAR 0 address.
+    pub(super) fn functions(&self) -> Vec<(&'static str, u64)> {
+        self.virtio
+            .iter()
+            .map(|d| {
+                let d = lock(d);
+                (d.device_name(), d.config().bar_address(0))
+            })
+            .collect()
+    }
+
+    /// The virtio-blk function of disk `index`.
+    pub(super) fn blk(&self, index: usize) -> Option<&VirtioHandle> {
+        self.virtio.iter().filter(|h| lock(h).device_name() == "blk").nth(index)
+    }
+
+    /// Whether every function can be carried into a fork child; the first
+    /// refusal, worded for `vm`.
+    pub(super) fn can_fork(&self, vm: &str) -> Result<(), VmError> {
+        for d in &self.virtio {
+            lock(d)
+                .can_fork()
+                .map_err(|e| VmError::Refused(format!("vm {vm} cannot be forked: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// What each function's twin in a fork child takes (blk: a
+    /// copy-on-write view of its disk as of now), in bus order.
+    pub(super) fn fork_backends(&self, vm: &str) -> Result<VecDeque<ForkBackend>, VmError> {
+        let mut backends = VecDeque::with_capacity(self.virtio.len());
+        for d in &self.virtio {
+            backends.push_back(lock(d).fork_backend().map_err(|e| match e {
+                // Over a budget its owner set: refused, like every budget.
+                k7d_devices::virtio::VirtioError::OverBudget(_) => {
+                    VmError::Refused(format!("vm {vm} could not be forked: {e}"))
+                }
+                e => VmError::DeviceState(format!("vm {vm} could not be forked: {e}")),
+            })?);
+        }
+        Ok(backends)
     }
 
     /// Every disk, in config order.
@@ -968,70 +1005,19 @@ impl DeviceManager {
     }
 
     /// Asks every function for the records of the guest RAM it writes,
-    /// once (all paused); `op` ("forked", "snapshotted") words a refusal.
+    /// once (all paused: a kernel backend's log starts at resume); all of
+    /// them or none. `op` ("forked", "snapshotted") words a refusal.
     pub(super) fn start_ram_logs(&self, vm: &str, op: &str) -> Result<(), VmError> {
-        self.ram_writers.start(vm, &self.virtio, op)
-    }
-
-    /// Folds what the functions wrote since the last call into `ram`'s
-    /// diverged set (all paused).
-    pub(super) fn harvest_ram_writes_into(&self, ram: &GuestRam) {
-        self.ram_writers.harvest_into(ram);
-    }
-
-    /// The guest addresses the functions wrote since the last call.
-    pub(super) fn drain_ram_writes(&self) -> Vec<u64> {
-        self.ram_writers.drain()
-    }
-
-    /// Forgets what the functions wrote so far (it is in the frozen base).
-    pub(super) fn clear_ram_writes(&self) {
-        self.ram_writers.clear();
-    }
-}
-
-/// The records the devices keep of the guest RAM they write beside the VM's
-/// own bitmap and KVM's dirty log (`VirtioDevice::ram_write_logs`: blk's
-/// own view, vhost's kernel log), collected from every device once, at the
-/// VM's first fork (a fork child's: its first fork or snapshot): the one
-/// seam through which the fork path learns every writer.
-#[derive(Default)]
-struct RamWriters {
-    /// `None` until collected.
-    logs: Mutex<Option<Vec<Arc<dyn RamWriteLog>>>>,
-}
-
-impl RamWriters {
-    /// Folds what the devices wrote since the last call into `ram`'s
-    /// diverged set. Every device is paused.
-    fn harvest_into(&self, ram: &GuestRam) {
-        ram.add_diverged_gpas(self.drain().into_iter());
-    }
-
-    /// The guest addresses the devices wrote since the last call (every
-    /// device is paused).
-    fn drain(&self) -> Vec<u64> {
-        let mut gpas = Vec::new();
-        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
-            log.drain(&mut |gpa| gpas.push(gpa.0));
-        }
-        gpas
-    }
-
-    /// Asks every device for its records, once (devices paused: a kernel
-    /// backend's log starts at resume); all of them or none. `op` ("forked",
-    /// "snapshotted") words a refusal.
-    fn start(&self, id: &str, virtio: &[VirtioHandle], op: &str) -> Result<(), VmError> {
-        let mut logs = self.logs.lock().unwrap_or_else(|p| p.into_inner());
+        let mut logs = lock(&self.ram_logs);
         if logs.is_some() {
             return Ok(());
         }
         let mut all = Vec::new();
-        for d in virtio {
-            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
+        for d in &self.virtio {
+            let mut dev = lock(d);
             let more = dev.ram_write_logs().map_err(|e| {
                 VmError::Refused(format!(
-                    "vm {id} cannot be {op}: its {} device cannot record the guest pages it writes: {e}",
+                    "vm {vm} cannot be {op}: its {} device cannot record the guest pages it writes: {e}",
                     dev.device_name()
                 ))
             })?;
@@ -1041,9 +1027,25 @@ impl RamWriters {
         Ok(())
     }
 
-    /// Forgets what the devices wrote so far (it is in the frozen base).
-    fn clear(&self) {
-        for log in self.logs.lock().unwrap_or_else(|p| p.into_inner()).iter().flatten() {
+    /// Folds what the functions wrote since the last call into `ram`'s
+    /// diverged set (all paused).
+    pub(super) fn harvest_ram_writes_into(&self, ram: &GuestRam) {
+        ram.add_diverged_gpas(self.drain_ram_writes().into_iter());
+    }
+
+    /// The guest addresses the functions wrote since the last call (all
+    /// paused).
+    pub(super) fn drain_ram_writes(&self) -> Vec<u64> {
+        let mut gpas = Vec::new();
+        for log in lock(&self.ram_logs).iter().flatten() {
+            log.drain(&mut |gpa| gpas.push(gpa.0));
+        }
+        gpas
+    }
+
+    /// Forgets what the functions wrote so far (it is in the frozen base).
+    pub(super) fn clear_ram_writes(&self) {
+        for log in lock(&self.ram_logs).iter().flatten() {
             log.drain(&mut |_| {});
         }
     }

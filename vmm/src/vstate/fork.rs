@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use k7d_devices::virtio::{ForkBackend, VirtioError};
+use k7d_devices::virtio::ForkBackend;
 
 use super::builder::BuildPlan;
 use super::device_manager::pin_macs;
@@ -69,12 +69,7 @@ impl Vm {
                 self.id()
             )));
         }
-        for d in self.device_manager().virtio() {
-            let dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            dev.can_fork()
-                .map_err(|e| VmError::Refused(format!("vm {} cannot be forked: {e}", self.id())))?;
-        }
-        Ok(())
+        self.device_manager().can_fork(self.id())
     }
 
     /// A child built from `capture`, this VM's fork instant: its RAM is
@@ -135,17 +130,9 @@ impl Vm {
             .child_config(self.config(), self.id(), child_id)
             .map_err(|e| VmError::Refused(format!("vm {} cannot be forked into {child_id}: {e}", self.id())))?;
         let state = &capture.state;
-        // Each device hands over what its twin in the child takes (blk: a
-        // copy-on-write view of its disk as of now), in bus order.
-        let mut backends = VecDeque::with_capacity(self.device_manager().virtio().len());
-        for d in self.device_manager().virtio() {
-            let mut dev = d.lock().unwrap_or_else(|p| p.into_inner());
-            backends.push_back(dev.fork_backend().map_err(|e| match e {
-                // Over a budget its owner set: refused, like every budget.
-                VirtioError::OverBudget(_) => VmError::Refused(format!("vm {} could not be forked: {e}", self.id())),
-                e => VmError::DeviceState(format!("vm {} could not be forked: {e}", self.id())),
-            })?);
-        }
+        // Each device hands over what its twin in the child takes, checked
+        // after the child's config (blk's is charged to the source's budget).
+        let backends = self.device_manager().fork_backends(self.id())?;
         Self::build(
             child_id,
             &config,

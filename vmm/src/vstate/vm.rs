@@ -16,7 +16,7 @@ use kvm_ioctls::VmFd;
 use super::control::{StopReason, VmControl};
 use super::device_manager::DeviceManager;
 pub use super::error::VmError;
-pub(super) use super::error::io;
+use super::error::io;
 use super::memory::{GuestMemoryMmap, GuestRam};
 pub use super::options::VmOptions;
 use super::persist::{self, MachineState};
@@ -257,14 +257,7 @@ impl Vm {
 
     /// The virtio functions in bus order: device name and BAR 0 address.
     pub fn virtio_functions(&self) -> Vec<(&'static str, u64)> {
-        self.devices
-            .virtio()
-            .iter()
-            .map(|d| {
-                let d = d.lock().unwrap_or_else(|p| p.into_inner());
-                (d.device_name(), d.config().bar_address(0))
-            })
-            .collect()
+        self.devices.functions()
     }
 
     /// The KVM VM fd.
@@ -465,13 +458,7 @@ impl Vm {
             }
             (None, _) => super::device_manager::open_medium(path, true)?,
         });
-        let Some(handle) = self
-            .devices
-            .virtio()
-            .iter()
-            .filter(|h| h.lock().unwrap_or_else(|p| p.into_inner()).device_name() == "blk")
-            .nth(index)
-        else {
+        let Some(handle) = self.devices.blk(index) else {
             return Err(VmError::DeviceState(format!(
                 "vm {id} has no virtio-blk function for disk {index}"
             )));

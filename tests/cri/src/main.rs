@@ -123,6 +123,11 @@ struct PodArgs {
     /// As --limits-out, and the limits B sees must equal FILE's line by line.
     #[arg(long, value_name = "FILE")]
     limits_like: Option<PathBuf>,
+    /// After the exec that follows the pod's start (A ticking, B asleep),
+    /// waits (at most the step limit) until FILE exists: a watcher
+    /// measures the idle pod at that point, then creates FILE.
+    #[arg(long, value_name = "FILE")]
+    hold_until: Option<PathBuf>,
 }
 
 impl PodArgs {
@@ -310,6 +315,23 @@ async fn await_lines(path: &Path, n: usize) -> Result<Vec<String>> {
         }
         tokio::time::sleep(LOG_POLL).await;
     }
+}
+
+/// Waits until `file` exists, at most `limit` (--hold-until).
+async fn hold_until(file: &Path, limit: Duration) -> Result<()> {
+    println!("cri: holding the idle pod until {} exists", file.display());
+    let t = Instant::now();
+    while !file.exists() {
+        if t.elapsed() > limit {
+            bail!(
+                "{} did not appear within {} s: the watcher never released the held pod",
+                file.display(),
+                limit.as_secs()
+            );
+        }
+        tokio::time::sleep(LOG_POLL).await;
+    }
+    Ok(())
 }
 
 /// Runs `cmd` in `container` (ExecSync): its stdout, trimmed, once it exited 0.
@@ -508,6 +530,9 @@ async fn pod_steps(
     println!("cri: exec cat {MARKER}: {marker}");
     let (kernel, _) = step("exec_sync_uname", limit, exec(client, &a, &["uname", "-r"], limit)).await?;
     println!("cri: exec uname -r: {kernel}");
+    if let Some(file) = &args.hold_until {
+        hold_until(file, limit).await?;
+    }
     // One kernel instance for the whole pod: A and B see the same boot id
     // (the node's under runc, the pod VM's under a VM runtime). And the
     // pod's containers share one IPC namespace and one /dev/shm, as

@@ -62,6 +62,7 @@ pub async fn many(client: &mut Client, args: &ManyArgs) -> Result<()> {
             stats: false,
             limits_out: None,
             limits_like: None,
+            hold_until: None,
         };
         let mut c = client.clone();
         set.spawn(async move {

@@ -109,6 +109,7 @@ async fn pod(
         stats: false,
         limits_out: None,
         limits_like: None,
+        hold_until: None,
     };
     tokio::fs::create_dir_all(&p.log_dir)
         .await

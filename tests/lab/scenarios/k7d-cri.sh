@@ -225,10 +225,15 @@ cri_pod() {
     *) _lim= ;;
   esac
   echo "lab: $_l: k7d-cri pod --runtime-handler $_h${_ps:+ --pod-start $_ps}"
-  rm -f /tmp/vms.max /tmp/forked.seen "/tmp/ids-$_l.seen" "/tmp/ram-$_l.seen" "/tmp/ram-$_l.why"
+  rm -f /tmp/vms.max /tmp/forked.seen "/tmp/ids-$_l.seen" "/tmp/ram-$_l.seen" "/tmp/ram-$_l.why" "/tmp/ram-$_l.released"
   _clines=$(wc -l <"$CLOG")
+  _hold=
   if [ "${_h%%-*}" = k7d ]; then
-    ( _m=0
+    # k7d-cri holds the idle pod after its exec until the poll below has
+    # taken its guest RAM (or tried 5 times): a pod whose life after the
+    # exec is shorter than a poll is measured all the same.
+    _hold="--hold-until /tmp/ram-$_l.released"
+    ( _m=0 _tries=0
       while :; do
         _n=$("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | grep -c .)
         [ "$_n" -le "$_m" ] || { _m=$_n; echo "$_m" >/tmp/vms.max; }
@@ -243,7 +248,8 @@ cri_pod() {
         done
         # The pod VM's guest RAM once, idle: after the exec that follows
         # the pod's start (A ticking, B asleep), before anything else.
-        if [ ! -s "/tmp/ram-$_l.seen" ] && grep -q '^cri: exec uname -r' "/tmp/cri-$_l.out" 2>/dev/null; then
+        if [ ! -e "/tmp/ram-$_l.released" ] && grep -q '^cri: exec uname -r' "/tmp/cri-$_l.out" 2>/dev/null; then
+          _tries=$((_tries + 1))
           # (Each poll's answers, for the failure: bounded by the pod's life.)
           for _v in $("$LAB_BIN" --socket "$SOCK" list 2>/dev/null | tail -n +2 | awk '$1 !~ /^tmpl-/ {print $1}'); do
             "$LAB_BIN" --socket "$SOCK" --json info "$_v" >/tmp/ram-info.json 2>&1 ||
@@ -254,6 +260,7 @@ cri_pod() {
               { echo " $_v: guest-ram failed: $(head -c 200 /tmp/ram.json | tr '\n' ' ')" >>"/tmp/ram-$_l.why"; continue; }
             echo "$_v $(for _k in resident copied pss; do sed -n "s/.*\"$_k\": *\([0-9]*\).*/\1/p" /tmp/ram.json | head -n1; done | tr '\n' ' ')" >"/tmp/ram-$_l.seen"
           done
+          { [ -s "/tmp/ram-$_l.seen" ] || [ "$_tries" -ge 5 ]; } && touch "/tmp/ram-$_l.released"
         fi
         sleep 1
       done ) &
@@ -278,7 +285,7 @@ cri_pod() {
     fi
   fi
   cri_live "$_l" "/tmp/cri-$_l.out" timeout -s KILL $((STEP_LIMIT * 16)) "$CRI" pod --runtime-handler "$_h" --image "$IMG" --name "$_l" \
-    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"} $_st $_lim
+    --log-dir "/var/log/pods/k7d-lab_$_l" --timeout-s "$STEP_LIMIT" ${_ps:+--pod-start "$_ps"} $_st $_lim $_hold
   _rc=$?
   [ -z "${_vpoll:-}" ] || { kill "$_vpoll"; wait "$_vpoll" 2>/dev/null; _vpoll=; }
   [ -z "${_rpoll:-}" ] || { kill "$_rpoll"; wait "$_rpoll" 2>/dev/null; _rpoll=; }
@@ -343,6 +350,8 @@ cri_pod() {
 # RAMPSS_<label> (MiB). The VMM's own per-VM memory (threads, device
 # buffers) is not in it: the cold pod's daemon growth in k7d-shim has both.
 guest_ram() {
+  # (Cleared first: a read from a missing file leaves the last pod's figures.)
+  _rv= _rr= _rc= _rp=
   read -r _rv _rr _rc _rp <"/tmp/ram-$1.seen" 2>/dev/null
   [ -n "${_rp:-}" ] || fail "$1: no guest RAM figures of its pod VM while the pod lived (k7d --json guest-ram): $(head -n 5 "/tmp/ram-$1.why" 2>/dev/null | tr '\n' '|') ($(cat "/tmp/ram-$1.seen" 2>/dev/null))"
   _mib() { awk -v b="$1" 'BEGIN {printf "%.1f", b / 1048576}'; }

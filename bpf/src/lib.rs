@@ -2,7 +2,7 @@
 //! `build.rs`) and their aya 0.14 loader.
 //!
 //! One object load per VM NIC: two classifier programs (`k7d_tap_in` at the
-//! tap's ingress, `k7d_pod_in` at the pod veth's ingress) and four maps, all
+//! tap's ingress, `k7d_pod_in` at the pod veth's ingress) and five maps, all
 //! pinned under the NIC's bpffs directory (`<root>/<vm-tag>/nic<idx>/`).
 //! Policy and counters are read and written through those pins, so no
 //! in-memory state is needed and a restarted daemon finds everything again.
@@ -14,12 +14,14 @@
 //! The loader must be called from a thread whose network namespace holds the
 //! tap and the pod device (interface names and ifindexes are netns-local).
 
+mod counters;
 mod error;
 mod identity;
 mod loader;
 mod policy;
 mod uplink;
 
+pub use counters::{Forwarded, forwarded};
 pub use error::BpfError;
 pub use identity::{PodUid, pod_identity};
 pub use loader::{

@@ -42,7 +42,7 @@ pub fn tc_object_missing_reason() -> Option<&'static str> {
 /// Kernel names of the two programs (also the netlink filter names).
 pub const PROG_NAMES: [&str; 2] = ["k7d_tap_in", "k7d_pod_in"];
 /// Pin names of the maps inside a NIC directory.
-pub const MAP_PINS: [&str; 4] = ["k7d_cfg", "k7d_ipcache", "k7d_peer_verdict", "k7d_drops"];
+pub const MAP_PINS: [&str; 5] = ["k7d_cfg", "k7d_ipcache", "k7d_peer_verdict", "k7d_drops", "k7d_fwd"];
 /// Pin names of the TCX links. Netlink attachments pin the program as
 /// `<name>_prog` instead (netlink filters are not bpf links; bpffs refuses
 /// dots in names).

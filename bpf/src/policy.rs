@@ -69,7 +69,7 @@ impl DropReason {
     }
 }
 
-/// Which way the dropped packet was going.
+/// Which way a packet was going.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Direction {
     /// Guest → pod network (seen at the tap's ingress).

@@ -488,6 +488,25 @@ impl Datapath {
         }
         Ok(out)
     }
+
+    /// What the datapath passed on for `vm_id`, summed over its NICs,
+    /// egress (guest to pod network) then ingress.
+    pub fn forwarded(&self, vm_id: &str) -> Result<[k7d_bpf::Forwarded; 2], NetError> {
+        let mut out: Option<[k7d_bpf::Forwarded; 2]> = None;
+        for d in self.vm_nic_dirs(vm_id)? {
+            let nic = k7d_bpf::forwarded(&d)?;
+            match &mut out {
+                None => out = Some(nic),
+                Some(sum) => {
+                    for (s, n) in sum.iter_mut().zip(nic) {
+                        s.packets = s.packets.saturating_add(n.packets);
+                        s.bytes = s.bytes.saturating_add(n.bytes);
+                    }
+                }
+            }
+        }
+        out.ok_or_else(|| NetError::NoPrograms(vm_id.to_string()))
+    }
 }
 
 /// Deletes the clsact qdisc of `ifindex` when it holds no filter any more

@@ -20,8 +20,8 @@ pub use datapath::{Attached, Datapath, DatapathConfig, EffectiveMode, Mode, NicR
 pub use error::NetError;
 pub use k7d_bpf::UplinkPortInfo;
 pub use k7d_bpf::{
-    AttachMethod, BpfError, Direction, DropCount, DropReason, ObjectSource, Peer, PodUid, Policy, pod_identity,
-    tc_object_embedded, tc_object_missing_reason,
+    AttachMethod, BpfError, Direction, DropCount, DropReason, Forwarded, ObjectSource, Peer, PodUid, Policy,
+    pod_identity, tc_object_embedded, tc_object_missing_reason,
 };
 pub use k7d_sys::tap::{TUN_F_CSUM, TUN_F_TSO4, TUN_F_TSO6};
 pub use names::{LINK_PREFIX, NicNames, cluster_bridge_name, nic_names, validate_vm_id, vm_tag};

@@ -44,7 +44,26 @@ fn mode_traffic(mode: Mode, method: AttachMethod, want: EffectiveMode) {
         (EffectiveMode::Direct, _) => assert_eq!(inv.tcx.len(), 2, "{inv:?}"),
         (EffectiveMode::Bridge, _) => assert_eq!(inv.links.len(), 2, "{inv:?}"),
     }
+    let before = att
+        .bpf_dir
+        .as_ref()
+        .map(|_| dp.forwarded("vm-traffic").expect("forwarded counters"));
     traffic(&lab, &att);
+    // What the programs passed on is counted: 4 MiB and more each way
+    // (the frames' headers on top), by direction.
+    if let Some(before) = before {
+        let after = dp.forwarded("vm-traffic").expect("forwarded counters");
+        for (b, a) in before.iter().zip(&after) {
+            assert!(
+                a.bytes - b.bytes >= 4 << 20 && a.packets > b.packets,
+                "{:?}: {} packets, {} bytes passed on for 4 MiB each way",
+                a.direction,
+                a.packets - b.packets,
+                a.bytes - b.bytes
+            );
+        }
+        assert_eq!(after.map(|f| f.direction), [Direction::Egress, Direction::Ingress]);
+    }
     // The path really is the one claimed: in direct mode there is no k7d
     // bridge, in bridge mode eth0 is a port of the k7d bridge.
     let links = lab
@@ -56,6 +75,7 @@ fn mode_traffic(mode: Mode, method: AttachMethod, want: EffectiveMode) {
         .expect("detach");
     drop(att);
     lab.assert_clean(&dp);
+    assert!(matches!(dp.forwarded("vm-traffic"), Err(NetError::NoPrograms(_))));
     // Detach is idempotent.
     dp.detach("vm-traffic", 0, Some(&lab.pod.path()), "eth0")
         .expect("detach again");

@@ -43,6 +43,14 @@ pub enum NetCmd {
         #[command(flatten)]
         root: BpffsRoot,
     },
+    /// Show what the direct datapath passed on for a VM: one `direction
+    /// packets bytes` line each, egress (from the guest) then ingress.
+    Forwarded {
+        /// The VM id.
+        vm: String,
+        #[command(flatten)]
+        root: BpffsRoot,
+    },
 }
 
 /// Where the datapath pins live.
@@ -178,6 +186,27 @@ pub fn render(cmd: &NetCmd, json: bool) -> Result<String> {
                 json!({"ok": true, "vm": vm, "drops": items}).to_string()
             } else {
                 drops.iter().map(|d| format!("{d}\n")).collect()
+            })
+        }
+        NetCmd::Forwarded { vm, root } => {
+            let dp = datapath(vm, root)?;
+            let both = dp
+                .forwarded(vm)
+                .map_err(|e| net_err(vm, "read the forwarded counters", root, e))?;
+            let name = |d: Direction| match d {
+                Direction::Egress => "egress",
+                Direction::Ingress => "ingress",
+            };
+            Ok(if json {
+                let items: Vec<_> = both
+                    .iter()
+                    .map(|f| json!({"direction": name(f.direction), "packets": f.packets, "bytes": f.bytes}))
+                    .collect();
+                json!({"ok": true, "vm": vm, "forwarded": items}).to_string()
+            } else {
+                both.iter()
+                    .map(|f| format!("{} {} {}\n", name(f.direction), f.packets, f.bytes))
+                    .collect()
             })
         }
     }

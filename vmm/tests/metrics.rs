@@ -444,6 +444,8 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
     // lab's k7d-cri checks in its scrape).
     let optional = [
         "k7d_datapath_drops_total",
+        "k7d_datapath_forwarded_packets_total",
+        "k7d_datapath_forwarded_bytes_total",
         "k7d_vm_pod_info",
         "k7d_vm_net_bytes_total",
         "k7d_vm_net_frames_total",

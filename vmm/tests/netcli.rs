@@ -1,4 +1,4 @@
-//! `k7d net policy` / `k7d net drops` on a real direct-datapath attach (the
+//! `k7d net policy` / `k7d net drops` / `k7d net forwarded` on a real direct-datapath attach (the
 //! net crate's lab: netns, a pod veth, peers B and C, a relayed guest):
 //! flags parsed by clap, policy set through the CLI function blocks traffic,
 //! drops are counted and shown, clear restores it; errors name the VM.
@@ -58,6 +58,23 @@ fn policy_and_drops_through_the_cli_functions() {
     };
     assert_eq!(pairs(), [true; 4], "no policy");
     assert_eq!(render(&cmd(&["drops", vm, "--bpffs-root", &root]), false).unwrap(), "");
+    // What passed: each direction carried at least the four pings' two
+    // echo packets (requests one way, replies the other).
+    let fwd = render(&cmd(&["forwarded", vm, "--bpffs-root", &root]), false).unwrap();
+    let lines: Vec<Vec<&str>> = fwd.lines().map(|l| l.split(' ').collect()).collect();
+    assert_eq!(
+        lines.iter().map(|l| l[0]).collect::<Vec<_>>(),
+        ["egress", "ingress"],
+        "{fwd}"
+    );
+    for l in &lines {
+        let (packets, bytes): (u64, u64) = (l[1].parse().unwrap(), l[2].parse().unwrap());
+        assert!(packets >= 4 && bytes >= 4 * 98, "{fwd}");
+    }
+    let j: serde_json::Value =
+        serde_json::from_str(&render(&cmd(&["forwarded", vm, "--bpffs-root", &root]), true).unwrap()).unwrap();
+    assert_eq!(j["forwarded"][1]["direction"], "ingress", "{j}");
+    assert!(j["forwarded"][1]["packets"].as_u64().is_some_and(|n| n >= 4), "{j}");
 
     // default-deny + allow only C (two addresses for C, one of them unused).
     let set = cmd(&[

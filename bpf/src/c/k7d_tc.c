@@ -87,6 +87,30 @@ struct {
 	__type(value, __u64);
 } k7d_drops SEC(".maps");
 
+/* What the programs passed on (redirected, or TC_ACT_OK in policy-only
+ * mode), per direction (index DIR_*): frames and their bytes, the
+ * Ethernet header included. */
+struct k7d_fwd {
+	__u64 packets;
+	__u64 bytes;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 2);
+	__type(key, __u32);
+	__type(value, struct k7d_fwd);
+} k7d_fwd SEC(".maps");
+
+static __always_inline void forwarded(struct __sk_buff *skb, __u32 dir)
+{
+	struct k7d_fwd *f = bpf_map_lookup_elem(&k7d_fwd, &dir);
+	if (f) {
+		f->packets += 1;
+		f->bytes += skb->len;
+	}
+}
+
 static __always_inline int drop(__u32 reason, __u32 dir)
 {
 	__u32 idx = reason * 2 + dir;
@@ -179,6 +203,7 @@ int k7d_tap_in(struct __sk_buff *skb)
 	__u32 r = policy(skb, cfg, 1);
 	if (r)
 		return drop(r, DIR_EGRESS);
+	forwarded(skb, DIR_EGRESS);
 	if (cfg->mode == K7D_MODE_POLICY_ONLY)
 		return TC_ACT_OK;
 	if (cfg->use_peer)
@@ -196,6 +221,7 @@ int k7d_pod_in(struct __sk_buff *skb)
 	__u32 r = policy(skb, cfg, 0);
 	if (r)
 		return drop(r, DIR_INGRESS);
+	forwarded(skb, DIR_INGRESS);
 	if (cfg->mode == K7D_MODE_POLICY_ONLY)
 		return TC_ACT_OK;
 	return bpf_redirect(cfg->tap_ifindex, 0);

@@ -592,7 +592,12 @@ case \$1 in
       m=\$(busybox wget -q -O - http://127.0.0.1:9477/metrics) || { echo "cannot scrape the daemon's metrics"; exit 1; }
     done
     [ "\${tx:-0}" -ge 4194304 ] || { echo "the scrape shows \$vm sending \${tx:-no} bytes, under the 4 MiB it served: \$(printf '%s' "\$m" | grep '^k7d_vm_net' | tr '\\n' ' ')"; exit 1; }
-    scraped="\$scraped \$pod; net0 sent \$tx bytes"
+    # And in the datapath's own counters (the tc programs' k7d_fwd map):
+    # egress, what the guest sent through the direct datapath.
+    fwd=\$("$LAB_BIN" net forwarded "\$vm") || exit 1
+    dtx=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_datapath_forwarded_bytes_total{vm=\"\$vm\",direction=\"egress\"} \\([0-9]*\\)\$/\\1/p")
+    [ "\${dtx:-0}" -ge 4194304 ] || { echo "the scrape shows the datapath passing \${dtx:-no} bytes from \$vm, under the 4 MiB it served ('k7d net forwarded': \$(printf '%s' "\$fwd" | tr '\\n' ' ')): \$(printf '%s' "\$m" | grep '^k7d_datapath_forwarded' | tr '\\n' ' ')"; exit 1; }
+    scraped="\$scraped \$pod; net0 sent \$tx bytes, the datapath passed on \$dtx bytes from it (k7d net forwarded: \$(printf '%s' "\$fwd" | tr '\\n' ' '))"
     printf '%s' "\$out" | tr '\\n' ' '
     printf '; scraped: %s' "\$scraped" | tr '\\n' ' ' ;;
   *) exit 2 ;;

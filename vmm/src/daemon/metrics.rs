@@ -138,6 +138,19 @@ struct PodLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    vm: String,
+    direction: &'static str,
+}
+
+fn direction_label(d: k7d_net::Direction) -> &'static str {
+    match d {
+        k7d_net::Direction::Egress => "egress",
+        k7d_net::Direction::Ingress => "ingress",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DropLabels {
     vm: String,
     reason: &'static str,
@@ -430,6 +443,19 @@ impl Daemon {
             "Packets the direct datapath dropped for a VM's NICs, by reason and direction.",
             drops.clone(),
         );
+        let fwd_packets = Family::<DirectionLabels, Counter>::default();
+        state.register(
+            "datapath_forwarded_packets",
+            "Frames the direct datapath passed on for a VM's NICs, by direction (egress: from the guest).",
+            fwd_packets.clone(),
+        );
+        let fwd_bytes = Family::<DirectionLabels, Counter>::default();
+        state.register_with_unit(
+            "datapath_forwarded",
+            "Bytes of the frames the direct datapath passed on for a VM's NICs (Ethernet headers included), by direction.",
+            Unit::Bytes,
+            fwd_bytes.clone(),
+        );
         let shells = Gauge::<i64, AtomicI64>::default();
         state.register(
             "fork_shells_ready",
@@ -574,15 +600,25 @@ impl Daemon {
                                 .get_or_create(&DropLabels {
                                     vm: s.id.clone(),
                                     reason: c.reason.name(),
-                                    direction: match c.direction {
-                                        k7d_net::Direction::Egress => "egress",
-                                        k7d_net::Direction::Ingress => "ingress",
-                                    },
+                                    direction: direction_label(c.direction),
                                 })
                                 .inc_by(c.packets);
                         }
                     }
                     Err(e) => tracing::debug!(vm = %s.id, error = %e, "no drop counters for the scrape"),
+                }
+                match dp.forwarded(&s.id) {
+                    Ok(both) => {
+                        for f in both {
+                            let labels = DirectionLabels {
+                                vm: s.id.clone(),
+                                direction: direction_label(f.direction),
+                            };
+                            fwd_packets.get_or_create(&labels).inc_by(f.packets);
+                            fwd_bytes.get_or_create(&labels).inc_by(f.bytes);
+                        }
+                    }
+                    Err(e) => tracing::debug!(vm = %s.id, error = %e, "no forwarded counters for the scrape"),
                 }
             }
         }

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use k7d_bpf::{AttachMethod, NicPrograms, ObjectSource, PodUid, Policy, ProgMode, pod_identity};
 use tracing::{debug, info, warn};
 
+use crate::fallback::FallbackReason;
 use crate::{
     NetError, Tap,
     names::{NicNames, nic_names, validate_vm_id, vm_tag},
@@ -111,6 +112,8 @@ pub struct Attached {
     /// Why `auto` fell back to the bridge chain (None when direct or asked
     /// for bridge).
     pub reason: Option<String>,
+    /// That reason's class (counted in [`crate::fallbacks`]).
+    pub fallback: Option<FallbackReason>,
     /// The tap (in the pod netns) and its queue fds for the VMM (none
     /// for an adopted tap: the VM holds them).
     pub tap: Tap,
@@ -198,45 +201,50 @@ impl Datapath {
         let mut fallback_reason = None;
         if req.mode != Mode::Bridge {
             let direct = match &req.unsupported {
-                Some(r) => Err(r.clone()),
+                Some(r) => Err((FallbackReason::Unsupported, r.clone())),
                 None => self.try_direct(req, &names, &dir, pod_id),
             };
             match direct {
                 Ok(a) => return Ok(a),
-                Err(reason) if req.mode == Mode::Direct => {
+                Err((_, reason)) if req.mode == Mode::Direct => {
                     return Err(NetError::DirectRefused {
                         vm: req.vm_id.to_string(),
                         nic: req.nic_idx,
                         reason,
                     });
                 }
-                Err(reason) => {
+                Err((class, reason)) => {
                     warn!(
                         vm = req.vm_id,
                         nic = req.nic_idx,
+                        reason_class = class.name(),
                         "auto: falling back to the bridge chain: {reason}"
                     );
-                    fallback_reason = Some(reason);
+                    fallback_reason = Some((class, reason));
                 }
             }
         }
         let mut a = self.attach_bridge(req, &names, &dir, pod_id)?;
-        a.reason = fallback_reason;
+        if let Some((class, reason)) = fallback_reason {
+            crate::fallback::count(class);
+            a.fallback = Some(class);
+            a.reason = Some(reason);
+        }
         Ok(a)
     }
 
     /// Direct attach; on failure everything is rolled back and the reason
-    /// (one sentence) is returned.
+    /// (its class and one sentence) is returned.
     fn try_direct(
         &self,
         req: &NicRequest<'_>,
         names: &NicNames,
         dir: &Path,
         pod_id: Option<u32>,
-    ) -> Result<Attached, String> {
-        let object = k7d_bpf::load_object(&self.cfg.object).map_err(|e| e.to_string())?;
+    ) -> Result<Attached, (FallbackReason, String)> {
+        let object = k7d_bpf::load_object(&self.cfg.object).map_err(|e| (FallbackReason::NoObject, e.to_string()))?;
         let method = self.cfg.attach_method;
-        let mut home = Home::for_request(req).map_err(|e| e.to_string())?;
+        let mut home = Home::for_request(req).map_err(|e| (FallbackReason::Tap, e.to_string()))?;
         let r = in_netns(Some(req.pod_netns), || {
             let mut nl = Netlink::open()?;
             let pod = nl.link(req.pod_if)?.ok_or_else(|| NetError::PodIfMissing {
@@ -280,6 +288,7 @@ impl Datapath {
                 Ok(Attached {
                     effective_mode: EffectiveMode::Direct,
                     reason: None,
+                    fallback: None,
                     tap,
                     guest_mac: mac,
                     bridge: None,
@@ -293,8 +302,13 @@ impl Datapath {
                 // Belt and braces: the closure rolled back; make sure.
                 self.roll_back(req, &names.tap);
                 Err(match e {
-                    NetError::Bpf(b) => b.to_string(),
-                    other => other.to_string(),
+                    NetError::Bpf(b) => (FallbackReason::Programs, b.to_string()),
+                    e @ NetError::PodIfMissing { .. } => (FallbackReason::PodInterface, e.to_string()),
+                    NetError::Invalid { what, reason } if what.starts_with("pod interface") => {
+                        let e = NetError::Invalid { what, reason };
+                        (FallbackReason::PodInterface, e.to_string())
+                    }
+                    other => (FallbackReason::Tap, other.to_string()),
                 })
             }
         }
@@ -363,6 +377,7 @@ impl Datapath {
             Ok((tap, pod_mac, bpf)) => Ok(Attached {
                 effective_mode: EffectiveMode::Bridge,
                 reason: None,
+                fallback: None,
                 tap,
                 guest_mac: bridge_guest_mac(names, pod_mac),
                 bridge: Some(names.bridge.clone()),

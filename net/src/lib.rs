@@ -6,6 +6,7 @@
 mod bridge;
 mod datapath;
 mod error;
+mod fallback;
 mod names;
 pub mod netlink;
 mod netns;
@@ -18,6 +19,7 @@ mod uplink;
 pub use bridge::{attach_port, create_private_bridge, delete_bridge, detach_port, master_of};
 pub use datapath::{Attached, Datapath, DatapathConfig, EffectiveMode, Mode, NicRequest};
 pub use error::NetError;
+pub use fallback::{FallbackReason, fallbacks};
 pub use k7d_bpf::UplinkPortInfo;
 pub use k7d_bpf::{
     AttachMethod, BpfError, Direction, DropCount, DropReason, Forwarded, ObjectSource, Peer, PodUid, Policy,

@@ -10,7 +10,10 @@ use std::{
 };
 
 use common::*;
-use k7d_net::{AttachMethod, Direction, DropReason, EffectiveMode, Mode, NetError, ObjectSource, Peer, PodUid, Policy};
+use k7d_net::{
+    AttachMethod, Direction, DropReason, EffectiveMode, FallbackReason, Mode, NetError, ObjectSource, Peer, PodUid,
+    Policy,
+};
 
 fn traffic(lab: &Lab, att: &k7d_net::Attached) {
     let _guest = Guest::start(lab, att);
@@ -29,6 +32,7 @@ fn mode_traffic(mode: Mode, method: AttachMethod, want: EffectiveMode) {
         .expect("attach");
     assert_eq!(att.effective_mode, want);
     assert_eq!(att.reason, None);
+    assert_eq!(att.fallback, None);
     if want == EffectiveMode::Direct {
         assert!(att.redirect_peer, "pod eth0 is a veth with its peer in N");
         assert!(att.bridge.is_none());
@@ -245,8 +249,14 @@ fn auto_without_object_falls_back_with_one_log_line_and_direct_refuses() {
         .with_ansi(false)
         .with_writer(move || sink.clone())
         .finish();
+    let counted = |r: FallbackReason| k7d_net::fallbacks().iter().find(|(c, _)| *c == r).unwrap().1;
+    let before = counted(FallbackReason::NoObject);
     let att = tracing::subscriber::with_default(sub, || dp.attach(&lab.request("vm-fb", Mode::Auto, Some("pod-a"))))
         .expect("auto attach");
+    // Counted for the scrape under its class (other tests of this binary
+    // may fall back at the same time: at least this one).
+    assert_eq!(att.fallback, Some(FallbackReason::NoObject));
+    assert!(counted(FallbackReason::NoObject) > before);
     let log = String::from_utf8(cap.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "{log}");
@@ -276,6 +286,7 @@ fn unsupported_shape_falls_back_or_is_refused() {
     let att = dp.attach(&req).unwrap();
     assert_eq!(att.effective_mode, EffectiveMode::Bridge);
     assert_eq!(att.reason.as_deref(), Some(why));
+    assert_eq!(att.fallback, Some(FallbackReason::Unsupported));
     dp.detach("vm-shape", 0, Some(&lab.pod.path()), "eth0").unwrap();
     drop(att);
     lab.assert_clean(&dp);

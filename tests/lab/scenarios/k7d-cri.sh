@@ -838,7 +838,7 @@ fi
 # daemon says why, and the pods still talk.
 kill "$dpid"; wait "$dpid" 2>/dev/null
 echo '{"tc_object": "/nonexistent/k7d_tc.o"}' >/tmp/node-no-tc.json
-"$LAB_BIN" daemon --jail "$JAIL" --state-dir "$STATE" --socket "$SOCK" --node-config /tmp/node-no-tc.json >>"$DLOG" 2>&1 &
+"$LAB_BIN" daemon --jail "$JAIL" --state-dir "$STATE" --socket "$SOCK" --node-config /tmp/node-no-tc.json --metrics-listen 127.0.0.1:9477 >>"$DLOG" 2>&1 &
 dpid=$!
 i=0
 until "$LAB_BIN" --socket "$SOCK" list >/dev/null 2>&1; do
@@ -850,6 +850,10 @@ done
 cri_net net-k7d-bridge k7d
 dp_seen net-k7d-bridge bridge
 grep -q 'nonexistent/k7d_tc.o' /tmp/dp.seen || fail "net-k7d-bridge: the bridge fallback does not say why (the missing tc object): $(sort -u /tmp/dp.seen | tr '\n' ' ')"
+# And the node's scrape counts both pod VMs' NICs under the reason's class.
+_fb=$(busybox wget -q -O - http://127.0.0.1:9477/metrics | sed -n 's/^k7d_datapath_fallbacks_total{reason="no_object"} \([0-9]*\)$/\1/p')
+[ "${_fb:-0}" -ge 2 ] || fail "net-k7d-bridge: the scrape counts ${_fb:-no} fallbacks for the missing tc object, expected both pod VMs' NICs: $(busybox wget -q -O - http://127.0.0.1:9477/metrics | grep '^k7d_datapath_fallbacks' | tr '\n' ' ')"
+lab_note "net-k7d-bridge: k7d_datapath_fallbacks_total{reason=\"no_object\"} $_fb in the scrape"
 
 # The scenario's teardown: nothing for k7d-cri cleanup to do.
 _c=$(timeout -s KILL 120 "$CRI" cleanup --timeout-s 60 2>&1) || fail "k7d-cri cleanup failed: $(printf '%s' "$_c" | tail -n 2 | tr '\n' ' ')"

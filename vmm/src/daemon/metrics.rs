@@ -138,6 +138,11 @@ struct PodLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FallbackLabels {
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabels {
     vm: String,
     direction: &'static str,
@@ -456,6 +461,15 @@ impl Daemon {
             Unit::Bytes,
             fwd_bytes.clone(),
         );
+        let fallbacks = Family::<FallbackLabels, Counter>::default();
+        state.register(
+            "datapath_fallbacks",
+            "NICs this daemon put on the bridge chain because auto could not go direct, by reason.",
+            fallbacks.clone(),
+        );
+        for (r, n) in k7d_net::fallbacks() {
+            fallbacks.get_or_create(&FallbackLabels { reason: r.name() }).inc_by(n);
+        }
         let shells = Gauge::<i64, AtomicI64>::default();
         state.register(
             "fork_shells_ready",

@@ -171,6 +171,12 @@ impl Rig {
     }
 }
 
+/// The device's live counters (`VirtioDevice::counters`, as the daemon's
+/// scrape reads them while the worker runs), by name.
+fn counters(dev: &Block) -> std::collections::HashMap<&'static str, u64> {
+    dev.counters().into_iter().collect()
+}
+
 fn mock(mem: &GuestMemoryTracked) -> MockSplitQueue<'_, GuestMemoryTracked> {
     MockSplitQueue::create(mem, GuestAddress(QUEUE_BASE), QSIZE)
 }
@@ -314,6 +320,21 @@ fn writes_reach_the_file_and_flush_and_get_id_work() {
     assert_eq!(r.used_elem(0).1, 1);
     assert_eq!(r.used_elem(2).1, 21);
     assert!(r.irqs() >= 1);
+    // Counted live, the worker still running: one write of 1 KiB and one
+    // flush (GET_ID is neither).
+    assert!(r.dev.is_active());
+    let c = counters(&r.dev);
+    assert_eq!(
+        [
+            c["write_requests"],
+            c["write_bytes"],
+            c["flush_requests"],
+            c["read_requests"],
+            c["failed_requests"]
+        ],
+        [1, 1024, 1, 0, 0],
+        "{c:?}"
+    );
 
     // WRITE_ZEROES over half of the written range.
     let mut seg = Vec::new();
@@ -463,6 +484,13 @@ fn malformed_chains_get_errors_and_the_device_keeps_serving() {
     let mut marker = [0u8; 1024];
     r.vmm_mem.read_slice(&mut marker, GuestAddress(0x50_0000)).unwrap();
     assert_eq!(marker, [0xaa; 1024], "refused chains wrote no data");
+    // Each of the 14 refused or dropped chains counted, none as a read.
+    let c = counters(&r.dev);
+    assert_eq!(
+        (c["failed_requests"], c["read_requests"], c["read_bytes"]),
+        (14, 0, 0),
+        "{c:?}"
+    );
 
     // Still serving.
     mq.add_desc_chains(&chain(&[(HDRS, 16, 0), (0x60_0000, 512, W), (0x3_0010, 1, W)], at), at)
@@ -474,6 +502,12 @@ fn malformed_chains_get_errors_and_the_device_keeps_serving() {
     r.vmm_mem.read_slice(&mut got, GuestAddress(0x60_0000)).unwrap();
     assert_eq!(&got[..], &img[..512]);
     assert!(r.dev.is_active());
+    let c = counters(&r.dev);
+    assert_eq!(
+        (c["failed_requests"], c["read_requests"], c["read_bytes"]),
+        (14, 1, 512),
+        "{c:?}"
+    );
 }
 
 #[test]

@@ -440,7 +440,7 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
     // name of a scrape (a family whose series all went still shows: the
     // scrape above made one of each but the datapath's, the VM
     // processes' own, which the docs mark, and a pod VM's and a Linux
-    // guest's NIC's (the built-in guests have no PCI devices), which the
+    // guest's NICs' and drives' (the built-in guests have no PCI devices), which the
     // lab's k7d-cri checks in its scrape).
     let optional = [
         "k7d_datapath_drops_total",
@@ -451,6 +451,9 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
         "k7d_vm_net_frames_total",
         "k7d_vm_net_dropped_total",
         "k7d_vm_device_interrupts_total",
+        "k7d_vm_blk_requests_total",
+        "k7d_vm_blk_bytes_total",
+        "k7d_vm_blk_failed_requests_total",
         "k7d_vm_process_resident_memory_bytes",
         "k7d_vm_process_pss_bytes",
         "k7d_vm_process_spares_ready",

@@ -597,7 +597,10 @@ case \$1 in
     fwd=\$("$LAB_BIN" net forwarded "\$vm") || exit 1
     dtx=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_datapath_forwarded_bytes_total{vm=\"\$vm\",direction=\"egress\"} \\([0-9]*\\)\$/\\1/p")
     [ "\${dtx:-0}" -ge 4194304 ] || { echo "the scrape shows the datapath passing \${dtx:-no} bytes from \$vm, under the 4 MiB it served ('k7d net forwarded': \$(printf '%s' "\$fwd" | tr '\\n' ' ')): \$(printf '%s' "\$m" | grep '^k7d_datapath_forwarded' | tr '\\n' ' ')"; exit 1; }
-    scraped="\$scraped \$pod; net0 sent \$tx bytes, the datapath passed on \$dtx bytes from it (k7d net forwarded: \$(printf '%s' "\$fwd" | tr '\\n' ' '))"
+    # Its drives' reads (the pod's images and root, read while it started), live.
+    blk=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_vm_blk_bytes_total{vm=\"\$vm\",device=\"blk[0-9]*\",op=\"read\"} \\([0-9]*\\)\$/\\1/p" | awk '{s += \$1} END {print s + 0}')
+    [ "\$blk" -gt 0 ] || { echo "the scrape shows no bytes read by \$vm's drives: \$(printf '%s' "\$m" | grep '^k7d_vm_blk' | tr '\\n' ' ')"; exit 1; }
+    scraped="\$scraped \$pod; net0 sent \$tx bytes, its drives read \$blk bytes, the datapath passed on \$dtx bytes from it (k7d net forwarded: \$(printf '%s' "\$fwd" | tr '\\n' ' '))"
     printf '%s' "\$out" | tr '\\n' ' '
     printf '; scraped: %s' "\$scraped" | tr '\\n' ' ' ;;
   *) exit 2 ;;

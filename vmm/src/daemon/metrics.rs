@@ -87,6 +87,13 @@ struct NetLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BlkLabels {
+    vm: String,
+    device: String,
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeviceLabels {
     vm: String,
     device: String,
@@ -377,6 +384,25 @@ impl Daemon {
             "Frames a VM's virtio-net NIC dropped (rx: too big for the guest's buffer or runt; tx: malformed or refused by the tap).",
             net_dropped.clone(),
         );
+        let blk_requests = Family::<BlkLabels, Counter>::default();
+        state.register(
+            "vm_blk_requests",
+            "Requests a VM's virtio-blk drive answered OK, by op (read, write, flush).",
+            blk_requests.clone(),
+        );
+        let blk_bytes = Family::<BlkLabels, Counter>::default();
+        state.register_with_unit(
+            "vm_blk",
+            "Bytes a VM's virtio-blk drive read for the guest or wrote for it, by op (read, write).",
+            Unit::Bytes,
+            blk_bytes.clone(),
+        );
+        let blk_failed = Family::<DeviceLabels, Counter>::default();
+        state.register(
+            "vm_blk_failed_requests",
+            "Requests a VM's virtio-blk drive answered with an error or could not answer (malformed).",
+            blk_failed.clone(),
+        );
         let interrupts = Family::<DeviceLabels, Counter>::default();
         state.register(
             "vm_device_interrupts",
@@ -527,6 +553,32 @@ impl Daemon {
                         "tx_frames" => (&net_frames, "tx"),
                         "rx_dropped" => (&net_dropped, "rx"),
                         "tx_dropped" => (&net_dropped, "tx"),
+                        "read_requests" | "write_requests" | "flush_requests" | "read_bytes" | "write_bytes" => {
+                            let (family, op) = match name.as_str() {
+                                "read_requests" => (&blk_requests, "read"),
+                                "write_requests" => (&blk_requests, "write"),
+                                "flush_requests" => (&blk_requests, "flush"),
+                                "read_bytes" => (&blk_bytes, "read"),
+                                _ => (&blk_bytes, "write"),
+                            };
+                            family
+                                .get_or_create(&BlkLabels {
+                                    vm: s.id.clone(),
+                                    device: device.clone(),
+                                    op,
+                                })
+                                .inc_by(*n);
+                            continue;
+                        }
+                        "failed_requests" => {
+                            blk_failed
+                                .get_or_create(&DeviceLabels {
+                                    vm: s.id.clone(),
+                                    device: device.clone(),
+                                })
+                                .inc_by(*n);
+                            continue;
+                        }
                         "interrupts" => {
                             interrupts
                                 .get_or_create(&DeviceLabels {

@@ -7,7 +7,7 @@ use crate::virtio::worker::WorkerThread;
 use tracing::info;
 use virtio_queue::{Queue, QueueT};
 
-use super::event_handler::{BlockStats, BlockWorker, RequestHandler};
+use super::event_handler::{BlockCounters, BlockStats, BlockWorker, RequestHandler};
 use super::memory::DeviceMemory;
 use super::persist;
 use super::{BlockError, CONFIG_LEN, ID_BYTES, MAX_DISCARD_SECTORS, QUEUE_SIZE, SECTOR_SIZE, features};
@@ -34,7 +34,8 @@ pub struct Block {
     queue_sizes: [u16; 1],
     config: [u8; CONFIG_LEN],
     worker: WorkerThread<BlockWorker>,
-    last_stats: BlockStats,
+    /// Counted by each activation's worker, over the device's life.
+    counters: Arc<BlockCounters>,
     /// The device's own view of guest memory, when the VMM gave it one
     /// ([`Block::track_writes`]): reported as its RAM write log at a fork.
     view: Option<DeviceMemory>,
@@ -66,7 +67,7 @@ impl Block {
             queue_sizes: [QUEUE_SIZE],
             config: [0; CONFIG_LEN],
             worker: WorkerThread::new("k7d-virtio-blk"),
-            last_stats: BlockStats::default(),
+            counters: Arc::default(),
             view: None,
         };
         dev.config = dev.build_config();
@@ -158,12 +159,9 @@ impl Block {
         })
     }
 
-    /// Counters of the last worker that stopped (pause or reset).
+    /// The device's counters now (its worker may be running).
     pub fn stats(&self) -> BlockStats {
-        match self.worker.parked() {
-            Some(w) => w.handler.stats(),
-            None => self.last_stats,
-        }
+        self.counters.stats()
     }
 }
 
@@ -237,7 +235,7 @@ impl VirtioDevice for Block {
             index: q.index,
             notify: q.notify,
             interrupt: ctx.interrupt,
-            handler: RequestHandler::new(self.disk.clone(), self.serial, limits),
+            handler: RequestHandler::with_counters(self.disk.clone(), self.serial, limits, self.counters.clone()),
             broken: false,
         };
         self.worker.spawn(worker)?;
@@ -250,11 +248,7 @@ impl VirtioDevice for Block {
     }
 
     fn reset(&mut self) -> Vec<Queue> {
-        let w = self.worker.stop();
-        if let Some(w) = &w {
-            self.last_stats = w.handler.stats();
-        }
-        w.map(|w| w.queue).into_iter().collect()
+        self.worker.stop().map(|w| w.queue).into_iter().collect()
     }
 
     /// Stops the worker once its current batch is done (I/O is synchronous,
@@ -273,7 +267,7 @@ impl VirtioDevice for Block {
     fn debug_state(&self) -> Vec<String> {
         let st = self.stats();
         vec![format!(
-            "backend path={} read_only={} worker={} completed={} ok={} errors={} dropped={} counters=as_of_last_pause_or_reset",
+            "backend path={} read_only={} worker={} completed={} ok={} errors={} dropped={}",
             self.disk.path(),
             self.disk.read_only(),
             self.worker.state_word(),
@@ -359,6 +353,21 @@ impl VirtioDevice for Block {
             tracing::warn!(error = %e, "the driver could not be told of the medium change");
         }
         restarted
+    }
+
+    /// Requests answered OK by kind and their bytes (reads: returned to
+    /// the guest, writes: written to the disk), flushes, and the requests
+    /// answered with an error or dropped; live, over the device's life.
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let st = self.stats();
+        vec![
+            ("read_requests", st.reads),
+            ("read_bytes", st.read_bytes),
+            ("write_requests", st.writes),
+            ("write_bytes", st.write_bytes),
+            ("flush_requests", st.flushes),
+            ("failed_requests", st.errors.wrapping_add(st.dropped)),
+        ]
     }
 
     fn snapshot(&mut self) -> Result<Vec<u8>, VirtioError> {

@@ -1,6 +1,7 @@
 //! The virtio-blk request path ([`RequestHandler`]) and the I/O worker loop.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use smallvec::SmallVec;
 use std::os::fd::AsRawFd;
@@ -26,7 +27,7 @@ const POLL_ROUNDS: usize = 64;
 
 const TOKEN_QUEUE: u64 = 0;
 
-/// Counters of one device.
+/// Counters of one device, as of a moment ([`BlockCounters::stats`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockStats {
     /// Chains returned to the guest.
@@ -37,6 +38,57 @@ pub struct BlockStats {
     pub errors: u64,
     /// Chains returned with length 0 (no usable status byte).
     pub dropped: u64,
+    /// Reads answered OK.
+    pub reads: u64,
+    /// The bytes those reads returned.
+    pub read_bytes: u64,
+    /// Writes answered OK.
+    pub writes: u64,
+    /// The bytes those writes wrote.
+    pub write_bytes: u64,
+    /// Flushes answered OK.
+    pub flushes: u64,
+}
+
+/// The device's live counters: written by its one worker at a time (each
+/// activation's handler takes the device's), read by anyone at any time
+/// (the daemon's scrape) without stopping the worker. Monotonic over the
+/// device's life.
+#[derive(Debug, Default)]
+pub struct BlockCounters {
+    completed: AtomicU64,
+    ok: AtomicU64,
+    errors: AtomicU64,
+    dropped: AtomicU64,
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
+    writes: AtomicU64,
+    write_bytes: AtomicU64,
+    flushes: AtomicU64,
+}
+
+/// Adds `n` to a counter that has one writer (the worker): a load and a
+/// store, no locked read-modify-write on the request path.
+fn bump(c: &AtomicU64, n: u64) {
+    c.store(c.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+}
+
+impl BlockCounters {
+    /// The counters now.
+    pub fn stats(&self) -> BlockStats {
+        let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        BlockStats {
+            completed: r(&self.completed),
+            ok: r(&self.ok),
+            errors: r(&self.errors),
+            dropped: r(&self.dropped),
+            reads: r(&self.reads),
+            read_bytes: r(&self.read_bytes),
+            writes: r(&self.writes),
+            write_bytes: r(&self.write_bytes),
+            flushes: r(&self.flushes),
+        }
+    }
 }
 
 /// Most chains served before the worker looks at its stop eventfd again.
@@ -60,17 +112,29 @@ pub struct RequestHandler {
     disk: Arc<DiskImage>,
     serial: [u8; ID_BYTES],
     limits: Limits,
-    stats: BlockStats,
+    counters: Arc<BlockCounters>,
 }
 
 impl RequestHandler {
-    /// A handler for `disk` answering GET_ID with `serial` (NUL-padded).
+    /// A handler for `disk` answering GET_ID with `serial` (NUL-padded),
+    /// counting from zero.
     pub fn new(disk: Arc<DiskImage>, serial: [u8; ID_BYTES], limits: Limits) -> Self {
+        Self::with_counters(disk, serial, limits, Arc::default())
+    }
+
+    /// As [`Self::new`], counting into `counters` (a device's, kept over
+    /// its activations). One handler at a time may count into them.
+    pub fn with_counters(
+        disk: Arc<DiskImage>,
+        serial: [u8; ID_BYTES],
+        limits: Limits,
+        counters: Arc<BlockCounters>,
+    ) -> Self {
         Self {
             disk,
             serial,
             limits,
-            stats: BlockStats::default(),
+            counters,
         }
     }
 
@@ -83,7 +147,7 @@ impl RequestHandler {
 
     /// Counters so far.
     pub fn stats(&self) -> BlockStats {
-        self.stats
+        self.counters.stats()
     }
 
     /// Drains the available ring (re-checking after re-enabling notifications,
@@ -101,7 +165,7 @@ impl RequestHandler {
                 let head = chain.head_index();
                 let len = self.handle_chain(chain);
                 queue.add_used(mem, head, len)?;
-                self.stats.completed += 1;
+                bump(&self.counters.completed, 1);
                 served += 1;
                 if served == MAX_BATCH {
                     more = true;
@@ -145,7 +209,7 @@ impl RequestHandler {
     }
 
     fn reject(&mut self, mem: &GuestMemoryTracked, rej: Rejected) -> u32 {
-        let bad = self.stats.errors + self.stats.dropped;
+        let bad = self.counters.errors.load(Ordering::Relaxed) + self.counters.dropped.load(Ordering::Relaxed);
         if bad == 0 {
             warn!(error = %rej.error, "malformed virtio-blk request (further ones logged at debug)");
         } else {
@@ -153,14 +217,14 @@ impl RequestHandler {
         }
         match rej.status {
             Some(addr) => {
-                self.stats.errors += 1;
+                bump(&self.counters.errors, 1);
                 match mem.write_obj(rej.code, addr) {
                     Ok(()) => 1,
                     Err(_) => 0,
                 }
             }
             None => {
-                self.stats.dropped += 1;
+                bump(&self.counters.dropped, 1);
                 0
             }
         }
@@ -179,11 +243,24 @@ impl RequestHandler {
         };
         let (code, written) = match result {
             Ok(()) => {
-                self.stats.ok += 1;
+                let c = &self.counters;
+                bump(&c.ok, 1);
+                match req.kind {
+                    RequestType::In => {
+                        bump(&c.reads, 1);
+                        bump(&c.read_bytes, req.data_len);
+                    }
+                    RequestType::Out => {
+                        bump(&c.writes, 1);
+                        bump(&c.write_bytes, req.data_len);
+                    }
+                    RequestType::Flush => bump(&c.flushes, 1),
+                    _ => {}
+                }
                 (status::OK, written)
             }
             Err(e) => {
-                self.stats.errors += 1;
+                bump(&self.counters.errors, 1);
                 warn!(kind = ?req.kind, sector = req.sector, error = %e, "virtio-blk request failed");
                 (status::IOERR, 0)
             }

@@ -63,7 +63,7 @@ mod memory;
 mod persist;
 
 pub use device::{Block, QueueIndexes};
-pub use event_handler::{Batch, BlockStats, MAX_BATCH, RequestHandler};
+pub use event_handler::{Batch, BlockCounters, BlockStats, MAX_BATCH, RequestHandler};
 pub use k7d_disk::request::{DiscardRange, Limits, Rejected, Request, RequestError, RequestType, Segment, parse};
 pub use k7d_disk::{
     CLUSTER_SIZE, DiskAt, DiskBudget, DiskError, DiskImage, EMPTY_MEDIUM, FileAt, copy_overlay, overlay_file,

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::bail;
-use k7d_api::api::{ApiError, CreateArgs, ErrorCode, ForkArgs, MediumArgs, NicAttachArgs, Reply, Request};
+use k7d_api::api::{
+    ApiError, CreateArgs, ErrorCode, ForkArgs, MediumArgs, NicAttachArgs, PodCgroupArgs, Reply, Request,
+};
 use k7d_api::client::Client;
 use k7d_api::config::{
     DatapathNicConfig, DevicesConfig, DiskConfig, GuestSpec, NicConfig, SerialConfig, VmConfig, VsockConfig,
@@ -205,6 +207,15 @@ impl Daemon for ApiDaemon {
             datapath: datapath(nic),
         });
         self.request(&req, CREATE)?;
+        Ok(())
+    }
+
+    fn pod_cgroup(&self, id: &str, cgroup_parent: &str) -> anyhow::Result<()> {
+        let req = Request::PodCgroup(PodCgroupArgs {
+            id: id.to_string(),
+            cgroup_parent: cgroup_parent.to_string(),
+        });
+        self.request(&req, QUICK)?;
         Ok(())
     }
 

@@ -107,4 +107,7 @@ pub trait Daemon: Send + Sync {
     /// The pid of VM `id`'s own process (`k7d daemon --jail on`), `None`
     /// when it runs inside the daemon.
     fn vm_pid(&self, id: &str) -> anyhow::Result<Option<u32>>;
+    /// Moves VM `id`'s process into a leaf under the pod's cgroup
+    /// `cgroup_parent` (a path from the cgroup v2 root).
+    fn pod_cgroup(&self, id: &str, cgroup_parent: &str) -> anyhow::Result<()>;
 }

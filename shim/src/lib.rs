@@ -13,6 +13,7 @@ mod image;
 mod limits;
 mod metrics;
 pub mod names;
+mod pod_cgroup;
 mod podnet;
 mod pool;
 mod retire;

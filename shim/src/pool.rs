@@ -414,6 +414,9 @@ pub(crate) mod tests {
         fn vm_pid(&self, _id: &str) -> anyhow::Result<Option<u32>> {
             Ok(None)
         }
+        fn pod_cgroup(&self, _: &str, _: &str) -> anyhow::Result<()> {
+            bail!("not in this test")
+        }
     }
 
     fn cfg(state: &Path) -> ShimConfig {

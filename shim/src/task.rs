@@ -862,7 +862,8 @@ impl Inner {
         // The task's pid: the pod VM's own process where it has one (as
         // Kata reports its hypervisor's; it outlives the daemon, so the pid
         // stays true across a daemon's restart), else the daemon's.
-        let host_pid = match self.daemon.vm_pid(&names.vm_id) {
+        let vm_pid = self.daemon.vm_pid(&names.vm_id);
+        let host_pid = match &vm_pid {
             Ok(p) => p.unwrap_or(host_pid),
             Err(e) => {
                 tracing::warn!(
@@ -872,6 +873,22 @@ impl Inner {
                 host_pid
             }
         };
+        // The pod's cgroup holds its VM's process, so the node's accounting
+        // of the pod includes its VM (`pod_cgroup.rs`). A pod runs all the
+        // same where that fails.
+        if cri_sandbox && matches!(vm_pid, Ok(Some(_))) {
+            match crate::pod_cgroup::of_sandbox(&spec, &self.namespace) {
+                crate::pod_cgroup::PodCgroup::At(parent) => {
+                    if let Err(e) = self.daemon.pod_cgroup(&names.vm_id, &parent) {
+                        tracing::warn!("{}: its pod VM stays out of the pod's cgroup {parent}: {e:#}", req.id);
+                    }
+                }
+                crate::pod_cgroup::PodCgroup::None => {}
+                crate::pod_cgroup::PodCgroup::NotFollowed(why) => {
+                    tracing::info!("{}: its pod VM stays out of the pod's cgroup: {why}", req.id);
+                }
+            }
+        }
         let r = (|| {
             let agent = Agent::new(&names.vsock).with_limits(cfg.agent_limits());
             let vm_id = names.vm_id.clone();

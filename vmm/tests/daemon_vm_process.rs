@@ -2232,3 +2232,68 @@ fn forks_of_a_vm_process_with_a_read_write_disk_share_its_frozen_base() {
     assert!(cli(dir, &["delete", "again"]).status.success());
     assert_no_vm_files(dir);
 }
+
+/// `pod_cgroup` (issue 39): a pod VM's process joins its pod's cgroup only
+/// where it has a cgroup leaf to move, and says why not in one sentence:
+/// with `--jail-cgroup off` (this host's cgroups are v1, so here), for a
+/// VM inside the daemon (`--jail off`), for a path that is not a plain one
+/// from the cgroup root, for a VM the daemon does not have. Nothing moves.
+/// (The move itself is proven in the lab's `k7d-cri`: the pod's node
+/// cgroup shows the VM's working set and CPU.)
+#[test]
+fn a_vm_process_joins_its_pods_cgroup_only_where_it_can_and_says_why() {
+    if !root_or_skip("a_vm_process_joins_its_pods_cgroup_only_where_it_can_and_says_why") {
+        return;
+    }
+    let scratch = Scratch::new("daemon-vmproc-podcg");
+    let dir = scratch.0.as_path();
+    let _guard = Cleanup {
+        dir,
+        daemon: Some(start_jailed_daemon(dir, "2000001000", &[])),
+        pids: Vec::new(),
+    };
+    create_page_writer(dir, "pc");
+    let before = info(dir, "pc")["vm_process"].clone();
+    let call = |dir: &Path, id: &str, parent: &str| {
+        let line = serde_json::json!({"v": 1, "op": "pod_cgroup", "args": {"id": id, "cgroup_parent": parent}});
+        let v = api(dir, &line.to_string());
+        assert_eq!(v["ok"], false, "{v}");
+        (
+            v["error"]["code"].as_str().unwrap().to_string(),
+            v["error"]["message"].as_str().unwrap().to_string(),
+        )
+    };
+    let (code, msg) = call(dir, "pc", "/k7d-test/pod1");
+    assert_eq!(code, "conflict", "{msg}");
+    assert_eq!(
+        msg,
+        "vm pc cannot join the pod's cgroup /k7d-test/pod1: this daemon runs VM processes without cgroups (--jail-cgroup off)"
+    );
+    let (code, msg) = call(dir, "pc", "/k7d-test/../../etc");
+    assert_eq!(code, "invalid_argument", "{msg}");
+    assert!(msg.contains("is not a plain name"), "{msg}");
+    let (code, msg) = call(dir, "nope", "/k7d-test/pod1");
+    assert_eq!(code, "not_found", "{msg}");
+    assert_eq!(
+        info(dir, "pc")["vm_process"],
+        before,
+        "a refused move changed the VM's process"
+    );
+    assert!(grows(|| counter(dir, "pc")), "the VM stopped running");
+
+    // A VM inside the daemon has no process of its own to move.
+    let scratch2 = Scratch::new("daemon-inproc-podcg");
+    let dir2 = scratch2.0.as_path();
+    let _guard2 = Cleanup {
+        dir: dir2,
+        daemon: Some(start_jailed_daemon(dir2, "2000001100", &["--jail", "off"])),
+        pids: Vec::new(),
+    };
+    create_page_writer(dir2, "here");
+    let (code, msg) = call(dir2, "here", "/k7d-test/pod1");
+    assert_eq!(code, "conflict", "{msg}");
+    assert_eq!(
+        msg,
+        "vm here runs inside the daemon (--jail off): it has no process of its own to put in its pod's cgroup"
+    );
+}

@@ -598,7 +598,12 @@ async fn pod_steps(
         .await?;
     }
     if args.stats {
-        step("stats", limit, stats::check(client, &id, &a, &b, limit)).await?;
+        step(
+            "stats",
+            limit,
+            stats::check(client, &id, (&a, &b), args.runtime_handler != "runc", limit),
+        )
+        .await?;
     }
 
     step("log_lines", limit, async {

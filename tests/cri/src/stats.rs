@@ -122,8 +122,17 @@ pub fn net_bytes(s: &PodSandboxStats) -> Result<(u64, u64)> {
 /// calls must show it: B's working set at least that much (from the pod
 /// VM's guest cgroup under k7d), A's and B's CPU time above zero, both
 /// containers in `ListContainerStats` of the pod and in its
-/// `PodSandboxStats`, with their processes counted.
-pub async fn check(client: &mut Client, sandbox: &str, a: &str, b: &str, limit: Duration) -> Result<()> {
+/// `PodSandboxStats`, with their processes counted. With `vm_runtime` (a
+/// pod VM) the pod's node cgroup holds the VM's process: its working set
+/// at least the ballast (written into the guest's RAM) and CPU time above
+/// zero.
+pub async fn check(
+    client: &mut Client,
+    sandbox: &str,
+    (a, b): (&str, &str),
+    vm_runtime: bool,
+    limit: Duration,
+) -> Result<()> {
     let bytes = BALLAST_MIB << 20;
     exec(
         client,
@@ -230,5 +239,11 @@ pub async fn check(client: &mut Client, sandbox: &str, a: &str, b: &str, limit: 
         pod_cpu as f64 / 1e9,
         pod_ws >> 10
     );
+    if vm_runtime && (pod_ws < bytes || pod_cpu == 0) {
+        bail!(
+            "the pod's node cgroup shows cpu {pod_cpu} ns and a working set of {} KiB, under B's {BALLAST_MIB} MiB: its pod VM's process is not in it",
+            pod_ws >> 10
+        );
+    }
     Ok(())
 }

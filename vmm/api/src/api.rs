@@ -106,6 +106,10 @@ pub enum Request {
     /// when it has ended: stdin whole, stdout and stderr kept apart
     /// (`docs/exec.md`, "In the daemon's API").
     Exec(ExecArgs),
+    /// Move a VM's process (`--jail on`) into a leaf of its own under the
+    /// pod's cgroup (the kubelet's, as the pod's `cgroup_parent` names it),
+    /// so the node's accounting of the pod includes its VM.
+    PodCgroup(PodCgroupArgs),
 }
 
 /// `exec`'s arguments.
@@ -278,6 +282,49 @@ pub struct NicAttachArgs {
     pub datapath: crate::config::DatapathNicConfig,
 }
 
+/// `pod_cgroup`'s arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodCgroupArgs {
+    /// VM.
+    pub id: String,
+    /// The pod's cgroup, as a path from the cgroup v2 root
+    /// (`/kubepods/burstable/pod<uid>`).
+    pub cgroup_parent: String,
+}
+
+/// The longest `cgroup_parent` taken.
+pub const MAX_CGROUP_PARENT: usize = 512;
+
+/// Checks a pod's cgroup path: absolute from the cgroup root, plain names
+/// (letters, digits, `.`, `_`, `-`, `:`, `@`), no `.` or `..`, at most
+/// [`MAX_CGROUP_PARENT`] bytes.
+pub fn check_cgroup_parent(p: &str) -> Result<(), String> {
+    let Some(rest) = p.strip_prefix('/') else {
+        return Err(format!(
+            "the pod's cgroup {p:?} is not a path from the cgroup root (it must start with /)"
+        ));
+    };
+    if p.len() > MAX_CGROUP_PARENT {
+        return Err(format!(
+            "the pod's cgroup path is {} bytes, over {MAX_CGROUP_PARENT}",
+            p.len()
+        ));
+    }
+    for c in rest.split('/') {
+        let plain = !c.is_empty()
+            && c != "."
+            && c != ".."
+            && c.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-:@".contains(&b));
+        if !plain {
+            return Err(format!(
+                "the pod's cgroup {p:?} has a component {c:?} that is not a plain name"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `peek`'s arguments.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -317,7 +364,7 @@ mod id_args {
 
 impl Request {
     /// Every op, as named on the wire.
-    pub const OPS: [&'static str; 23] = [
+    pub const OPS: [&'static str; 24] = [
         "create",
         "start",
         "pause",
@@ -341,6 +388,7 @@ impl Request {
         "nic_attach",
         "guest_ram",
         "exec",
+        "pod_cgroup",
     ];
 
     /// This request's op, as named on the wire.
@@ -369,6 +417,7 @@ impl Request {
             Self::Medium(_) => "medium",
             Self::NicAttach(_) => "nic_attach",
             Self::Exec(_) => "exec",
+            Self::PodCgroup(_) => "pod_cgroup",
         }
     }
 
@@ -415,6 +464,10 @@ impl Request {
                     ));
                 }
                 Ok(())
+            }
+            Self::PodCgroup(a) => {
+                id(&a.id)?;
+                check_cgroup_parent(&a.cgroup_parent).map_err(|m| ApiError::new(ErrorCode::InvalidArgument, m))
             }
             Self::NicAttach(a) => {
                 id(&a.id)?;
@@ -876,7 +929,8 @@ impl Reply {
             | Request::Info(_)
             | Request::Restore(_)
             | Request::Medium(_)
-            | Request::NicAttach(_) => Self::Vm(Box::new(from_value(result)?)),
+            | Request::NicAttach(_)
+            | Request::PodCgroup(_) => Self::Vm(Box::new(from_value(result)?)),
             Request::Delete(_) | Request::ClusterDelete(_) => Self::Deleted(from_value(result)?),
             Request::ClusterCreate(_) | Request::ClusterAdd(_) | Request::ClusterInfo(_) => {
                 Self::Cluster(from_value(result)?)
@@ -1092,6 +1146,37 @@ mod tests {
 
     /// One request of every op (the match makes a new op fail to compile
     /// until it is added here).
+    #[test]
+    fn a_pod_cgroup_is_a_plain_path_from_the_cgroup_root() {
+        for ok in [
+            "/k7d-cri/pod1",
+            "/kubepods/burstable/pod0b6f8a1e-6a55",
+            "/a.slice/b@x:y_z",
+        ] {
+            assert_eq!(check_cgroup_parent(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "",
+            "kubepods/pod1",
+            "/",
+            "/a//b",
+            "/a/../b",
+            "/a/./b",
+            "/a/b c",
+            "/a/b\n",
+            "/a/\u{e9}",
+        ] {
+            let e = check_cgroup_parent(bad).unwrap_err();
+            assert!(e.starts_with("the pod's cgroup"), "{bad}: {e}");
+        }
+        assert!(check_cgroup_parent(&format!("/{}", "a".repeat(MAX_CGROUP_PARENT))).is_err());
+        let r = Request::PodCgroup(PodCgroupArgs {
+            id: "pod-1".into(),
+            cgroup_parent: "/a/../../etc".into(),
+        });
+        assert_eq!(r.validate().unwrap_err().code, ErrorCode::InvalidArgument);
+    }
+
     fn every_request() -> Vec<Request> {
         let all = vec![
             Request::Create(CreateArgs {
@@ -1189,6 +1274,11 @@ mod tests {
                 timeout_s: Some(1.5),
                 stream: true,
             }),
+            // A pod VM's process into its pod's cgroup.
+            Request::PodCgroup(PodCgroupArgs {
+                id: "pod-1".into(),
+                cgroup_parent: "/kubepods/burstable/pod0b6f8a1e".into(),
+            }),
         ];
         let mut seen: Vec<&str> = Vec::new();
         for r in &all {
@@ -1215,7 +1305,8 @@ mod tests {
                 | Request::Rebase(_)
                 | Request::Medium(_)
                 | Request::NicAttach(_)
-                | Request::Exec(_) => {}
+                | Request::Exec(_)
+                | Request::PodCgroup(_) => {}
             }
             if !seen.contains(&r.op()) {
                 seen.push(r.op());
@@ -1366,12 +1457,12 @@ mod tests {
         (
             r#"{"v":1,"op":"explode"}"#,
             ErrorCode::BadRequest,
-            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec)",
+            "unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec, pod_cgroup)",
         ),
         (
             r#"{"v":1,"op":"Create","args":{"config":{}}}"#,
             ErrorCode::BadRequest,
-            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec)",
+            "unknown operation `Create` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec, pod_cgroup)",
         ),
         (
             r#"{"v":2,"op":"list"}"#,
@@ -1568,7 +1659,8 @@ mod tests {
             | Request::Info(_)
             | Request::Restore(_)
             | Request::Medium(_)
-            | Request::NicAttach(_) => Reply::Vm(Box::new(info("web"))),
+            | Request::NicAttach(_)
+            | Request::PodCgroup(_) => Reply::Vm(Box::new(info("web"))),
             Request::Delete(_) => Reply::Deleted(Deleted {
                 id: "web".into(),
                 deleted: true,

@@ -8,7 +8,7 @@
 //! and timings, a stop's `reason`), and the writing daemon's `daemon_pid`.
 //! Events: `create`, `restore`, `start`, `pause`, `resume`, `stop` (asked),
 //! `stopped` (the VM stopped, with why: asked, the guest, a crash, its
-//! process's end), `snapshot`, `fork`, `rebase`, `medium`, `nic_attach`,
+//! process's end), `snapshot`, `fork`, `rebase`, `medium`, `nic_attach`, `pod_cgroup`,
 //! `delete`, `cluster_create`, `cluster_add`, `cluster_delete`,
 //! `reattach` (a new daemon serving a VM process again).
 //!
@@ -148,6 +148,10 @@ impl EventLog {
                 f.insert("nic".into(), json!(a.nic));
                 f.insert("netns".into(), json!(a.datapath.netns));
                 vm_event("nic_attach", &a.id, f);
+            }
+            (Request::PodCgroup(a), _) => {
+                f.insert("cgroup_parent".into(), json!(a.cgroup_parent));
+                vm_event("pod_cgroup", &a.id, f);
             }
             (Request::Delete(id), _) => vm_event("delete", id, f),
             (Request::Snapshot(a), Reply::Snapshot(s)) => {

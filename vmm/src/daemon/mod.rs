@@ -748,6 +748,19 @@ impl Daemon {
                 Some(r) => Reply::Vm(Box::new(self.attach_process_nic(&a, &r)?)),
                 None => Reply::Vm(Box::new(self.attach_nic(&a)?)),
             },
+            Request::PodCgroup(a) => match self.process(&a.id) {
+                Some(r) => Reply::Vm(Box::new(self.pod_cgroup_process(&a, &r)?)),
+                None => {
+                    self.get(&a.id)?;
+                    return Err(ApiError::new(
+                        ErrorCode::Conflict,
+                        format!(
+                            "vm {} runs inside the daemon (--jail off): it has no process of its own to put in its pod's cgroup",
+                            a.id
+                        ),
+                    ));
+                }
+            },
             // On this connection's thread, no lock held while it runs.
             Request::Exec(a) => Reply::Executed(exec::run(self, &a, None)?),
             Request::List => Reply::List(self.list()),

@@ -2324,6 +2324,67 @@ impl super::Daemon {
         Ok(self.process_info(&mut g))
     }
 
+    /// `pod_cgroup`: moves the VM's process out of its leaf under the
+    /// daemon's cgroup root into a leaf of the same name under the pod's
+    /// cgroup, with the same limits, so the kubelet's (and containerd's
+    /// `PodSandboxStats`) accounting of the pod includes the VM. What it
+    /// used before the move stays charged where it was. Refused for a
+    /// stopped VM and with `--jail-cgroup off` (no leaves, no limits);
+    /// the same pod again changes nothing; the record keeps the new leaf,
+    /// which the VM's delete removes.
+    pub(super) fn pod_cgroup_process(
+        &self,
+        a: &super::api::PodCgroupArgs,
+        r: &Arc<Mutex<Remote>>,
+    ) -> Result<super::api::VmInfo, ApiError> {
+        let mut g = lock(r);
+        let id = g.id().to_string();
+        let refuse = |code: ErrorCode, why: String| {
+            ApiError::new(
+                code,
+                format!("vm {id} cannot join the pod's cgroup {}: {why}", a.cgroup_parent),
+            )
+        };
+        if let s @ VmState::Stopped { .. } = g.status().state {
+            return Err(refuse(ErrorCode::Conflict, format!("it is {s}")));
+        }
+        let Some(old) = g.rec.cgroup.clone() else {
+            return Err(refuse(
+                ErrorCode::Conflict,
+                "this daemon runs VM processes without cgroups (--jail-cgroup off)".into(),
+            ));
+        };
+        super::api::check_cgroup_parent(&a.cgroup_parent).map_err(|m| refuse(ErrorCode::InvalidArgument, m))?;
+        let pod = Path::new(cgroup::NODE_CGROUP_ROOT).join(a.cgroup_parent.trim_start_matches('/'));
+        let name = cgroup::leaf_name(g.rec.uid);
+        if old == pod.join(&name) {
+            return Ok(self.process_info(&mut g));
+        }
+        let leaf = cgroup::enter_pod(&pod, &name, g.rec.pid).map_err(|m| refuse(ErrorCode::InvalidArgument, m))?;
+        if let Err(m) = cgroup::limit(&leaf, g.config.memory_mib, g.config.vcpus) {
+            // Back where it was: a leaf without limits is not kept.
+            let back = std::fs::write(old.join("cgroup.procs"), g.rec.pid.to_string());
+            if back.is_ok() {
+                cgroup::remove(&leaf);
+            }
+            return Err(refuse(ErrorCode::Internal, m));
+        }
+        cgroup::remove(&old);
+        g.rec.cgroup = Some(leaf.clone());
+        let rec = g.rec.clone();
+        if let Err(e) = self.store.update(&id, |r| r.vm_process = Some(rec)) {
+            return Err(internal(
+                &format!(
+                    "vm {id}: its process is in {}, but the move could not be recorded (a daemon that re-attaches would not remove that cgroup)",
+                    leaf.display()
+                ),
+                e,
+            ));
+        }
+        tracing::info!(vm = %id, cgroup = %leaf.display(), "the VM's process joined its pod's cgroup");
+        Ok(self.process_info(&mut g))
+    }
+
     /// `info` of a VM in a VM process.
     pub(super) fn process_info(&self, g: &mut Remote) -> super::api::VmInfo {
         let rec = self.store.load(g.id()).ok().flatten();

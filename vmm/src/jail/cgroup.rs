@@ -11,6 +11,10 @@
 //! refuses to start (`--jail-cgroup off` runs VM processes without limits,
 //! and says so in each VM's `info`).
 //!
+//! A pod VM's leaf then moves under its pod's cgroup ([`enter_pod`], the
+//! `pod_cgroup` request): the same name and limits, so the kubelet's
+//! accounting of the pod includes its VM.
+//!
 //! Everything here is file writes under cgroupfs, from outside the VM
 //! process (which has no filesystem to reach its own cgroup through).
 
@@ -119,6 +123,35 @@ impl CgroupRoot {
             .filter(|e| std::fs::remove_dir(e.path()).is_ok())
             .count()
     }
+}
+
+/// Where the node's cgroup v2 hierarchy is mounted: a pod's
+/// `cgroup_parent` is a path from here.
+pub const NODE_CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// Makes the leaf `name` under the pod's cgroup `pod` (a cgroup v2
+/// directory, made by the kubelet), delegates the memory and cpu
+/// controllers to it, and moves the VM process `pid` into it. On an error
+/// the process stays where it was and the new leaf is gone.
+pub fn enter_pod(pod: &Path, name: &str, pid: u32) -> Result<PathBuf, String> {
+    if !pod.join("cgroup.controllers").is_file() {
+        return Err(format!("{} is not a cgroup v2 directory", pod.display()));
+    }
+    enable_controllers(pod)?;
+    let leaf = pod.join(name);
+    match std::fs::create_dir(&leaf) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("cannot make the cgroup {}: {e}", leaf.display())),
+    }
+    if let Err(e) = std::fs::write(leaf.join("cgroup.procs"), pid.to_string()) {
+        let _ = std::fs::remove_dir(&leaf);
+        return Err(format!(
+            "cannot move VM process {pid} into the cgroup {}: {e}",
+            leaf.display()
+        ));
+    }
+    Ok(leaf)
 }
 
 /// Sets the limits of the leaf `leaf` for a VM of `memory_mib` MiB and

@@ -1325,7 +1325,7 @@ mod tests {
     const V1_ANSWERS: [(&str, &str); 6] = [
         (
             r#"{"v":1,"op":"explode"}"#,
-            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec)"}}"#,
+            r#"{"v":1,"ok":false,"error":{"code":"bad_request","message":"unknown operation `explode` (known: create, start, pause, resume, stop, delete, info, snapshot, restore, fork, peek, list, version, cluster_create, cluster_add, cluster_info, cluster_delete, cluster_list, rebase, medium, nic_attach, guest_ram, exec, pod_cgroup)"}}"#,
         ),
         (
             r#"{"v":2,"op":"list"}"#,

@@ -87,20 +87,7 @@ impl CgroupRoot {
     /// Makes the leaf of the VM process `uid` (host pid `pid`) and moves
     /// the process into it.
     pub fn enter(&self, uid: u32, pid: u32) -> Result<PathBuf, String> {
-        let leaf = self.dir.join(leaf_name(uid));
-        match std::fs::create_dir(&leaf) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(format!("cannot make the cgroup {}: {e}", leaf.display())),
-        }
-        if let Err(e) = std::fs::write(leaf.join("cgroup.procs"), pid.to_string()) {
-            let _ = std::fs::remove_dir(&leaf);
-            return Err(format!(
-                "cannot move VM process {pid} into the cgroup {}: {e}",
-                leaf.display()
-            ));
-        }
-        Ok(leaf)
+        enter_leaf(self.dir.join(leaf_name(uid)), pid)
     }
 
     /// Removes the empty leaves `vm-<uid>` whose uid is `mine` (a VM
@@ -138,7 +125,12 @@ pub fn enter_pod(pod: &Path, name: &str, pid: u32) -> Result<PathBuf, String> {
         return Err(format!("{} is not a cgroup v2 directory", pod.display()));
     }
     enable_controllers(pod)?;
-    let leaf = pod.join(name);
+    enter_leaf(pod.join(name), pid)
+}
+
+/// Makes the cgroup `leaf` (if missing) and moves process `pid` into it;
+/// on an error the process stays where it was and the leaf is gone.
+fn enter_leaf(leaf: PathBuf, pid: u32) -> Result<PathBuf, String> {
     match std::fs::create_dir(&leaf) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}

@@ -40,6 +40,7 @@ IMG=docker.io/library/k7d-busybox:1
 SOCK=/run/k7d/k7d.sock STATE=/run/k7d/state
 CLOG=/tmp/containerd.log DLOG=/tmp/k7d-daemon.log
 CTR_LIMIT=${LAB_SHIM_CTR_TIMEOUT:-120}  # per ctr run, seconds
+FIRST_REPEATS=2  # more runs of `echo hello` for the first-output median
 
 # fail REASON: the tails of containerd's and the daemon's logs and of the pod
 # VMs' consoles (those not deleted yet), then LAB-FAIL.
@@ -159,9 +160,24 @@ containers() {
   [ "$(line 4)" = devnull-ok ] || fail "$_n: echo x >/dev/null failed: '$(line 4)'"
   [ "$(line 5)" = from-the-image ] || fail "$_n: /etc/k7d-image-marker reads '$(line 5)', expected from-the-image"
   [ "$(line 6)" = wrote ] || fail "$_n: the container could not write to its root: '$(line 6)'"
+  # First output: the median of this run and FIRST_REPEATS more of `echo
+  # hello` (the image cached by then under either runtime), so one slow or
+  # fast emulated second does not make the ratio to runc (a bound in
+  # LATENCY_BUDGETS.md).
+  _firsts=$FIRST _uname=$(line 2)
+  lab_metric "$_n.first_output_first" "$FIRST" s
+  _i=0
+  while [ "$_i" -lt "$FIRST_REPEATS" ]; do
+    _i=$((_i + 1))
+    ctr_run "$_n-1r$_i" "$@" "$IMG" "$_n-1r$_i" echo hello
+    [ "$RC" = 0 ] && [ "$(line 1)" = hello ] && [ -n "$FIRST" ] ||
+      fail "$_n: ctr run echo hello (repeat $_i) exited $RC: $(printf '%s' "$OUT" | tail -n 5 | tr '\n' ' ')"
+    _firsts="$_firsts $FIRST"
+  done
+  FIRST=$(lab_median $_firsts)
   lab_metric "$_n.first_output" "$FIRST" s
   eval "first_$_n=\$FIRST"
-  lab_note "$_n: hello, uname -r $(line 2), 16 bytes of /dev/urandom, /dev/null, the image's marker, a write to / ($FIRST s to the first line)"
+  lab_note "$_n: hello, uname -r $_uname, 16 bytes of /dev/urandom, /dev/null, the image's marker, a write to / (to the first line: $_firsts s, median $FIRST s)"
 
   # Host bind mounts: a read-only directory (a ConfigMap), a writable file
   # (resolv.conf) and a writable empty directory (an emptyDir).

@@ -306,6 +306,16 @@ fn a_real_prometheus_scrapes_vm_counts_fork_histograms_and_forgets_deleted_vms()
     );
     // Each VM process's memory is there, and its guest counts exits.
     assert_eq!(query(pport, "k7d_vm_process_pss_bytes").len(), 10);
+    // Each guest's populated RAM; a fork child's own copies (its memwriter
+    // keeps writing its loop counter) and none for a VM never forked.
+    until_value(pport, "count(k7d_vm_guest_ram_resident_bytes > 0)", 10.0);
+    until_value(pport, "k7d_vm_guest_ram_copied_bytes{vm=\"b\"}", 0.0);
+    until_value(pport, "k7d_vm_guest_ram_copied_bytes{vm=\"a-f1\"} > bool 0", 1.0);
+    until_value(
+        pport,
+        "count(k7d_vm_guest_ram_copied_bytes <= bool on (vm) k7d_vm_guest_ram_resident_bytes == 1)",
+        10.0,
+    );
     // Its guest's exits, by reason (this k7d's VM processes say why).
     let exits = query(pport, "k7d_vm_exits_total{vm=\"a\"}");
     assert!(
@@ -456,6 +466,8 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
         "k7d_vm_blk_failed_requests_total",
         "k7d_vm_process_resident_memory_bytes",
         "k7d_vm_process_pss_bytes",
+        "k7d_vm_guest_ram_resident_bytes",
+        "k7d_vm_guest_ram_copied_bytes",
         "k7d_vm_process_spares_ready",
     ];
     let mut missing = Vec::new();

@@ -468,6 +468,20 @@ impl Daemon {
             Unit::Bytes,
             pss.clone(),
         );
+        let ram_resident = Family::<VmLabels, Gauge>::default();
+        state.register_with_unit(
+            "vm_guest_ram_resident",
+            "Guest RAM pages present in a VM's process (--jail on): its guest's populated memory, its fork base's pages it reads included.",
+            Unit::Bytes,
+            ram_resident.clone(),
+        );
+        let ram_copied = Family::<VmLabels, Gauge>::default();
+        state.register_with_unit(
+            "vm_guest_ram_copied",
+            "Of a VM's resident guest RAM, its own copies (--jail on): pages its guest wrote since its fork (a child) or since its base was frozen (a source); 0 for a VM never forked.",
+            Unit::Bytes,
+            ram_copied.clone(),
+        );
         let drops = Family::<DropLabels, Counter>::default();
         state.register(
             "datapath_drops",
@@ -657,6 +671,14 @@ impl Daemon {
             if let Some((r, p)) = s.mem {
                 rss.get_or_create(&vm).set(i64::try_from(r).unwrap_or(i64::MAX));
                 pss.get_or_create(&vm).set(i64::try_from(p).unwrap_or(i64::MAX));
+            }
+            if let Some((resident, copied)) = s.guest_ram {
+                ram_resident
+                    .get_or_create(&vm)
+                    .set(i64::try_from(resident).unwrap_or(i64::MAX));
+                ram_copied
+                    .get_or_create(&vm)
+                    .set(i64::try_from(copied).unwrap_or(i64::MAX));
             }
             if let (true, Some(dp)) = (s.datapath, datapath.as_ref()) {
                 match dp.drops(&s.id) {

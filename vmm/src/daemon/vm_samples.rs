@@ -83,6 +83,10 @@ pub(super) struct VmSample {
     pub(super) pid: Option<u32>,
     /// Its VM process's RSS and PSS (bytes).
     pub(super) mem: Option<(u64, u64)>,
+    /// Its guest RAM as its VM process maps it (bytes): pages present, and
+    /// of those its own copies, written since its fork. From the same
+    /// request as `mem`; none for a VM in the daemon.
+    pub(super) guest_ram: Option<(u64, u64)>,
     pub(super) datapath: bool,
     /// The pod it serves: (namespace, name, uid), from its NICs' attachment.
     pub(super) pod: Option<(String, String, String)>,
@@ -177,6 +181,7 @@ impl Daemon {
                     guest: g.config().guest.describe(),
                     pid: None,
                     mem: None,
+                    guest_ram: None,
                     datapath: g.config().devices.nics.iter().any(|n| n.datapath.is_some()),
                     pod: pod_of(g.config()),
                     parent,
@@ -193,14 +198,16 @@ impl Daemon {
                     // of another uid's is closed to a daemon without
                     // CAP_SYS_PTRACE. /proc only for a VM process of an
                     // earlier k7d, which does not know the request.
-                    let mem = match live.then(|| g.call(&Request::GuestRam)) {
+                    let (mem, guest_ram) = match live.then(|| g.call(&Request::GuestRam)) {
                         Some(Ok(Reply::GuestRam {
+                            resident,
+                            copied,
                             process_rss,
                             process_pss,
                             ..
-                        })) if process_rss > 0 => Some((process_rss, process_pss)),
-                        Some(Err(e)) if e.message.contains(UNKNOWN_REQUEST) => pid.and_then(rss_pss),
-                        _ => None,
+                        })) if process_rss > 0 => (Some((process_rss, process_pss)), Some((resident, copied))),
+                        Some(Err(e)) if e.message.contains(UNKNOWN_REQUEST) => (pid.and_then(rss_pss), None),
+                        _ => (None, None),
                     };
                     let c = g.config();
                     VmSample {
@@ -217,6 +224,7 @@ impl Daemon {
                         pod: pod_of(c),
                         pid,
                         mem,
+                        guest_ram,
                         parent,
                         id,
                     }
@@ -243,6 +251,7 @@ impl Daemon {
             pid: rec.vm_process.as_ref().map(|p| p.pid),
             // (Busy with a request: /proc, where this host lets the daemon read it.)
             mem: rec.vm_process.as_ref().and_then(|p| rss_pss(p.pid)),
+            guest_ram: None,
             datapath: rec.config.devices.nics.iter().any(|n| n.datapath.is_some()),
             pod: pod_of(&rec.config),
             parent,

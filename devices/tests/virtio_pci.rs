@@ -437,9 +437,15 @@ fn rng_serves_a_request_end_to_end() {
     )
     .unwrap();
     m.reset_dirty();
+    let notifications = || {
+        let c = m.dev.lock().unwrap().counters();
+        c.iter().find(|(k, _)| *k == "notifications").map(|(_, n)| *n)
+    };
+    assert_eq!(notifications(), Some(0), "no kick yet");
     m.kick(0);
     assert!(wait_used(&mem, &mq, 1), "request completed");
     assert_eq!(m.wait_irq(QUEUE_VECTOR), 1, "queue vector's irqfd fired once");
+    assert_eq!(notifications(), Some(1), "the one kick, counted");
     assert_eq!(m.irq_count(CONFIG_VECTOR), 0);
     assert_eq!(used_elem(&mem, &mq, 0), (0, 4196));
     let mut buf = vec![0u8; 4096];

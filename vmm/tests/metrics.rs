@@ -461,6 +461,7 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
         "k7d_vm_net_frames_total",
         "k7d_vm_net_dropped_total",
         "k7d_vm_device_interrupts_total",
+        "k7d_vm_device_notifications_total",
         "k7d_vm_blk_requests_total",
         "k7d_vm_blk_bytes_total",
         "k7d_vm_blk_failed_requests_total",
@@ -469,6 +470,8 @@ fn the_dashboard_and_the_docs_name_only_metrics_a_scrape_has() {
         "k7d_vm_guest_ram_resident_bytes",
         "k7d_vm_guest_ram_copied_bytes",
         "k7d_vm_process_spares_ready",
+        // Only shapes with a shell ready have a series (the shells test).
+        "k7d_fork_shells_ready",
     ];
     let mut missing = Vec::new();
     for text in exprs.iter().map(String::as_str).chain(std::iter::once(docs.as_str())) {
@@ -679,4 +682,64 @@ fn info_shows_how_much_of_a_fork_childs_guest_ram_is_shared_with_its_base() {
         cli(d, &["delete", "m"]);
         stop_daemon(daemon);
     }
+}
+
+#[test]
+fn shells_ready_are_shown_by_shape_and_go_with_the_vms_that_asked() {
+    if !root_or_skip("shells_ready_are_shown_by_shape_and_go_with_the_vms_that_asked") {
+        return;
+    }
+    let dir = Scratch::new("metrics-shells");
+    let d = &dir.0;
+    let (daemon, port) = start_daemon(d, false, "");
+    // Two shapes: 2 shells of 1 vCPU and 16 MiB, 1 of 1 vCPU and 8 MiB.
+    for (id, mib, shells) in [("w", "16", "2"), ("v", "8", "1")] {
+        let o = cli(
+            d,
+            &[
+                "create",
+                "--id",
+                id,
+                "--builtin",
+                "idle",
+                "--memory",
+                mib,
+                "--fork-shells",
+                shells,
+                "--start",
+            ],
+        );
+        assert!(o.status.success(), "{:?}", text(&o));
+    }
+    let shells = |port: u16| -> Vec<String> {
+        let mut v: Vec<String> = scrape(port)
+            .lines()
+            .filter(|l| l.starts_with("k7d_fork_shells_ready{"))
+            .map(str::to_string)
+            .collect();
+        v.sort();
+        v
+    };
+    let until = |want: &[&str]| {
+        let t = Instant::now();
+        loop {
+            let have = shells(port);
+            if have == want {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "shells by shape in the scrape: {have:?}, not {want:?}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    until(&[
+        "k7d_fork_shells_ready{vcpus=\"1\",memory_bytes=\"16777216\"} 2",
+        "k7d_fork_shells_ready{vcpus=\"1\",memory_bytes=\"8388608\"} 1",
+    ]);
+    // The shells of a shape no VM asks for any more go, and their series.
+    assert!(cli(d, &["delete", "w"]).status.success());
+    until(&["k7d_fork_shells_ready{vcpus=\"1\",memory_bytes=\"8388608\"} 1"]);
+    stop_daemon(daemon);
 }

@@ -454,6 +454,13 @@ pub trait VirtioDevice: Send {
         Vec::new()
     }
 
+    /// Whether the guest's queue notifications reach this process's
+    /// workers (their eventfds read here), so the transport can count
+    /// them; false where a kernel backend reads them (vhost).
+    fn notifications_reach_vmm(&self) -> bool {
+        true
+    }
+
     /// Replaces the device's medium (a drive's image) while the VM runs,
     /// and tells an active driver through a configuration-change interrupt.
     fn change_medium(&mut self, _medium: Arc<k7d_disk::DiskImage>) -> Result<(), VirtioError> {

@@ -600,7 +600,11 @@ case \$1 in
     # Its drives' reads (the pod's images and root, read while it started), live.
     blk=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_vm_blk_bytes_total{vm=\"\$vm\",device=\"blk[0-9]*\",op=\"read\"} \\([0-9]*\\)\$/\\1/p" | awk '{s += \$1} END {print s + 0}')
     [ "\$blk" -gt 0 ] || { echo "the scrape shows no bytes read by \$vm's drives: \$(printf '%s' "\$m" | grep '^k7d_vm_blk' | tr '\\n' ' ')"; exit 1; }
-    scraped="\$scraped \$pod; net0 sent \$tx bytes, its drives read \$blk bytes, the datapath passed on \$dtx bytes from it (k7d net forwarded: \$(printf '%s' "\$fwd" | tr '\\n' ' '))"
+    # The guest's queue notifications to its drives (each read was kicked).
+    kicks=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_vm_device_notifications_total{vm=\"\$vm\",device=\"blk[0-9]*\"} \\([0-9]*\\)\$/\\1/p" | awk '{s += \$1} END {print s + 0}')
+    [ "\$kicks" -gt 0 ] || { echo "the scrape shows no queue notifications to \$vm's drives: \$(printf '%s' "\$m" | grep '^k7d_vm_device_notifications' | tr '\\n' ' ')"; exit 1; }
+    nkicks=\$(printf '%s\\n' "\$m" | sed -n "s/^k7d_vm_device_notifications_total{vm=\"\$vm\",device=\"net0\"} \\([0-9]*\\)\$/\\1/p")
+    scraped="\$scraped \$pod; net0 sent \$tx bytes (\${nkicks:-no} queue notifications), its drives read \$blk bytes (\$kicks notifications), the datapath passed on \$dtx bytes from it (k7d net forwarded: \$(printf '%s' "\$fwd" | tr '\\n' ' '))"
     printf '%s' "\$out" | tr '\\n' ' '
     printf '; scraped: %s' "\$scraped" | tr '\\n' ' ' ;;
   *) exit 2 ;;

@@ -149,6 +149,13 @@ struct FallbackLabels {
     reason: &'static str,
 }
 
+/// A shell's shape: its vCPUs and guest RAM in bytes.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShapeLabels {
+    vcpus: u8,
+    memory_bytes: u64,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DirectionLabels {
     vm: String,
@@ -409,6 +416,12 @@ impl Daemon {
             "Interrupts a VM's virtio device raised for its queues (userspace data planes).",
             interrupts.clone(),
         );
+        let notifications = Family::<DeviceLabels, Counter>::default();
+        state.register(
+            "vm_device_notifications",
+            "Queue notifications (kicks) a VM's guest gave its virtio device, all queues (userspace data planes: none counted with vhost-net).",
+            notifications.clone(),
+        );
         let pools = Family::<PoolLabels, Gauge>::default();
         state.register(
             "pool_members",
@@ -510,13 +523,20 @@ impl Daemon {
         for (r, n) in k7d_net::fallbacks() {
             fallbacks.get_or_create(&FallbackLabels { reason: r.name() }).inc_by(n);
         }
-        let shells = Gauge::<i64, AtomicI64>::default();
+        let shells = Family::<ShapeLabels, Gauge>::default();
         state.register(
             "fork_shells_ready",
-            "Shells made ahead for fork children, ready now.",
+            "Shells made ahead for fork children (--jail off), ready now, by shape (only shapes with one).",
             shells.clone(),
         );
-        shells.set(self.shells_ready() as i64);
+        for (shape, n) in self.shells_ready_by_shape() {
+            shells
+                .get_or_create(&ShapeLabels {
+                    vcpus: shape.vcpus,
+                    memory_bytes: shape.ram,
+                })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
         if let Some(p) = &self.processes {
             let spares = Gauge::<i64, AtomicI64>::default();
             state.register(
@@ -586,6 +606,15 @@ impl Daemon {
                         }
                         "failed_requests" => {
                             blk_failed
+                                .get_or_create(&DeviceLabels {
+                                    vm: s.id.clone(),
+                                    device: device.clone(),
+                                })
+                                .inc_by(*n);
+                            continue;
+                        }
+                        "notifications" => {
+                            notifications
                                 .get_or_create(&DeviceLabels {
                                     vm: s.id.clone(),
                                     device: device.clone(),

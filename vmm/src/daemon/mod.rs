@@ -501,6 +501,11 @@ impl Daemon {
         self.shells.total()
     }
 
+    /// Shells ready for fork children, by shape.
+    pub fn shells_ready_by_shape(&self) -> Vec<(crate::vstate::shell::Shape, usize)> {
+        self.shells.by_shape()
+    }
+
     /// Runs every VM it creates from now on in a VM process of its own
     /// (`--jail on`); the VM processes it re-attached keep their ids.
     pub fn with_vm_processes(mut self, procs: VmProcesses) -> Self {

@@ -170,6 +170,18 @@ impl ShellPool {
         self.lock().values().map(Vec::len).sum()
     }
 
+    /// Shells ready by shape, sorted by shape (only shapes with one).
+    pub fn by_shape(&self) -> Vec<(Shape, usize)> {
+        let mut v: Vec<(Shape, usize)> = self
+            .lock()
+            .iter()
+            .filter(|(_, list)| !list.is_empty())
+            .map(|(shape, list)| (*shape, list.len()))
+            .collect();
+        v.sort_by_key(|(s, _)| (s.vcpus, s.ram));
+        v
+    }
+
     /// vCPUs of the shells ready (each holds a vCPU fd and a parked thread).
     pub fn total_vcpus(&self) -> usize {
         self.lock()

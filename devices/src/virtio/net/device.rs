@@ -621,6 +621,10 @@ impl VirtioDevice for Net {
     /// queue pairs, from the guest's side: `rx_*` delivered to the guest,
     /// `tx_*` sent by it; and the interrupts raised. None with vhost-net
     /// (the kernel moves the frames and counts nothing here).
+    fn notifications_reach_vmm(&self) -> bool {
+        self.vhost.is_none()
+    }
+
     fn counters(&self) -> Vec<(&'static str, u64)> {
         if self.vhost.is_some() {
             return Vec::new();

@@ -350,9 +350,20 @@ impl VirtioPciDevice {
         self.device.name()
     }
 
-    /// The device's counters (`VirtioDevice::counters`).
+    /// The device's counters (`VirtioDevice::counters`), and
+    /// `notifications`: the guest's queue notifications (kicks) its workers
+    /// read from the queues' eventfds, all queues, where they reach this
+    /// process (not with a vhost backend).
     pub fn counters(&self) -> Vec<(&'static str, u64)> {
-        self.device.counters()
+        let mut c = self.device.counters();
+        if self.device.notifications_reach_vmm() {
+            let kicks = (0..self.diag.len())
+                .filter_map(|q| u16::try_from(q).ok())
+                .map(|q| self.diag.queue(q).counters().0)
+                .fold(0u64, u64::wrapping_add);
+            c.push(("notifications", kicks));
+        }
+        c
     }
 
     /// A new medium for the device's drive (`VirtioDevice::change_medium`).

@@ -34,6 +34,8 @@ pub struct MetricsServer {
     stop: Arc<AtomicBool>,
     wake: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
+    /// The VM processes' memory, read for the scrapes in the background.
+    _memory: super::process_memory::MemoryReader,
 }
 
 impl MetricsServer {
@@ -55,6 +57,11 @@ impl MetricsServer {
                     source,
                 })?,
             );
+        let memory = super::process_memory::MemoryReader::start(&daemon, super::process_memory::MEMORY_PERIOD)
+            .map_err(|source| DaemonError::Io {
+                what: "cannot spawn the VM memory thread".into(),
+                source,
+            })?;
         let stop = Arc::new(AtomicBool::new(false));
         let (stop2, wake2) = (stop.clone(), wake.clone());
         let thread = std::thread::Builder::new()
@@ -70,6 +77,7 @@ impl MetricsServer {
             stop,
             wake,
             thread: Some(thread),
+            _memory: memory,
         })
     }
 

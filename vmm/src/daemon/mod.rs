@@ -14,6 +14,7 @@ mod exec;
 pub mod metrics;
 pub mod metrics_http;
 mod periodic;
+mod process_memory;
 mod processes;
 pub mod ram_usage;
 mod rebaser;
@@ -27,6 +28,7 @@ mod vm_samples;
 // The wire types live in `k7d-api`, shared with the CLI and the shim.
 use k7d_api::api;
 
+pub use process_memory::{MEMORY_PERIOD, MemoryReader};
 pub use processes::{IdRange, PROCESS_LOG, VmProcesses};
 pub use rebaser::{REBASE_PERIOD, Rebaser};
 pub use reconcile::{NicSweep, Reconciled};
@@ -145,6 +147,8 @@ pub struct Daemon {
     reattached: Vec<String>,
     /// What a scrape reads (`metrics.rs`).
     metrics: Arc<metrics::Metrics>,
+    /// Each VM process's memory as last read (`process_memory.rs`).
+    vm_memory: process_memory::Readings,
     /// Fork children and restored VMs reseeded by their agents.
     agent_reseeds: agent_reseed::AgentReseeds,
     /// Connections to guest agents kept between `exec`s (`agent_conns.rs`).
@@ -487,6 +491,7 @@ impl Daemon {
                 processes: None,
                 reattached: reattached_ids,
                 metrics: Arc::new(metrics::Metrics::new(false)),
+                vm_memory: process_memory::Readings::default(),
                 agent_reseeds: agent_reseed::AgentReseeds::with_known(agent_reseeded),
                 agent_conns: agent_conns::AgentConns::default(),
                 _lock: lock,

@@ -1,14 +1,14 @@
 //! What a scrape reads of each VM (`metrics.rs` encodes it): its state,
 //! counters and config from the VM itself, or from its VM process over
 //! its channel, or from its record while a request holds it; its VM
-//! process's memory from `smaps_rollup`; the pod and warm pool it serves.
+//! process's memory as the `k7d-vm-memory` thread last read it
+//! (`process_memory.rs`); the pod and warm pool it serves.
 //! VMs are sampled in a few threads: a VM process's sample is mostly
 //! waiting (a round trip, a `/proc` read).
 
 use std::sync::Arc;
 
 use super::{Daemon, Slot};
-use crate::vmproc::proto::{Reply, Request, UNKNOWN_REQUEST};
 use crate::vstate::vm::VmState;
 
 /// A VM state as its label says (a stop's reason is the VM's `info`'s).
@@ -112,7 +112,7 @@ const SAMPLE_THREADS: usize = 4;
 const SAMPLES_PER_THREAD: usize = 16;
 
 /// `Rss` and `Pss` of `/proc/<pid>/smaps_rollup`, in bytes.
-fn rss_pss(pid: u32) -> Option<(u64, u64)> {
+pub(super) fn rss_pss(pid: u32) -> Option<(u64, u64)> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
     let field = |name: &str| {
         text.lines()
@@ -194,21 +194,10 @@ impl Daemon {
                     let status = g.status();
                     let live = !matches!(status.state, VmState::Stopped { .. });
                     let pid = live.then(|| g.record().pid);
-                    // Its memory as the VM process reads its own: a process
-                    // of another uid's is closed to a daemon without
-                    // CAP_SYS_PTRACE. /proc only for a VM process of an
-                    // earlier k7d, which does not know the request.
-                    let (mem, guest_ram) = match live.then(|| g.call(&Request::GuestRam)) {
-                        Some(Ok(Reply::GuestRam {
-                            resident,
-                            copied,
-                            process_rss,
-                            process_pss,
-                            ..
-                        })) if process_rss > 0 => (Some((process_rss, process_pss)), Some((resident, copied))),
-                        Some(Err(e)) if e.message.contains(UNKNOWN_REQUEST) => (pid.and_then(rss_pss), None),
-                        _ => (None, None),
-                    };
+                    // Its memory as the `k7d-vm-memory` thread last read
+                    // it (`process_memory.rs`): none before its first reading.
+                    let reading = pid.and_then(|p| self.vm_memory.get(&id, p));
+                    let (mem, guest_ram) = (reading.and_then(|r| r.process), reading.and_then(|r| r.guest_ram));
                     let c = g.config();
                     VmSample {
                         state: state_label(&status.state),
@@ -238,6 +227,8 @@ impl Daemon {
     /// A VM busy with a request, as its record says (no live counters).
     fn sample_from_record(&self, id: String, parent: Option<String>) -> Option<VmSample> {
         let rec = self.store.load(&id).ok().flatten()?;
+        // (Busy with a request: its memory's last reading.)
+        let reading = rec.vm_process.as_ref().and_then(|p| self.vm_memory.get(&id, p.pid));
         Some(VmSample {
             state: state_label(&rec.state),
             stop: stop_kind(&rec.state),
@@ -249,9 +240,8 @@ impl Daemon {
             rebases: None,
             guest: rec.config.guest.describe(),
             pid: rec.vm_process.as_ref().map(|p| p.pid),
-            // (Busy with a request: /proc, where this host lets the daemon read it.)
-            mem: rec.vm_process.as_ref().and_then(|p| rss_pss(p.pid)),
-            guest_ram: None,
+            mem: reading.and_then(|r| r.process),
+            guest_ram: reading.and_then(|r| r.guest_ram),
             datapath: rec.config.devices.nics.iter().any(|n| n.datapath.is_some()),
             pod: pod_of(&rec.config),
             parent,

@@ -200,3 +200,83 @@ fn seccomp_off_leaves_threads_unfiltered() {
         "with --seccomp off no thread is filtered: {threads:?}"
     );
 }
+
+/// Whether `pid`'s state in /proc is `T` (stopped).
+fn stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+        .unwrap_or(false)
+}
+
+/// SIGSTOP, until the process is stopped, a moment stopped, then SIGCONT.
+fn stop_and_continue(pid: u32) {
+    // SAFETY: kill takes integers; the pid is this test's own daemon or a
+    // VM process under its scratch dir.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    let t = Instant::now();
+    while !stopped(pid) {
+        assert!(t.elapsed() < Duration::from_secs(5), "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: as above.
+    unsafe { libc::kill(pid as i32, libc::SIGCONT) };
+}
+
+#[test]
+fn a_daemon_and_its_vm_processes_live_through_a_stop_and_a_continue() {
+    // Threads sleeping with a timeout when a stop comes resume through
+    // restart_syscall: a filter without it failed that call, and the
+    // daemon's main thread panicked in its sleep (CHALLENGES.md).
+    let d = Daemon::start("seccomp-stop", &[]);
+    d.ok(&["create", "--id", "a", "--builtin", "pit", "--memory", "8", "--start"]);
+    stop_and_continue(d.child.id());
+    // Its sleeping threads' restarts come at once (the main thread's
+    // 100 ms sleep among them); a denied one shows within moments.
+    std::thread::sleep(Duration::from_millis(300));
+    d.ok(&["create", "--id", "b", "--builtin", "idle", "--memory", "8", "--start"]);
+    let info = d.cli(&["info", "a"]);
+    assert!(text(&info).0.contains("running"), "{:?}", text(&info));
+
+    // A VM process too (--jail on): its threads carry the same filters.
+    if !common::root_or_skip("a_daemon_and_its_vm_processes_live_through_a_stop_and_a_continue") {
+        return;
+    }
+    let dir = Scratch::new("seccomp-stop-jail");
+    let mut daemon = common::start_daemon(
+        std::path::Path::new(K7D),
+        &dir.0,
+        &["--jail-cgroup", "off", "--jail-id-base", "2000000960"],
+        true,
+    );
+    let cli = |args: &[&str]| {
+        Command::new(K7D)
+            .arg("--socket")
+            .arg(dir.0.join("k7d.sock"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let o = cli(&["create", "--id", "p", "--builtin", "pit", "--memory", "8", "--start"]);
+    let result = std::panic::catch_unwind(|| {
+        assert!(o.status.success(), "{:?}", text(&o));
+        let info: serde_json::Value = serde_json::from_slice(&cli(&["--json", "info", "p"]).stdout).unwrap();
+        let pid = info["vm_process"]["pid"].as_u64().expect("p's VM process") as u32;
+        stop_and_continue(pid);
+        std::thread::sleep(Duration::from_millis(300));
+        let info = cli(&["info", "p"]);
+        assert!(text(&info).0.contains("running"), "{:?}", text(&info));
+        let o = cli(&["pause", "p"]);
+        assert!(o.status.success(), "the VM process answers no pause: {:?}", text(&o));
+        let o = cli(&["resume", "p"]);
+        assert!(o.status.success(), "{:?}", text(&o));
+    });
+    let _ = cli(&["delete", "p"]);
+    common::kill_vm_processes_under(&dir.0);
+    let _ = daemon.kill();
+    let _ = daemon.wait();
+    if let Err(e) = result {
+        std::panic::resume_unwind(e);
+    }
+}

@@ -100,6 +100,10 @@ pub(super) const WORKER: &[Allowed] = &[
     ),
     (libc::SYS_gettid, "thread ids for the state dump and the SIGSYS report"),
     (libc::SYS_getpid, "the process id in log lines"),
+    (
+        libc::SYS_restart_syscall,
+        "the kernel's restart of a sleep or wait with a timeout that a stop interrupted (SIGSTOP and SIGCONT, a debugger's attach, the cgroup freezer): it resumes a call already allowed",
+    ),
     (libc::SYS_exit, "the thread ends"),
     (libc::SYS_exit_group, "the process ends on a fatal error"),
 ];

@@ -116,7 +116,8 @@ impl Daemon {
                 },
             };
             live.push((id.clone(), pid));
-            held.insert(id, r);
+            // Held weakly: a pass must not keep a deleted VM's process alive.
+            held.insert(id, weak);
         }
         let passes = (READ_EVERY.as_millis() / period.as_millis().max(1)).max(1) as usize;
         let budget = live.len().div_ceil(passes);
@@ -124,7 +125,9 @@ impl Daemon {
             if stop() {
                 return false;
             }
-            let Some(r) = held.get(&id) else { continue };
+            let Some(r) = held.get(&id).and_then(std::sync::Weak::upgrade) else {
+                continue;
+            };
             // (A stopped VM's process answers nothing: the call says so.)
             let Ok(mut g) = r.try_lock() else { continue };
             let pid = g.record().pid;

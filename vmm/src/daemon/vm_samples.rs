@@ -4,7 +4,7 @@
 //! process's memory as the `k7d-vm-memory` thread last read it
 //! (`process_memory.rs`); the pod and warm pool it serves.
 //! VMs are sampled in a few threads: a VM process's sample is mostly
-//! waiting (a round trip, a `/proc` read).
+//! waiting (its status round trip).
 
 use std::sync::Arc;
 
@@ -85,7 +85,7 @@ pub(super) struct VmSample {
     pub(super) mem: Option<(u64, u64)>,
     /// Its guest RAM as its VM process maps it (bytes): pages present, and
     /// of those its own copies, written since its fork. From the same
-    /// request as `mem`; none for a VM in the daemon.
+    /// reading as `mem`; none for a VM in the daemon.
     pub(super) guest_ram: Option<(u64, u64)>,
     pub(super) datapath: bool,
     /// The pod it serves: (namespace, name, uid), from its NICs' attachment.
@@ -136,7 +136,7 @@ impl Daemon {
             })
             .collect();
         // In a few threads: a VM process's sample is a round trip on its
-        // channel and a read of its smaps_rollup, mostly waiting.
+        // channel, mostly waiting.
         let threads = slots.len().div_ceil(SAMPLES_PER_THREAD).clamp(1, SAMPLE_THREADS);
         let mut out: Vec<VmSample> = std::thread::scope(|scope| {
             let slots = &slots;

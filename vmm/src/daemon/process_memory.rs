@@ -63,7 +63,8 @@ impl Readings {
     /// Forgets the readings of VMs not in `live` (id, pid).
     fn due(&self, live: &[(String, u32)], budget: usize, now: Instant) -> Vec<String> {
         let mut map = self.map();
-        map.retain(|id, _| live.iter().any(|(l, _)| l == id));
+        let ids: std::collections::HashSet<&str> = live.iter().map(|(id, _)| id.as_str()).collect();
+        map.retain(|id, _| ids.contains(id.as_str()));
         let mut new = Vec::new();
         let mut stale = Vec::new();
         for (id, pid) in live {

@@ -38,6 +38,8 @@ pub mod result {
     pub const PATTERN_DONE: u64 = 0xC;
     /// `memwriter`'s loop counter, incremented forever after the pattern.
     pub const LOOP_COUNTER: u64 = 0x10;
+    /// `uart`: COM1 interrupts taken.
+    pub const SERIAL_IRQS: u64 = 0x14;
     /// `drill`: the drill device's answer to the last command, as read
     /// from its port: a status dword ([`super::drill`]), then 16 bytes.
     pub const DRILL_ANSWER: u64 = 0x40;
@@ -120,13 +122,18 @@ pub enum Builtin {
     /// to the drill device's ports, stores the answer at `DRILL_ANSWER`,
     /// clears `ARG2` and counts `DRILL_DONE`; forever.
     Drill,
+    /// Routes COM1's IRQ4 through the IOAPIC to the x2APIC (PICs masked),
+    /// turns on COM1's THR-empty interrupt (one interrupt: nothing more is
+    /// written) and counts COM1 interrupts into `SERIAL_IRQS`, each
+    /// acknowledged by an IIR read, as Linux's 8250 driver does.
+    Uart,
 }
 
 /// The text the `hello` guest prints.
 pub const HELLO_TEXT: &str = "Hello from the k7d test guest!\n";
 
 /// Names accepted by [`Builtin::from_name`].
-pub const BUILTIN_NAMES: [&str; 8] = [
+pub const BUILTIN_NAMES: [&str; 9] = [
     "hello",
     "idle",
     "pit",
@@ -135,6 +142,7 @@ pub const BUILTIN_NAMES: [&str; 8] = [
     "smp",
     "fault",
     "drill",
+    "uart",
 ];
 
 impl Builtin {
@@ -149,6 +157,7 @@ impl Builtin {
             "smp" => Self::Smp,
             "fault" => Self::Fault,
             "drill" => Self::Drill,
+            "uart" => Self::Uart,
             other => return Err(GuestError::Unknown(other.to_string())),
         })
     }
@@ -164,6 +173,7 @@ impl Builtin {
             Self::Smp => "smp",
             Self::Fault => "fault",
             Self::Drill => "drill",
+            Self::Uart => "uart",
         }
     }
 

@@ -46,6 +46,7 @@ impl Builtin {
             Self::Smp => image!("smp"),
             Self::Fault => image!("fault"),
             Self::Drill => image!("drill"),
+            Self::Uart => image!("uart"),
         }
     }
 }

@@ -18,6 +18,9 @@ const COM1: u32 = 0x3f8;
 const BSP_STACK: u32 = 0x7000;
 const AP_STACK: u32 = 0x6000;
 const PIT_VECTOR: u64 = 0x20;
+/// `uart`'s vector for COM1 (IOAPIC pin 4).
+const COM1_VECTOR: u64 = 0x24;
+const IOAPIC_BASE: u32 = 0xfec0_0000;
 const TIMER_VECTOR: u64 = 0x30;
 /// 1193182 Hz / 1193 = 1000.15 Hz.
 const PIT_DIVISOR_1KHZ: u32 = 1193;
@@ -51,6 +54,7 @@ pub fn build(which: Builtin) -> Result<Vec<u8>, GuestError> {
         Builtin::Smp => smp().map_err(wrap),
         Builtin::Fault => fault().map_err(wrap),
         Builtin::Drill => drill().map_err(wrap),
+        Builtin::Uart => uart().map_err(wrap),
     }
 }
 
@@ -172,21 +176,27 @@ fn pit_handler() -> Result<Vec<u8>, IcedError> {
     a.assemble(HANDLER_BASE)
 }
 
+/// Master PIC: ICW1 (edge, ICW4), ICW2 vector base 0x20, ICW3 slave on
+/// IR2, ICW4 8086 (every IRQ unmasked until the caller masks); slave PIC:
+/// vector base 0x28, cascade identity 2, 8086, all masked.
+fn init_pics(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    for (port, v) in [(0x20, 0x11), (0x21, 0x20), (0x21, 0x04), (0x21, 0x01)] {
+        a.mov(al, v as u32)?;
+        a.out(port as u32, al)?;
+    }
+    for (port, v) in [(0xa0, 0x11), (0xa1, 0x28), (0xa1, 0x02), (0xa1, 0x01), (0xa1, 0xff)] {
+        a.mov(al, v as u32)?;
+        a.out(port as u32, al)?;
+    }
+    Ok(())
+}
+
 fn pit() -> Result<Vec<u8>, IcedError> {
     let handlers = pit_handler()?;
     let mut a = CodeAssembler::new(16)?;
     prologue(&mut a, BSP_STACK)?;
     install(&mut a, PIT_VECTOR, HANDLER_BASE)?;
-    // Master PIC: ICW1 (edge, ICW4), ICW2 vector base 0x20, ICW3 slave on IR2, ICW4 8086.
-    for (port, v) in [(0x20, 0x11), (0x21, 0x20), (0x21, 0x04), (0x21, 0x01)] {
-        a.mov(al, v as u32)?;
-        a.out(port as u32, al)?;
-    }
-    // Slave PIC: vector base 0x28, cascade identity 2, 8086; all masked.
-    for (port, v) in [(0xa0, 0x11), (0xa1, 0x28), (0xa1, 0x02), (0xa1, 0x01), (0xa1, 0xff)] {
-        a.mov(al, v as u32)?;
-        a.out(port as u32, al)?;
-    }
+    init_pics(&mut a)?;
     // Unmask IRQ0 only.
     a.mov(al, 0xfe_u32)?;
     a.out(0x21_u32, al)?;
@@ -198,6 +208,62 @@ fn pit() -> Result<Vec<u8>, IcedError> {
     a.mov(al, PIT_DIVISOR_1KHZ >> 8)?;
     a.out(0x40_u32, al)?;
     print(&mut a, "pit: 1 kHz\n")?;
+    idle_with_interrupts(&mut a)?;
+    Ok(join(a.assemble(LOAD_ADDR)?, Layout { handlers }))
+}
+
+/// Handler: acknowledge COM1 (read IIR), count it, EOI through the x2APIC.
+fn uart_handler() -> Result<Vec<u8>, IcedError> {
+    let mut a = CodeAssembler::new(16)?;
+    a.push(eax)?;
+    a.push(ecx)?;
+    a.push(edx)?;
+    a.mov(dx, COM1 + 2)?;
+    a.in_(al, dx)?;
+    a.inc(dword_ptr(results(result::SERIAL_IRQS)))?;
+    a.mov(ecx, MSR_X2APIC_EOI)?;
+    a.xor(eax, eax)?;
+    a.xor(edx, edx)?;
+    a.wrmsr()?;
+    a.pop(edx)?;
+    a.pop(ecx)?;
+    a.pop(eax)?;
+    a.iret()?;
+    a.assemble(HANDLER_BASE)
+}
+
+/// COM1's interrupt the way a Linux guest takes it: IOAPIC pin 4 to the
+/// BSP's x2APIC (the PICs masked), so a restore that loses the edge to a
+/// LAPIC not yet restored shows.
+fn uart() -> Result<Vec<u8>, IcedError> {
+    let handlers = uart_handler()?;
+    let mut a = CodeAssembler::new(16)?;
+    prologue(&mut a, BSP_STACK)?;
+    install(&mut a, COM1_VECTOR, HANDLER_BASE)?;
+    // Both PICs masked: IRQ4 reaches the CPU through the IOAPIC alone.
+    a.mov(al, 0xff_u32)?;
+    a.out(0x21_u32, al)?;
+    a.out(0xa1_u32, al)?;
+    // x2APIC on and software-enabled (spurious vector 0xff).
+    a.mov(ecx, MSR_APIC_BASE)?;
+    a.rdmsr()?;
+    a.or(eax, 0xc00_u32)?; // EN | EXTD
+    a.wrmsr()?;
+    a.mov(ecx, MSR_X2APIC_SVR)?;
+    a.mov(eax, 0x1ff_u32)?;
+    a.xor(edx, edx)?;
+    a.wrmsr()?;
+    // IOAPIC redirection entry 4: fixed, physical, edge, unmasked, to APIC 0.
+    a.mov(ebx, IOAPIC_BASE)?;
+    for (reg, v) in [(0x19_u32, 0_u32), (0x18, COM1_VECTOR as u32)] {
+        a.mov(dword_ptr(ebx), reg)?;
+        a.mov(dword_ptr(ebx + 0x10), v)?;
+    }
+    print(&mut a, "uart: thri on\n")?;
+    // IER = THRI: the empty THR interrupts once, taken after `sti`.
+    a.mov(dx, COM1 + 1)?;
+    a.mov(al, 0x02_u32)?;
+    a.out(dx, al)?;
     idle_with_interrupts(&mut a)?;
     Ok(join(a.assemble(LOAD_ADDR)?, Layout { handlers }))
 }

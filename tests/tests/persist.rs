@@ -142,3 +142,65 @@ fn restore_refuses_a_state_that_does_not_fit() {
     let e = src.save_state().expect_err("saved a running VM");
     assert!(e.to_string().contains("is running, cannot save its state"), "{e}");
 }
+
+/// A UART interrupt raised just before the pause can still be in KVM's
+/// irqfd workqueue when the irqchip is read: the saved state then holds
+/// the UART's pending cause (IIR) but not its edge, and a guest driver
+/// waiting for it (Linux's 8250, to send its next bytes) waits forever.
+/// The lab's `k7d-cluster` lost a fork child's console that way. A restore
+/// raises the line again when IIR holds an enabled cause, and only then.
+#[test]
+fn a_restore_raises_the_uart_interrupt_its_saved_state_awaits() {
+    let dir = TempDir::new("uart");
+    let cfg = builtin("uart", 1, 8, &[]);
+    let src = boot("uart-src", &cfg, &dir.0.join("src.log"));
+    let irqs = |vm: &Vm| read_u32(vm, RESULTS_ADDR + result::SERIAL_IRQS);
+    assert!(
+        wait_for(Duration::from_secs(10), || irqs(&src) == 1),
+        "the guest never took its THR-empty interrupt"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(irqs(&src), 1, "the UART interrupted again with nothing written");
+    src.pause(Duration::from_secs(2)).unwrap();
+    let state = src.save_state().unwrap();
+    assert!(
+        !state.serial.interrupt_pending(),
+        "the guest read IIR: nothing is pending ({:?})",
+        state.serial
+    );
+    let restore = |id: &str, state: &k7d_vmm::vstate::persist::MachineState| {
+        let mut vm = Vm::restore(
+            id,
+            &cfg,
+            &VmOptions {
+                serial_log: Some(dir.0.join(format!("{id}.log"))),
+                ..Default::default()
+            },
+            state,
+            &src.memfd(),
+        )
+        .unwrap();
+        vm.start().unwrap();
+        vm
+    };
+    // Nothing pending: no interrupt is made up.
+    let mut quiet = restore("uart-quiet", &state);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(irqs(&quiet), 1, "a restore raised a UART interrupt nothing awaited");
+    quiet.stop();
+    // The in-flight case: the UART raised THR-empty (IIR says so, THRI is
+    // on) and the edge is in no saved chip.
+    let mut in_flight: k7d_vmm::vstate::persist::MachineState =
+        serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+    in_flight.serial.interrupt_identification = 0x02;
+    assert!(in_flight.serial.interrupt_pending());
+    let mut woken = restore("uart-woken", &in_flight);
+    assert!(
+        wait_for(Duration::from_secs(5), || irqs(&woken) == 2),
+        "the restored guest never got the UART interrupt its saved state awaited (taken: {})",
+        irqs(&woken)
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(irqs(&woken), 2, "one pending interrupt was taken more than once");
+    woken.stop();
+}

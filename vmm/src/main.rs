@@ -138,7 +138,7 @@ struct Cli {
 
 #[derive(Args, Clone)]
 struct GuestArgs {
-    /// A built-in test guest: hello, idle, pit, tscdeadline, memwriter, smp.
+    /// A built-in test guest: hello, idle, pit, tscdeadline, memwriter, smp, fault, drill, uart.
     #[arg(long, conflicts_with = "raw")]
     builtin: Option<String>,
     /// A flat real-mode image, loaded at 0x8000 and entered with cs = 0.

@@ -16,7 +16,9 @@ use k7d_devices::virtio::ForkBackend;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::control::VmControl;
-use super::device_manager::{DeviceManager, Wiring, add_linux_platform, build_devices, restore_virtio};
+use super::device_manager::{
+    DeviceManager, Wiring, add_linux_platform, build_devices, resend_serial_interrupt, restore_virtio,
+};
 use super::error::{io, snapshot_io};
 use super::handed::{FileRole, HostFiles};
 use super::kvm::{create_irqchip_and_pit, create_vcpu, create_vm};
@@ -333,6 +335,7 @@ impl Vm {
             // After the vCPUs: a restored device may signal at once, and an
             // interrupt needs the restored LAPICs to land in.
             restore_virtio(id, &virtio, &st.virtio)?;
+            resend_serial_interrupt(&vm_fd, &st.serial)?;
             clock.done("devices restored");
         }
         if let (Some(image), None) = (image, state) {

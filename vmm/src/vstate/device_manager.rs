@@ -39,6 +39,26 @@ pub(super) fn shared<D: BusDevice + 'static>(d: D) -> SharedDevice {
     Arc::new(Mutex::new(d))
 }
 
+/// Raises COM1's line again when a restored UART says the guest has an
+/// interrupt to take (`SerialSnapshot::interrupt_pending`: its edge may
+/// have been in KVM's irqfd workqueue when the source's irqchip was read).
+/// Called after the irqchip and the LAPICs are restored and before any
+/// vCPU runs: an edge raised earlier (vm-superio's `from_state` raises
+/// one, `build_devices` takes it back) lands in a vCPU's LAPIC before
+/// `KVM_SET_LAPIC` overwrites it, and is lost. `KVM_IRQ_LINE` lands the
+/// edge at once, not from a workqueue. An edge the saved state already
+/// held comes twice: the guest's second IIR read says "none" (a spurious
+/// interrupt, which drivers expect).
+pub(super) fn resend_serial_interrupt(vm_fd: &VmFd, st: &k7d_devices::legacy::SerialSnapshot) -> Result<(), VmError> {
+    if !st.interrupt_pending() {
+        return Ok(());
+    }
+    vm_fd
+        .set_irq_line(SERIAL_IRQ, true)
+        .and_then(|()| vm_fd.set_irq_line(SERIAL_IRQ, false))
+        .map_err(|e| VmError::Kvm("KVM_IRQ_LINE (serial)", e))
+}
+
 /// The buses, the device list for `info`, and the serial port (for snapshots).
 pub(super) type BuiltDevices = (Buses, Vec<DeviceInfo>, Arc<Mutex<Serial>>);
 
@@ -60,15 +80,24 @@ pub(super) fn build_devices(
         (Some(_), Err(e)) => return Err(VmError::Guest(e)),
     };
     let evt = EventFd::new(EFD_NONBLOCK).map_err(io("cannot create the serial interrupt eventfd"))?;
+    let line = evt
+        .try_clone()
+        .map_err(io("cannot clone the serial interrupt eventfd"))?;
+    let out = SerialOutput::new(log, console);
+    let serial = match serial_state {
+        Some(st) => Serial::from_snapshot(st, IrqLine::new(line), out)
+            .map_err(|msg| VmError::Persist(PersistError::Mismatch(msg)))?,
+        None => Serial::new(IrqLine::new(line), out),
+    };
+    // vm-superio's `from_state` raises a pending cause's interrupt at once,
+    // before the vCPUs' LAPICs are restored (which would drop it): take
+    // that edge back before KVM sees the eventfd, and let
+    // `resend_serial_interrupt` raise it once the LAPICs are in place.
+    // (Nothing else writes the eventfd yet: EAGAIN is the usual answer.)
+    let _ = evt.read();
     vm_fd
         .register_irqfd(&evt, SERIAL_IRQ)
         .map_err(|e| VmError::Kvm("KVM_IRQFD (serial)", e))?;
-    let out = SerialOutput::new(log, console);
-    let serial = match serial_state {
-        Some(st) => Serial::from_snapshot(st, IrqLine::new(evt), out)
-            .map_err(|msg| VmError::Persist(PersistError::Mismatch(msg)))?,
-        None => Serial::new(IrqLine::new(evt), out),
-    };
     let serial = Arc::new(Mutex::new(serial));
     let serial_dev: SharedDevice = serial.clone();
     buses

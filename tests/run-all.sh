@@ -225,7 +225,10 @@ if [ -z "${K7D_SKIP_LAB:-}" ]; then
   # --workspace: the feature set the host-level tests were built with, so
   # nothing is compiled again.
   slots=${K7D_LAB_SLOTS:-$(( $(nproc) >= 2 ? 2 : 1 ))}
-  K7D_LAB_SLOTS=$slots cargo test --release --workspace --test lab -- --ignored \
+  # The L1 watchdog's self-tests (lab-l1-freeze, lab-silent: no k7d in
+  # them) run on their schedule: when the harness or QEMU changed since
+  # their last pass here, or a day after it (tests/tests/lab.rs, selfcheck_due).
+  K7D_LAB_SELFCHECK=scheduled K7D_LAB_SLOTS=$slots cargo test --release --workspace --test lab -- --ignored \
     --test-threads=64 --nocapture
 else
   said_skip "nested lab (K7D_SKIP_LAB is set)"

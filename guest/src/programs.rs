@@ -221,10 +221,7 @@ fn uart_handler() -> Result<Vec<u8>, IcedError> {
     a.mov(dx, COM1 + 2)?;
     a.in_(al, dx)?;
     a.inc(dword_ptr(results(result::SERIAL_IRQS)))?;
-    a.mov(ecx, MSR_X2APIC_EOI)?;
-    a.xor(eax, eax)?;
-    a.xor(edx, edx)?;
-    a.wrmsr()?;
+    x2apic_eoi(&mut a)?;
     a.pop(edx)?;
     a.pop(ecx)?;
     a.pop(eax)?;
@@ -244,15 +241,7 @@ fn uart() -> Result<Vec<u8>, IcedError> {
     a.mov(al, 0xff_u32)?;
     a.out(0x21_u32, al)?;
     a.out(0xa1_u32, al)?;
-    // x2APIC on and software-enabled (spurious vector 0xff).
-    a.mov(ecx, MSR_APIC_BASE)?;
-    a.rdmsr()?;
-    a.or(eax, 0xc00_u32)?; // EN | EXTD
-    a.wrmsr()?;
-    a.mov(ecx, MSR_X2APIC_SVR)?;
-    a.mov(eax, 0x1ff_u32)?;
-    a.xor(edx, edx)?;
-    a.wrmsr()?;
+    x2apic_enable(&mut a)?;
     // IOAPIC redirection entry 4: fixed, physical, edge, unmasked, to APIC 0.
     a.mov(ebx, IOAPIC_BASE)?;
     for (reg, v) in [(0x19_u32, 0_u32), (0x18, COM1_VECTOR as u32)] {
@@ -268,9 +257,9 @@ fn uart() -> Result<Vec<u8>, IcedError> {
     Ok(join(a.assemble(LOAD_ADDR)?, Layout { handlers }))
 }
 
-/// Enables this CPU's x2APIC, software-enables it and puts the LVT timer in
-/// TSC-deadline mode on `TIMER_VECTOR`, then arms the first deadline.
-fn x2apic_timer_setup(a: &mut CodeAssembler) -> Result<(), IcedError> {
+/// Enables this CPU's x2APIC through `IA32_APIC_BASE` and software-enables
+/// it (spurious vector 0xff).
+fn x2apic_enable(a: &mut CodeAssembler) -> Result<(), IcedError> {
     a.mov(ecx, MSR_APIC_BASE)?;
     a.rdmsr()?;
     a.or(eax, 0xc00_u32)?; // EN | EXTD
@@ -278,7 +267,21 @@ fn x2apic_timer_setup(a: &mut CodeAssembler) -> Result<(), IcedError> {
     a.mov(ecx, MSR_X2APIC_SVR)?;
     a.mov(eax, 0x1ff_u32)?; // software enable, spurious vector 0xff
     a.xor(edx, edx)?;
-    a.wrmsr()?;
+    a.wrmsr()
+}
+
+/// EOI through the x2APIC (clobbers eax, ecx, edx).
+fn x2apic_eoi(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    a.mov(ecx, MSR_X2APIC_EOI)?;
+    a.xor(eax, eax)?;
+    a.xor(edx, edx)?;
+    a.wrmsr()
+}
+
+/// Enables this CPU's x2APIC, software-enables it and puts the LVT timer in
+/// TSC-deadline mode on `TIMER_VECTOR`, then arms the first deadline.
+fn x2apic_timer_setup(a: &mut CodeAssembler) -> Result<(), IcedError> {
+    x2apic_enable(a)?;
     a.mov(ecx, MSR_X2APIC_LVT_TIMER)?;
     a.mov(eax, (TIMER_VECTOR as u32) | (2 << 17))?; // TSC-deadline mode
     a.xor(edx, edx)?;
@@ -302,10 +305,7 @@ fn deadline_handler(origin: u64, counter: u64) -> Result<Vec<u8>, IcedError> {
     a.push(ecx)?;
     a.push(edx)?;
     a.inc(dword_ptr(counter))?;
-    a.mov(ecx, MSR_X2APIC_EOI)?;
-    a.xor(eax, eax)?;
-    a.xor(edx, edx)?;
-    a.wrmsr()?;
+    x2apic_eoi(&mut a)?;
     arm_deadline(&mut a)?;
     a.pop(edx)?;
     a.pop(ecx)?;
